@@ -1,0 +1,142 @@
+//! Per-channel smoothing of keys: k' = k ⊘ s, with s per (kv-head, channel) from calibration data.
+//!
+//! A few key channels carry outliers many times larger than the rest (RoPE pairs with low
+//! frequency); dividing by a per-channel scale before the rotation keeps them from dominating the
+//! codebook. The query side absorbs s (q·k = (s ⊙ q)·k'), so attention never multiplies it back.
+//!
+//! Rules (chosen by measurement on real activations, see the README's quality section):
+//! - [`SmoothRule::MaxAbs`]: s_c = max_t |k_tc| (the VecInfer paper's choice);
+//! - [`SmoothRule::SqrtMaxAbs`]: s_c = √(max_t |k_tc|), a half-strength version that equalises
+//!   channel ranges only partly (SmoothQuant's α = ½ with a unit weight side).
+//!
+//! Both are clamped to at least [`MIN_SCALE`] so a dead channel never divides by zero.
+
+use crate::error::{check_finite, Error, Result};
+
+/// Lower bound of every smoothing scale.
+pub const MIN_SCALE: f32 = 1e-4;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SmoothRule {
+    MaxAbs,
+    SqrtMaxAbs,
+}
+
+impl SmoothRule {
+    pub fn name(self) -> &'static str {
+        match self {
+            SmoothRule::MaxAbs => "max_abs",
+            SmoothRule::SqrtMaxAbs => "sqrt_max_abs",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "max_abs" => Ok(SmoothRule::MaxAbs),
+            "sqrt_max_abs" => Ok(SmoothRule::SqrtMaxAbs),
+            other => Err(Error::Config(format!("unknown smoothing rule {other:?} (max_abs, sqrt_max_abs)"))),
+        }
+    }
+
+    fn scale(self, max_abs: f32) -> f32 {
+        let s = match self {
+            SmoothRule::MaxAbs => max_abs,
+            SmoothRule::SqrtMaxAbs => max_abs.sqrt(),
+        };
+        s.max(MIN_SCALE)
+    }
+}
+
+/// Smoothing scales for one layer: `[n_kv_heads, head_dim]`, all finite and ≥ [`MIN_SCALE`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct SmoothScales {
+    n_heads: usize,
+    head_dim: usize,
+    scales: Vec<f32>,
+    inverse: Vec<f32>,
+}
+
+impl SmoothScales {
+    /// Validates and wraps scales laid out `[n_heads, head_dim]`.
+    pub fn new(n_heads: usize, head_dim: usize, scales: Vec<f32>) -> Result<Self> {
+        if scales.len() != n_heads * head_dim {
+            return Err(Error::Shape(format!(
+                "smooth scales: {} values for {n_heads} heads × {head_dim} channels",
+                scales.len()
+            )));
+        }
+        check_finite("smooth scales", &scales)?;
+        if let Some(i) = scales.iter().position(|&s| s < MIN_SCALE) {
+            return Err(Error::Config(format!(
+                "smooth scale {} at index {i} is below the minimum {MIN_SCALE}",
+                scales[i]
+            )));
+        }
+        let inverse = scales.iter().map(|s| 1.0 / s).collect();
+        Ok(Self { n_heads, head_dim, scales, inverse })
+    }
+
+    /// Computes scales from calibration keys laid out `[tokens, n_heads, head_dim]`.
+    pub fn calibrate(keys: &[f32], n_heads: usize, head_dim: usize, rule: SmoothRule) -> Result<Self> {
+        let row = n_heads * head_dim;
+        if row == 0 || keys.is_empty() || keys.len() % row != 0 {
+            return Err(Error::Shape(format!(
+                "smooth calibration: {} values are not whole [tokens, {n_heads}, {head_dim}] rows",
+                keys.len()
+            )));
+        }
+        check_finite("calibration keys", keys)?;
+        let mut max_abs = vec![0.0f32; row];
+        for token in keys.chunks_exact(row) {
+            for (m, v) in max_abs.iter_mut().zip(token) {
+                *m = m.max(v.abs());
+            }
+        }
+        let scales = max_abs.into_iter().map(|m| rule.scale(m)).collect();
+        Self::new(n_heads, head_dim, scales)
+    }
+
+    pub fn n_heads(&self) -> usize {
+        self.n_heads
+    }
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+    /// All scales, `[n_heads, head_dim]`.
+    pub fn as_slice(&self) -> &[f32] {
+        &self.scales
+    }
+    /// Scales of one head.
+    pub fn head(&self, h: usize) -> &[f32] {
+        &self.scales[h * self.head_dim..(h + 1) * self.head_dim]
+    }
+    /// Reciprocal scales of one head (multiplying is cheaper than dividing in the hot loop).
+    pub fn head_inverse(&self, h: usize) -> &[f32] {
+        &self.inverse[h * self.head_dim..(h + 1) * self.head_dim]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn max_abs_and_sqrt_rules() {
+        // 2 tokens, 1 head, 3 channels; channel 2 is dead.
+        let keys = [1.0, -4.0, 0.0, -2.0, 3.0, 0.0];
+        let s = SmoothScales::calibrate(&keys, 1, 3, SmoothRule::MaxAbs).unwrap();
+        assert_eq!(s.as_slice(), &[2.0, 4.0, MIN_SCALE]);
+        let s = SmoothScales::calibrate(&keys, 1, 3, SmoothRule::SqrtMaxAbs).unwrap();
+        assert_eq!(s.as_slice(), &[2f32.sqrt(), 2.0, MIN_SCALE]);
+        assert_eq!(s.head_inverse(0)[1], 0.5);
+    }
+
+    #[test]
+    fn rejects_bad_input() {
+        assert!(SmoothScales::calibrate(&[1.0, f32::NAN], 1, 2, SmoothRule::MaxAbs).is_err());
+        assert!(SmoothScales::calibrate(&[1.0, 2.0, 3.0], 1, 2, SmoothRule::MaxAbs).is_err());
+        assert!(SmoothScales::new(1, 2, vec![1.0, 0.0]).is_err());
+        assert!(SmoothScales::new(1, 2, vec![1.0, f32::INFINITY]).is_err());
+        assert!(SmoothScales::new(2, 2, vec![1.0, 1.0]).is_err());
+    }
+}

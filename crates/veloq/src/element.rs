@@ -1,0 +1,47 @@
+//! Element types the kernels read: f32, f16 and bf16 all widen exactly to f32, so every kernel
+//! computes in f32 whatever it was given.
+
+use half::{bf16, f16};
+
+/// A storage type that widens to f32 without loss.
+pub trait Element: Copy + Send + Sync + 'static {
+    const NAME: &'static str;
+    fn to_f32(self) -> f32;
+    fn from_f32(v: f32) -> Self;
+}
+
+impl Element for f32 {
+    const NAME: &'static str = "f32";
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+
+impl Element for f16 {
+    const NAME: &'static str = "f16";
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+
+impl Element for bf16 {
+    const NAME: &'static str = "bf16";
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}

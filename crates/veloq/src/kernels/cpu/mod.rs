@@ -1,0 +1,4 @@
+//! CPU kernels: multithreaded with rayon, AVX2/FMA where the CPU has it, portable Rust elsewhere.
+
+pub mod lanes;
+pub mod search;
