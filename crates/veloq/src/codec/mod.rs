@@ -4,3 +4,5 @@ pub mod codebook;
 pub mod hadamard;
 pub mod pack;
 pub mod smooth;
+pub mod transform;
+pub mod vecinfer;

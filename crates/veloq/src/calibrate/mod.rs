@@ -1,0 +1,66 @@
+//! Calibration: from activations collected on real text to a trained codec.
+
+pub mod kmeans;
+
+pub use kmeans::{kmeans, KMeansConfig, KMeansReport};
+
+use crate::codec::codebook::{CodebookSet, Granularity};
+use crate::codec::smooth::SmoothScales;
+use crate::codec::transform::RowTransform;
+use crate::codec::vecinfer::{CodecSpec, VecInferCodec};
+use crate::error::{Error, Result};
+
+/// Trains a codec for one layer's keys or values from `samples` (`[tokens, n_heads, head_dim]`):
+/// smoothing scales from the samples, then k-means on the smoothed, rotated sub-vectors (pooled
+/// for a per-layer codebook, one run per sub-space otherwise; sub-space `j` uses seed + j).
+pub fn train_codec(samples: &[f32], n_heads: usize, head_dim: usize, spec: &CodecSpec, kmeans_cfg: &KMeansConfig) -> Result<(VecInferCodec, Vec<KMeansReport>)> {
+    train_codec_with_progress(samples, n_heads, head_dim, spec, kmeans_cfg, &|_, _, _| {})
+}
+
+/// [`train_codec`] reporting `(codebook, iteration, mse)` after each Lloyd assignment.
+pub fn train_codec_with_progress(
+    samples: &[f32],
+    n_heads: usize,
+    head_dim: usize,
+    spec: &CodecSpec,
+    kmeans_cfg: &KMeansConfig,
+    progress: &(dyn Fn(usize, usize, f64) + Sync),
+) -> Result<(VecInferCodec, Vec<KMeansReport>)> {
+    if kmeans_cfg.k != spec.shape.centroids() {
+        return Err(Error::Config(format!("k-means k = {} but codebook has {} centroids", kmeans_cfg.k, spec.shape.centroids())));
+    }
+    let smooth = match spec.smooth {
+        Some(rule) => Some(SmoothScales::calibrate(samples, n_heads, head_dim, rule)?),
+        None => None,
+    };
+    let m = spec.shape.subspaces(head_dim)?;
+    let transform = RowTransform::new(n_heads, head_dim, smooth.clone(), spec.rotate)?;
+    if samples.len() % (n_heads * head_dim) != 0 {
+        return Err(Error::Shape(format!("calibration samples: {} values are not whole [tokens, {n_heads}, {head_dim}] rows", samples.len())));
+    }
+    let mut transformed = vec![0.0f32; samples.len()];
+    for (r, (src, dst)) in samples.chunks_exact(head_dim).zip(transformed.chunks_exact_mut(head_dim)).enumerate() {
+        transform.forward(r % n_heads, src, dst);
+    }
+    let sd = spec.shape.sub_dim;
+    let (books, reports) = match spec.granularity {
+        Granularity::PerLayer => {
+            let (b, r) = kmeans(&transformed, sd, kmeans_cfg, &|i, e| progress(0, i, e))?;
+            (vec![b], vec![r])
+        }
+        Granularity::PerSubspace => {
+            let mut books = Vec::with_capacity(m);
+            let mut reports = Vec::with_capacity(m);
+            for j in 0..m {
+                let sub: Vec<f32> = transformed.chunks_exact(head_dim).flat_map(|row| row[j * sd..(j + 1) * sd].iter().copied()).collect();
+                let cfg = KMeansConfig { seed: kmeans_cfg.seed.wrapping_add(j as u64), ..kmeans_cfg.clone() };
+                let (b, r) = kmeans(&sub, sd, &cfg, &|i, e| progress(j, i, e))?;
+                books.push(b);
+                reports.push(r);
+            }
+            (books, reports)
+        }
+    };
+    let books = CodebookSet::new(spec.shape, spec.granularity, m, books)?;
+    Ok((VecInferCodec::new(n_heads, head_dim, smooth, spec.rotate, books)?, reports))
+}
