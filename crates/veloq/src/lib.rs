@@ -4,6 +4,7 @@
 //! bit packing), calibration (k-means), artifacts (safetensors), and the CPU kernels (fused
 //! nearest-centroid search). Tensors are slices plus shapes; `half` provides f16/bf16.
 
+pub mod artifact;
 pub mod calibrate;
 pub mod codec;
 pub mod element;
