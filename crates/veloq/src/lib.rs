@@ -10,6 +10,7 @@ pub mod codec;
 pub mod element;
 pub mod error;
 pub mod kernels;
+pub mod measure;
 
 #[cfg(test)]
 mod testing;

@@ -1,0 +1,39 @@
+//! `veloq bench …`: each benchmark prints a table and can write JSON.
+
+use anyhow::Result;
+use clap::Subcommand;
+
+pub mod search;
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Nearest-centroid search: naive materialising reference vs fused kernel (time, peak memory).
+    Search(search::Args),
+}
+
+pub fn run(cmd: BenchCommand) -> Result<()> {
+    match cmd {
+        BenchCommand::Search(a) => search::run(a),
+    }
+}
+
+/// Median of `reps` timed runs of `f`, in seconds.
+pub fn median_secs(reps: usize, mut f: impl FnMut()) -> f64 {
+    let mut t: Vec<f64> = (0..reps.max(1))
+        .map(|_| {
+            let s = std::time::Instant::now();
+            f();
+            s.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
+}
+
+pub fn write_json(path: &Option<std::path::PathBuf>, value: &serde_json::Value) -> Result<()> {
+    if let Some(p) = path {
+        std::fs::write(p, serde_json::to_string_pretty(value)?)?;
+        eprintln!("wrote {}", p.display());
+    }
+    Ok(())
+}
