@@ -1,1 +1,11 @@
+//! veloq on candle: the cache contract and its implementations (fp16, VecInfer), models over GGUF
+//! weights, generation, and activation collection for calibration.
 
+pub mod cache;
+pub mod collect;
+pub mod config;
+pub mod error;
+pub mod generate;
+pub mod model;
+
+pub use error::{Error, Result};

@@ -4,6 +4,8 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod calibrate;
+mod generate;
 
 #[global_allocator]
 static ALLOC: veloq::measure::CountingAlloc = veloq::measure::CountingAlloc;
@@ -17,6 +19,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Generate text with a compressed (or fp16) KV cache.
+    Generate(generate::Args),
+    /// Calibrate VecInfer codebooks on the model's own keys and values over real text.
+    Calibrate(calibrate::Args),
     /// Benchmarks, measured side by side in one run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -25,5 +31,7 @@ enum Command {
 fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Bench(b) => bench::run(b),
+        Command::Generate(a) => generate::run(a),
+        Command::Calibrate(a) => calibrate::run(a),
     }
 }

@@ -1,0 +1,45 @@
+//! The cache contract: a model layer hands its post-RoPE keys and values to a [`LayerCache`] and
+//! asks it for attention, so a compressed cache can score against codes without rebuilding fp16
+//! keys. Two implementations: [`Fp16Cache`] (the baseline) and [`VecInferCache`].
+//!
+//! Shapes: keys/values `[1, n_kv_heads, T, head_dim]`, queries `[1, n_q_heads, T, head_dim]`, f32
+//! on the CPU. Batch 1 on this path; GQA is handled inside (query heads index their kv head, keys
+//! are never copied per query head).
+
+mod dense;
+mod fp16;
+mod vecinfer;
+
+pub use fp16::Fp16Cache;
+pub use vecinfer::{VecInferCache, VecInferCacheConfig};
+
+use candle_core::Tensor;
+
+use crate::error::Result;
+
+pub trait LayerCache: Send {
+    /// Appends `T` new positions (post-RoPE keys and values).
+    fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()>;
+    /// Causal attention of the last `T` appended positions' queries over everything cached:
+    /// query `i` sees positions `0..=len - T + i`. Returns `[1, n_q_heads, T, head_dim]`.
+    fn attend(&mut self, q: &Tensor, scale: f64) -> Result<Tensor>;
+    /// Positions cached.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Bytes really held (allocated storage of codes, windows, codebooks' share), not bit counts.
+    fn resident_bytes(&self) -> usize;
+    /// Keeps the first `len` positions.
+    fn truncate(&mut self, len: usize) -> Result<()>;
+}
+
+/// Splits a `[1, H, T, D]` tensor into token-major rows `[T, H, D]` of f32.
+pub(crate) fn token_major(x: &Tensor) -> Result<(usize, usize, usize, Vec<f32>)> {
+    let (b, h, t, d) = x.dims4()?;
+    if b != 1 {
+        return Err(crate::Error::Config(format!("the CPU caches take batch 1, got {b}")));
+    }
+    let v = x.squeeze(0)?.transpose(0, 1)?.contiguous()?.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    Ok((h, t, d, v))
+}

@@ -1,0 +1,95 @@
+//! Calibration on the model's own activations: run real text through the model with caches that
+//! record every layer's post-RoPE keys and values, then train each layer's codecs.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::Tensor;
+
+use veloq::artifact::{Calibration, LayerCodecs};
+use veloq::calibrate::{train_codec_with_progress, KMeansConfig};
+use veloq::codec::vecinfer::CodecSpec;
+
+use crate::cache::{Fp16Cache, LayerCache};
+use crate::error::{Error, Result};
+use crate::model::Model;
+
+/// Keys and values of one layer, token-major `[tokens, n_kv_heads, head_dim]`.
+#[derive(Default)]
+pub struct LayerActivations {
+    pub keys: Vec<f32>,
+    pub values: Vec<f32>,
+}
+
+/// An fp16 cache that also copies everything appended to it into a shared sink.
+struct Recorder {
+    inner: Fp16Cache,
+    sink: Arc<Mutex<LayerActivations>>,
+}
+
+impl LayerCache for Recorder {
+    fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
+        let (_, _, _, kr) = crate::cache::token_major(k)?;
+        let (_, _, _, vr) = crate::cache::token_major(v)?;
+        let mut s = self.sink.lock().expect("recorder lock");
+        s.keys.extend(kr);
+        s.values.extend(vr);
+        drop(s);
+        self.inner.append(k, v)
+    }
+    fn attend(&mut self, q: &Tensor, scale: f64) -> Result<Tensor> {
+        self.inner.attend(q, scale)
+    }
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+    fn resident_bytes(&self) -> usize {
+        self.inner.resident_bytes()
+    }
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        self.inner.truncate(len)
+    }
+}
+
+/// Runs `tokens` through the model in windows of `window` positions (fresh caches per window) and
+/// returns every layer's keys and values. `progress(done_tokens)` after each window.
+pub fn collect_activations(model: &Model, tokens: &[u32], window: usize, progress: &mut dyn FnMut(usize)) -> Result<Vec<LayerActivations>> {
+    let id = &model.info.identity;
+    let sinks: Vec<_> = (0..id.n_layers).map(|_| Arc::new(Mutex::new(LayerActivations::default()))).collect();
+    let mut done = 0;
+    for chunk in tokens.chunks(window.max(1)) {
+        let mut caches: Vec<Box<dyn LayerCache>> = sinks
+            .iter()
+            .map(|s| Box::new(Recorder { inner: Fp16Cache::new(id.n_kv_heads, id.head_dim), sink: s.clone() }) as Box<dyn LayerCache>)
+            .collect();
+        model.forward(chunk, &mut caches, false)?;
+        done += chunk.len();
+        progress(done);
+    }
+    sinks
+        .into_iter()
+        .map(|s| Arc::try_unwrap(s).map_err(|_| Error::Config("recorder still shared".into())).map(|m| m.into_inner().expect("recorder lock")))
+        .collect()
+}
+
+/// Trains key and value codecs for every layer from collected activations.
+pub fn calibrate(
+    model: &Model,
+    acts: &[LayerActivations],
+    keys: CodecSpec,
+    values: CodecSpec,
+    seed: u64,
+    progress: &mut dyn FnMut(usize),
+) -> Result<Calibration> {
+    let id = &model.info.identity;
+    let tokens = acts.first().map_or(0, |a| a.keys.len() / (id.n_kv_heads * id.head_dim));
+    let mut layers = Vec::with_capacity(acts.len());
+    for (i, a) in acts.iter().enumerate() {
+        let kcfg = KMeansConfig::new(keys.shape.centroids(), seed.wrapping_add(1000 * i as u64));
+        let vcfg = KMeansConfig::new(values.shape.centroids(), seed.wrapping_add(1000 * i as u64 + 500));
+        let (k, _) = train_codec_with_progress(&a.keys, id.n_kv_heads, id.head_dim, &keys, &kcfg, &|_, _, _| {})?;
+        let (v, _) = train_codec_with_progress(&a.values, id.n_kv_heads, id.head_dim, &values, &vcfg, &|_, _, _| {})?;
+        layers.push(LayerCodecs { keys: k, values: v });
+        progress(i + 1);
+    }
+    Ok(Calibration::new(id.clone(), keys, values, seed, tokens, layers)?)
+}

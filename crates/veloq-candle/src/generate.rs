@@ -1,0 +1,118 @@
+//! Generation: prefill the prompt in one forward pass, then decode token by token with greedy or
+//! temperature / top-p sampling, streaming text as it comes.
+
+use std::time::Instant;
+
+use candle_transformers::generation::{LogitsProcessor, Sampling};
+use tokenizers::Tokenizer;
+
+use crate::cache::LayerCache;
+use crate::config::{fp16_bytes, resident_bytes};
+use crate::error::Result;
+use crate::model::{decode, encode, ChatTemplate, Model};
+
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    pub max_tokens: usize,
+    /// 0 = greedy.
+    pub temperature: f64,
+    pub top_p: Option<f64>,
+    pub seed: u64,
+    /// Wrap the prompt in the model's chat template when it has one.
+    pub chat: bool,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        Self { max_tokens: 128, temperature: 0.0, top_p: None, seed: 299792458, chat: true }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct GenerateOutput {
+    pub prompt_tokens: usize,
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub prefill_s: f64,
+    pub decode_s: f64,
+    /// Bytes the caches hold at the end.
+    pub kv_resident_bytes: usize,
+    /// Bytes an f16 cache of the same length would hold.
+    pub kv_fp16_bytes: usize,
+    /// Logits of the first decode step (after the prompt), for comparisons between caches.
+    pub first_logits: Vec<f32>,
+}
+
+impl GenerateOutput {
+    pub fn prefill_tok_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_s
+    }
+    pub fn decode_tok_s(&self) -> f64 {
+        self.tokens.len().saturating_sub(1) as f64 / self.decode_s
+    }
+}
+
+pub fn generate(
+    model: &Model,
+    tok: &Tokenizer,
+    caches: &mut [Box<dyn LayerCache>],
+    prompt: &str,
+    opts: &GenerateOptions,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<GenerateOutput> {
+    let text = if opts.chat { ChatTemplate::detect(tok).apply(prompt) } else { prompt.to_string() };
+    let prompt_ids = encode(tok, &text)?;
+    generate_ids(model, tok, caches, &prompt_ids, opts, on_text)
+}
+
+pub fn generate_ids(
+    model: &Model,
+    tok: &Tokenizer,
+    caches: &mut [Box<dyn LayerCache>],
+    prompt_ids: &[u32],
+    opts: &GenerateOptions,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<GenerateOutput> {
+    let sampling = if opts.temperature <= 0.0 {
+        Sampling::ArgMax
+    } else {
+        match opts.top_p {
+            Some(p) => Sampling::TopP { p, temperature: opts.temperature },
+            None => Sampling::All { temperature: opts.temperature },
+        }
+    };
+    let mut proc = LogitsProcessor::from_sampling(opts.seed, sampling);
+    let start = Instant::now();
+    let logits = model.forward(prompt_ids, caches, false)?.squeeze(0)?;
+    let first_logits = logits.to_vec1::<f32>()?;
+    let mut next = proc.sample(&logits)?;
+    let prefill_s = start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    let mut tokens = Vec::new();
+    let mut shown = String::new();
+    while tokens.len() < opts.max_tokens {
+        tokens.push(next);
+        let text = decode(tok, &tokens)?;
+        if text.len() > shown.len() && text.is_char_boundary(shown.len()) {
+            on_text(&text[shown.len()..]);
+            shown = text;
+        }
+        if model.info.eos_tokens.contains(&next) || tokens.len() == opts.max_tokens {
+            break;
+        }
+        let logits = model.forward(&[next], caches, false)?.squeeze(0)?;
+        next = proc.sample(&logits)?;
+    }
+    let decode_s = start.elapsed().as_secs_f64();
+    let len = caches.first().map_or(0, |c| c.len());
+    Ok(GenerateOutput {
+        prompt_tokens: prompt_ids.len(),
+        text: decode(tok, &tokens)?,
+        tokens,
+        prefill_s,
+        decode_s,
+        kv_resident_bytes: resident_bytes(caches),
+        kv_fp16_bytes: fp16_bytes(model, len),
+        first_logits,
+    })
+}

@@ -1,0 +1,23 @@
+//! Models over GGUF weights: geometry from the file's metadata, our own forward pass (so the
+//! cache contract is the only place keys and values live), candle's quantized matmul.
+
+mod llama;
+mod tokenizer;
+
+pub use llama::Model;
+pub use tokenizer::{decode, encode, load_tokenizer, ChatTemplate};
+
+use veloq::artifact::ModelIdentity;
+
+/// What the runner and the caches need to know about a model.
+#[derive(Clone, Debug)]
+pub struct ModelInfo {
+    pub identity: ModelIdentity,
+    pub n_heads: usize,
+    pub hidden: usize,
+    pub vocab: usize,
+    pub rope_base: f32,
+    /// Context the model was trained for (GGUF `context_length`), if recorded.
+    pub train_context: Option<usize>,
+    pub eos_tokens: Vec<u32>,
+}

@@ -1,0 +1,99 @@
+//! `veloq calibrate`: collect post-RoPE keys and values on real text, train the codebooks, write
+//! the artifact.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args as ClapArgs;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use veloq::codec::codebook::{Granularity, PqShape};
+use veloq::codec::smooth::SmoothRule;
+use veloq::codec::vecinfer::CodecSpec;
+use veloq_candle::collect::{calibrate, collect_activations};
+use veloq_candle::model::{encode, Model};
+
+use crate::generate::{default_calibration, default_model};
+
+#[derive(ClapArgs)]
+pub struct Args {
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Calibration text (default: Persuasion, from scripts/fetch-data).
+    #[arg(long)]
+    pub text: Option<PathBuf>,
+    /// Tokens of text to calibrate on.
+    #[arg(long, default_value_t = 8192)]
+    pub tokens: usize,
+    /// Context window per forward pass while collecting.
+    #[arg(long, default_value_t = 512)]
+    pub window: usize,
+    #[arg(long, default_value_t = 4)]
+    pub key_sub_dim: usize,
+    #[arg(long, default_value_t = 8)]
+    pub key_bits: u32,
+    #[arg(long, default_value_t = 4)]
+    pub value_sub_dim: usize,
+    #[arg(long, default_value_t = 8)]
+    pub value_bits: u32,
+    /// per_layer or per_subspace
+    #[arg(long, default_value = "per_layer")]
+    pub granularity: String,
+    /// max_abs, sqrt_max_abs or none
+    #[arg(long, default_value = "max_abs")]
+    pub smooth: String,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+pub fn default_text() -> PathBuf {
+    veloq::artifact::default_dir().join("austen/persuasion.txt")
+}
+
+fn bar(len: u64, msg: &str) -> ProgressBar {
+    let b = ProgressBar::new(len);
+    b.set_style(ProgressStyle::with_template("{msg:>12} [{bar:40}] {pos}/{len} {elapsed}").unwrap().progress_chars("=> "));
+    b.set_message(msg.to_string());
+    b
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let model_path = a.model.clone().unwrap_or_else(default_model);
+    let (model, tok) = Model::open(&model_path, a.window.max(512)).with_context(|| format!("loading {}", model_path.display()))?;
+    let text_path = a.text.clone().unwrap_or_else(default_text);
+    let text = std::fs::read_to_string(&text_path).with_context(|| format!("reading {} (run scripts/fetch-data)", text_path.display()))?;
+    let mut ids = encode(&tok, &text)?;
+    if ids.len() < a.tokens {
+        bail!("{} has {} tokens, fewer than the {} asked for", text_path.display(), ids.len(), a.tokens);
+    }
+    ids.truncate(a.tokens);
+    let granularity = Granularity::parse(&a.granularity)?;
+    let smooth = if a.smooth == "none" { None } else { Some(SmoothRule::parse(&a.smooth)?) };
+    let keys = CodecSpec { shape: PqShape::new(a.key_sub_dim, a.key_bits)?, granularity, smooth, rotate: true };
+    let values = CodecSpec { shape: PqShape::new(a.value_sub_dim, a.value_bits)?, granularity, smooth: None, rotate: true };
+    let b = bar(ids.len() as u64, "collecting");
+    let acts = collect_activations(&model, &ids, a.window, &mut |n| b.set_position(n as u64))?;
+    b.finish();
+    let b = bar(acts.len() as u64, "k-means");
+    let cal = calibrate(&model, &acts, keys, values, a.seed, &mut |n| b.set_position(n as u64))?;
+    b.finish();
+    let out = a.out.clone().unwrap_or_else(|| default_calibration(&model_path));
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    cal.save(&out)?;
+    eprintln!(
+        "wrote {}: {} layers, keys {}b/{} values {}b/{} ({:.2} bits/element at 4k tokens incl. codebooks), {} calibration tokens",
+        out.display(),
+        cal.layers.len(),
+        a.key_bits,
+        a.key_sub_dim,
+        a.value_bits,
+        a.value_sub_dim,
+        cal.bits_per_element(4096),
+        ids.len()
+    );
+    Ok(())
+}

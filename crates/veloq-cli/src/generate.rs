@@ -1,0 +1,97 @@
+//! `veloq generate`: stream a completion and report speed and KV memory.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::{Args as ClapArgs, ValueEnum};
+
+use veloq_candle::config::CacheConfig;
+use veloq_candle::generate::{generate, GenerateOptions};
+use veloq_candle::model::Model;
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum MethodArg {
+    Fp16,
+    Vecinfer,
+}
+
+#[derive(ClapArgs)]
+pub struct Args {
+    /// GGUF model file (scripts/fetch-data puts SmolLM2 in ~/.cache/veloq).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    #[arg(long)]
+    pub prompt: String,
+    #[arg(long, value_enum, default_value = "vecinfer")]
+    pub method: MethodArg,
+    /// Calibration artifact (veloq calibrate); default ~/.cache/veloq/<model>.vecinfer.safetensors
+    #[arg(long)]
+    pub calibration: Option<PathBuf>,
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    #[arg(long)]
+    pub top_p: Option<f64>,
+    #[arg(long, default_value_t = 299792458)]
+    pub seed: u64,
+    /// Feed the prompt as is, without the chat template.
+    #[arg(long)]
+    pub raw: bool,
+    /// Longest context (prompt + generated) the caches accept.
+    #[arg(long, default_value_t = 8192)]
+    pub max_context: usize,
+}
+
+pub fn default_model() -> PathBuf {
+    veloq::artifact::default_dir().join("smollm2-135m-instruct.q4_1.gguf")
+}
+
+pub fn default_calibration(model: &std::path::Path) -> PathBuf {
+    let stem = model.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    veloq::artifact::default_dir().join(format!("{stem}.vecinfer.safetensors"))
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let model_path = a.model.clone().unwrap_or_else(default_model);
+    let (model, tok) = Model::open(&model_path, a.max_context).with_context(|| format!("loading {}", model_path.display()))?;
+    let config = match a.method {
+        MethodArg::Fp16 => CacheConfig::fp16(),
+        MethodArg::Vecinfer => {
+            let cal = a.calibration.clone().unwrap_or_else(|| default_calibration(&model_path));
+            CacheConfig::vecinfer_from_file(&cal, &model).with_context(|| {
+                format!("loading calibration {} (make one with `veloq calibrate --model {}`)", cal.display(), model_path.display())
+            })?
+        }
+    };
+    let mut caches = config.build(&model)?;
+    let opts = GenerateOptions { max_tokens: a.max_tokens, temperature: a.temperature, top_p: a.top_p, seed: a.seed, chat: !a.raw };
+    let out = generate(&model, &tok, &mut caches, &a.prompt, &opts, &mut |s| {
+        print!("{s}");
+        let _ = std::io::stdout().flush();
+    })?;
+    println!();
+    std::io::stdout().flush()?;
+    eprintln!(
+        "[{}] prompt {} tok, prefill {:.1} tok/s | generated {} tok, decode {:.1} tok/s | KV cache {} resident vs {} for fp16 ({:.2}×)",
+        config.name(),
+        out.prompt_tokens,
+        out.prefill_tok_s(),
+        out.tokens.len(),
+        out.decode_tok_s(),
+        human(out.kv_resident_bytes),
+        human(out.kv_fp16_bytes),
+        out.kv_fp16_bytes as f64 / out.kv_resident_bytes.max(1) as f64
+    );
+    Ok(())
+}
+
+pub fn human(b: usize) -> String {
+    if b >= 1 << 20 {
+        format!("{:.2} MiB", b as f64 / (1 << 20) as f64)
+    } else {
+        format!("{:.1} KiB", b as f64 / 1024.0)
+    }
+}
