@@ -32,7 +32,7 @@ pub struct VecInferCacheConfig {
 
 impl Default for VecInferCacheConfig {
     fn default() -> Self {
-        Self { window: 32, flush_block: 32 }
+        Self { window: 16, flush_block: 16 }
     }
 }
 
@@ -83,17 +83,26 @@ impl VecInferCache {
         self.window_k.len() / self.row()
     }
 
-    /// Quantizes the oldest `flush_block` window positions while the window is over its size.
+    /// Quantizes the oldest window positions, a block at a time, until the window holds fewer
+    /// than `window + flush_block` positions; then gives back any capacity a long prefill grew.
     fn flush(&mut self) -> Result<()> {
-        let b = self.cfg.flush_block;
-        while self.window_len() >= self.cfg.window + b {
-            let n = b * self.row();
-            self.key_codes.push(self.keys.encode_vec(&self.window_k[..n])?.into_boxed_slice());
-            self.value_codes.push(self.values.encode_vec(&self.window_v[..n])?.into_boxed_slice());
-            self.window_k.drain(..n);
-            self.window_v.drain(..n);
-            self.coded += b;
+        let (b, row) = (self.cfg.flush_block, self.row());
+        let wl = self.window_len();
+        if wl < self.cfg.window + b {
+            return Ok(());
         }
+        let blocks = (wl - self.cfg.window) / b;
+        let n = b * row;
+        for i in 0..blocks {
+            self.key_codes.push(self.keys.encode_vec(&self.window_k[i * n..(i + 1) * n])?.into_boxed_slice());
+            self.value_codes.push(self.values.encode_vec(&self.window_v[i * n..(i + 1) * n])?.into_boxed_slice());
+        }
+        self.window_k.drain(..blocks * n);
+        self.window_v.drain(..blocks * n);
+        self.coded += blocks * b;
+        let cap = (self.cfg.window + b) * row;
+        self.window_k.shrink_to(cap);
+        self.window_v.shrink_to(cap);
         Ok(())
     }
 
@@ -280,5 +289,57 @@ impl LayerCache for VecInferCache {
         self.window_k = wk;
         self.window_v = wv;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+    use veloq::calibrate::{train_codec, KMeansConfig};
+    use veloq::codec::codebook::PqShape;
+    use veloq::codec::vecinfer::CodecSpec;
+
+    fn randn(n: usize, seed: u64) -> Vec<f32> {
+        // Box–Muller over a xorshift stream: fresh, non-zero Gaussian data.
+        let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+        let mut u = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+        };
+        (0..n).map(|_| ((-2.0 * u().ln()).sqrt() * (2.0 * std::f64::consts::PI * u()).cos()) as f32).collect()
+    }
+
+    /// The lookup-table decode path equals dense attention over the decoded codes + window, for
+    /// 8-bit and packed 6-bit codes, GQA, and lengths that leave a partial window.
+    #[test]
+    fn lut_decode_matches_dense_attention_over_decoded_keys() {
+        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+        let dev = Device::Cpu;
+        let (hkv, hq, d) = (2, 6, 64);
+        for (bits, sd, len) in [(8u32, 4usize, 77usize), (6, 2, 41), (8, 8, 130)] {
+            let shape = PqShape::new(sd, bits).unwrap();
+            let train = randn(400 * hkv * d, seed);
+            let (kc, _) = train_codec(&train, hkv, d, &CodecSpec::keys(shape), &KMeansConfig::new(1 << bits, 1)).unwrap();
+            let (vc, _) = train_codec(&train, hkv, d, &CodecSpec::values(shape), &KMeansConfig::new(1 << bits, 2)).unwrap();
+            let mut cache = VecInferCache::new(Arc::new(kc), Arc::new(vc), VecInferCacheConfig { window: 8, flush_block: 8 }).unwrap();
+            let k = Tensor::from_vec(randn(hkv * len * d, seed + 1), (1, hkv, len, d), &dev).unwrap();
+            let v = Tensor::from_vec(randn(hkv * len * d, seed + 2), (1, hkv, len, d), &dev).unwrap();
+            cache.append(&k, &v).unwrap();
+            cache.flush().unwrap();
+            assert!(cache.coded > 0 && cache.window_len() > 0);
+            let q = Tensor::from_vec(randn(hq * d, seed + 3), (1, hq, 1, d), &dev).unwrap();
+            let got = cache.attend_decode(&q, 0.125).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let mut kd = cache.decode_codes(&cache.keys, &cache.key_codes).unwrap();
+            kd.extend(VecInferCache::widened(&cache.window_k));
+            let mut vd = cache.decode_codes(&cache.values, &cache.value_codes).unwrap();
+            vd.extend(VecInferCache::widened(&cache.window_v));
+            let want = attend_dense(&q, kd, vd, hkv, 0.125).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let err: f32 = got.iter().zip(&want).map(|(a, b)| (a - b).powi(2)).sum::<f32>().sqrt();
+            let norm: f32 = want.iter().map(|a| a * a).sum::<f32>().sqrt();
+            assert!(err <= 1e-4 * norm, "seed {seed} bits {bits}: rel err {}", err / norm);
+        }
     }
 }
