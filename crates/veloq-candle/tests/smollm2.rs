@@ -107,8 +107,9 @@ fn two_bit_cache_is_six_times_smaller_and_agrees_at_1024() {
     let c = cosine(&la, &lb);
     let argmax = |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
     println!("first decode step over codes: logit cosine {c:.5}, argmax {} vs {}", argmax(&la), argmax(&lb));
-    // Stated bound for this 2-bit, 2,048-token calibration (measured 0.966; see README).
-    assert!(c >= 0.95, "cosine {c}");
+    // Stated bound for this 2-bit, 2,048-token calibration: measured 0.9907 with √max smoothing
+    // (0.966 with the paper's max|k|).
+    assert!(c >= 0.98, "cosine {c}");
 }
 
 #[test]

@@ -39,8 +39,8 @@ pub struct Args {
     /// per_layer or per_subspace
     #[arg(long, default_value = "per_layer")]
     pub granularity: String,
-    /// max_abs, sqrt_max_abs or none
-    #[arg(long, default_value = "max_abs")]
+    /// Key smoothing: sqrt_max_abs (default, measured best), max_abs or none
+    #[arg(long, default_value = "sqrt_max_abs")]
     pub smooth: String,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

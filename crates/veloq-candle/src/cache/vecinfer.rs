@@ -39,6 +39,10 @@ impl Default for VecInferCacheConfig {
 pub struct VecInferCache {
     keys: Arc<VecInferCodec>,
     values: Arc<VecInferCodec>,
+    /// Codebooks transposed to `[books][sub_dim][centroids]`, so building the lookup table and
+    /// decoding the per-centroid value sums run along contiguous centroid rows (SIMD-friendly).
+    keys_t: Vec<f32>,
+    values_t: Vec<f32>,
     cfg: VecInferCacheConfig,
     n_kv: usize,
     head_dim: usize,
@@ -63,6 +67,8 @@ impl VecInferCache {
         let row = n_kv * head_dim;
         let cap = (cfg.window + cfg.flush_block) * row;
         Ok(Self {
+            keys_t: transposed(&keys),
+            values_t: transposed(&values),
             keys,
             values,
             cfg,
@@ -153,11 +159,11 @@ impl VecInferCache {
                 let mut qt = vec![0.0f32; d];
                 kc.transform_query(h, &qv, &mut qt);
                 let mut lut = vec![0.0f32; m * kk];
-                for j in 0..m {
-                    let book = kc.books().book(j);
-                    let qj = &qt[j * sd..(j + 1) * sd];
-                    for c in 0..kk {
-                        lut[j * kk + c] = dot(qj, book.centroid(c));
+                for (j, row) in lut.chunks_exact_mut(kk).enumerate() {
+                    let bt = book_t(&self.keys_t, kc, j);
+                    for d in 0..sd {
+                        let qd = qt[j * sd + d];
+                        row.iter_mut().zip(&bt[d * kk..(d + 1) * kk]).for_each(|(l, c)| *l += c * qd);
                     }
                 }
                 if kbits == 8 {
@@ -198,13 +204,9 @@ impl VecInferCache {
                 }
                 let mut rot = vec![0.0f32; d];
                 for j in 0..mv {
-                    let book = vc.books().book(j);
-                    let dst = &mut rot[j * sdv..(j + 1) * sdv];
-                    for c in 0..vk {
-                        let w = acc[j * vk + c];
-                        if w != 0.0 {
-                            axpy(w, book.centroid(c), dst);
-                        }
+                    let bt = book_t(&self.values_t, vc, j);
+                    for dd in 0..sdv {
+                        rot[j * sdv + dd] = dot(&acc[j * vk..(j + 1) * vk], &bt[dd * vk..(dd + 1) * vk]);
                     }
                 }
                 vc.transform().inverse(h, &mut rot);
@@ -216,6 +218,29 @@ impl VecInferCache {
         });
         output(out, hq, d, q.device())
     }
+}
+
+/// All codebooks of `codec`, each transposed to `[sub_dim][centroids]`, concatenated.
+fn transposed(codec: &VecInferCodec) -> Vec<f32> {
+    let (k, sd) = (codec.shape().centroids(), codec.shape().sub_dim);
+    let mut out = Vec::with_capacity(codec.books().books().len() * k * sd);
+    for b in codec.books().books() {
+        for d in 0..sd {
+            out.extend((0..k).map(|c| b.centroid(c)[d]));
+        }
+    }
+    out
+}
+
+/// The transposed codebook that sub-space `j` uses.
+#[inline]
+fn book_t<'a>(all: &'a [f32], codec: &VecInferCodec, j: usize) -> &'a [f32] {
+    let size = codec.shape().centroids() * codec.shape().sub_dim;
+    let b = match codec.books().granularity() {
+        veloq::codec::codebook::Granularity::PerLayer => 0,
+        veloq::codec::codebook::Granularity::PerSubspace => j,
+    };
+    &all[b * size..(b + 1) * size]
 }
 
 impl LayerCache for VecInferCache {

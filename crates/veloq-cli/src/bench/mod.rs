@@ -3,17 +3,25 @@
 use anyhow::Result;
 use clap::Subcommand;
 
+pub mod decode;
 pub mod search;
+pub mod smooth;
 
 #[derive(Subcommand)]
 pub enum BenchCommand {
     /// Nearest-centroid search: naive materialising reference vs fused kernel (time, peak memory).
     Search(search::Args),
+    /// Decode tok/s of the fp16 and VecInfer caches at several contexts on the real model.
+    Decode(decode::Args),
+    /// Key smoothing rules compared on real activations (KL and top-1 vs fp16).
+    Smooth(smooth::Args),
 }
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Search(a) => search::run(a),
+        BenchCommand::Decode(a) => decode::run(a),
+        BenchCommand::Smooth(a) => smooth::run(a),
     }
 }
 

@@ -1,0 +1,69 @@
+//! Decode speed of the fp16 and VecInfer caches at several context lengths, same run, same
+//! model: prefill real text (in chunks), then time single-token decode steps.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Args as ClapArgs;
+use serde_json::json;
+
+use veloq_candle::config::{fp16_bytes, resident_bytes, CacheConfig};
+use veloq_candle::model::{encode, Model};
+
+use super::write_json;
+use crate::calibrate::default_text;
+use crate::generate::{default_calibration, default_model};
+
+#[derive(ClapArgs)]
+pub struct Args {
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long)]
+    calibration: Option<PathBuf>,
+    /// Context lengths to measure at.
+    #[arg(long, value_delimiter = ',', default_value = "256,1024,4096")]
+    contexts: Vec<usize>,
+    /// Timed decode steps per context.
+    #[arg(long, default_value_t = 32)]
+    steps: usize,
+    /// Text to prefill with (default: Emma).
+    #[arg(long)]
+    text: Option<PathBuf>,
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let model_path = a.model.clone().unwrap_or_else(default_model);
+    let max_ctx = a.contexts.iter().max().copied().unwrap_or(256) + a.steps + 1;
+    let (model, tok) = Model::open(&model_path, max_ctx)?;
+    let cal = a.calibration.clone().unwrap_or_else(|| default_calibration(&model_path));
+    let methods = [CacheConfig::fp16(), CacheConfig::vecinfer_from_file(&cal, &model).with_context(|| format!("calibration {}", cal.display()))?];
+    let text_path = a.text.clone().unwrap_or_else(|| default_text().with_file_name("emma.txt"));
+    let ids = encode(&tok, &std::fs::read_to_string(&text_path).with_context(|| text_path.display().to_string())?)?;
+    println!("decode tok/s, {} steps after a prefill of real text; threads: candle {}, rayon {}", a.steps, std::env::var("CANDLE_NUM_THREADS").unwrap_or_else(|_| "default".into()), rayon::current_num_threads());
+    println!("{:>7} | {:>22} {:>9} {:>11} | {:>9}", "context", "method", "tok/s", "KV resident", "vs fp16");
+    let mut rows = Vec::new();
+    for &ctx in &a.contexts {
+        let mut base = None;
+        for m in &methods {
+            let mut caches = m.build(&model)?;
+            for chunk in ids[..ctx].chunks(512) {
+                model.forward(chunk, &mut caches, false)?;
+            }
+            let start = Instant::now();
+            for i in 0..a.steps {
+                model.forward(&ids[ctx + i..ctx + i + 1], &mut caches, false)?;
+            }
+            let tps = a.steps as f64 / start.elapsed().as_secs_f64();
+            let resident = resident_bytes(&caches);
+            let ratio = base.map_or(1.0, |b: f64| tps / b);
+            base.get_or_insert(tps);
+            println!("{ctx:>7} | {:>22} {tps:>9.2} {:>11} | {ratio:>8.2}×", m.name(), crate::generate::human(resident));
+            rows.push(json!({"context": ctx, "method": m.name(), "decode_tok_s": tps, "kv_resident_bytes": resident,
+                             "kv_fp16_equivalent_bytes": fp16_bytes(&model, ctx + a.steps), "speed_vs_fp16": ratio}));
+        }
+    }
+    write_json(&a.json, &json!({"bench": "decode", "model": model.info.identity.name, "steps": a.steps, "rows": rows}))
+}
