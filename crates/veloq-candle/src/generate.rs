@@ -39,8 +39,6 @@ pub struct GenerateOutput {
     pub kv_resident_bytes: usize,
     /// Bytes an f16 cache of the same length would hold.
     pub kv_fp16_bytes: usize,
-    /// Logits of the first decode step (after the prompt), for comparisons between caches.
-    pub first_logits: Vec<f32>,
 }
 
 impl GenerateOutput {
@@ -84,7 +82,6 @@ pub fn generate_ids(
     let mut proc = LogitsProcessor::from_sampling(opts.seed, sampling);
     let start = Instant::now();
     let logits = model.forward(prompt_ids, caches, false)?.squeeze(0)?;
-    let first_logits = logits.to_vec1::<f32>()?;
     let mut next = proc.sample(&logits)?;
     let prefill_s = start.elapsed().as_secs_f64();
     let start = Instant::now();
@@ -113,6 +110,5 @@ pub fn generate_ids(
         decode_s,
         kv_resident_bytes: resident_bytes(caches),
         kv_fp16_bytes: fp16_bytes(model, len),
-        first_logits,
     })
 }

@@ -236,10 +236,7 @@ fn transposed(codec: &VecInferCodec) -> Vec<f32> {
 #[inline]
 fn book_t<'a>(all: &'a [f32], codec: &VecInferCodec, j: usize) -> &'a [f32] {
     let size = codec.shape().centroids() * codec.shape().sub_dim;
-    let b = match codec.books().granularity() {
-        veloq::codec::codebook::Granularity::PerLayer => 0,
-        veloq::codec::codebook::Granularity::PerSubspace => j,
-    };
+    let b = codec.books().book_index(j);
     &all[b * size..(b + 1) * size]
 }
 

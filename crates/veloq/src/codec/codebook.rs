@@ -161,13 +161,18 @@ impl CodebookSet {
     pub fn books(&self) -> &[Codebook] {
         &self.books
     }
+    /// Index into [`books`](Self::books) of the codebook sub-space `j` uses.
+    #[inline]
+    pub fn book_index(&self, j: usize) -> usize {
+        match self.granularity {
+            Granularity::PerLayer => 0,
+            Granularity::PerSubspace => j,
+        }
+    }
     /// The codebook of sub-space `j`.
     #[inline]
     pub fn book(&self, j: usize) -> &Codebook {
-        match self.granularity {
-            Granularity::PerLayer => &self.books[0],
-            Granularity::PerSubspace => &self.books[j],
-        }
+        &self.books[self.book_index(j)]
     }
     /// Bytes the codebooks occupy as stored (f32 centroids).
     pub fn resident_bytes(&self) -> usize {
