@@ -140,40 +140,67 @@ fn update(points: &[f32], dim: usize, codes: &[u16], dist: &[f32], centroids: &m
     empty.len()
 }
 
-/// k-means++ (D² sampling) on a random sample of the points.
+/// Greedy k-means++ on a random sample of the points: each step draws `2 + ln k` candidates by D²
+/// sampling and keeps the one that lowers the total D² most. Plain k-means++ often misses a small
+/// cluster sitting next to a big one (its D² mass is tiny); greedy seeding rarely does.
 fn seed_plus_plus(points: &[f32], dim: usize, k: usize, sample: usize, rng: &mut Xoshiro256PlusPlus) -> Result<Vec<f32>> {
     let n = points.len() / dim;
     let sample = gather(points, dim, &sample_indices(rng, n, sample.max(k).min(n)));
     let m = sample.len() / dim;
+    let trials = 2 + (k as f64).ln() as usize;
     let mut centroids = Vec::with_capacity(k * dim);
     let first = rng.random_range(0..m);
     centroids.extend_from_slice(&sample[first * dim..(first + 1) * dim]);
     let mut d2 = vec![f32::INFINITY; m];
+    relax(&mut d2, &sample, dim, &centroids[..dim]);
     for _ in 1..k {
-        let last = &centroids[centroids.len() - dim..].to_vec();
-        d2.par_iter_mut().zip(sample.par_chunks_exact(dim)).for_each(|(d, p)| {
-            let v: f32 = p.iter().zip(last).map(|(a, b)| (a - b) * (a - b)).sum();
-            *d = d.min(v);
-        });
         let total: f64 = d2.iter().map(|&v| v as f64).sum();
         let pick = if total > 0.0 {
-            let mut u = rng.random::<f64>() * total;
-            let mut pick = m - 1;
-            for (i, &v) in d2.iter().enumerate() {
-                u -= v as f64;
-                if u < 0.0 {
-                    pick = i;
-                    break;
+            let mut draws: Vec<f64> = (0..trials).map(|_| rng.random::<f64>() * total).collect();
+            draws.sort_by(f64::total_cmp);
+            let candidates = inverse_cdf(&d2, &draws);
+            // The candidate whose addition leaves the least D² (ties → first drawn in order).
+            let mut best = (f64::INFINITY, candidates[0]);
+            for &c in &candidates {
+                let cand = &sample[c * dim..(c + 1) * dim];
+                let cost: f64 = d2.par_iter().zip(sample.par_chunks_exact(dim)).map(|(&d, p)| d.min(sq_dist(p, cand)) as f64).sum();
+                if cost < best.0 {
+                    best = (cost, c);
                 }
             }
-            pick
+            best.1
         } else {
             // Fewer distinct points than k: duplicates are unavoidable; Lloyd re-seeds them.
             rng.random_range(0..m)
         };
-        centroids.extend_from_slice(&sample[pick * dim..(pick + 1) * dim]);
+        let c = sample[pick * dim..(pick + 1) * dim].to_vec();
+        relax(&mut d2, &sample, dim, &c);
+        centroids.extend_from_slice(&c);
     }
     Ok(centroids)
+}
+
+fn sq_dist(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum()
+}
+
+/// d2[i] = min(d2[i], ‖p_i − c‖²).
+fn relax(d2: &mut [f32], sample: &[f32], dim: usize, c: &[f32]) {
+    d2.par_iter_mut().zip(sample.par_chunks_exact(dim)).for_each(|(d, p)| *d = d.min(sq_dist(p, c)));
+}
+
+/// Indices where the running sum of `weights` first exceeds each of the sorted `draws`.
+fn inverse_cdf(weights: &[f32], draws: &[f64]) -> Vec<usize> {
+    let mut out = Vec::with_capacity(draws.len());
+    let (mut acc, mut i) = (0.0f64, 0usize);
+    for &u in draws {
+        while i < weights.len() - 1 && acc + weights[i] as f64 <= u {
+            acc += weights[i] as f64;
+            i += 1;
+        }
+        out.push(i);
+    }
+    out
 }
 
 /// `count` distinct indices below `n`, sorted (so gathered data keeps the input's order).
@@ -195,10 +222,17 @@ mod tests {
     use super::*;
     use crate::testing::{fresh_seed, normal, rng};
 
-    /// Points around `centers` well-separated blob centres with unit-σ·`spread` noise.
+    /// Points around `centers` blob centres (σ = 10, redrawn until every pair is ≥ 4 apart, so
+    /// blobs of noise σ `spread` ≤ 0.1 are truly separate) with σ·`spread` noise.
     fn blobs(seed: u64, centers: usize, per: usize, dim: usize, spread: f32) -> (Vec<f32>, Vec<f32>) {
         let mut r = rng(seed);
-        let c = normal(&mut r, centers * dim, 10.0);
+        let c = loop {
+            let c = normal(&mut r, centers * dim, 10.0);
+            let close = (0..centers).any(|a| (0..a).any(|b| sq_dist(&c[a * dim..][..dim], &c[b * dim..][..dim]) < 16.0));
+            if !close {
+                break c;
+            }
+        };
         let noise = normal(&mut r, centers * per * dim, spread);
         let mut x = Vec::with_capacity(centers * per * dim);
         for i in 0..centers * per {
