@@ -6,12 +6,19 @@ use std::sync::{Arc, Mutex};
 use candle_core::Tensor;
 
 use veloq::artifact::{Calibration, LayerCodecs};
-use veloq::calibrate::{train_codec_with_progress, KMeansConfig};
+use veloq::calibrate::{train_codec_with_progress, KMeansConfig, TextFingerprint};
 use veloq::codec::vecinfer::CodecSpec;
 
 use crate::cache::{Fp16Cache, LayerCache};
 use crate::error::{Error, Result};
 use crate::model::Model;
+
+/// Every layer's activations over some text, and that text's fingerprint (which the calibration
+/// carries, so evaluation can refuse to score on it).
+pub struct Activations {
+    pub layers: Vec<LayerActivations>,
+    pub text: TextFingerprint,
+}
 
 /// Keys and values of one layer, token-major `[tokens, n_kv_heads, head_dim]`.
 #[derive(Default)]
@@ -52,7 +59,7 @@ impl LayerCache for Recorder {
 
 /// Runs `tokens` through the model in windows of `window` positions (fresh caches per window) and
 /// returns every layer's keys and values. `progress(done_tokens)` after each window.
-pub fn collect_activations(model: &Model, tokens: &[u32], window: usize, progress: &mut dyn FnMut(usize)) -> Result<Vec<LayerActivations>> {
+pub fn collect_activations(model: &Model, tokens: &[u32], window: usize, progress: &mut dyn FnMut(usize)) -> Result<Activations> {
     let id = &model.info.identity;
     let sinks: Vec<_> = (0..id.n_layers).map(|_| Arc::new(Mutex::new(LayerActivations::default()))).collect();
     let mut done = 0;
@@ -65,25 +72,26 @@ pub fn collect_activations(model: &Model, tokens: &[u32], window: usize, progres
         done += chunk.len();
         progress(done);
     }
-    sinks
+    let layers = sinks
         .into_iter()
         .map(|s| Arc::try_unwrap(s).map_err(|_| Error::Config("recorder still shared".into())).map(|m| m.into_inner().expect("recorder lock")))
-        .collect()
+        .collect::<Result<_>>()?;
+    Ok(Activations { layers, text: TextFingerprint::of_tokens(tokens) })
 }
 
 /// Trains key and value codecs for every layer from collected activations.
 pub fn calibrate(
     model: &Model,
-    acts: &[LayerActivations],
+    acts: &Activations,
     keys: CodecSpec,
     values: CodecSpec,
     seed: u64,
     progress: &mut dyn FnMut(usize),
 ) -> Result<Calibration> {
     let id = &model.info.identity;
-    let tokens = acts.first().map_or(0, |a| a.keys.len() / (id.n_kv_heads * id.head_dim));
-    let mut layers = Vec::with_capacity(acts.len());
-    for (i, a) in acts.iter().enumerate() {
+    let tokens = acts.layers.first().map_or(0, |a| a.keys.len() / (id.n_kv_heads * id.head_dim));
+    let mut layers = Vec::with_capacity(acts.layers.len());
+    for (i, a) in acts.layers.iter().enumerate() {
         let kcfg = KMeansConfig::new(keys.shape.centroids(), seed.wrapping_add(1000 * i as u64));
         let vcfg = KMeansConfig::new(values.shape.centroids(), seed.wrapping_add(1000 * i as u64 + 500));
         let (k, _) = train_codec_with_progress(&a.keys, id.n_kv_heads, id.head_dim, &keys, &kcfg, &|_, _, _| {})?;
@@ -91,5 +99,5 @@ pub fn calibrate(
         layers.push(LayerCodecs { keys: k, values: v });
         progress(i + 1);
     }
-    Ok(Calibration::new(id.clone(), keys, values, seed, tokens, layers)?)
+    Ok(Calibration::new(id.clone(), keys, values, seed, tokens, layers)?.with_text(acts.text.clone()))
 }

@@ -13,8 +13,11 @@ use std::path::Path;
 use std::sync::Arc;
 
 use veloq::artifact::Calibration;
+use veloq::codec::block::BlockCodec;
+use veloq::codec::kivi::{KiviAxis, KiviCodec};
+use veloq::codec::lloyd_max::LloydMaxCodec;
 
-use crate::cache::{Fp16Cache, LayerCache, VecInferCache, VecInferCacheConfig};
+use crate::cache::{DecodingCache, Fp16Cache, LayerCache, VecInferCache, WindowConfig};
 use crate::error::{Error, Result};
 use crate::model::Model;
 
@@ -24,26 +27,44 @@ pub enum Method {
     Fp16,
     /// VecInfer codes with a calibration for this model.
     VecInfer(Arc<Calibration>),
+    /// KIVI-style asymmetric scalar quantization: keys per channel over `group` tokens, values
+    /// per token over `group` channels.
+    Kivi { bits: u32, group: usize },
+    /// Calibration-free randomised Hadamard rotation + Gaussian Lloyd–Max levels (keys and values).
+    RotLloydMax { bits: u32, seed: u64 },
 }
 
 #[derive(Clone, Debug)]
 pub struct CacheConfig {
     pub method: Method,
-    pub vecinfer: VecInferCacheConfig,
+    /// The f16 window of recent positions and the flush block (rounded up per method to a
+    /// multiple of the codec's block, e.g. KIVI's key group).
+    pub window: WindowConfig,
 }
+
+/// One layer's key and value codecs, as the caches see them.
+type LayerPair = (Arc<dyn BlockCodec>, Arc<dyn BlockCodec>);
 
 impl CacheConfig {
     pub fn fp16() -> Self {
-        Self { method: Method::Fp16, vecinfer: VecInferCacheConfig::default() }
+        Self { method: Method::Fp16, window: WindowConfig::default() }
     }
 
     pub fn vecinfer(calibration: Calibration) -> Self {
-        Self { method: Method::VecInfer(Arc::new(calibration)), vecinfer: VecInferCacheConfig::default() }
+        Self { method: Method::VecInfer(Arc::new(calibration)), window: WindowConfig::default() }
     }
 
     /// Loads a calibration artifact and checks it was made for `model`.
     pub fn vecinfer_from_file(path: &Path, model: &Model) -> Result<Self> {
         Ok(Self::vecinfer(Calibration::load_for(path, &model.info.identity)?))
+    }
+
+    pub fn kivi(bits: u32, group: usize) -> Self {
+        Self { method: Method::Kivi { bits, group }, window: WindowConfig::default() }
+    }
+
+    pub fn rot_lloyd_max(bits: u32) -> Self {
+        Self { method: Method::RotLloydMax { bits, seed: 0 }, window: WindowConfig::default() }
     }
 
     pub fn name(&self) -> String {
@@ -53,32 +74,91 @@ impl CacheConfig {
                 "vecinfer-k{}b{}-v{}b{}",
                 c.keys.shape.sub_dim, c.keys.shape.bits, c.values.shape.sub_dim, c.values.shape.bits
             ),
+            Method::Kivi { bits, group } => format!("kivi-{bits}b-g{group}"),
+            Method::RotLloydMax { bits, .. } => format!("rot-lloydmax-{bits}b"),
         }
+    }
+
+    /// Each layer's codecs (`None` for fp16).
+    fn codecs(&self, model: &Model) -> Result<Option<Vec<LayerPair>>> {
+        let id = &model.info.identity;
+        let (h, d) = (id.n_kv_heads, id.head_dim);
+        let layers = 0..id.n_layers;
+        Ok(Some(match &self.method {
+            Method::Fp16 => return Ok(None),
+            Method::VecInfer(cal) => {
+                check_calibration(cal, model)?;
+                cal.layers.iter().map(|l| (Arc::new(l.keys.clone()) as Arc<dyn BlockCodec>, Arc::new(l.values.clone()) as _)).collect()
+            }
+            &Method::Kivi { bits, group } => {
+                let k: Arc<dyn BlockCodec> = Arc::new(KiviCodec::new(h, d, bits, group, KiviAxis::PerChannel)?);
+                let v: Arc<dyn BlockCodec> = Arc::new(KiviCodec::new(h, d, bits, group, KiviAxis::PerToken)?);
+                layers.map(|_| (k.clone(), v.clone())).collect()
+            }
+            &Method::RotLloydMax { bits, seed } => layers
+                .map(|i| {
+                    let k = LloydMaxCodec::new(h, d, bits, seed.wrapping_add(2 * i as u64))?;
+                    let v = LloydMaxCodec::new(h, d, bits, seed.wrapping_add(2 * i as u64 + 1))?;
+                    Ok((Arc::new(k) as Arc<dyn BlockCodec>, Arc::new(v) as _))
+                })
+                .collect::<Result<_>>()?,
+        }))
+    }
+
+    /// Stored bits per cached element once `tokens` positions are coded, all metadata counted
+    /// (group scales, codebooks and smoothing scales amortised over the tokens); 16 for fp16.
+    pub fn code_bits_per_element(&self, model: &Model, tokens: usize) -> Result<f64> {
+        Ok(match self.codecs(model)? {
+            None => 16.0,
+            Some(pairs) => {
+                let sum: f64 = pairs.iter().map(|(k, v)| k.bits_per_element(tokens) + v.bits_per_element(tokens)).sum();
+                sum / (2 * pairs.len()) as f64
+            }
+        })
     }
 
     /// One cache per layer of `model`.
     pub fn build(&self, model: &Model) -> Result<Vec<Box<dyn LayerCache>>> {
         let id = &model.info.identity;
-        match &self.method {
-            Method::Fp16 => Ok((0..id.n_layers).map(|_| Box::new(Fp16Cache::new(id.n_kv_heads, id.head_dim)) as Box<dyn LayerCache>).collect()),
-            Method::VecInfer(cal) => {
-                let m = &cal.model;
-                if m.architecture != id.architecture || m.n_layers != id.n_layers || m.n_kv_heads != id.n_kv_heads || m.head_dim != id.head_dim {
-                    return Err(Error::Config(format!(
-                        "calibration is for {} ({} layers, {} kv-heads, head_dim {}), the model is {} ({} layers, {} kv-heads, head_dim {})",
-                        m.name, m.n_layers, m.n_kv_heads, m.head_dim, id.name, id.n_layers, id.n_kv_heads, id.head_dim
-                    )));
-                }
-                cal.layers
-                    .iter()
-                    .map(|l| {
-                        let c = VecInferCache::new(Arc::new(l.keys.clone()), Arc::new(l.values.clone()), self.vecinfer)?;
-                        Ok(Box::new(c) as Box<dyn LayerCache>)
-                    })
-                    .collect()
-            }
+        let Some(pairs) = self.codecs(model)? else {
+            return Ok((0..id.n_layers).map(|_| Box::new(Fp16Cache::new(id.n_kv_heads, id.head_dim)) as Box<dyn LayerCache>).collect());
+        };
+        if let Method::VecInfer(cal) = &self.method {
+            return cal
+                .layers
+                .iter()
+                .map(|l| Ok(Box::new(VecInferCache::new(Arc::new(l.keys.clone()), Arc::new(l.values.clone()), self.window)?) as Box<dyn LayerCache>))
+                .collect();
         }
+        pairs
+            .into_iter()
+            .map(|(k, v)| {
+                let cfg = WindowConfig { flush_block: lcm(lcm(self.window.flush_block, k.block_tokens()), v.block_tokens()), ..self.window };
+                Ok(Box::new(DecodingCache::new(k, v, cfg)?) as Box<dyn LayerCache>)
+            })
+            .collect()
     }
+}
+
+fn check_calibration(cal: &Calibration, model: &Model) -> Result<()> {
+    let (m, id) = (&cal.model, &model.info.identity);
+    if m.architecture != id.architecture || m.n_layers != id.n_layers || m.n_kv_heads != id.n_kv_heads || m.head_dim != id.head_dim {
+        return Err(Error::Config(format!(
+            "calibration is for {} ({} layers, {} kv-heads, head_dim {}), the model is {} ({} layers, {} kv-heads, head_dim {})",
+            m.name, m.n_layers, m.n_kv_heads, m.head_dim, id.name, id.n_layers, id.n_kv_heads, id.head_dim
+        )));
+    }
+    Ok(())
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    a / gcd(a, b) * b
 }
 
 /// Resident bytes of all layers' caches.

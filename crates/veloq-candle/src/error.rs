@@ -18,6 +18,8 @@ pub enum Error {
     ContextOverflow { requested: usize, max: usize },
     #[error("{0}")]
     Config(String),
+    #[error("method {method}: evaluation token {at} repeats the text it was calibrated on; evaluate on a different text")]
+    CalibrationOverlap { method: String, at: usize },
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

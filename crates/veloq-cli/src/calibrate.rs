@@ -42,6 +42,9 @@ pub struct Args {
     /// Key smoothing: sqrt_max_abs (default, measured best), max_abs or none
     #[arg(long, default_value = "sqrt_max_abs")]
     pub smooth: String,
+    /// Do not subtract the calibrated per-channel mean before quantizing.
+    #[arg(long)]
+    pub no_center: bool,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     #[arg(long)]
@@ -71,12 +74,12 @@ pub fn run(a: Args) -> Result<()> {
     ids.truncate(a.tokens);
     let granularity = Granularity::parse(&a.granularity)?;
     let smooth = if a.smooth == "none" { None } else { Some(SmoothRule::parse(&a.smooth)?) };
-    let keys = CodecSpec { shape: PqShape::new(a.key_sub_dim, a.key_bits)?, granularity, smooth, rotate: true };
-    let values = CodecSpec { shape: PqShape::new(a.value_sub_dim, a.value_bits)?, granularity, smooth: None, rotate: true };
+    let keys = CodecSpec { shape: PqShape::new(a.key_sub_dim, a.key_bits)?, granularity, center: !a.no_center, smooth, rotate: true };
+    let values = CodecSpec { shape: PqShape::new(a.value_sub_dim, a.value_bits)?, granularity, center: !a.no_center, smooth: None, rotate: true };
     let b = bar(ids.len() as u64, "collecting");
     let acts = collect_activations(&model, &ids, a.window, &mut |n| b.set_position(n as u64))?;
     b.finish();
-    let b = bar(acts.len() as u64, "k-means");
+    let b = bar(acts.layers.len() as u64, "k-means");
     let cal = calibrate(&model, &acts, keys, values, a.seed, &mut |n| b.set_position(n as u64))?;
     b.finish();
     let out = a.out.clone().unwrap_or_else(|| default_calibration(&model_path));

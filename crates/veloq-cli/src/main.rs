@@ -5,7 +5,9 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod calibrate;
+mod eval;
 mod generate;
+mod plot;
 
 #[global_allocator]
 static ALLOC: veloq::measure::CountingAlloc = veloq::measure::CountingAlloc;
@@ -23,6 +25,8 @@ enum Command {
     Generate(generate::Args),
     /// Calibrate VecInfer codebooks on the model's own keys and values over real text.
     Calibrate(calibrate::Args),
+    /// Quality on real text: perplexity, KL and top-1 agreement vs fp16 for every method.
+    Eval(eval::Args),
     /// Benchmarks, measured side by side in one run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -33,5 +37,6 @@ fn main() -> Result<()> {
         Command::Bench(b) => bench::run(b),
         Command::Generate(a) => generate::run(a),
         Command::Calibrate(a) => calibrate::run(a),
+        Command::Eval(a) => eval::run(a),
     }
 }

@@ -1,8 +1,8 @@
 //! Calibration artifacts: smoothing scales and codebooks for every layer, plus the configuration
 //! and the identity of the model they were trained on, in one safetensors file.
 //!
-//! Tensors (all F32): `layers.{i}.{keys|values}.smooth` `[n_kv_heads, head_dim]` (only when that
-//! side smooths) and `layers.{i}.{keys|values}.codebooks` `[books, centroids, sub_dim]`.
+//! Tensors (all F32): `layers.{i}.{keys|values}.mean` and `.smooth`, `[n_kv_heads, head_dim]`
+//! (only when that side centers / smooths) and `layers.{i}.{keys|values}.codebooks` `[books, centroids, sub_dim]`.
 //! Metadata: one key, `veloq`, holding a JSON object (a single key keeps the header bytes
 //! deterministic, since safetensors stores metadata in a hash map).
 //!
@@ -15,6 +15,8 @@ use std::path::{Path, PathBuf};
 use safetensors::{tensor::TensorView, Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
+use crate::calibrate::TextFingerprint;
+use crate::codec::block::BlockCodec;
 use crate::codec::codebook::{Codebook, CodebookSet, Granularity, PqShape};
 use crate::codec::smooth::{SmoothRule, SmoothScales, MIN_SCALE};
 use crate::codec::vecinfer::{CodecSpec, VecInferCodec};
@@ -67,6 +69,8 @@ pub struct Calibration {
     pub values: CodecSpec,
     pub seed: u64,
     pub calibration_tokens: usize,
+    /// Shingles of the calibration text, so evaluation can refuse to run on it.
+    pub text: TextFingerprint,
     pub layers: Vec<LayerCodecs>,
 }
 
@@ -75,6 +79,8 @@ struct SideMeta {
     sub_dim: usize,
     bits: u32,
     granularity: String,
+    #[serde(default)]
+    center: bool,
     smooth: Option<String>,
     rotate: bool,
 }
@@ -89,6 +95,8 @@ struct Meta {
     values: SideMeta,
     seed: u64,
     calibration_tokens: usize,
+    #[serde(default)]
+    text: TextFingerprint,
 }
 
 impl SideMeta {
@@ -97,6 +105,7 @@ impl SideMeta {
             sub_dim: s.shape.sub_dim,
             bits: s.shape.bits,
             granularity: s.granularity.name().into(),
+            center: s.center,
             smooth: s.smooth.map(|r| r.name().into()),
             rotate: s.rotate,
         }
@@ -105,6 +114,7 @@ impl SideMeta {
         Ok(CodecSpec {
             shape: PqShape::new(self.sub_dim, self.bits)?,
             granularity: Granularity::parse(&self.granularity)?,
+            center: self.center,
             smooth: self.smooth.as_deref().map(SmoothRule::parse).transpose()?,
             rotate: self.rotate,
         })
@@ -132,13 +142,20 @@ impl Calibration {
                     && codec.shape() == spec.shape
                     && codec.books().granularity() == spec.granularity
                     && codec.smooth().is_some() == spec.smooth.is_some()
+                    && codec.mean().is_some() == spec.center
                     && codec.rotates() == spec.rotate;
                 if !ok {
                     return Err(Error::Shape(format!("layer {i} {} codec does not match the model geometry or its spec", side_name(k))));
                 }
             }
         }
-        Ok(Self { model, keys, values, seed, calibration_tokens, layers })
+        Ok(Self { model, keys, values, seed, calibration_tokens, text: TextFingerprint::default(), layers })
+    }
+
+    /// Records which text the calibration saw.
+    pub fn with_text(mut self, text: TextFingerprint) -> Self {
+        self.text = text;
+        self
     }
 
     /// The serialized artifact. Same calibration, same bytes.
@@ -152,11 +169,15 @@ impl Calibration {
             values: SideMeta::from_spec(&self.values),
             seed: self.seed,
             calibration_tokens: self.calibration_tokens,
+            text: self.text.clone(),
         };
         let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
         for (i, l) in self.layers.iter().enumerate() {
             for (codec, k) in [(&l.keys, true), (&l.values, false)] {
                 let p = format!("layers.{i}.{}", side_name(k));
+                if let Some(m) = codec.mean() {
+                    owned.push((format!("{p}.mean"), vec![codec.n_heads(), codec.head_dim()], f32_bytes(m)));
+                }
                 if let Some(s) = codec.smooth() {
                     owned.push((format!("{p}.smooth"), vec![s.n_heads(), s.head_dim()], f32_bytes(s.as_slice())));
                 }
@@ -238,6 +259,12 @@ impl Calibration {
         for i in 0..m.n_layers {
             let mut side = |spec: &CodecSpec, k: bool| -> Result<VecInferCodec> {
                 let p = format!("layers.{i}.{}", side_name(k));
+                let mean = if spec.center {
+                    expected += 1;
+                    Some(read_f32(&st, &format!("{p}.mean"), &[m.n_kv_heads, m.head_dim]).map_err(bad)?)
+                } else {
+                    None
+                };
                 let smooth = match spec.smooth {
                     Some(_) => {
                         expected += 1;
@@ -256,7 +283,7 @@ impl Calibration {
                 let data = read_f32(&st, &format!("{p}.codebooks"), &[count, k_, sd]).map_err(bad)?;
                 let books = data.chunks_exact(k_ * sd).map(|c| Codebook::new(sd, c.to_vec())).collect::<Result<Vec<_>>>().map_err(wrap)?;
                 let books = CodebookSet::new(spec.shape, spec.granularity, subspaces, books).map_err(wrap)?;
-                VecInferCodec::new(m.n_kv_heads, m.head_dim, smooth, spec.rotate, books).map_err(wrap)
+                VecInferCodec::new(m.n_kv_heads, m.head_dim, mean, smooth, spec.rotate, books).map_err(wrap)
             };
             let keys_codec = side(&keys, true)?;
             let values_codec = side(&values, false)?;
@@ -267,7 +294,8 @@ impl Calibration {
             names.sort();
             return Err(bad(format!("{} tensors where the metadata implies {expected}: {names:?}", st.len())));
         }
-        Self::new(meta.model, keys, values, meta.seed, meta.calibration_tokens, layers).map_err(wrap)
+        let cal = Self::new(meta.model, keys, values, meta.seed, meta.calibration_tokens, layers).map_err(wrap)?;
+        Ok(cal.with_text(meta.text))
     }
 
     /// Bits per element of keys and values including every stored byte of codebooks and scales,
@@ -278,7 +306,7 @@ impl Calibration {
         let mut bytes = 0usize;
         for l in &self.layers {
             for c in [&l.keys, &l.values] {
-                bytes += c.code_bytes(tokens) + c.books().resident_bytes() + c.smooth().map_or(0, |s| s.as_slice().len() * 4);
+                bytes += c.code_bytes(tokens) + BlockCodec::resident_bytes(c);
             }
         }
         8.0 * bytes as f64 / elements

@@ -18,6 +18,9 @@ pub enum Error {
     /// An artifact that cannot be read or does not match what the caller expects.
     #[error("calibration artifact {path}: {reason}")]
     Artifact { path: PathBuf, reason: String },
+    /// A GPU that is missing, refused a call, or cannot run this configuration.
+    #[error("GPU: {0}")]
+    Device(String),
     #[error("I/O on {path}: {source}")]
     Io {
         path: PathBuf,

@@ -1,17 +1,23 @@
 //! The cache contract: a model layer hands its post-RoPE keys and values to a [`LayerCache`] and
 //! asks it for attention, so a compressed cache can score against codes without rebuilding fp16
-//! keys. Two implementations: [`Fp16Cache`] (the baseline) and [`VecInferCache`].
+//! keys. Implementations: [`Fp16Cache`] (the reference), [`VecInferCache`] (codes, lookup-table
+//! decode) and [`DecodingCache`] (any other [`BlockCodec`](veloq::codec::block::BlockCodec), for
+//! the scalar baselines).
 //!
 //! Shapes: keys/values `[1, n_kv_heads, T, head_dim]`, queries `[1, n_q_heads, T, head_dim]`, f32
 //! on the CPU. Batch 1 on this path; GQA is handled inside (query heads index their kv head, keys
 //! are never copied per query head).
 
+mod decoding;
 mod dense;
 mod fp16;
+mod store;
 mod vecinfer;
 
+pub use decoding::DecodingCache;
 pub use fp16::Fp16Cache;
-pub use vecinfer::{VecInferCache, VecInferCacheConfig};
+pub use store::WindowConfig;
+pub use vecinfer::VecInferCache;
 
 use candle_core::Tensor;
 

@@ -6,6 +6,7 @@ mod tokenizer;
 
 pub use llama::Model;
 pub use tokenizer::{decode, encode, load_tokenizer, ChatTemplate};
+pub use tokenizers::Tokenizer;
 
 use veloq::artifact::ModelIdentity;
 

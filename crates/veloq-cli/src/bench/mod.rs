@@ -3,6 +3,8 @@
 use anyhow::Result;
 use clap::Subcommand;
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod decode;
 pub mod search;
 pub mod smooth;
@@ -15,6 +17,9 @@ pub enum BenchCommand {
     Decode(decode::Args),
     /// Key smoothing rules compared on real activations (KL and top-1 vs fp16).
     Smooth(smooth::Args),
+    /// CUDA kernels: correctness against the CPU path, then timings (build with --features cuda).
+    #[cfg(feature = "cuda")]
+    Cuda(cuda::Args),
 }
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
@@ -22,6 +27,8 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Search(a) => search::run(a),
         BenchCommand::Decode(a) => decode::run(a),
         BenchCommand::Smooth(a) => smooth::run(a),
+        #[cfg(feature = "cuda")]
+        BenchCommand::Cuda(a) => cuda::run(a),
     }
 }
 

@@ -8,7 +8,7 @@ use anyhow::Result;
 use clap::Args as ClapArgs;
 use serde_json::json;
 
-use veloq::codec::codebook::{Granularity, PqShape};
+use veloq::codec::codebook::PqShape;
 use veloq::codec::smooth::SmoothRule;
 use veloq::codec::vecinfer::CodecSpec;
 use veloq_candle::collect::{calibrate, collect_activations};
@@ -64,7 +64,7 @@ pub fn run(a: Args) -> Result<()> {
     println!("{:>14} | {:>9} {:>8}", "rule", "KL", "top-1");
     let mut rows = Vec::new();
     for rule in [None, Some(SmoothRule::MaxAbs), Some(SmoothRule::SqrtMaxAbs)] {
-        let keys = CodecSpec { shape, granularity: Granularity::PerLayer, smooth: rule, rotate: true };
+        let keys = CodecSpec { smooth: rule, ..CodecSpec::keys(shape) };
         let cal = calibrate(&model, &acts, keys, CodecSpec::values(shape), 0, &mut |_| {})?;
         let mut c = CacheConfig::vecinfer(cal).build(&model)?;
         model.forward(&span[..a.prefill], &mut c, false)?;

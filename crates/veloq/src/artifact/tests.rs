@@ -19,7 +19,8 @@ fn calibration() -> Calibration {
             LayerCodecs { keys: k, values: v }
         })
         .collect();
-    Calibration::new(model, keys, values, 1, 200, layers).unwrap()
+    let text = TextFingerprint::of_tokens(&(0..200u32).map(|i| i * 7 % 101).collect::<Vec<_>>());
+    Calibration::new(model, keys, values, 1, 200, layers).unwrap().with_text(text)
 }
 
 fn tmp(name: &str) -> PathBuf {

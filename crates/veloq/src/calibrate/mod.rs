@@ -1,7 +1,9 @@
 //! Calibration: from activations collected on real text to a trained codec.
 
+pub mod fingerprint;
 pub mod kmeans;
 
+pub use fingerprint::TextFingerprint;
 pub use kmeans::{kmeans, KMeansConfig, KMeansReport};
 
 use crate::codec::codebook::{CodebookSet, Granularity};
@@ -29,15 +31,23 @@ pub fn train_codec_with_progress(
     if kmeans_cfg.k != spec.shape.centroids() {
         return Err(Error::Config(format!("k-means k = {} but codebook has {} centroids", kmeans_cfg.k, spec.shape.centroids())));
     }
+    let row = n_heads * head_dim;
+    if row == 0 || samples.len() % row != 0 || samples.is_empty() {
+        return Err(Error::Shape(format!("calibration samples: {} values are not whole [tokens, {n_heads}, {head_dim}] rows", samples.len())));
+    }
+    let mean = spec.center.then(|| channel_means(samples, row));
     let smooth = match spec.smooth {
-        Some(rule) => Some(SmoothScales::calibrate(samples, n_heads, head_dim, rule)?),
+        Some(rule) => {
+            let centered: Vec<f32> = match &mean {
+                Some(mu) => samples.iter().enumerate().map(|(i, x)| x - mu[i % row]).collect(),
+                None => samples.to_vec(),
+            };
+            Some(SmoothScales::calibrate(&centered, n_heads, head_dim, rule)?)
+        }
         None => None,
     };
     let m = spec.shape.subspaces(head_dim)?;
-    let transform = RowTransform::new(n_heads, head_dim, smooth.clone(), spec.rotate)?;
-    if samples.len() % (n_heads * head_dim) != 0 {
-        return Err(Error::Shape(format!("calibration samples: {} values are not whole [tokens, {n_heads}, {head_dim}] rows", samples.len())));
-    }
+    let transform = RowTransform::new(n_heads, head_dim, mean.clone(), smooth.clone(), spec.rotate)?;
     let mut transformed = vec![0.0f32; samples.len()];
     for (r, (src, dst)) in samples.chunks_exact(head_dim).zip(transformed.chunks_exact_mut(head_dim)).enumerate() {
         transform.forward(r % n_heads, src, dst);
@@ -62,5 +72,15 @@ pub fn train_codec_with_progress(
         }
     };
     let books = CodebookSet::new(spec.shape, spec.granularity, m, books)?;
-    Ok((VecInferCodec::new(n_heads, head_dim, smooth, spec.rotate, books)?, reports))
+    Ok((VecInferCodec::new(n_heads, head_dim, mean, smooth, spec.rotate, books)?, reports))
+}
+
+/// Per-(head, channel) means of token-major rows, summed in f64.
+fn channel_means(samples: &[f32], row: usize) -> Vec<f32> {
+    let mut sum = vec![0.0f64; row];
+    for r in samples.chunks_exact(row) {
+        sum.iter_mut().zip(r).for_each(|(s, &x)| *s += x as f64);
+    }
+    let n = (samples.len() / row) as f64;
+    sum.into_iter().map(|s| (s / n) as f32).collect()
 }

@@ -5,6 +5,7 @@
 //! decode: x ≈ s ⊙ H x̂ with x̂ the concatenated centroids (H is its own inverse).
 //! Attention never decodes keys: q·k ≈ (H (s ⊙ q))·x̂, see [`VecInferCodec::transform_query`].
 
+use crate::codec::block::BlockCodec;
 use crate::codec::codebook::{CodebookSet, Granularity, PqShape};
 use crate::codec::hadamard::MAX_HEAD_DIM;
 use crate::codec::pack::{packed_len, unpack_unchecked};
@@ -20,6 +21,8 @@ use crate::kernels::Metric;
 pub struct CodecSpec {
     pub shape: PqShape,
     pub granularity: Granularity,
+    /// Subtract the calibrated per-channel mean first.
+    pub center: bool,
     /// Smoothing rule, or `None` for no smoothing (the default for values).
     pub smooth: Option<SmoothRule>,
     pub rotate: bool,
@@ -29,11 +32,11 @@ impl CodecSpec {
     /// Keys: smooth by √max|k| (measured better than the paper's max|k| on SmolLM2, see
     /// `veloq bench smooth`), rotate, one codebook per layer.
     pub fn keys(shape: PqShape) -> Self {
-        Self { shape, granularity: Granularity::PerLayer, smooth: Some(SmoothRule::SqrtMaxAbs), rotate: true }
+        Self { shape, granularity: Granularity::PerLayer, center: true, smooth: Some(SmoothRule::SqrtMaxAbs), rotate: true }
     }
     /// Values: rotated, not smoothed (no outlier channels to tame).
     pub fn values(shape: PqShape) -> Self {
-        Self { shape, granularity: Granularity::PerLayer, smooth: None, rotate: true }
+        Self { shape, granularity: Granularity::PerLayer, center: true, smooth: None, rotate: true }
     }
 }
 
@@ -49,12 +52,12 @@ pub struct VecInferCodec {
 
 impl VecInferCodec {
     /// Assembles a codec, checking that scales and codebooks fit the geometry.
-    pub fn new(n_heads: usize, head_dim: usize, smooth: Option<SmoothScales>, rotate: bool, books: CodebookSet) -> Result<Self> {
+    pub fn new(n_heads: usize, head_dim: usize, mean: Option<Vec<f32>>, smooth: Option<SmoothScales>, rotate: bool, books: CodebookSet) -> Result<Self> {
         if n_heads == 0 || head_dim == 0 || head_dim > MAX_HEAD_DIM {
             return Err(Error::Shape(format!("codec geometry {n_heads} heads × {head_dim} (head_dim ≤ {MAX_HEAD_DIM})")));
         }
         books.shape().subspaces(head_dim)?;
-        let transform = RowTransform::new(n_heads, head_dim, smooth, rotate)?;
+        let transform = RowTransform::new(n_heads, head_dim, mean, smooth, rotate)?;
         Ok(Self { n_heads, head_dim, transform, books, metric: Metric::Expanded })
     }
 
@@ -72,6 +75,9 @@ impl VecInferCodec {
     }
     pub fn smooth(&self) -> Option<&SmoothScales> {
         self.transform.smooth()
+    }
+    pub fn mean(&self) -> Option<&[f32]> {
+        self.transform.mean()
     }
     pub fn rotates(&self) -> bool {
         self.transform.rotates()
@@ -166,6 +172,31 @@ impl VecInferCodec {
     }
 }
 
+impl BlockCodec for VecInferCodec {
+    fn name(&self) -> String {
+        let s = self.shape();
+        format!("vecinfer-{}x{}b", s.sub_dim, s.bits)
+    }
+    fn n_heads(&self) -> usize {
+        self.n_heads
+    }
+    fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+    fn encoded_len(&self, tokens: usize) -> usize {
+        self.code_bytes(tokens)
+    }
+    fn encode(&self, rows: &[f32], out: &mut [u8]) -> Result<()> {
+        VecInferCodec::encode(self, rows, out)
+    }
+    fn decode(&self, bytes: &[u8], out: &mut [f32]) -> Result<()> {
+        VecInferCodec::decode(self, bytes, out)
+    }
+    fn resident_bytes(&self) -> usize {
+        self.books.resident_bytes() + self.smooth().map_or(0, |s| s.as_slice().len() * 4) + self.mean().map_or(0, |m| m.len() * 4)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -191,7 +222,7 @@ mod tests {
         for bits in [4u32, 6, 8] {
             for granularity in [Granularity::PerLayer, Granularity::PerSubspace] {
                 for (smooth, rotate) in [(None, false), (Some(SmoothRule::MaxAbs), true), (Some(SmoothRule::SqrtMaxAbs), true)] {
-                    let spec = CodecSpec { shape: PqShape::new(4, bits).unwrap(), granularity, smooth, rotate };
+                    let spec = CodecSpec { shape: PqShape::new(4, bits).unwrap(), granularity, center: smooth.is_some(), smooth, rotate };
                     let (codec, reports) = train_codec(&train, heads, dim, &spec, &KMeansConfig::new(1 << bits, seed)).unwrap();
                     let codes = codec.encode_vec(&test).unwrap();
                     assert_eq!(codes.len(), 101 * heads * 16 * bits as usize / 8);
@@ -211,7 +242,8 @@ mod tests {
         }
     }
 
-    /// q·k through the transformed query equals q·decode(k) (the identity attention relies on).
+    /// q·k through the transformed query plus the centering offset equals q·decode(k) (the
+    /// identity attention relies on).
     #[test]
     fn query_transform_preserves_scores() {
         let seed = fresh_seed();
@@ -235,7 +267,7 @@ mod tests {
                 let c = crate::codec::pack::get(&codes, 8, row * codec.subspaces() + j);
                 xh[j * 8..(j + 1) * 8].copy_from_slice(codec.books().book(j).centroid(c as usize));
             }
-            let a: f32 = qt.iter().zip(&xh).map(|(a, b)| a * b).sum();
+            let a: f32 = qt.iter().zip(&xh).map(|(a, b)| a * b).sum::<f32>() + codec.transform().query_offset(h, &q);
             let b: f32 = q.iter().zip(&kd[row * dim..(row + 1) * dim]).map(|(a, b)| a * b).sum();
             assert!((a - b).abs() <= 1e-3 * (1.0 + b.abs()), "seed {seed}: {a} vs {b}");
         }

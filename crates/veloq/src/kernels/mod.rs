@@ -1,7 +1,10 @@
-//! Kernels over the codec's data: the fused CPU paths and the naive reference they are tested
-//! against. (CUDA kernels live behind the `cuda` feature, in the same shape.)
+//! Kernels over the codec's data: the fused CPU paths, the naive reference they are tested
+//! against, and (feature `cuda`) the CUDA kernels, which the CPU path checks.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod reference;
+pub mod select;
 
 pub use cpu::lanes::Metric;

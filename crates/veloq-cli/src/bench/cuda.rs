@@ -1,0 +1,278 @@
+//! `veloq bench cuda` (feature `cuda`): every CUDA kernel checked against the CPU path on fresh
+//! random inputs (outputs poisoned first), then timed with CUDA events (median of many), with the
+//! two roofline numbers (FLOPs, bytes) per shape. PyTorch/Triton anchors come from
+//! scripts/device/baselines.py in the same device call.
+
+use std::path::PathBuf;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context, Result};
+use clap::Args as ClapArgs;
+use half::f16;
+use serde_json::json;
+
+use veloq::calibrate::{train_codec, KMeansConfig};
+use veloq::codec::codebook::{Granularity, PqShape};
+use veloq::codec::pack::unpack;
+use veloq::codec::vecinfer::{CodecSpec, VecInferCodec};
+use veloq::kernels::cuda::{AttentionScratch, Gpu, GpuAttention, GpuCodec};
+
+use super::write_json;
+
+#[derive(ClapArgs)]
+pub struct Args {
+    /// Timed repetitions per shape (median reported).
+    #[arg(long, default_value_t = 50)]
+    reps: usize,
+    /// Skip timing (correctness only).
+    #[arg(long)]
+    check_only: bool,
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// Gaussian stream (xorshift + Box–Muller): fresh, never zero, outlier channels like real keys.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+    fn normal(&mut self) -> f32 {
+        ((-2.0 * self.next().ln()).sqrt() * (2.0 * std::f64::consts::PI * self.next()).cos()) as f32
+    }
+    fn rows(&mut self, rows: usize, d: usize) -> Vec<f32> {
+        (0..rows * d).map(|i| self.normal() * if i % d == 3 || i % d == d / 2 { 8.0 } else { 1.0 } + if i % d == 5 { 2.0 } else { 0.0 }).collect()
+    }
+}
+
+fn codec(rng: &mut Rng, heads: usize, d: usize, sd: usize, bits: u32, granularity: Granularity, keys: bool) -> Result<VecInferCodec> {
+    let shape = PqShape::new(sd, bits)?;
+    let spec = if keys { CodecSpec { granularity, ..CodecSpec::keys(shape) } } else { CodecSpec { granularity, ..CodecSpec::values(shape) } };
+    let train = rng.rows(((4 << bits) / heads).max(600) * heads, d);
+    Ok(train_codec(&train, heads, d, &spec, &KMeansConfig { max_iter: 8, ..KMeansConfig::new(1 << bits, rng.0) })?.0)
+}
+
+fn f16_bits(x: &[f32]) -> Vec<u16> {
+    x.iter().map(|&v| f16::from_f32(v).to_bits()).collect()
+}
+
+fn rel_mse(x: &[f32], y: &[f32]) -> f64 {
+    let e: f64 = x.iter().zip(y).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+    e / x.iter().map(|a| (*a as f64).powi(2)).sum::<f64>()
+}
+
+/// Median milliseconds of `reps` runs of `f`, timed with events on the GPU's stream.
+fn time_ms(gpu: &Gpu, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+    for _ in 0..3 {
+        f()?;
+    }
+    let s = gpu.stream();
+    let mut t = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let a = s.record_event(Some(CU_EVENT_DEFAULT)).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        f()?;
+        let b = s.record_event(Some(CU_EVENT_DEFAULT)).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        b.synchronize().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        t.push(a.elapsed_ms(&b).map_err(|e| anyhow::anyhow!("{e:?}"))? as f64);
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+macro_rules! dev {
+    ($e:expr) => {
+        $e.map_err(|e| anyhow::anyhow!("{e:?}"))?
+    };
+}
+
+/// GPU codes vs the CPU encoder on one shape: code agreement and reconstruction error.
+fn check_quantize(gpu: &Gpu, rng: &mut Rng, (s, d, h, sd, bits, g): (usize, usize, usize, usize, u32, Granularity)) -> Result<serde_json::Value> {
+    let c = codec(rng, h, d, sd, bits, g, true)?;
+    let gc = GpuCodec::upload(gpu, &c)?;
+    let x = rng.rows(s * h, d);
+    let xh: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
+    let want = c.encode_vec(&xh)?;
+    let st = gpu.stream();
+    let xd = dev!(st.memcpy_stod(&f16_bits(&x)));
+    let mut out = dev!(st.memcpy_stod(&vec![0xABu8; gc.code_bytes(s * h)]));
+    gc.quantize(gpu, &xd, s * h, &mut out)?;
+    let got: Vec<u8> = dev!(st.memcpy_dtov(&out));
+    let m = s * h * d / sd;
+    let (mut a, mut b) = (vec![0u16; m], vec![0u16; m]);
+    unpack(&want, bits, &mut a)?;
+    unpack(&got, bits, &mut b)?;
+    let differ = a.iter().zip(&b).filter(|(p, q)| p != q).count();
+    let xf: Vec<f32> = xh.iter().map(|v| v.to_f32()).collect();
+    let (mut ya, mut yb) = (vec![0.0f32; x.len()], vec![0.0f32; x.len()]);
+    c.decode(&want, &mut ya)?;
+    c.decode(&got, &mut yb)?;
+    let (ea, eb) = (rel_mse(&xf, &ya), rel_mse(&xf, &yb));
+    let ok = (differ as f64) <= 1e-3 * m as f64 && (eb - ea).abs() <= 0.01 * ea;
+    println!("quantize S={s:<5} D={d:<3} H={h} sd={sd} {bits:>2}b {:<12} codes differing {differ}/{m}, rel MSE cpu {ea:.5} gpu {eb:.5} {}", g.name(), if ok { "ok" } else { "FAIL" });
+    if !ok {
+        bail!("quantize mismatch beyond near-ties");
+    }
+    Ok(json!({"S": s, "D": d, "H": h, "sub_dim": sd, "bits": bits, "granularity": g.name(), "codes": m, "differing": differ, "rel_mse_cpu": ea, "rel_mse_gpu": eb}))
+}
+
+/// Codes `[B][S][H][M]` from the CPU encoder, reordered to the kernel's `[B][H][S][M]`.
+fn head_major(codes: &[u8], b: usize, s: usize, h: usize, m: usize) -> Vec<u8> {
+    let mut out = vec![0u8; codes.len()];
+    for bi in 0..b {
+        for t in 0..s {
+            for hi in 0..h {
+                let src = ((bi * s + t) * h + hi) * m;
+                let dst = ((bi * h + hi) * s + t) * m;
+                out[dst..dst + m].copy_from_slice(&codes[src..src + m]);
+            }
+        }
+    }
+    out
+}
+
+struct AttnCase {
+    b: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    s: usize,
+    w: usize,
+}
+
+/// GPU attention over codes + window vs an f64 reference over the CPU-decoded keys and values.
+fn check_attention(gpu: &Gpu, rng: &mut Rng, c: AttnCase) -> Result<serde_json::Value> {
+    let AttnCase { b, hq, hkv, d, s, w } = c;
+    let (kc, vc) = (codec(rng, hkv, d, 4, 8, Granularity::PerLayer, true)?, codec(rng, hkv, d, 4, 8, Granularity::PerLayer, false)?);
+    let att = GpuAttention::new(GpuCodec::upload(gpu, &kc)?, GpuCodec::upload(gpu, &vc)?, hq)?;
+    let m = d / 4;
+    let keys = rng.rows(b * s * hkv, d);
+    let values = rng.rows(b * s * hkv, d);
+    let kcodes = if s > 0 { kc.encode_vec(&keys)? } else { Vec::new() };
+    let vcodes = if s > 0 { vc.encode_vec(&values)? } else { Vec::new() };
+    let (mut kd, mut vd) = (vec![0.0f32; keys.len()], vec![0.0f32; values.len()]);
+    if s > 0 {
+        kc.decode(&kcodes, &mut kd)?;
+        vc.decode(&vcodes, &mut vd)?;
+    }
+    let wk: Vec<f32> = rng.rows(b * hkv * w, d).iter().map(|&v| f16::from_f32(v).to_f32()).collect();
+    let wv: Vec<f32> = rng.rows(b * hkv * w, d).iter().map(|&v| f16::from_f32(v).to_f32()).collect();
+    let q = rng.rows(b * hq, d);
+    let scale = 1.0 / (d as f32).sqrt();
+    // Reference in f64: keys token-major [B][S][H][D], window [B][H][W][D].
+    let mut want = vec![0.0f64; b * hq * d];
+    for bi in 0..b {
+        for qh in 0..hq {
+            let h = qh / (hq / hkv);
+            let qv = &q[(bi * hq + qh) * d..][..d];
+            let krow = |t: usize| -> &[f32] { if t < s { &kd[((bi * s + t) * hkv + h) * d..][..d] } else { &wk[((bi * hkv + h) * w + t - s) * d..][..d] } };
+            let vrow = |t: usize| -> &[f32] { if t < s { &vd[((bi * s + t) * hkv + h) * d..][..d] } else { &wv[((bi * hkv + h) * w + t - s) * d..][..d] } };
+            let sc: Vec<f64> = (0..s + w).map(|t| krow(t).iter().zip(qv).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64).collect();
+            let mx = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
+            let z: f64 = e.iter().sum();
+            let o = &mut want[(bi * hq + qh) * d..][..d];
+            for (t, p) in e.iter().enumerate() {
+                for (oi, vi) in o.iter_mut().zip(vrow(t)) {
+                    *oi += p / z * *vi as f64;
+                }
+            }
+        }
+    }
+    let st = gpu.stream();
+    let nz = |v: Vec<u8>| if v.is_empty() { vec![0u8; 16] } else { v };
+    let kcd = dev!(st.memcpy_stod(&nz(head_major(&kcodes, b, s, hkv, m))));
+    let vcd = dev!(st.memcpy_stod(&nz(head_major(&vcodes, b, s, hkv, m))));
+    let wkd = dev!(st.memcpy_stod(&if w > 0 { f16_bits(&wk) } else { vec![0u16; 1] }));
+    let wvd = dev!(st.memcpy_stod(&if w > 0 { f16_bits(&wv) } else { vec![0u16; 1] }));
+    let qd = dev!(st.memcpy_stod(&q));
+    let mut out = dev!(st.memcpy_stod(&vec![f32::NAN; b * hq * d]));
+    let mut scratch = AttentionScratch::new(gpu, b, hq, d, att.splits(gpu, b, s.max(1)))?;
+    att.attend(gpu, &qd, &kcd, &vcd, b, s, &wkd, &wvd, w, scale, &mut scratch, &mut out)?;
+    let got: Vec<f32> = dev!(st.memcpy_dtov(&out));
+    let err: f64 = got.iter().zip(&want).map(|(g, w)| (*g as f64 - w).powi(2)).sum::<f64>().sqrt();
+    let norm: f64 = want.iter().map(|w| w * w).sum::<f64>().sqrt();
+    let rel = err / norm;
+    let ok = rel.is_finite() && rel < 1e-3;
+    println!("attention B={b} Hq={hq} Hkv={hkv} D={d} S={s:<5} W={w:<2}: rel err {rel:.2e} {}", if ok { "ok" } else { "FAIL" });
+    if !ok {
+        bail!("attention mismatch");
+    }
+    Ok(json!({"B": b, "Hq": hq, "Hkv": hkv, "D": d, "S": s, "W": w, "rel_err": rel}))
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let gpu = Gpu::new(0).context("opening GPU 0")?;
+    let seed = SystemTime::now().duration_since(UNIX_EPOCH)?.as_nanos() as u64 | 1;
+    let mut rng = Rng(seed);
+    println!("{} ({} SMs), seed {seed}", gpu.name(), gpu.multiprocessors());
+    let mut checks = Vec::new();
+    for shape in [
+        (1001, 64, 4, 4, 8, Granularity::PerLayer),
+        (777, 128, 8, 8, 8, Granularity::PerLayer),
+        (513, 256, 4, 4, 8, Granularity::PerLayer),
+        (301, 128, 8, 8, 12, Granularity::PerLayer),
+        (257, 128, 2, 4, 6, Granularity::PerSubspace),
+    ] {
+        checks.push(check_quantize(&gpu, &mut rng, shape)?);
+    }
+    for c in [
+        AttnCase { b: 2, hq: 8, hkv: 2, d: 64, s: 1000, w: 7 },
+        AttnCase { b: 1, hq: 32, hkv: 8, d: 128, s: 4097, w: 31 },
+        AttnCase { b: 3, hq: 4, hkv: 4, d: 256, s: 333, w: 0 },
+        AttnCase { b: 1, hq: 12, hkv: 4, d: 128, s: 0, w: 20 },
+        AttnCase { b: 2, hq: 32, hkv: 8, d: 128, s: 20011, w: 16 },
+    ] {
+        checks.push(check_attention(&gpu, &mut rng, c)?);
+    }
+    if a.check_only {
+        return write_json(&a.json, &json!({"gpu": gpu.name(), "checks": checks}));
+    }
+    let st = gpu.stream();
+    // Quantize timing: the anchors' shapes (S, D, H, sub_dim), 256 centroids.
+    println!("\n| quantize S,D,H,sd | ms | G sub-vec/s | GFLOP/s | GB/s |");
+    println!("|---|---|---|---|---|");
+    let mut qt = Vec::new();
+    for (s, d, h, sd) in [(2048, 128, 8, 8), (8192, 128, 8, 8), (131072, 128, 8, 8), (4096, 256, 4, 4), (131072, 128, 8, 4)] {
+        let c = codec(&mut rng, h, d, sd, 8, Granularity::PerLayer, true)?;
+        let gc = GpuCodec::upload(&gpu, &c)?;
+        let xd = dev!(st.memcpy_stod(&f16_bits(&rng.rows(s * h, d))));
+        let mut out = dev!(st.alloc_zeros::<u8>(gc.code_bytes(s * h)));
+        let ms = time_ms(&gpu, a.reps, || Ok(gc.quantize(&gpu, &xd, s * h, &mut out)?))?;
+        let n = (s * h * d / sd) as f64;
+        let flops = n * 256.0 * (2.0 * sd as f64 + 1.0);
+        let bytes = (s * h * d * 2) as f64 + gc.code_bytes(s * h) as f64;
+        println!("| {s},{d},{h},{sd} | {ms:.4} | {:.2} | {:.0} | {:.0} |", n / ms / 1e6, flops / ms / 1e6, bytes / ms / 1e6);
+        qt.push(json!({"S": s, "D": d, "H": h, "sub_dim": sd, "ms": ms, "sub_vectors": n, "flops": flops, "bytes": bytes}));
+    }
+    // Decode attention timing: Llama-3.1-8B geometry, 2-bit codes (256 centroids of 4).
+    println!("\n| attention B,S (Hq 32, Hkv 8, D 128) | ms | code MiB | GB/s | splits |");
+    println!("|---|---|---|---|---|");
+    let mut at = Vec::new();
+    let (hq, hkv, d, w) = (32, 8, 128, 16);
+    let kc = codec(&mut rng, hkv, d, 4, 8, Granularity::PerLayer, true)?;
+    let vc = codec(&mut rng, hkv, d, 4, 8, Granularity::PerLayer, false)?;
+    let att = GpuAttention::new(GpuCodec::upload(&gpu, &kc)?, GpuCodec::upload(&gpu, &vc)?, hq)?;
+    for (b, s) in [(1, 1024), (1, 8192), (1, 32768), (1, 131072), (8, 1024), (8, 32768), (8, 131072)] {
+        let m = d / 4;
+        let n = b * hkv * s * m;
+        let codes: Vec<u8> = (0..n).map(|i| (rng.next() * 256.0) as u8 ^ (i as u8)).collect();
+        let kcd = dev!(st.memcpy_stod(&codes));
+        let vcd = dev!(st.memcpy_stod(&codes));
+        let wkd = dev!(st.memcpy_stod(&f16_bits(&rng.rows(b * hkv * w, d))));
+        let wvd = dev!(st.memcpy_stod(&f16_bits(&rng.rows(b * hkv * w, d))));
+        let qd = dev!(st.memcpy_stod(&rng.rows(b * hq, d)));
+        let mut out = dev!(st.alloc_zeros::<f32>(b * hq * d));
+        let splits = att.splits(&gpu, b, s);
+        let mut scratch = AttentionScratch::new(&gpu, b, hq, d, splits)?;
+        let ms = time_ms(&gpu, a.reps, || Ok(att.attend(&gpu, &qd, &kcd, &vcd, b, s, &wkd, &wvd, w, 0.088, &mut scratch, &mut out)?))?;
+        let bytes = 2.0 * n as f64;
+        println!("| {b},{s} | {ms:.4} | {:.1} | {:.0} | {splits} |", bytes / (1 << 20) as f64, bytes / ms / 1e6);
+        at.push(json!({"B": b, "S": s, "Hq": hq, "Hkv": hkv, "D": d, "W": w, "ms": ms, "code_bytes": bytes, "splits": splits,
+            "fp16_kv_bytes": (2 * b * hkv * s * d * 2) as f64, "launches": 2}));
+    }
+    write_json(&a.json, &json!({"gpu": gpu.name(), "seed": seed, "checks": checks, "quantize": qt, "attention": at}))
+}

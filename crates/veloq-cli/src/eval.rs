@@ -1,0 +1,319 @@
+//! `veloq eval`: perplexity, KL from fp16 and top-1 agreement of every cache method on real text,
+//! at one or more context lengths, in one run. Calibrates on one novel and evaluates on another,
+//! and refuses to run when the two overlap.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::Args as ClapArgs;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+
+use veloq::artifact::Calibration;
+use veloq::calibrate::TextFingerprint;
+use veloq::codec::codebook::{Granularity, PqShape};
+use veloq::codec::smooth::SmoothRule;
+use veloq::codec::vecinfer::CodecSpec;
+use veloq_candle::collect::{calibrate, collect_activations, Activations};
+use veloq_candle::config::CacheConfig;
+use veloq_candle::eval::{evaluate, total_tokens, EvalConfig, MethodScore};
+use veloq_candle::model::{encode, Model, Tokenizer};
+
+use crate::calibrate::default_text;
+use crate::generate::default_model;
+use crate::plot;
+
+#[derive(ClapArgs)]
+pub struct Args {
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Evaluation text (default: Pride and Prejudice, the text of ANCHORS.md's llama.cpp runs).
+    #[arg(long)]
+    pub text: Option<PathBuf>,
+    /// Calibration text for the VecInfer methods (default: Persuasion).
+    #[arg(long)]
+    pub calib_text: Option<PathBuf>,
+    #[arg(long, default_value_t = 8192)]
+    pub calib_tokens: usize,
+    /// Context lengths, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "512,2048")]
+    pub ctx: Vec<usize>,
+    /// Windows per context length: one number for all, or one per --ctx entry.
+    #[arg(long, value_delimiter = ',', default_value = "4")]
+    pub windows: Vec<usize>,
+    /// Tokens per teacher-forced forward call (default: the caches' flush block, so queries see
+    /// about as many exact recent positions as during decode).
+    #[arg(long, default_value_t = 8)]
+    pub step: usize,
+    /// Methods, comma separated (default: all; see --list).
+    #[arg(long, value_delimiter = ',')]
+    pub methods: Vec<String>,
+    /// Print the method names and exit.
+    #[arg(long)]
+    pub list: bool,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// PNG figure prefix: writes PREFIX-ctx{N}.png (ΔPPL and KL against bits per element).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy)]
+struct Vq {
+    /// (sub_dim, codebook bits) of keys and of values.
+    keys: (usize, u32),
+    values: (usize, u32),
+    granularity: Granularity,
+    center: bool,
+    smooth: bool,
+    rotate: bool,
+    /// Keep the first positions in f16 (the cache's `sink`); off only for the ablation.
+    sink: bool,
+}
+
+const fn vq(sub_dim: usize, bits: u32) -> Vq {
+    Vq { keys: (sub_dim, bits), values: (sub_dim, bits), granularity: Granularity::PerLayer, center: true, smooth: true, rotate: true, sink: true }
+}
+const VQ2: Vq = vq(4, 8);
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Fp16,
+    Vq(Vq),
+    Kivi(u32),
+    Rlm(u32),
+}
+
+/// Every method the harness knows, in table order. Families for the figure: the label before the
+/// first `-` (vq, kivi, rlm); ablations (`vq-2/…`) and the mixed key/value rates (`vq-k…`) are
+/// drawn as single points.
+const METHODS: &[(&str, Kind)] = &[
+    ("fp16", Kind::Fp16),
+    ("vq-1", Kind::Vq(vq(8, 8))),
+    ("vq-1.5", Kind::Vq(vq(8, 12))),
+    ("vq-2", Kind::Vq(VQ2)),
+    ("vq-3", Kind::Vq(vq(4, 12))),
+    ("vq-4", Kind::Vq(vq(2, 8))),
+    ("vq-k4v2", Kind::Vq(Vq { keys: (2, 8), ..VQ2 })),
+    ("vq-k2v4", Kind::Vq(Vq { values: (2, 8), ..VQ2 })),
+    ("vq-2/per-subspace", Kind::Vq(Vq { granularity: Granularity::PerSubspace, ..VQ2 })),
+    ("vq-2/no-center", Kind::Vq(Vq { center: false, ..VQ2 })),
+    ("vq-2/no-smooth", Kind::Vq(Vq { smooth: false, ..VQ2 })),
+    ("vq-2/no-rotate", Kind::Vq(Vq { rotate: false, ..VQ2 })),
+    ("vq-2/no-sink", Kind::Vq(Vq { sink: false, ..VQ2 })),
+    ("vq-2/plain", Kind::Vq(Vq { center: false, smooth: false, rotate: false, ..VQ2 })),
+    ("kivi-2", Kind::Kivi(2)),
+    ("kivi-4", Kind::Kivi(4)),
+    ("rlm-2", Kind::Rlm(2)),
+    ("rlm-3", Kind::Rlm(3)),
+    ("rlm-4", Kind::Rlm(4)),
+];
+
+fn describe(kind: Kind) -> String {
+    match kind {
+        Kind::Fp16 => "f16 keys and values".into(),
+        Kind::Vq(v) => format!(
+            "VecInfer K {}b/{} V {}b/{}, {}{}{}{}{}",
+            v.keys.1,
+            v.keys.0,
+            v.values.1,
+            v.values.0,
+            v.granularity.name(),
+            if v.center { ", centered" } else { "" },
+            if v.smooth { ", keys smoothed √max|k|" } else { ", no smoothing" },
+            if v.rotate { ", Hadamard" } else { ", no rotation" },
+            if v.sink { "" } else { ", no f16 sink" }
+        ),
+        Kind::Kivi(b) => format!("KIVI {b}-bit, group 32 (keys per channel, values per token)"),
+        Kind::Rlm(b) => format!("randomised Hadamard + Gaussian Lloyd–Max {b}-bit, per-vector RMS"),
+    }
+}
+
+fn specs(kind: Kind) -> Option<(CodecSpec, CodecSpec)> {
+    let Kind::Vq(v) = kind else { return None };
+    let smooth = v.smooth.then_some(SmoothRule::SqrtMaxAbs);
+    let side = |(sd, bits): (usize, u32), smooth| -> Option<CodecSpec> {
+        Some(CodecSpec { shape: PqShape::new(sd, bits).ok()?, granularity: v.granularity, center: v.center, smooth, rotate: v.rotate })
+    };
+    Some((side(v.keys, smooth)?, side(v.values, None)?))
+}
+
+fn bar(len: u64, msg: &str) -> ProgressBar {
+    let b = ProgressBar::new(len);
+    b.set_style(ProgressStyle::with_template("{msg:>14} [{bar:40}] {pos}/{len} {elapsed} (eta {eta})").unwrap().progress_chars("=> "));
+    b.set_message(msg.to_string());
+    b
+}
+
+fn read_tokens(tok: &Tokenizer, path: &Path) -> Result<Vec<u32>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {} (run scripts/fetch-data)", path.display()))?;
+    Ok(encode(tok, &text)?)
+}
+
+/// Calibrations for the VecInfer methods, trained once from one activation collection and cached
+/// under ~/.cache/veloq/eval (reused only when made from the same tokens with the same seed).
+fn calibrations(
+    model: &Model,
+    model_path: &Path,
+    calib: &[u32],
+    chosen: &[(&str, Kind)],
+    seed: u64,
+) -> Result<Vec<Option<Calibration>>> {
+    let text = TextFingerprint::of_tokens(calib);
+    let dir = veloq::artifact::default_dir().join("eval");
+    std::fs::create_dir_all(&dir)?;
+    let stem = model_path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut acts: Option<Activations> = None;
+    let mut out = Vec::new();
+    for &(label, kind) in chosen {
+        let Some((keys, values)) = specs(kind) else {
+            out.push(None);
+            continue;
+        };
+        // Named by what was trained, so methods that differ only in cache settings share a file.
+        let path = dir.join(format!("{stem}.{:016x}.s{seed}.t{}.safetensors", fnv(&format!("{keys:?}{values:?}")), calib.len()));
+        if let Ok(c) = Calibration::load_for(&path, &model.info.identity) {
+            if c.text == text && c.keys == keys && c.values == values && c.seed == seed {
+                out.push(Some(c));
+                continue;
+            }
+        }
+        if acts.is_none() {
+            let b = bar(calib.len() as u64, "collecting");
+            acts = Some(collect_activations(model, calib, 512, &mut |n| b.set_position(n as u64))?);
+            b.finish();
+        }
+        let b = bar(model.info.identity.n_layers as u64, label);
+        let cal = calibrate(model, acts.as_ref().expect("collected"), keys, values, seed, &mut |n| b.set_position(n as u64))?;
+        b.finish();
+        cal.save(&path)?;
+        out.push(Some(cal));
+    }
+    Ok(out)
+}
+
+fn fnv(s: &str) -> u64 {
+    s.bytes().fold(0xcbf29ce484222325, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3))
+}
+
+fn config(kind: Kind, cal: Option<Calibration>) -> CacheConfig {
+    match (kind, cal) {
+        (Kind::Vq(v), Some(c)) => {
+            let mut config = CacheConfig::vecinfer(c);
+            if !v.sink {
+                config.window.sink = 0;
+            }
+            config
+        }
+        (Kind::Kivi(b), _) => CacheConfig::kivi(b, 32),
+        (Kind::Rlm(b), _) => CacheConfig::rot_lloyd_max(b),
+        _ => CacheConfig::fp16(),
+    }
+}
+
+pub fn run(a: Args) -> Result<()> {
+    if a.list {
+        for (label, kind) in METHODS {
+            println!("{label:<20} {}", describe(*kind));
+        }
+        return Ok(());
+    }
+    let chosen: Vec<(&str, Kind)> = if a.methods.is_empty() {
+        METHODS.to_vec()
+    } else {
+        let mut v = vec![METHODS[0]];
+        for m in &a.methods {
+            let found = METHODS.iter().find(|(l, _)| l == m).with_context(|| format!("unknown method {m} (see veloq eval --list)"))?;
+            if found.0 != "fp16" {
+                v.push(*found);
+            }
+        }
+        v
+    };
+    let model_path = a.model.clone().unwrap_or_else(default_model);
+    let max_ctx = a.ctx.iter().copied().max().context("no --ctx")?;
+    let (model, tok) = Model::open(&model_path, max_ctx.max(512)).with_context(|| format!("loading {}", model_path.display()))?;
+    let eval_path = a.text.clone().unwrap_or_else(|| default_text().with_file_name("prideprejudice.txt"));
+    let calib_path = a.calib_text.clone().unwrap_or_else(default_text);
+    let eval_tokens = read_tokens(&tok, &eval_path)?;
+    let calib_tokens = read_tokens(&tok, &calib_path)?;
+    if calib_tokens.len() < a.calib_tokens {
+        bail!("{} has {} tokens, fewer than --calib-tokens {}", calib_path.display(), calib_tokens.len(), a.calib_tokens);
+    }
+    let calib = &calib_tokens[..a.calib_tokens];
+    let windows: Vec<usize> = match a.windows.len() {
+        1 => vec![a.windows[0]; a.ctx.len()],
+        n if n == a.ctx.len() => a.windows.clone(),
+        n => bail!("--windows has {n} entries for {} context lengths", a.ctx.len()),
+    };
+    let used = a.ctx.iter().zip(&windows).map(|(c, w)| c * w).max().unwrap_or(0).min(eval_tokens.len());
+    if let Some(at) = TextFingerprint::of_tokens(calib).first_overlap(&eval_tokens[..used]) {
+        bail!(
+            "calibration text {} and evaluation text {} overlap (evaluation token {at} repeats calibration text); \
+             calibrate and evaluate on different texts",
+            calib_path.display(),
+            eval_path.display()
+        );
+    }
+    let cals = calibrations(&model, &model_path, calib, &chosen, a.seed)?;
+    let methods: Vec<(String, CacheConfig)> = chosen.iter().zip(cals).map(|((l, k), c)| (l.to_string(), config(*k, c))).collect();
+    let mut runs = Vec::new();
+    for (&ctx, &windows) in a.ctx.iter().zip(&windows) {
+        let cfg = EvalConfig { ctx, windows, step: a.step };
+        let b = bar(total_tokens(&cfg, methods.len()) as u64, &format!("eval ctx {ctx}"));
+        let started = std::time::Instant::now();
+        let scores = evaluate(&model, &eval_tokens, &methods, cfg, &mut |n| b.set_position(n as u64))?;
+        b.finish();
+        print_table(ctx, windows, &scores);
+        if let Some(prefix) = &a.plot {
+            let path = PathBuf::from(format!("{}-ctx{ctx}.png", prefix.display()));
+            plot::quality(&path, ctx, &scores)?;
+            eprintln!("wrote {}", path.display());
+        }
+        runs.push(json!({
+            "ctx": ctx, "windows": windows, "scored_tokens": scores[0].scored,
+            "seconds": started.elapsed().as_secs_f64(),
+            "methods": scores.iter().zip(&chosen).map(|(s, (_, k))| row_json(s, &scores[0], *k)).collect::<Vec<_>>(),
+        }));
+    }
+    let out = json!({
+        "model": model.info.identity.name,
+        "eval_text": eval_path.file_name().map(|s| s.to_string_lossy().into_owned()),
+        "calib_text": calib_path.file_name().map(|s| s.to_string_lossy().into_owned()),
+        "calib_tokens": a.calib_tokens,
+        "step": a.step,
+        "f16_window": methods[0].1.window.window,
+        "seed": a.seed,
+        "runs": runs,
+    });
+    crate::bench::write_json(&a.json, &out)
+}
+
+fn row_json(s: &MethodScore, reference: &MethodScore, kind: Kind) -> serde_json::Value {
+    json!({
+        "method": s.label, "description": describe(kind), "code_bits_per_element": s.code_bits,
+        "resident_kv_bytes": s.resident_bytes, "ppl": s.ppl(), "delta_ppl": s.ppl() - reference.ppl(),
+        "kl": s.kl(), "top1_agreement": s.top1(), "scored_tokens": s.scored,
+    })
+}
+
+fn print_table(ctx: usize, windows: usize, scores: &[MethodScore]) {
+    let r = &scores[0];
+    println!("\nctx {ctx}, {windows} windows, {} scored tokens", r.scored);
+    println!("| method | bits/elem | resident KV KiB | PPL | ΔPPL | KL | top-1 |");
+    println!("|---|---|---|---|---|---|---|");
+    for s in scores {
+        println!(
+            "| {} | {:.2} | {:.0} | {:.3} | {:+.3} | {:.4} | {:.1}% |",
+            s.label,
+            s.code_bits,
+            s.resident_bytes as f64 / 1024.0,
+            s.ppl(),
+            s.ppl() - r.ppl(),
+            s.kl(),
+            100.0 * s.top1()
+        );
+    }
+}

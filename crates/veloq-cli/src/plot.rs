@@ -1,0 +1,111 @@
+//! Figures for results (PNG through plotters). Text is drawn with a TrueType font read at run time
+//! ($VELOQ_FONT, else DejaVu Sans from the system), so no font is compiled into the binary.
+
+use std::path::Path;
+use std::sync::OnceLock;
+
+use anyhow::{anyhow, Context, Result};
+use plotters::prelude::*;
+use plotters::style::FontStyle;
+
+use veloq_candle::eval::MethodScore;
+
+/// llama.cpp's quantized caches on the same model and text (../shared/ANCHORS.md, measured in
+/// another run): (ctx, label, bits/elem, ΔPPL, KL).
+pub const LLAMA_CPP: &[(usize, &str, f64, f64, f64)] = &[
+    (512, "q4_0", 4.5, 1.34, 0.058),
+    (512, "q8_0", 8.5, -0.004, 0.0039),
+    (512, "K q8_0 V q4_0", 6.5, 0.09, 0.0092),
+    (2048, "q4_0", 4.5, 1.12, 0.052),
+    (2048, "q8_0", 8.5, -0.011, 0.0038),
+];
+
+fn font() -> Result<()> {
+    static LOADED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    LOADED
+        .get_or_init(|| {
+            let path = std::env::var("VELOQ_FONT").unwrap_or_else(|_| "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf".into());
+            let bytes = std::fs::read(&path).map_err(|e| format!("font {path}: {e} (install fonts-dejavu-core or set VELOQ_FONT)"))?;
+            plotters::style::register_font("sans-serif", FontStyle::Normal, Box::leak(bytes.into_boxed_slice()))
+                .map_err(|_| format!("font {path} is not a TrueType font"))
+        })
+        .clone()
+        .map_err(|e| anyhow!(e))
+}
+
+/// Method family for the figure: `vq-2` → `vq`; ablations (`vq-2/no-rotate`) stay single points.
+fn family(label: &str) -> (&str, bool) {
+    (label.split('-').next().unwrap_or(label), label.contains('/') || label.starts_with("vq-k"))
+}
+
+const COLORS: [RGBColor; 6] = [RGBColor(31, 119, 180), RGBColor(214, 39, 40), RGBColor(44, 160, 44), RGBColor(148, 103, 189), RGBColor(255, 127, 14), RGBColor(140, 86, 75)];
+
+/// ΔPPL (left) and KL (right) against stored bits per element, log scale, one line per method
+/// family, ablations as crosses, llama.cpp's anchors as black diamonds. ΔPPL below 0.001
+/// (including negative) is drawn at 0.001.
+pub fn quality(path: &Path, ctx: usize, scores: &[MethodScore]) -> Result<()> {
+    font()?;
+    let root = BitMapBackend::new(path, (1400, 560)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let root = root.titled(&format!("SmolLM2-135M, ctx {ctx}: quality vs stored bits per element"), ("sans-serif", 22))?;
+    let panels = root.split_evenly((1, 2));
+    let reference = scores[0].ppl();
+    let floor = 1e-3;
+    let metrics: [(&str, Box<dyn Fn(&MethodScore) -> f64>, usize); 2] =
+        [("ΔPPL vs fp16", Box::new(move |s: &MethodScore| s.ppl() - reference), 3), ("KL from fp16 (nats)", Box::new(|s: &MethodScore| s.kl()), 4)];
+    for (panel, (name, metric, anchor_col)) in panels.iter().zip(metrics) {
+        let pts: Vec<(f64, f64)> = scores[1..].iter().map(|s| (s.code_bits, metric(s).max(floor))).collect();
+        let ymax = pts.iter().map(|p| p.1).fold(1.0, f64::max) * 2.0;
+        let mut chart = ChartBuilder::on(panel)
+            .margin(16)
+            .caption(name, ("sans-serif", 18))
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0.5f64..9.0, (floor..ymax).log_scale())?;
+        chart.configure_mesh().x_desc("bits per element (codes + all metadata)").y_desc(name).draw()?;
+        let mut families: Vec<&str> = Vec::new();
+        for s in &scores[1..] {
+            let (f, _) = family(&s.label);
+            if !families.contains(&f) {
+                families.push(f);
+            }
+        }
+        for (i, f) in families.iter().enumerate() {
+            let color = COLORS[i % COLORS.len()];
+            let mut line: Vec<(f64, f64)> = scores[1..]
+                .iter()
+                .filter(|s| family(&s.label) == (*f, false))
+                .map(|s| (s.code_bits, metric(s).max(floor)))
+                .collect();
+            line.sort_by(|a, b| a.0.total_cmp(&b.0));
+            chart
+                .draw_series(LineSeries::new(line.clone(), color.stroke_width(2)).point_size(4))?
+                .label(*f)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+            chart.draw_series(line.iter().map(|&p| Circle::new(p, 4, color.filled())))?;
+            for s in scores[1..].iter().filter(|s| family(&s.label) == (*f, true)) {
+                let p = (s.code_bits, metric(s).max(floor));
+                chart.draw_series([Cross::new(p, 6, color.stroke_width(2))])?;
+                let name = s.label.split_once('/').map_or(&s.label[3..], |(_, a)| a).to_string();
+                chart.draw_series([Text::new(name, (p.0 + 0.1, p.1), ("sans-serif", 12))])?;
+            }
+        }
+        let anchors: Vec<_> = LLAMA_CPP.iter().filter(|a| a.0 == ctx).collect();
+        if !anchors.is_empty() {
+            chart
+                .draw_series(anchors.iter().map(|a| {
+                    let y = if anchor_col == 3 { a.3 } else { a.4 };
+                    EmptyElement::at((a.2, y.max(floor))) + TriangleMarker::new((0, 0), 6, BLACK.filled())
+                }))?
+                .label("llama.cpp (ANCHORS.md)")
+                .legend(|(x, y)| TriangleMarker::new((x + 9, y), 5, BLACK.filled()));
+            for a in anchors {
+                let y = if anchor_col == 3 { a.3 } else { a.4 };
+                chart.draw_series([Text::new(a.1.to_string(), (a.2 + 0.1, y.max(floor)), ("sans-serif", 12))])?;
+            }
+        }
+        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::UpperRight).draw()?;
+    }
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}

@@ -1,0 +1,51 @@
+// Shared device helpers for veloq's kernels. Compiled by NVRTC with no system headers: half
+// conversion goes through PTX, and every size is a compile-time #define prepended by the host.
+
+#define FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// Normalised Walsh–Hadamard transform of one D-vector held by a warp: lane l owns elements
+// e = i*32 + l, i < D/32. Stages on lane bits use shuffles, stages on i stay in registers; the
+// stages commute, so the result is the Sylvester-ordered H·x/√D of the CPU path.
+template <int DD>
+__device__ __forceinline__ void warp_fwht(float (&v)[DD / 32], int lane) {
+#pragma unroll
+    for (int h = 1; h < 32 && h < DD; h <<= 1) {
+#pragma unroll
+        for (int i = 0; i < DD / 32; i++) {
+            float o = __shfl_xor_sync(FULL_MASK, v[i], h);
+            v[i] = (lane & h) ? (o - v[i]) : (v[i] + o);
+        }
+    }
+#pragma unroll
+    for (int hi = 1; hi < DD / 32; hi <<= 1) {
+#pragma unroll
+        for (int i = 0; i < DD / 32; i++) {
+            if ((i & hi) == 0) {
+                float a = v[i], b = v[i | hi];
+                v[i] = a + b;
+                v[i | hi] = a - b;
+            }
+        }
+    }
+    const float norm = rsqrtf((float)DD);
+#pragma unroll
+    for (int i = 0; i < DD / 32; i++) v[i] *= norm;
+}

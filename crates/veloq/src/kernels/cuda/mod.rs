@@ -1,0 +1,127 @@
+//! CUDA kernels (feature `cuda`): written in CUDA C (`*.cu` beside this file), compiled at first
+//! use by NVRTC for the device's own architecture with every size fixed by `#define`, and cached
+//! per process. cudarc loads the driver and NVRTC at run time, so building needs no CUDA and a
+//! machine without a GPU gets an error, not a crash.
+
+mod attention;
+mod quantize;
+
+pub use attention::{AttentionScratch, GpuAttention};
+pub use quantize::GpuCodec;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+
+use crate::error::{Error, Result};
+
+const COMMON: &str = include_str!("common.cuh");
+
+pub(crate) fn dev_err(e: impl std::fmt::Debug) -> Error {
+    Error::Device(format!("{e:?}"))
+}
+
+/// Runs `f`, turning a panic (cudarc's answer to a missing library) into `Err` without printing it.
+fn quietly<T>(f: impl FnOnce() -> T + std::panic::UnwindSafe) -> std::thread::Result<T> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let r = std::panic::catch_unwind(f);
+    std::panic::set_hook(hook);
+    r
+}
+
+/// One GPU: its context, a stream, and the kernels compiled for it so far.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: &'static str,
+    sms: u32,
+    max_smem: usize,
+    kernels: Mutex<HashMap<String, CudaFunction>>,
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal`. Missing driver library or device → [`Error::Device`].
+    pub fn new(ordinal: usize) -> Result<Self> {
+        // cudarc panics when libcuda cannot be loaded; turn that into an error.
+        let ctx = quietly(|| CudaContext::new(ordinal))
+            .map_err(|_| Error::Device("the CUDA driver library (libcuda.so) could not be loaded".into()))?
+            .map_err(dev_err)?;
+        let (major, minor) = ctx.compute_capability().map_err(dev_err)?;
+        let sms = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(dev_err)? as u32;
+        let max_smem = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(dev_err)? as usize;
+        let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
+        let stream = ctx.default_stream();
+        Ok(Self { ctx, stream, arch, sms, max_smem, kernels: Mutex::new(HashMap::new()) })
+    }
+
+    /// Why there is no usable GPU, if there is none (for [`KernelChoice`](super::select::KernelChoice)).
+    pub fn probe() -> std::result::Result<(), String> {
+        Self::new(0).map(|_| ()).map_err(|e| e.to_string())
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    pub fn multiprocessors(&self) -> u32 {
+        self.sms
+    }
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "unknown GPU".into())
+    }
+
+    /// Kernel `name` from `source` with `defines`, compiled on first request; `smem` is the dynamic
+    /// shared memory it will be launched with (raised past 48 KiB where the device allows).
+    pub(crate) fn kernel(&self, source: &str, name: &str, defines: &[(&str, i64)], smem: usize) -> Result<CudaFunction> {
+        if smem > self.max_smem {
+            return Err(Error::Device(format!("{name} needs {smem} B of shared memory, the device allows {}", self.max_smem)));
+        }
+        let header: String = defines.iter().map(|(k, v)| format!("#define {k} {v}\n")).collect();
+        let key = format!("{name}\n{header}");
+        let mut cache = self.kernels.lock().expect("kernel cache lock");
+        if let Some(f) = cache.get(&key) {
+            return Ok(f.clone());
+        }
+        let src = format!("{header}{COMMON}\n{source}");
+        let opts = CompileOptions { arch: Some(self.arch), options: vec!["--std=c++17".into()], ..Default::default() };
+        let ptx = compile_ptx_with_opts(&src, opts).map_err(|e| Error::Device(format!("NVRTC compiling {name}: {e:?}")))?;
+        let module = self.ctx.load_module(ptx).map_err(dev_err)?;
+        let f = module.load_function(name).map_err(dev_err)?;
+        if smem > 48 * 1024 {
+            f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(dev_err)?;
+        }
+        cache.insert(key, f.clone());
+        Ok(f)
+    }
+}
+
+/// NVRTC compile check of every kernel source without a GPU (needs libnvrtc only).
+pub fn compile_check(arch: &'static str) -> Result<()> {
+    for (name, src, defines) in [
+        ("vq_quantize", quantize::SOURCE, quantize::example_defines()),
+        ("vq_attend_split", attention::SOURCE, attention::example_defines()),
+    ] {
+        let header: String = defines.iter().map(|(k, v)| format!("#define {k} {v}\n")).collect();
+        let opts = CompileOptions { arch: Some(arch), options: vec!["--std=c++17".into()], ..Default::default() };
+        quietly(|| compile_ptx_with_opts(format!("{header}{COMMON}\n{src}"), opts))
+            .map_err(|_| Error::Device("libnvrtc could not be loaded".into()))?
+            .map_err(|e| Error::Device(format!("NVRTC compiling {name}: {e:?}")))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    /// Both kernel sources compile for Hopper with NVRTC (no GPU needed; libnvrtc must be on the
+    /// library path, e.g. the toolkit from ../shared/scripts/cuda-toolkit.sh).
+    #[test]
+    fn kernels_compile_with_nvrtc() {
+        super::compile_check("sm_90").unwrap();
+    }
+}
