@@ -17,7 +17,10 @@ use veloq::codec::block::BlockCodec;
 use veloq::codec::kivi::{KiviAxis, KiviCodec};
 use veloq::codec::lloyd_max::LloydMaxCodec;
 
-use crate::cache::{DecodingCache, Fp16Cache, LayerCache, VecInferCache, WindowConfig};
+use candle_core::Device;
+use veloq::kernels::select::KernelChoice;
+
+use crate::cache::{DecodingCache, Fp16Cache, LayerCache, PortableVecInferCache, VecInferCache, WindowConfig};
 use crate::error::{Error, Result};
 use crate::model::Model;
 
@@ -40,6 +43,8 @@ pub struct CacheConfig {
     /// The f16 window of recent positions and the flush block (rounded up per method to a
     /// multiple of the codec's block, e.g. KIVI's key group).
     pub window: WindowConfig,
+    /// Fused kernels (the CPU lookup-table path on CPU devices) or the portable candle-ops path.
+    pub kernels: KernelChoice,
 }
 
 /// One layer's key and value codecs, as the caches see them.
@@ -47,11 +52,11 @@ type LayerPair = (Arc<dyn BlockCodec>, Arc<dyn BlockCodec>);
 
 impl CacheConfig {
     pub fn fp16() -> Self {
-        Self { method: Method::Fp16, window: WindowConfig::default() }
+        Self { method: Method::Fp16, window: WindowConfig::default(), kernels: KernelChoice::Auto }
     }
 
     pub fn vecinfer(calibration: Calibration) -> Self {
-        Self { method: Method::VecInfer(Arc::new(calibration)), window: WindowConfig::default() }
+        Self { method: Method::VecInfer(Arc::new(calibration)), window: WindowConfig::default(), kernels: KernelChoice::Auto }
     }
 
     /// Loads a calibration artifact and checks it was made for `model`.
@@ -60,11 +65,11 @@ impl CacheConfig {
     }
 
     pub fn kivi(bits: u32, group: usize) -> Self {
-        Self { method: Method::Kivi { bits, group }, window: WindowConfig::default() }
+        Self { method: Method::Kivi { bits, group }, window: WindowConfig::default(), kernels: KernelChoice::Auto }
     }
 
     pub fn rot_lloyd_max(bits: u32) -> Self {
-        Self { method: Method::RotLloydMax { bits, seed: 0 }, window: WindowConfig::default() }
+        Self { method: Method::RotLloydMax { bits, seed: 0 }, window: WindowConfig::default(), kernels: KernelChoice::Auto }
     }
 
     pub fn name(&self) -> String {
@@ -124,10 +129,18 @@ impl CacheConfig {
             return Ok((0..id.n_layers).map(|_| Box::new(Fp16Cache::new(id.n_kv_heads, id.head_dim)) as Box<dyn LayerCache>).collect());
         };
         if let Method::VecInfer(cal) = &self.method {
+            let dev = model.device();
+            let fused = self.kernels.resolve(fused_available(dev))?;
             return cal
                 .layers
                 .iter()
-                .map(|l| Ok(Box::new(VecInferCache::new(Arc::new(l.keys.clone()), Arc::new(l.values.clone()), self.window)?) as Box<dyn LayerCache>))
+                .map(|l| {
+                    Ok(if fused {
+                        Box::new(VecInferCache::new(Arc::new(l.keys.clone()), Arc::new(l.values.clone()), self.window)?) as Box<dyn LayerCache>
+                    } else {
+                        Box::new(PortableVecInferCache::new(&l.keys, &l.values, self.window, dev)?) as Box<dyn LayerCache>
+                    })
+                })
                 .collect();
         }
         pairs
@@ -137,6 +150,15 @@ impl CacheConfig {
                 Ok(Box::new(DecodingCache::new(k, v, cfg)?) as Box<dyn LayerCache>)
             })
             .collect()
+    }
+}
+
+/// Whether the fused VecInfer kernels serve caches on `dev`: the CPU lookup-table path does; the
+/// CUDA kernels (veloq::kernels::cuda) are not wired into candle caches yet.
+fn fused_available(dev: &Device) -> std::result::Result<(), String> {
+    match dev {
+        Device::Cpu => Ok(()),
+        other => Err(format!("no fused VecInfer kernels for {other:?} in the candle caches yet")),
     }
 }
 

@@ -11,11 +11,13 @@
 mod decoding;
 mod dense;
 mod fp16;
+mod portable;
 mod store;
 mod vecinfer;
 
 pub use decoding::DecodingCache;
 pub use fp16::Fp16Cache;
+pub use portable::PortableVecInferCache;
 pub use store::WindowConfig;
 pub use vecinfer::VecInferCache;
 
