@@ -10,4 +10,7 @@ pub mod generate;
 pub mod model;
 pub mod portable;
 
+#[cfg(test)]
+mod testing;
+
 pub use error::{Error, Result};

@@ -267,25 +267,11 @@ mod tests {
     use veloq::codec::codebook::{Granularity, PqShape};
     use veloq::codec::pack::unpack;
     use veloq::codec::vecinfer::CodecSpec;
-
-    fn randn(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
-        let mut u = || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-        };
-        (0..n).map(|i| ((-2.0 * u().ln()).sqrt() * (2.0 * std::f64::consts::PI * u()).cos()) as f32 * if i % 7 == 3 { 6.0 } else { 1.0 } + if i % 5 == 1 { 1.5 } else { 0.0 }).collect()
-    }
-
-    fn seed() -> u64 {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
-    }
+    use crate::testing::{fresh_seed, randn};
 
     fn codecs(seed: u64, h: usize, d: usize, sd: usize, bits: u32, g: Granularity) -> (VecInferCodec, VecInferCodec) {
         let shape = PqShape::new(sd, bits).unwrap();
-        let train = randn(500 * h * d, seed);
+        let train = randn(500 * h * d, seed, true);
         let k = train_codec(&train, h, d, &CodecSpec { granularity: g, ..CodecSpec::keys(shape) }, &KMeansConfig::new(1 << bits, 1)).unwrap().0;
         let v = train_codec(&train, h, d, &CodecSpec { granularity: g, ..CodecSpec::values(shape) }, &KMeansConfig::new(1 << bits, 2)).unwrap().0;
         (k, v)
@@ -295,13 +281,13 @@ mod tests {
     /// per-sub-space books, and decode matches the CPU decoder.
     #[test]
     fn quantize_and_decode_match_the_cpu_codec() {
-        let seed = seed();
+        let seed = fresh_seed();
         let dev = Device::Cpu;
         for (sd, bits, g) in [(4, 8, Granularity::PerLayer), (8, 6, Granularity::PerSubspace), (2, 8, Granularity::PerLayer)] {
             let (h, d, t) = (3, 64, 57);
             let (kc, _) = codecs(seed, h, d, sd, bits, g);
             let pc = PortableCodec::new(&kc, &dev).unwrap();
-            let x = randn(t * h * d, seed + 9);
+            let x = randn(t * h * d, seed + 9, true);
             let got = pc.quantize(&Tensor::from_slice(&x, (t, h, d), &dev).unwrap()).unwrap();
             let got: Vec<u32> = got.to_dtype(DType::U32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
             let mut want = vec![0u16; got.len()];
@@ -321,7 +307,7 @@ mod tests {
     /// codes, then a truncation into the codes, GQA throughout.
     #[test]
     fn attention_matches_the_fused_cache() {
-        let seed = seed();
+        let seed = fresh_seed();
         let dev = Device::Cpu;
         let (hkv, hq, d) = (2, 6, 64);
         let (kc, vc) = codecs(seed, hkv, d, 4, 8, Granularity::PerLayer);
@@ -329,9 +315,9 @@ mod tests {
         let mut fused = VecInferCache::new(Arc::new(kc.clone()), Arc::new(vc.clone()), cfg).unwrap();
         let mut port = PortableVecInferCache::new(&kc, &vc, cfg, &dev).unwrap();
         let step = |t: usize, n: u64, fused: &mut VecInferCache, port: &mut PortableVecInferCache| {
-            let k = Tensor::from_vec(randn(hkv * t * d, seed + 3 * n), (1, hkv, t, d), &dev).unwrap();
-            let v = Tensor::from_vec(randn(hkv * t * d, seed + 3 * n + 1), (1, hkv, t, d), &dev).unwrap();
-            let q = Tensor::from_vec(randn(hq * t * d, seed + 3 * n + 2), (1, hq, t, d), &dev).unwrap();
+            let k = Tensor::from_vec(randn(hkv * t * d, seed + 3 * n, true), (1, hkv, t, d), &dev).unwrap();
+            let v = Tensor::from_vec(randn(hkv * t * d, seed + 3 * n + 1, true), (1, hkv, t, d), &dev).unwrap();
+            let q = Tensor::from_vec(randn(hq * t * d, seed + 3 * n + 2, true), (1, hq, t, d), &dev).unwrap();
             fused.append(&k, &v).unwrap();
             port.append(&k, &v).unwrap();
             let a: Vec<f32> = fused.attend(&q, 0.125).unwrap().flatten_all().unwrap().to_vec1().unwrap();

@@ -201,38 +201,28 @@ mod tests {
     use veloq::calibrate::{train_codec, KMeansConfig};
     use veloq::codec::codebook::PqShape;
     use veloq::codec::vecinfer::CodecSpec;
+    use crate::testing::{fresh_seed, randn};
 
-    fn randn(n: usize, seed: u64) -> Vec<f32> {
-        // Box–Muller over a xorshift stream: fresh, non-zero Gaussian data.
-        let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
-        let mut u = || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-        };
-        (0..n).map(|_| ((-2.0 * u().ln()).sqrt() * (2.0 * std::f64::consts::PI * u()).cos()) as f32).collect()
-    }
 
     /// The lookup-table decode path equals dense attention over the decoded codes + window, for
     /// 8-bit and packed 6-bit codes, GQA, and lengths that leave a partial window.
     #[test]
     fn lut_decode_matches_dense_attention_over_decoded_keys() {
-        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+        let seed = fresh_seed();
         let dev = Device::Cpu;
         let (hkv, hq, d) = (2, 6, 64);
         for (bits, sd, len) in [(8u32, 4usize, 77usize), (6, 2, 41), (8, 8, 130)] {
             let shape = PqShape::new(sd, bits).unwrap();
-            let train = randn(400 * hkv * d, seed);
+            let train = randn(400 * hkv * d, seed, false);
             let (kc, _) = train_codec(&train, hkv, d, &CodecSpec::keys(shape), &KMeansConfig::new(1 << bits, 1)).unwrap();
             let (vc, _) = train_codec(&train, hkv, d, &CodecSpec::values(shape), &KMeansConfig::new(1 << bits, 2)).unwrap();
             let mut cache = VecInferCache::new(Arc::new(kc), Arc::new(vc), WindowConfig { window: 8, flush_block: 8, sink: 3 }).unwrap();
-            let k = Tensor::from_vec(randn(hkv * len * d, seed + 1), (1, hkv, len, d), &dev).unwrap();
-            let v = Tensor::from_vec(randn(hkv * len * d, seed + 2), (1, hkv, len, d), &dev).unwrap();
+            let k = Tensor::from_vec(randn(hkv * len * d, seed + 1, false), (1, hkv, len, d), &dev).unwrap();
+            let v = Tensor::from_vec(randn(hkv * len * d, seed + 2, false), (1, hkv, len, d), &dev).unwrap();
             cache.append(&k, &v).unwrap();
             cache.store.flush().unwrap();
             assert!(cache.store.coded > 0 && cache.store.window_len() > 0 && cache.store.sink_len() == 3);
-            let q = Tensor::from_vec(randn(hq * d, seed + 3), (1, hq, 1, d), &dev).unwrap();
+            let q = Tensor::from_vec(randn(hq * d, seed + 3, false), (1, hq, 1, d), &dev).unwrap();
             let got = cache.attend_decode(&q, 0.125).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let kd = cache.store.decode_all(true).unwrap();
             let vd = cache.store.decode_all(false).unwrap();
