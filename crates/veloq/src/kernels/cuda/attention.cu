@@ -4,8 +4,9 @@
 // head h. For each of its heads it rotates the query into code space (q̃ = H(s ⊙ q·scale)) and
 // builds the lookup table LUT[j][c] = q̃_j·C[c] in shared memory. Pass 1 reads each token's key
 // codes once (16-byte loads) and scores it for all GB heads by M_K table lookups (+ q·μ, the key
-// centering). Pass 2 turns scores into softmax weights. Pass 3 stages value codes in shared memory,
-// decodes each value element once in registers and accumulates it into all GB heads. It writes a partial (max, sum, D-vector in
+// centering). Pass 2 turns scores into softmax weights. Pass 3 stages value codes in shared memory;
+// a lane takes one sub-space of one token, loads its centroid row once and accumulates it into
+// all GB heads. It writes a partial (max, sum, D-vector in
 // code space) per head. Codes are the only cache bytes read, once per group; no fp16 key or value
 // is written anywhere.
 //
@@ -139,18 +140,24 @@ extern "C" __global__ void __launch_bounds__(THREADS) vq_attend_split(
         sum[g] = v;
     }
 
-    // Pass 3: values decoded once per element, accumulated for every head of the group. The value
-    // codes of CHUNK tokens are staged in shared memory with 16-byte loads first.
+    // Pass 3: value codes of CHUNK tokens staged in shared memory with 16-byte loads. A lane owns
+    // sub-space j of one token at a time: it reads the code, the centroid row (one vector load)
+    // and each head's weight, and accumulates SD_V dims for every head of the group. Partials of
+    // the warps' token subsets are summed at the end.
     const unsigned char* vc = vcodes + ((size_t)(b * HKV + h) * S) * M_V;
-    constexpr int PH = THREADS >= D ? THREADS / D : 1;  // token phases
-    constexpr int DR = (D + THREADS - 1) / THREADS;      // dims per thread
-    const int phase = THREADS >= D ? tid / D : 0;
+    constexpr int LPT = M_V < 32 ? M_V : 32;  // lanes per token
+    constexpr int TPW = 32 / LPT;             // tokens per warp step
+    constexpr int JPL = M_V / LPT;            // sub-spaces per lane
+    constexpr int SLOTS = (THREADS / 32) * TPW;
+    const int slot = warp * TPW + lane / LPT, jl = lane % LPT;
     unsigned char* vs = (unsigned char*)lut;  // [CHUNK][M_V], in the table space
-    float acc[DR][GB];
+    float acc[GB][JPL][SD_V];
 #pragma unroll
-    for (int r = 0; r < DR; r++)
+    for (int g = 0; g < GB; g++)
 #pragma unroll
-        for (int g = 0; g < GB; g++) acc[r][g] = 0.f;
+        for (int jj = 0; jj < JPL; jj++)
+#pragma unroll
+            for (int dd = 0; dd < SD_V; dd++) acc[g][jj][dd] = 0.f;
     for (int c0 = 0; c0 < n; c0 += CHUNK) {
         const int cn = min(CHUNK, n - c0);
         __syncthreads();
@@ -161,34 +168,42 @@ extern "C" __global__ void __launch_bounds__(THREADS) vq_attend_split(
         for (int i = tid; i < cn * M_V; i += THREADS) vs[i] = vc[(size_t)(t0 + c0) * M_V + i];
 #endif
         __syncthreads();
+#pragma unroll 2
+        for (int t = slot; t < cn; t += SLOTS) {
+            float pw[GB];
 #pragma unroll
-        for (int r = 0; r < DR; r++) {
-            const int d = (THREADS >= D ? tid % D : tid) + r * THREADS;
-            if (d < D) {
-                const int j = d / SD_V, dd = d % SD_V;
-#pragma unroll 4
-                for (int t = phase; t < cn; t += PH) {
-                    const float val = vb[vs[t * M_V + j] * SD_V + dd];
+            for (int g = 0; g < GB; g++) pw[g] = p[g * MAX_SPLIT + c0 + t];
 #pragma unroll
-                    for (int g = 0; g < GB; g++) acc[r][g] = fmaf(p[g * MAX_SPLIT + c0 + t], val, acc[r][g]);
-                }
+            for (int jj = 0; jj < JPL; jj++) {
+                const int code = vs[t * M_V + jl + jj * LPT];
+                float c[SD_V];
+#if SD_V == 4
+                const float4 cv = *(const float4*)(vb + code * 4);
+                c[0] = cv.x; c[1] = cv.y; c[2] = cv.z; c[3] = cv.w;
+#else
+#pragma unroll
+                for (int dd = 0; dd < SD_V; dd++) c[dd] = vb[code * SD_V + dd];
+#endif
+#pragma unroll
+                for (int g = 0; g < GB; g++)
+#pragma unroll
+                    for (int dd = 0; dd < SD_V; dd++) acc[g][jj][dd] = fmaf(pw[g], c[dd], acc[g][jj][dd]);
             }
         }
     }
     __syncthreads();
-    float* obuf = lut;  // phase partials [PH][GB][D]
+    float* obuf = lut;  // slot partials [SLOTS][GB][D]
 #pragma unroll
-    for (int r = 0; r < DR; r++) {
-        const int d = (THREADS >= D ? tid % D : tid) + r * THREADS;
-        if (d < D)
+    for (int g = 0; g < GB; g++)
 #pragma unroll
-            for (int g = 0; g < GB; g++) obuf[(phase * GB + g) * D + d] = acc[r][g];
-    }
+        for (int jj = 0; jj < JPL; jj++)
+#pragma unroll
+            for (int dd = 0; dd < SD_V; dd++) obuf[(slot * GB + g) * D + (jl + jj * LPT) * SD_V + dd] = acc[g][jj][dd];
     __syncthreads();
     for (int i = tid; i < GB * D; i += THREADS) {
         const int g = i / D, d = i % D;
         float o = 0.f;
-        for (int ph = 0; ph < PH; ph++) o += obuf[(ph * GB + g) * D + d];
+        for (int sl = 0; sl < SLOTS; sl++) o += obuf[(sl * GB + g) * D + d];
         const size_t part = (size_t)(b * HQ + qh0 + g) * nsplit + sp;
         part_o[part * D + d] = o;
         if (d == 0) {

@@ -56,8 +56,8 @@ impl GpuAttention {
     /// phase partials.
     fn table(&self, gb: usize) -> usize {
         let (k, v) = (&self.keys, &self.values);
-        let phases = (THREADS as usize / k.head_dim).max(1);
-        (gb * k.subspaces() * k.centroids()).max((v.subspaces() * CHUNK).div_ceil(4)).max(phases * gb * k.head_dim)
+        let slots = (THREADS as usize / 32) * (32 / v.subspaces().min(32));
+        (gb * k.subspaces() * k.centroids()).max((v.subspaces() * CHUNK).div_ceil(4)).max(slots * gb * k.head_dim)
     }
 
     /// Shared memory of the split kernel for `gb` heads per block.
