@@ -224,6 +224,7 @@ pub fn run(a: Args) -> Result<()> {
         AttnCase { b: 1, hq: 32, hkv: 8, d: 128, s: 4097, w: 31 },
         AttnCase { b: 3, hq: 4, hkv: 4, d: 256, s: 333, w: 0 },
         AttnCase { b: 1, hq: 12, hkv: 4, d: 128, s: 0, w: 20 },
+        AttnCase { b: 2, hq: 9, hkv: 3, d: 64, s: 777, w: 20 },
         AttnCase { b: 2, hq: 32, hkv: 8, d: 128, s: 20011, w: 16 },
     ] {
         checks.push(check_attention(&gpu, &mut rng, c)?);

@@ -17,12 +17,26 @@
 // GB (heads per block, divides G), CENTER_K, SMOOTH_K, CENTER_V, SMOOTH_V, ROTATE, MAX_SPLIT,
 // TABLE (floats of the table space), CHUNK, THREADS. Layouts: q [B][HQ][D] f32; codes [B][HKV][S][M] u8; window [B][HKV][W][D] f16.
 
+// s[g] += table entry e for every head g (entries laid out [e][g]; 8/16-byte loads for GB 2/4).
+__device__ __forceinline__ void add_entry(float (&s)[GB], const float* lut, int e) {
+#if GB == 4
+    const float4 v = *(const float4*)(lut + e * 4);
+    s[0] += v.x; s[1] += v.y; s[2] += v.z; s[3] += v.w;
+#elif GB == 2
+    const float2 v = *(const float2*)(lut + e * 2);
+    s[0] += v.x; s[1] += v.y;
+#else
+#pragma unroll
+    for (int g = 0; g < GB; g++) s[g] += lut[e * GB + g];
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS) vq_attend_split(
     const float* __restrict__ q, const unsigned char* __restrict__ kcodes, const unsigned char* __restrict__ vcodes,
     const float* __restrict__ kbook, const float* __restrict__ vbook, const float* __restrict__ kmean,
     const float* __restrict__ kscale, float* __restrict__ part_o, float* __restrict__ part_ml, int S, int split, float scale) {
     extern __shared__ __align__(16) float smem[];
-    float* lut = smem;                          // [GB][M_K][K_K], later staged codes and partials
+    float* lut = smem;                          // [M_K][K_K][GB], later staged codes and partials
     float* p = lut + TABLE;                     // [GB][MAX_SPLIT]
     float* vb = p + GB * MAX_SPLIT;             // [K_V][SD_V]
     float* qt = vb + K_V * SD_V;                // [GB][D]
@@ -52,8 +66,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) vq_attend_split(
         if (lane == 0) red[g * 32 + 31] = off;
     }
     __syncthreads();
+    // Table layout [j][c][g]: one vector load fetches every head's entry for a code.
     for (int i = tid; i < GB * M_K * K_K; i += THREADS) {
-        const int g = i / (M_K * K_K), j = (i / K_K) % M_K, c = i % K_K;
+        const int g = i % GB, c = (i / GB) % K_K, j = i / (GB * K_K);
         float acc = (j == 0) ? red[g * 32 + 31] : 0.f;
 #pragma unroll
         for (int d = 0; d < SD_K; d++) acc = fmaf(qt[g * D + j * SD_K + d], kbook[c * SD_K + d], acc);
@@ -75,8 +90,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) vq_attend_split(
 #pragma unroll
         for (int j = 0; j < M_K; j++) {
             const int code = kc[(size_t)(t0 + t) * M_K + j];
-#pragma unroll
-            for (int g = 0; g < GB; g++) s[g] += lut[(g * M_K + j) * K_K + code];
+            add_entry(s, lut, j * K_K + code);
         }
 #else
         const uint4* row = (const uint4*)(kc + (size_t)(t0 + t) * M_K);
@@ -90,8 +104,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) vq_attend_split(
                 for (int by = 0; by < 4; by++) {
                     const int j = w * 16 + k * 4 + by;
                     const int code = (words[k] >> (8 * by)) & 0xff;
-#pragma unroll
-                    for (int g = 0; g < GB; g++) s[g] += lut[(g * M_K + j) * K_K + code];
+                    add_entry(s, lut, j * K_K + code);
                 }
             }
         }
