@@ -122,6 +122,21 @@ impl CacheConfig {
         })
     }
 
+    /// Bits per element of the coded stream alone: codes plus per-token/per-group scales, without
+    /// the tables shared by all positions (codebooks, means, smoothing scales). The rate a long
+    /// context converges to; 16 for fp16.
+    pub fn stream_bits_per_element(&self, model: &Model) -> Result<f64> {
+        let id = &model.info.identity;
+        let n = 1024;
+        Ok(match self.codecs(model)? {
+            None => 16.0,
+            Some(pairs) => {
+                let bytes: usize = pairs.iter().map(|(k, v)| k.encoded_len(n) + v.encoded_len(n)).sum();
+                (bytes * 8) as f64 / (2 * pairs.len() * n * id.n_kv_heads * id.head_dim) as f64
+            }
+        })
+    }
+
     /// One cache per layer of `model`.
     pub fn build(&self, model: &Model) -> Result<Vec<Box<dyn LayerCache>>> {
         let id = &model.info.identity;

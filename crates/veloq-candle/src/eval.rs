@@ -30,6 +30,9 @@ pub struct MethodScore {
     pub label: String,
     /// Stored bits per element of a full window, every byte of metadata counted.
     pub code_bits: f64,
+    /// Bits per element of the coded stream (codes + per-token/group scales, shared tables
+    /// excluded): what the rate converges to at long context.
+    pub stream_bits: f64,
     /// Bytes the caches held at the end of a window (measured from the caches).
     pub resident_bytes: usize,
     pub scored: usize,
@@ -73,7 +76,14 @@ pub fn evaluate(model: &Model, tokens: &[u32], methods: &[(String, CacheConfig)]
     }
     let mut scores: Vec<MethodScore> = methods
         .iter()
-        .map(|(label, c)| Ok(MethodScore { label: label.clone(), code_bits: c.code_bits_per_element(model, cfg.ctx)?, ..Default::default() }))
+        .map(|(label, c)| {
+            Ok(MethodScore {
+                label: label.clone(),
+                code_bits: c.code_bits_per_element(model, cfg.ctx)?,
+                stream_bits: c.stream_bits_per_element(model)?,
+                ..Default::default()
+            })
+        })
         .collect::<Result<_>>()?;
     let mut done = 0;
     for w in 0..cfg.windows {

@@ -58,6 +58,9 @@ pub struct Args {
     /// PNG figure prefix: writes PREFIX-ctx{N}.png (ΔPPL and KL against bits per element).
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Re-draw the figures and tables of an earlier run's JSON (with --plot) instead of evaluating.
+    #[arg(long)]
+    pub replot: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy)]
@@ -233,6 +236,9 @@ pub fn run(a: Args) -> Result<()> {
         v
     };
     let model_path = a.model.clone().unwrap_or_else(default_model);
+    if let Some(json) = &a.replot {
+        return replot(json, &model_path, &chosen, &a);
+    }
     let max_ctx = a.ctx.iter().copied().max().context("no --ctx")?;
     let (model, tok) = Model::open(&model_path, max_ctx.max(512)).with_context(|| format!("loading {}", model_path.display()))?;
     let eval_path = a.text.clone().unwrap_or_else(|| default_text().with_file_name("prideprejudice.txt"));
@@ -291,9 +297,52 @@ pub fn run(a: Args) -> Result<()> {
     crate::bench::write_json(&a.json, &out)
 }
 
+/// Figures and tables from an earlier run's JSON; stream bits (absent from older files) are
+/// recomputed from the same cache configurations (calibrations come from the on-disk cache).
+fn replot(json: &Path, model_path: &Path, chosen: &[(&str, Kind)], a: &Args) -> Result<()> {
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(json)?)?;
+    let (model, tok) = Model::open(model_path, 512)?;
+    let calib_path = a.calib_text.clone().unwrap_or_else(default_text);
+    let calib_tokens = read_tokens(&tok, &calib_path)?;
+    let cals = calibrations(&model, model_path, &calib_tokens[..a.calib_tokens.min(calib_tokens.len())], chosen, a.seed)?;
+    let stream: Vec<(String, f64)> =
+        chosen.iter().zip(cals).map(|((l, k), c)| Ok((l.to_string(), config(*k, c).stream_bits_per_element(&model)?))).collect::<Result<_>>()?;
+    for run in v["runs"].as_array().context("no runs in the JSON")? {
+        let ctx = run["ctx"].as_u64().context("ctx")? as usize;
+        let scores: Vec<MethodScore> = run["methods"]
+            .as_array()
+            .context("methods")?
+            .iter()
+            .map(|m| {
+                let label = m["method"].as_str().unwrap_or("?").to_string();
+                let scored = m["scored_tokens"].as_u64().unwrap_or(0) as usize;
+                let f = |k: &str| m[k].as_f64().unwrap_or(f64::NAN);
+                MethodScore {
+                    stream_bits: m["stream_bits_per_element"].as_f64().or_else(|| stream.iter().find(|s| s.0 == label).map(|s| s.1)).unwrap_or(f64::NAN),
+                    label,
+                    code_bits: f("code_bits_per_element"),
+                    resident_bytes: m["resident_kv_bytes"].as_u64().unwrap_or(0) as usize,
+                    scored,
+                    nll_sum: f("ppl").ln() * scored as f64,
+                    kl_sum: f("kl") * scored as f64,
+                    top1_same: (f("top1_agreement") * scored as f64).round() as usize,
+                }
+            })
+            .collect();
+        print_table(ctx, run["windows"].as_u64().unwrap_or(0) as usize, &scores);
+        if let Some(prefix) = &a.plot {
+            let path = PathBuf::from(format!("{}-ctx{ctx}.png", prefix.display()));
+            plot::quality(&path, ctx, &scores)?;
+            eprintln!("wrote {}", path.display());
+        }
+    }
+    Ok(())
+}
+
 fn row_json(s: &MethodScore, reference: &MethodScore, kind: Kind) -> serde_json::Value {
     json!({
         "method": s.label, "description": describe(kind), "code_bits_per_element": s.code_bits,
+        "stream_bits_per_element": s.stream_bits,
         "resident_kv_bytes": s.resident_bytes, "ppl": s.ppl(), "delta_ppl": s.ppl() - reference.ppl(),
         "kl": s.kl(), "top1_agreement": s.top1(), "scored_tokens": s.scored,
     })
@@ -302,12 +351,13 @@ fn row_json(s: &MethodScore, reference: &MethodScore, kind: Kind) -> serde_json:
 fn print_table(ctx: usize, windows: usize, scores: &[MethodScore]) {
     let r = &scores[0];
     println!("\nctx {ctx}, {windows} windows, {} scored tokens", r.scored);
-    println!("| method | bits/elem | resident KV KiB | PPL | ΔPPL | KL | top-1 |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| method | stream bits/elem | bits/elem, all metadata at ctx | resident KV KiB | PPL | ΔPPL | KL | top-1 |");
+    println!("|---|---|---|---|---|---|---|---|");
     for s in scores {
         println!(
-            "| {} | {:.2} | {:.0} | {:.3} | {:+.3} | {:.4} | {:.1}% |",
+            "| {} | {:.2} | {:.2} | {:.0} | {:.3} | {:+.3} | {:.4} | {:.1}% |",
             s.label,
+            s.stream_bits,
             s.code_bits,
             s.resident_bytes as f64 / 1024.0,
             s.ppl(),

@@ -40,9 +40,10 @@ fn family(label: &str) -> (&str, bool) {
 
 const COLORS: [RGBColor; 6] = [RGBColor(31, 119, 180), RGBColor(214, 39, 40), RGBColor(44, 160, 44), RGBColor(148, 103, 189), RGBColor(255, 127, 14), RGBColor(140, 86, 75)];
 
-/// ΔPPL (left) and KL (right) against stored bits per element, log scale, one line per method
-/// family, ablations as crosses, llama.cpp's anchors as black diamonds. ΔPPL below 0.001
-/// (including negative) is drawn at 0.001.
+/// ΔPPL (left) and KL (right) against the coded stream's bits per element (the rate at long
+/// context; tables shared by all positions are in the eval table, not on this axis), log scale, one
+/// line per method family, ablations as crosses, llama.cpp's anchors as black triangles. ΔPPL
+/// below 0.001 (including negative) is drawn at 0.001.
 pub fn quality(path: &Path, ctx: usize, scores: &[MethodScore]) -> Result<()> {
     font()?;
     let root = BitMapBackend::new(path, (1400, 560)).into_drawing_area();
@@ -54,7 +55,7 @@ pub fn quality(path: &Path, ctx: usize, scores: &[MethodScore]) -> Result<()> {
     let metrics: [(&str, Box<dyn Fn(&MethodScore) -> f64>, usize); 2] =
         [("ΔPPL vs fp16", Box::new(move |s: &MethodScore| s.ppl() - reference), 3), ("KL from fp16 (nats)", Box::new(|s: &MethodScore| s.kl()), 4)];
     for (panel, (name, metric, anchor_col)) in panels.iter().zip(metrics) {
-        let pts: Vec<(f64, f64)> = scores[1..].iter().map(|s| (s.code_bits, metric(s).max(floor))).collect();
+        let pts: Vec<(f64, f64)> = scores[1..].iter().map(|s| (s.stream_bits, metric(s).max(floor))).collect();
         let ymax = pts.iter().map(|p| p.1).fold(1.0, f64::max) * 2.0;
         let mut chart = ChartBuilder::on(panel)
             .margin(16)
@@ -62,7 +63,7 @@ pub fn quality(path: &Path, ctx: usize, scores: &[MethodScore]) -> Result<()> {
             .x_label_area_size(40)
             .y_label_area_size(60)
             .build_cartesian_2d(0.5f64..9.0, (floor..ymax).log_scale())?;
-        chart.configure_mesh().x_desc("bits per element (codes + all metadata)").y_desc(name).draw()?;
+        chart.configure_mesh().x_desc("bits per element of the coded stream (codes + per-group scales; shared codebooks excluded)").y_desc(name).draw()?;
         let mut families: Vec<&str> = Vec::new();
         for s in &scores[1..] {
             let (f, _) = family(&s.label);
@@ -75,7 +76,7 @@ pub fn quality(path: &Path, ctx: usize, scores: &[MethodScore]) -> Result<()> {
             let mut line: Vec<(f64, f64)> = scores[1..]
                 .iter()
                 .filter(|s| family(&s.label) == (*f, false))
-                .map(|s| (s.code_bits, metric(s).max(floor)))
+                .map(|s| (s.stream_bits, metric(s).max(floor)))
                 .collect();
             line.sort_by(|a, b| a.0.total_cmp(&b.0));
             chart
@@ -84,7 +85,7 @@ pub fn quality(path: &Path, ctx: usize, scores: &[MethodScore]) -> Result<()> {
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
             chart.draw_series(line.iter().map(|&p| Circle::new(p, 4, color.filled())))?;
             for s in scores[1..].iter().filter(|s| family(&s.label) == (*f, true)) {
-                let p = (s.code_bits, metric(s).max(floor));
+                let p = (s.stream_bits, metric(s).max(floor));
                 chart.draw_series([Cross::new(p, 6, color.stroke_width(2))])?;
                 let name = s.label.split_once('/').map_or(&s.label[3..], |(_, a)| a).to_string();
                 chart.draw_series([Text::new(name, (p.0 + 0.1, p.1), ("sans-serif", 12))])?;
