@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""What a user would pick instead of veloq's CUDA kernels, timed on the same GPU in the same call:
+"""Run before `veloq bench cuda --baselines` (which prints the ratios and draws the figure).
+What a user would pick instead of veloq's CUDA kernels, timed on the same GPU in the same call:
 nearest-centroid search (PyTorch naive materialising, PyTorch GEMM ||c||^2 - 2x.c, a Triton fused
 argmin written for this comparison) and fp16 decode attention (PyTorch SDPA with GQA).
 Medians of triton.testing.do_bench; peak memory from the caching allocator."""
@@ -69,7 +70,7 @@ def main():
         del x
     print("\n| SDPA fp16 B,S (Hq 32, Hkv 8, D 128) | ms | KV MiB | TB/s |")
     print("|---|---|---|---|")
-    for (B, S) in [(1, 1024), (1, 8192), (1, 32768), (1, 131072), (8, 1024), (8, 32768), (8, 131072)]:
+    for (B, S) in [(b, s) for b in (1, 8, 32) for s in (1024, 4096, 16384, 65536, 131072)]:
         q = torch.randn(B, 32, 1, 128, device=dev, dtype=torch.float16)
         k = torch.randn(B, 8, S, 128, device=dev, dtype=torch.float16)
         v = torch.randn(B, 8, S, 128, device=dev, dtype=torch.float16)

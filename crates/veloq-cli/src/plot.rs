@@ -110,3 +110,40 @@ pub fn quality(path: &Path, ctx: usize, scores: &[MethodScore]) -> Result<()> {
     root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }
+
+/// Decode attention time against context, log–log, per batch size: veloq over 2-bit codes (solid)
+/// and SDPA over fp16 (dashed), measured in one device call.
+#[allow(dead_code)]
+pub fn attention(path: &Path, series: &[(usize, Vec<(f64, f64)>, Vec<(f64, f64)>)]) -> Result<()> {
+    font()?;
+    let root = BitMapBackend::new(path, (900, 600)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let all = series.iter().flat_map(|s| s.1.iter().chain(&s.2));
+    let (mut xmin, mut xmax, mut ymin, mut ymax) = (f64::INFINITY, 0.0f64, f64::INFINITY, 0.0f64);
+    for &(x, y) in all {
+        (xmin, xmax, ymin, ymax) = (xmin.min(x), xmax.max(x), ymin.min(y), ymax.max(y));
+    }
+    let mut chart = ChartBuilder::on(&root)
+        .margin(16)
+        .caption("Decode attention, Llama-3.1-8B geometry (32 q / 8 kv heads, D 128), H200", ("sans-serif", 20))
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d((xmin * 0.8..xmax * 1.25).log_scale(), (ymin * 0.7..ymax * 1.5).log_scale())?;
+    chart.configure_mesh().x_desc("context (tokens)").y_desc("ms per layer-step").draw()?;
+    for (i, (b, ours, sdpa)) in series.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        chart
+            .draw_series(LineSeries::new(ours.clone(), color.stroke_width(2)))?
+            .label(format!("veloq 2-bit codes, batch {b}"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+        chart.draw_series(ours.iter().map(|&p| Circle::new(p, 4, color.filled())))?;
+        let dashed: Vec<_> = sdpa.clone();
+        chart
+            .draw_series(DashedLineSeries::new(dashed, 6, 4, color.stroke_width(1)))?
+            .label(format!("SDPA fp16, batch {b}"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(1)));
+    }
+    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::UpperLeft).draw()?;
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}

@@ -29,6 +29,12 @@ pub struct Args {
     check_only: bool,
     #[arg(long)]
     json: Option<PathBuf>,
+    /// JSON from scripts/device/baselines.py run just before on the same GPU: adds ratio tables.
+    #[arg(long)]
+    baselines: Option<PathBuf>,
+    /// PNG figure of decode attention time against context (needs --baselines).
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 /// Gaussian stream (xorshift + Box–Muller): fresh, never zero, outlier channels like real keys.
@@ -257,7 +263,7 @@ pub fn run(a: Args) -> Result<()> {
     let kc = codec(&mut rng, hkv, d, 4, 8, Granularity::PerLayer, true)?;
     let vc = codec(&mut rng, hkv, d, 4, 8, Granularity::PerLayer, false)?;
     let att = GpuAttention::new(GpuCodec::upload(&gpu, &kc)?, GpuCodec::upload(&gpu, &vc)?, hq)?;
-    for (b, s) in [(1, 1024), (1, 8192), (1, 32768), (1, 131072), (8, 1024), (8, 32768), (8, 131072)] {
+    for (b, s) in [1usize, 8, 32].iter().flat_map(|&b| [1024usize, 4096, 16384, 65536, 131072].map(move |s| (b, s))) {
         let m = d / 4;
         let n = b * hkv * s * m;
         let codes: Vec<u8> = (0..n).map(|i| (rng.next() * 256.0) as u8 ^ (i as u8)).collect();
@@ -275,5 +281,46 @@ pub fn run(a: Args) -> Result<()> {
         at.push(json!({"B": b, "S": s, "Hq": hq, "Hkv": hkv, "D": d, "W": w, "ms": ms, "code_bytes": bytes, "splits": splits,
             "fp16_kv_bytes": (2 * b * hkv * s * d * 2) as f64, "launches": 2}));
     }
+    if let Some(path) = &a.baselines {
+        let base: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+        ratios(&base, &qt, &at, a.plot.as_deref())?;
+    }
     write_json(&a.json, &json!({"gpu": gpu.name(), "seed": seed, "checks": checks, "quantize": qt, "attention": at}))
+}
+
+/// Side-by-side tables against the PyTorch/Triton anchors timed in the same device call, and the
+/// attention figure.
+fn ratios(base: &serde_json::Value, qt: &[serde_json::Value], at: &[serde_json::Value], plot: Option<&std::path::Path>) -> Result<()> {
+    let get = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+    let same = |a: &serde_json::Value, b: &serde_json::Value, keys: &[&str]| keys.iter().all(|k| a[*k] == b[*k]);
+    println!("\n| quantize S,D,H,sd | veloq ms | G sub-vec/s | × naive | × GEMM | × Triton argmin | veloq extra memory |");
+    println!("|---|---|---|---|---|---|---|");
+    for q in qt {
+        let Some(b) = base["search"].as_array().and_then(|v| v.iter().find(|b| same(b, q, &["S", "D", "H", "sub_dim"]))) else { continue };
+        let ms = get(q, "ms");
+        println!(
+            "| {},{},{},{} | {ms:.4} | {:.2} | {:.0}× | {:.1}× | {:.1}× | 0 B (output only) |",
+            q["S"], q["D"], q["H"], q["sub_dim"], get(q, "sub_vectors") / ms / 1e6, get(b, "naive_ms") / ms, get(b, "gemm_ms") / ms, get(b, "triton_ms") / ms
+        );
+    }
+    println!("\n| attention B,S | veloq ms | SDPA fp16 ms | veloq speed / SDPA | veloq GB/s on codes (of 4,800) | SDPA TB/s |");
+    println!("|---|---|---|---|---|---|");
+    let mut series: Vec<(usize, Vec<(f64, f64)>, Vec<(f64, f64)>)> = Vec::new();
+    for x in at {
+        let Some(b) = base["sdpa"].as_array().and_then(|v| v.iter().find(|b| same(b, x, &["B", "S"]))) else { continue };
+        let (ms, sd) = (get(x, "ms"), get(b, "ms"));
+        println!("| {},{} | {ms:.4} | {sd:.4} | {:.2}× | {:.0} | {:.2} |", x["B"], x["S"], sd / ms, get(x, "code_bytes") / ms / 1e6, get(b, "kv_bytes") / sd / 1e9);
+        let bb = x["B"].as_u64().unwrap_or(0) as usize;
+        if !series.iter().any(|s| s.0 == bb) {
+            series.push((bb, Vec::new(), Vec::new()));
+        }
+        let s = series.iter_mut().find(|s| s.0 == bb).expect("series");
+        s.1.push((get(x, "S"), ms));
+        s.2.push((get(x, "S"), sd));
+    }
+    if let Some(path) = plot {
+        crate::plot::attention(path, &series)?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
 }
