@@ -140,10 +140,8 @@ impl CacheConfig {
     /// One cache per layer of `model`.
     pub fn build(&self, model: &Model) -> Result<Vec<Box<dyn LayerCache>>> {
         let id = &model.info.identity;
-        let Some(pairs) = self.codecs(model)? else {
-            return Ok((0..id.n_layers).map(|_| Box::new(Fp16Cache::new(id.n_kv_heads, id.head_dim)) as Box<dyn LayerCache>).collect());
-        };
         if let Method::VecInfer(cal) = &self.method {
+            check_calibration(cal, model)?;
             let dev = model.device();
             let fused = self.kernels.resolve(fused_available(dev))?;
             return cal
@@ -158,6 +156,9 @@ impl CacheConfig {
                 })
                 .collect();
         }
+        let Some(pairs) = self.codecs(model)? else {
+            return Ok((0..id.n_layers).map(|_| Box::new(Fp16Cache::new(id.n_kv_heads, id.head_dim)) as Box<dyn LayerCache>).collect());
+        };
         pairs
             .into_iter()
             .map(|(k, v)| {

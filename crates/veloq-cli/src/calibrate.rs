@@ -55,9 +55,10 @@ pub fn default_text() -> PathBuf {
     veloq::artifact::default_dir().join("austen/persuasion.txt")
 }
 
-fn bar(len: u64, msg: &str) -> ProgressBar {
+/// The CLI's progress bar: message, bar, count, elapsed time and estimate.
+pub fn bar(len: u64, msg: &str) -> ProgressBar {
     let b = ProgressBar::new(len);
-    b.set_style(ProgressStyle::with_template("{msg:>12} [{bar:40}] {pos}/{len} {elapsed}").unwrap().progress_chars("=> "));
+    b.set_style(ProgressStyle::with_template("{msg:>14} [{bar:40}] {pos}/{len} {elapsed} (eta {eta})").unwrap().progress_chars("=> "));
     b.set_message(msg.to_string());
     b
 }

@@ -6,7 +6,6 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
-use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
 use veloq::artifact::Calibration;
@@ -19,7 +18,7 @@ use veloq_candle::config::CacheConfig;
 use veloq_candle::eval::{evaluate, total_tokens, EvalConfig, MethodScore};
 use veloq_candle::model::{encode, Model, Tokenizer};
 
-use crate::calibrate::default_text;
+use crate::calibrate::{bar, default_text};
 use crate::generate::default_model;
 use crate::plot;
 
@@ -141,13 +140,6 @@ fn specs(kind: Kind) -> Option<(CodecSpec, CodecSpec)> {
         Some(CodecSpec { shape: PqShape::new(sd, bits).ok()?, granularity: v.granularity, center: v.center, smooth, rotate: v.rotate })
     };
     Some((side(v.keys, smooth)?, side(v.values, None)?))
-}
-
-fn bar(len: u64, msg: &str) -> ProgressBar {
-    let b = ProgressBar::new(len);
-    b.set_style(ProgressStyle::with_template("{msg:>14} [{bar:40}] {pos}/{len} {elapsed} (eta {eta})").unwrap().progress_chars("=> "));
-    b.set_message(msg.to_string());
-    b
 }
 
 fn read_tokens(tok: &Tokenizer, path: &Path) -> Result<Vec<u32>> {

@@ -8,7 +8,6 @@ use candle_core::Tensor;
 
 use veloq::codec::block::BlockCodec;
 
-use super::dense::attend_dense;
 use super::store::{CodedStore, WindowConfig};
 use super::{token_major, LayerCache};
 use crate::error::Result;
@@ -31,8 +30,7 @@ impl LayerCache for DecodingCache {
     }
 
     fn attend(&mut self, q: &Tensor, scale: f64) -> Result<Tensor> {
-        let (k, v) = (self.store.decode_all(true)?, self.store.decode_all(false)?);
-        let y = attend_dense(q, k, v, self.store.n_kv, scale)?;
+        let y = self.store.attend_decoded(q, scale)?;
         self.store.flush()?;
         Ok(y)
     }

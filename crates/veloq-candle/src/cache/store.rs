@@ -9,7 +9,9 @@ use half::f16;
 
 use veloq::codec::block::BlockCodec;
 
-use super::dense::widen;
+use candle_core::Tensor;
+
+use super::dense::{attend_dense, widen};
 use crate::error::{Error, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,6 +151,12 @@ impl CodedStore {
         }
         widen(window, win);
         Ok(out)
+    }
+
+    /// Attention of several queries over everything cached, decoded (prefill, teacher-forced
+    /// evaluation, and the baselines' only path).
+    pub fn attend_decoded(&self, q: &Tensor, scale: f64) -> Result<Tensor> {
+        attend_dense(q, self.decode_all(true)?, self.decode_all(false)?, self.n_kv, scale)
     }
 
     /// Bytes held: encoded blocks, window capacity, the codecs' own tables.

@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use veloq::codec::pack;
 use veloq::codec::vecinfer::VecInferCodec;
 
-use super::dense::{attend_dense, axpy, dot, output, query_rows, softmax, widen};
+use super::dense::{axpy, dot, output, query_rows, softmax, widen};
 use super::store::{CodedStore, WindowConfig};
 use super::{token_major, LayerCache};
 use crate::error::Result;
@@ -175,7 +175,7 @@ impl LayerCache for VecInferCache {
     /// matmul; one query (decode) takes the lookup-table path.
     fn attend(&mut self, q: &Tensor, scale: f64) -> Result<Tensor> {
         let y = if q.dim(2)? > 1 {
-            attend_dense(q, self.store.decode_all(true)?, self.store.decode_all(false)?, self.store.n_kv, scale)?
+            self.store.attend_decoded(q, scale)?
         } else {
             self.attend_decode(q, scale)?
         };
@@ -201,6 +201,7 @@ mod tests {
     use veloq::calibrate::{train_codec, KMeansConfig};
     use veloq::codec::codebook::PqShape;
     use veloq::codec::vecinfer::CodecSpec;
+    use crate::cache::dense::attend_dense;
     use crate::testing::{fresh_seed, randn};
 
 
