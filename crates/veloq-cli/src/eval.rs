@@ -34,6 +34,10 @@ pub struct Args {
     pub calib_text: Option<PathBuf>,
     #[arg(long, default_value_t = 8192)]
     pub calib_tokens: usize,
+    /// Positions per forward pass while collecting calibration activations (default: the longest
+    /// --ctx). Post-RoPE keys depend on position, so codecs must see every position they will code.
+    #[arg(long)]
+    pub calib_window: Option<usize>,
     /// Context lengths, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "512,2048")]
     pub ctx: Vec<usize>,
@@ -68,7 +72,8 @@ struct Vq {
     keys: (usize, u32),
     values: (usize, u32),
     granularity: Granularity,
-    center: bool,
+    /// Subtract the calibrated mean of keys / of values.
+    center: (bool, bool),
     smooth: bool,
     rotate: bool,
     /// Keep the first positions in f16 (the cache's `sink`); off only for the ablation.
@@ -76,7 +81,7 @@ struct Vq {
 }
 
 const fn vq(sub_dim: usize, bits: u32) -> Vq {
-    Vq { keys: (sub_dim, bits), values: (sub_dim, bits), granularity: Granularity::PerLayer, center: true, smooth: true, rotate: true, sink: true }
+    Vq { keys: (sub_dim, bits), values: (sub_dim, bits), granularity: Granularity::PerLayer, center: (true, true), smooth: true, rotate: true, sink: true }
 }
 const VQ2: Vq = vq(4, 8);
 
@@ -101,11 +106,12 @@ const METHODS: &[(&str, Kind)] = &[
     ("vq-k4v2", Kind::Vq(Vq { keys: (2, 8), ..VQ2 })),
     ("vq-k2v4", Kind::Vq(Vq { values: (2, 8), ..VQ2 })),
     ("vq-2/per-subspace", Kind::Vq(Vq { granularity: Granularity::PerSubspace, ..VQ2 })),
-    ("vq-2/no-center", Kind::Vq(Vq { center: false, ..VQ2 })),
+    ("vq-2/no-center", Kind::Vq(Vq { center: (false, false), ..VQ2 })),
+    ("vq-2/center-v", Kind::Vq(Vq { center: (false, true), ..VQ2 })),
     ("vq-2/no-smooth", Kind::Vq(Vq { smooth: false, ..VQ2 })),
     ("vq-2/no-rotate", Kind::Vq(Vq { rotate: false, ..VQ2 })),
     ("vq-2/no-sink", Kind::Vq(Vq { sink: false, ..VQ2 })),
-    ("vq-2/plain", Kind::Vq(Vq { center: false, smooth: false, rotate: false, ..VQ2 })),
+    ("vq-2/plain", Kind::Vq(Vq { center: (false, false), smooth: false, rotate: false, ..VQ2 })),
     ("kivi-2", Kind::Kivi(2)),
     ("kivi-4", Kind::Kivi(4)),
     ("rlm-2", Kind::Rlm(2)),
@@ -123,7 +129,12 @@ fn describe(kind: Kind) -> String {
             v.values.1,
             v.values.0,
             v.granularity.name(),
-            if v.center { ", centered" } else { "" },
+            match v.center {
+                (true, true) => ", centered",
+                (true, false) => ", keys centered",
+                (false, true) => ", values centered",
+                (false, false) => "",
+            },
             if v.smooth { ", keys smoothed √max|k|" } else { ", no smoothing" },
             if v.rotate { ", Hadamard" } else { ", no rotation" },
             if v.sink { "" } else { ", no f16 sink" }
@@ -136,10 +147,10 @@ fn describe(kind: Kind) -> String {
 fn specs(kind: Kind) -> Option<(CodecSpec, CodecSpec)> {
     let Kind::Vq(v) = kind else { return None };
     let smooth = v.smooth.then_some(SmoothRule::SqrtMaxAbs);
-    let side = |(sd, bits): (usize, u32), smooth| -> Option<CodecSpec> {
-        Some(CodecSpec { shape: PqShape::new(sd, bits).ok()?, granularity: v.granularity, center: v.center, smooth, rotate: v.rotate })
+    let side = |(sd, bits): (usize, u32), center, smooth| -> Option<CodecSpec> {
+        Some(CodecSpec { shape: PqShape::new(sd, bits).ok()?, granularity: v.granularity, center, smooth, rotate: v.rotate })
     };
-    Some((side(v.keys, smooth)?, side(v.values, None)?))
+    Some((side(v.keys, v.center.0, smooth)?, side(v.values, v.center.1, None)?))
 }
 
 fn read_tokens(tok: &Tokenizer, path: &Path) -> Result<Vec<u32>> {
@@ -155,6 +166,7 @@ fn calibrations(
     calib: &[u32],
     chosen: &[(&str, Kind)],
     seed: u64,
+    window: usize,
 ) -> Result<Vec<Option<Calibration>>> {
     let text = TextFingerprint::of_tokens(calib);
     let dir = veloq::artifact::default_dir().join("eval");
@@ -168,7 +180,7 @@ fn calibrations(
             continue;
         };
         // Named by what was trained, so methods that differ only in cache settings share a file.
-        let path = dir.join(format!("{stem}.{:016x}.s{seed}.t{}.safetensors", fnv(&format!("{keys:?}{values:?}")), calib.len()));
+        let path = dir.join(format!("{stem}.{:016x}.s{seed}.t{}.w{window}.safetensors", fnv(&format!("{keys:?}{values:?}")), calib.len()));
         if let Ok(c) = Calibration::load_for(&path, &model.info.identity) {
             if c.text == text && c.keys == keys && c.values == values && c.seed == seed {
                 out.push(Some(c));
@@ -177,7 +189,7 @@ fn calibrations(
         }
         if acts.is_none() {
             let b = bar(calib.len() as u64, "collecting");
-            acts = Some(collect_activations(model, calib, 512, &mut |n| b.set_position(n as u64))?);
+            acts = Some(collect_activations(model, calib, window, &mut |n| b.set_position(n as u64))?);
             b.finish();
         }
         let b = bar(model.info.identity.n_layers as u64, label);
@@ -232,7 +244,7 @@ pub fn run(a: Args) -> Result<()> {
         return replot(json, &model_path, &chosen, &a);
     }
     let max_ctx = a.ctx.iter().copied().max().context("no --ctx")?;
-    let (model, tok) = Model::open(&model_path, max_ctx.max(512)).with_context(|| format!("loading {}", model_path.display()))?;
+    let (model, tok) = Model::open(&model_path, max_ctx.max(a.calib_window.unwrap_or(0)).max(512)).with_context(|| format!("loading {}", model_path.display()))?;
     let eval_path = a.text.clone().unwrap_or_else(|| default_text().with_file_name("prideprejudice.txt"));
     let calib_path = a.calib_text.clone().unwrap_or_else(default_text);
     let eval_tokens = read_tokens(&tok, &eval_path)?;
@@ -255,7 +267,8 @@ pub fn run(a: Args) -> Result<()> {
             eval_path.display()
         );
     }
-    let cals = calibrations(&model, &model_path, calib, &chosen, a.seed)?;
+    let calib_window = a.calib_window.unwrap_or(max_ctx);
+    let cals = calibrations(&model, &model_path, calib, &chosen, a.seed, calib_window)?;
     let methods: Vec<(String, CacheConfig)> = chosen.iter().zip(cals).map(|((l, k), c)| (l.to_string(), config(*k, c))).collect();
     let mut runs = Vec::new();
     for (&ctx, &windows) in a.ctx.iter().zip(&windows) {
@@ -281,6 +294,7 @@ pub fn run(a: Args) -> Result<()> {
         "eval_text": eval_path.file_name().map(|s| s.to_string_lossy().into_owned()),
         "calib_text": calib_path.file_name().map(|s| s.to_string_lossy().into_owned()),
         "calib_tokens": a.calib_tokens,
+        "calib_window": calib_window,
         "step": a.step,
         "f16_window": methods[0].1.window.window,
         "seed": a.seed,
@@ -296,7 +310,7 @@ fn replot(json: &Path, model_path: &Path, chosen: &[(&str, Kind)], a: &Args) -> 
     let (model, tok) = Model::open(model_path, 512)?;
     let calib_path = a.calib_text.clone().unwrap_or_else(default_text);
     let calib_tokens = read_tokens(&tok, &calib_path)?;
-    let cals = calibrations(&model, model_path, &calib_tokens[..a.calib_tokens.min(calib_tokens.len())], chosen, a.seed)?;
+    let cals = calibrations(&model, model_path, &calib_tokens[..a.calib_tokens.min(calib_tokens.len())], chosen, a.seed, a.calib_window.unwrap_or(512))?;
     let stream: Vec<(String, f64)> =
         chosen.iter().zip(cals).map(|((l, k), c)| Ok((l.to_string(), config(*k, c).stream_bits_per_element(&model)?))).collect::<Result<_>>()?;
     for run in v["runs"].as_array().context("no runs in the JSON")? {

@@ -35,6 +35,18 @@ pub struct Args {
     /// PNG figure of decode attention time against context (needs --baselines).
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Only run decode attention at batch B over S positions (`--profile B,S`): three warm-up
+    /// calls and one timed, then exit. For a profiler such as Nsight Compute.
+    #[arg(long, value_delimiter = ',')]
+    profile: Vec<usize>,
+    /// Threads per attention split block, comma separated: times the attention grid at each (the
+    /// ratio tables and the figure use the first).
+    #[arg(long, value_delimiter = ',', default_values_t = [veloq::kernels::cuda::DEFAULT_THREADS])]
+    threads: Vec<u32>,
+    /// Value accumulation in the attention kernel, comma separated: f32 (default) and/or f16
+    /// (packed pairs, partials flushed to f32). Timed and checked for each.
+    #[arg(long, value_delimiter = ',', default_value = "f32")]
+    values: Vec<String>,
 }
 
 /// Gaussian stream (xorshift + Box–Muller): fresh, never zero, outlier channels like real keys.
@@ -140,6 +152,7 @@ fn head_major(codes: &[u8], b: usize, s: usize, h: usize, m: usize) -> Vec<u8> {
     out
 }
 
+#[derive(Clone, Copy)]
 struct AttnCase {
     b: usize,
     hq: usize,
@@ -150,10 +163,10 @@ struct AttnCase {
 }
 
 /// GPU attention over codes + window vs an f64 reference over the CPU-decoded keys and values.
-fn check_attention(gpu: &Gpu, rng: &mut Rng, c: AttnCase) -> Result<serde_json::Value> {
+fn check_attention(gpu: &Gpu, rng: &mut Rng, c: AttnCase, threads: u32, half: bool) -> Result<serde_json::Value> {
     let AttnCase { b, hq, hkv, d, s, w } = c;
     let (kc, vc) = (codec(rng, hkv, d, 4, 8, Granularity::PerLayer, true)?, codec(rng, hkv, d, 4, 8, Granularity::PerLayer, false)?);
-    let att = GpuAttention::new(GpuCodec::upload(gpu, &kc)?, GpuCodec::upload(gpu, &vc)?, hq)?;
+    let att = GpuAttention::new(GpuCodec::upload(gpu, &kc)?, GpuCodec::upload(gpu, &vc)?, hq)?.with_threads(threads)?.with_half_values(half)?;
     let m = d / 4;
     let keys = rng.rows(b * s * hkv, d);
     let values = rng.rows(b * s * hkv, d);
@@ -203,11 +216,11 @@ fn check_attention(gpu: &Gpu, rng: &mut Rng, c: AttnCase) -> Result<serde_json::
     let norm: f64 = want.iter().map(|w| w * w).sum::<f64>().sqrt();
     let rel = err / norm;
     let ok = rel.is_finite() && rel < 1e-3;
-    println!("attention B={b} Hq={hq} Hkv={hkv} D={d} S={s:<5} W={w:<2}: rel err {rel:.2e} {}", if ok { "ok" } else { "FAIL" });
+    println!("attention B={b} Hq={hq} Hkv={hkv} D={d} S={s:<5} W={w:<2} threads={threads:<4} {}: rel err {rel:.2e} {}", if half { "f16" } else { "f32" }, if ok { "ok" } else { "FAIL" });
     if !ok {
         bail!("attention mismatch");
     }
-    Ok(json!({"B": b, "Hq": hq, "Hkv": hkv, "D": d, "S": s, "W": w, "rel_err": rel}))
+    Ok(json!({"B": b, "Hq": hq, "Hkv": hkv, "D": d, "S": s, "W": w, "threads": threads, "values": if half { "f16" } else { "f32" }, "rel_err": rel}))
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -215,6 +228,23 @@ pub fn run(a: Args) -> Result<()> {
     let seed = SystemTime::now().duration_since(UNIX_EPOCH)?.as_nanos() as u64 | 1;
     let mut rng = Rng(seed);
     println!("{} ({} SMs), seed {seed}", gpu.name(), gpu.multiprocessors());
+    let half: Vec<bool> = a
+        .values
+        .iter()
+        .map(|v| match v.as_str() {
+            "f32" => Ok(false),
+            "f16" => Ok(true),
+            o => bail!("--values takes f32 or f16, not {o}"),
+        })
+        .collect::<Result<_>>()?;
+    match a.profile[..] {
+        [] => {}
+        [b, s] => {
+            time_attention(&gpu, &mut rng, vec![(b, s)], 1, a.threads[0], half[0])?;
+            return Ok(());
+        }
+        _ => bail!("--profile takes B,S"),
+    }
     let mut checks = Vec::new();
     for shape in [
         (1001, 64, 4, 4, 8, Granularity::PerLayer),
@@ -233,7 +263,11 @@ pub fn run(a: Args) -> Result<()> {
         AttnCase { b: 2, hq: 9, hkv: 3, d: 64, s: 777, w: 20 },
         AttnCase { b: 2, hq: 32, hkv: 8, d: 128, s: 20011, w: 16 },
     ] {
-        checks.push(check_attention(&gpu, &mut rng, c)?);
+        for &threads in &a.threads {
+            for &h in &half {
+                checks.push(check_attention(&gpu, &mut rng, c, threads, h)?);
+            }
+        }
     }
     if a.check_only {
         return write_json(&a.json, &json!({"gpu": gpu.name(), "checks": checks}));
@@ -256,14 +290,34 @@ pub fn run(a: Args) -> Result<()> {
         qt.push(json!({"S": s, "D": d, "H": h, "sub_dim": sd, "ms": ms, "sub_vectors": n, "flops": flops, "bytes": bytes}));
     }
     // Decode attention timing: Llama-3.1-8B geometry, 2-bit codes (256 centroids of 4).
-    println!("\n| attention B,S (Hq 32, Hkv 8, D 128) | ms | code MiB | GB/s | splits |");
-    println!("|---|---|---|---|---|");
+    println!("\n| attention B,S (Hq 32, Hkv 8, D 128) | threads, values | ms | code MiB | GB/s | splits |");
+    println!("|---|---|---|---|---|---|");
+    let mut at = Vec::new();
+    for &threads in &a.threads {
+        for &h in &half {
+            let grid = [1usize, 8, 32].iter().flat_map(|&b| [1024usize, 4096, 16384, 65536, 131072].map(move |s| (b, s))).collect();
+            at.extend(time_attention(&gpu, &mut rng, grid, a.reps, threads, h)?);
+        }
+    }
+    let first: Vec<_> = at.iter().filter(|x| x["threads"] == a.threads[0] && x["values"] == a.values[0].as_str()).cloned().collect();
+    if let Some(path) = &a.baselines {
+        let base: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+        ratios(&base, &qt, &first, a.plot.as_deref())?;
+    }
+    write_json(&a.json, &json!({"gpu": gpu.name(), "seed": seed, "checks": checks, "quantize": qt, "attention": at}))
+}
+
+/// Times decode attention over 2-bit codes (256 centroids of 4) in the Llama-3.1-8B geometry for
+/// each (batch, positions), printing a table row each.
+fn time_attention(gpu: &Gpu, rng: &mut Rng, shapes: Vec<(usize, usize)>, reps: usize, threads: u32, half: bool) -> Result<Vec<serde_json::Value>> {
+    let st = gpu.stream();
     let mut at = Vec::new();
     let (hq, hkv, d, w) = (32, 8, 128, 16);
-    let kc = codec(&mut rng, hkv, d, 4, 8, Granularity::PerLayer, true)?;
-    let vc = codec(&mut rng, hkv, d, 4, 8, Granularity::PerLayer, false)?;
-    let att = GpuAttention::new(GpuCodec::upload(&gpu, &kc)?, GpuCodec::upload(&gpu, &vc)?, hq)?;
-    for (b, s) in [1usize, 8, 32].iter().flat_map(|&b| [1024usize, 4096, 16384, 65536, 131072].map(move |s| (b, s))) {
+    let kc = codec(rng, hkv, d, 4, 8, Granularity::PerLayer, true)?;
+    let vc = codec(rng, hkv, d, 4, 8, Granularity::PerLayer, false)?;
+    let att = GpuAttention::new(GpuCodec::upload(gpu, &kc)?, GpuCodec::upload(gpu, &vc)?, hq)?.with_threads(threads)?.with_half_values(half)?;
+    let values = if half { "f16" } else { "f32" };
+    for (b, s) in shapes {
         let m = d / 4;
         let n = b * hkv * s * m;
         let codes: Vec<u8> = (0..n).map(|i| (rng.next() * 256.0) as u8 ^ (i as u8)).collect();
@@ -273,19 +327,15 @@ pub fn run(a: Args) -> Result<()> {
         let wvd = dev!(st.memcpy_stod(&f16_bits(&rng.rows(b * hkv * w, d))));
         let qd = dev!(st.memcpy_stod(&rng.rows(b * hq, d)));
         let mut out = dev!(st.alloc_zeros::<f32>(b * hq * d));
-        let splits = att.splits(&gpu, b, s);
-        let mut scratch = AttentionScratch::new(&gpu, b, hq, d, splits)?;
-        let ms = time_ms(&gpu, a.reps, || Ok(att.attend(&gpu, &qd, &kcd, &vcd, b, s, &wkd, &wvd, w, 0.088, &mut scratch, &mut out)?))?;
+        let splits = att.splits(gpu, b, s);
+        let mut scratch = AttentionScratch::new(gpu, b, hq, d, splits)?;
+        let ms = time_ms(gpu, reps, || Ok(att.attend(gpu, &qd, &kcd, &vcd, b, s, &wkd, &wvd, w, 0.088, &mut scratch, &mut out)?))?;
         let bytes = 2.0 * n as f64;
-        println!("| {b},{s} | {ms:.4} | {:.1} | {:.0} | {splits} |", bytes / (1 << 20) as f64, bytes / ms / 1e6);
-        at.push(json!({"B": b, "S": s, "Hq": hq, "Hkv": hkv, "D": d, "W": w, "ms": ms, "code_bytes": bytes, "splits": splits,
+        println!("| {b},{s} | {threads} {values} | {ms:.4} | {:.1} | {:.0} | {splits} |", bytes / (1 << 20) as f64, bytes / ms / 1e6);
+        at.push(json!({"B": b, "S": s, "threads": threads, "values": values, "Hq": hq, "Hkv": hkv, "D": d, "W": w, "ms": ms, "code_bytes": bytes, "splits": splits,
             "fp16_kv_bytes": (2 * b * hkv * s * d * 2) as f64, "launches": 2}));
     }
-    if let Some(path) = &a.baselines {
-        let base: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
-        ratios(&base, &qt, &at, a.plot.as_deref())?;
-    }
-    write_json(&a.json, &json!({"gpu": gpu.name(), "seed": seed, "checks": checks, "quantize": qt, "attention": at}))
+    Ok(at)
 }
 
 /// Side-by-side tables against the PyTorch/Triton anchors timed in the same device call, and the

@@ -8,11 +8,12 @@ use super::{dev_err, Gpu};
 use crate::error::{Error, Result};
 
 pub(super) const SOURCE: &str = include_str!("attention.cu");
-const THREADS: u32 = 256;
+/// Threads per split block (16 warps: the block holds a whole SM's shared memory).
+pub const DEFAULT_THREADS: u32 = 512;
 /// Most tokens one split block scores (its softmax weights sit in shared memory).
 const MAX_SPLIT: usize = 2048;
-/// Value codes staged in shared memory per step.
-const CHUNK: usize = 256;
+/// Fewest value-code tokens staged in shared memory per step (more when the table space allows).
+const MIN_CHUNK: usize = 256;
 /// Most f16 window rows the merge kernel takes.
 pub const MAX_WINDOW: usize = 62;
 
@@ -21,6 +22,8 @@ pub struct GpuAttention {
     pub keys: GpuCodec,
     pub values: GpuCodec,
     pub q_heads: usize,
+    threads: u32,
+    half_values: bool,
 }
 
 /// Partials of the split kernel, reused across calls.
@@ -41,70 +44,67 @@ impl AttentionScratch {
 
 impl GpuAttention {
     pub fn new(keys: GpuCodec, values: GpuCodec, q_heads: usize) -> Result<Self> {
-        let ok = keys.bits == 8 && values.bits == 8 && keys.books == 1 && values.books == 1;
+        let ok = keys.bits == 8 && values.bits == 8 && keys.books == 1 && values.books == 1 && keys.subspaces() % 4 == 0 && keys.sub_dim % 2 == 0;
         if !ok || keys.heads != values.heads || keys.head_dim != values.head_dim || q_heads % keys.heads != 0 {
-            return Err(Error::Device("CUDA attention takes 8-bit per-layer codebooks for keys and values of one geometry, q_heads a multiple of kv heads".into()));
+            return Err(Error::Device("CUDA attention takes 8-bit per-layer codebooks for keys and values of one geometry (key sub-spaces a multiple of 4, even key sub_dim), q_heads a multiple of kv heads".into()));
         }
-        Ok(Self { keys, values, q_heads })
+        Ok(Self { keys, values, q_heads, threads: DEFAULT_THREADS, half_values: false })
+    }
+
+    /// Threads per split block (a multiple of 32, at most 1024; more threads get fewer registers
+    /// each). For tuning: the default is the measured best.
+    pub fn with_threads(mut self, threads: u32) -> Result<Self> {
+        if threads % 32 != 0 || !(64..=1024).contains(&threads) {
+            return Err(Error::Device(format!("{threads} threads per block: need a multiple of 32 in 64..=1024")));
+        }
+        self.threads = threads;
+        Ok(self)
+    }
+
+    /// Accumulate values with packed f16 FMAs (partials of 8 tokens summed in f32): half the
+    /// value-pass instructions for about 1e-3 relative error. Needs an even value sub_dim.
+    pub fn with_half_values(mut self, on: bool) -> Result<Self> {
+        if on && self.values.sub_dim % 2 != 0 {
+            return Err(Error::Device("f16 value accumulation needs an even value sub_dim".into()));
+        }
+        self.half_values = on;
+        Ok(self)
     }
 
     fn group(&self) -> usize {
         self.q_heads / self.keys.heads
     }
 
-    /// Floats of the table space: the key lookup tables, later the staged value codes and the
-    /// phase partials.
-    fn table(&self, gb: usize) -> usize {
+    fn plan(&self, gb: usize) -> Plan {
         let (k, v) = (&self.keys, &self.values);
-        let slots = (THREADS as usize / 32) * (32 / v.subspaces().min(32));
-        (gb * k.subspaces() * k.centroids()).max((v.subspaces() * CHUNK).div_ceil(4)).max(slots * gb * k.head_dim)
+        Plan {
+            d: k.head_dim,
+            sd_k: k.sub_dim,
+            sd_v: v.sub_dim,
+            q_heads: self.q_heads,
+            kv_heads: k.heads,
+            center: (k.center, v.center),
+            smooth: (k.smooth, v.smooth),
+            rotate: k.rotate && v.rotate,
+            gb,
+            threads: self.threads,
+            half_values: self.half_values,
+        }
     }
 
-    /// Shared memory of the split kernel for `gb` heads per block.
-    fn smem(&self, gb: usize) -> usize {
-        let v = &self.values;
-        (self.table(gb) + gb * MAX_SPLIT + v.centroids() * v.sub_dim + gb * self.keys.head_dim + gb * 32) * 4
-    }
-
-    /// Query heads per block: the largest divisor of the GQA group whose tables fit in shared
-    /// memory (each kv head's codes are then read once per block of heads).
-    fn heads_per_block(&self, gpu: &Gpu) -> usize {
+    /// The plan with the most query heads per block (a divisor of the GQA group) whose tables fit
+    /// in shared memory: each kv head's codes are then read once per block of heads.
+    fn best_plan(&self, gpu: &Gpu) -> Plan {
         let g = self.group();
-        (1..=g).rev().find(|gb| g % gb == 0 && self.smem(*gb) <= gpu.max_smem).unwrap_or(1)
+        (1..=g.min(4)).rev().filter(|gb| g % gb == 0).map(|gb| self.plan(gb)).find(|p| p.smem() <= gpu.max_smem).unwrap_or_else(|| self.plan(1))
     }
 
     /// Splits the split kernel uses for `batch` × `s` tokens: about two blocks per multiprocessor,
     /// each split at most [`MAX_SPLIT`] tokens.
     pub fn splits(&self, gpu: &Gpu, batch: usize, s: usize) -> usize {
-        let blocks = batch * self.keys.heads * (self.group() / self.heads_per_block(gpu));
+        let blocks = batch * self.keys.heads * (self.group() / self.best_plan(gpu).gb);
         let fill = (2 * gpu.multiprocessors() as usize).div_ceil(blocks);
         fill.min(s.div_ceil(256)).max(s.div_ceil(MAX_SPLIT)).max(1)
-    }
-
-    fn defines(&self, gb: usize) -> Vec<(&'static str, i64)> {
-        let (k, v) = (&self.keys, &self.values);
-        vec![
-            ("D", k.head_dim as i64),
-            ("M_K", k.subspaces() as i64),
-            ("SD_K", k.sub_dim as i64),
-            ("K_K", k.centroids() as i64),
-            ("M_V", v.subspaces() as i64),
-            ("SD_V", v.sub_dim as i64),
-            ("K_V", v.centroids() as i64),
-            ("HQ", self.q_heads as i64),
-            ("HKV", k.heads as i64),
-            ("G", (self.q_heads / k.heads) as i64),
-            ("CENTER_K", k.center as i64),
-            ("SMOOTH_K", k.smooth as i64),
-            ("CENTER_V", v.center as i64),
-            ("SMOOTH_V", v.smooth as i64),
-            ("ROTATE", (k.rotate && v.rotate) as i64),
-            ("MAX_SPLIT", MAX_SPLIT as i64),
-            ("GB", gb as i64),
-            ("TABLE", self.table(gb) as i64),
-            ("CHUNK", CHUNK as i64),
-            ("THREADS", THREADS as i64),
-        ]
     }
 
     /// Decode attention for `q` (`[batch, q_heads, D]` f32) over `s` coded positions
@@ -149,14 +149,13 @@ impl GpuAttention {
         if !sizes_ok {
             return Err(Error::Shape("attention: a buffer is smaller than the shapes say".into()));
         }
-        let gb = self.heads_per_block(gpu);
-        let defines = self.defines(gb);
-        let smem = self.smem(gb);
+        let plan = self.best_plan(gpu);
+        let (gb, defines, smem) = (plan.gb, plan.defines(), plan.smem());
         let split_fn = gpu.kernel(SOURCE, "vq_attend_split", &defines, smem)?;
         let merge_fn = gpu.kernel(SOURCE, "vq_attend_merge", &defines, 0)?;
         let g = (self.group() / gb) as u32;
         let (s_i, split_i, nsplit_i, w_i) = (s as i32, split as i32, nsplit as i32, w as i32);
-        let cfg = LaunchConfig { grid_dim: (g, nsplit as u32, (batch * hkv) as u32), block_dim: (THREADS, 1, 1), shared_mem_bytes: smem as u32 };
+        let cfg = LaunchConfig { grid_dim: (g, nsplit as u32, (batch * hkv) as u32), block_dim: (plan.threads, 1, 1), shared_mem_bytes: smem as u32 };
         let mut l = gpu.stream().launch_builder(&split_fn);
         l.arg(q).arg(kcodes).arg(vcodes).arg(&k.centroids).arg(&v.centroids).arg(&k.mean).arg(&k.scale);
         l.arg(&mut scratch.part_o).arg(&mut scratch.part_ml).arg(&s_i).arg(&split_i).arg(&scale);
@@ -170,28 +169,123 @@ impl GpuAttention {
     }
 }
 
-pub(super) fn example_defines() -> Vec<(&'static str, i64)> {
+/// Sizes and layout choices of the split kernel for one geometry, 8-bit codebooks (no GPU needed).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Plan {
+    d: usize,
+    sd_k: usize,
+    sd_v: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    /// (keys, values)
+    center: (bool, bool),
+    smooth: (bool, bool),
+    rotate: bool,
+    /// Query heads per block.
+    gb: usize,
+    threads: u32,
+    /// Value pass in packed f16 (`VALUES_F16`).
+    half_values: bool,
+}
+
+impl Plan {
+    const CENTROIDS: usize = 256;
+
+    fn m_k(&self) -> usize {
+        self.d / self.sd_k
+    }
+
+    fn m_v(&self) -> usize {
+        self.d / self.sd_v
+    }
+
+    /// Floats of one table entry (the heads of a block, padded to a vector load).
+    fn entry(&self) -> usize {
+        if self.gb == 3 { 4 } else { self.gb }
+    }
+
+    /// Sub-spaces interleaved per code in the table: as many as the lanes of one shared-memory
+    /// phase (so their random codes still hit distinct banks), a power of two dividing M_K.
+    fn interleave(&self) -> usize {
+        let m = self.m_k();
+        let mut pj = (32 / self.entry()).min(m).next_power_of_two();
+        while pj > 1 && (m % pj != 0 || pj > m) {
+            pj /= 2;
+        }
+        pj
+    }
+
+    /// 32-bit words per value centroid in shared memory (f32, or f16 pairs).
+    fn value_words(&self) -> usize {
+        if self.half_values { self.sd_v / 2 } else { self.sd_v }
+    }
+
+    /// Copies of the value codebook (one per lane of a 128-byte phase).
+    fn replicas(&self) -> usize {
+        (32 / self.value_words()).max(1)
+    }
+
+    /// Floats of the table space: the key lookup tables, later the staged value codes and the
+    /// per-warp partials.
+    fn table(&self) -> usize {
+        let slots = (self.threads as usize / 32) * (32 / self.m_v().min(32));
+        (self.entry() * self.m_k() * Self::CENTROIDS).max((self.m_v() * MIN_CHUNK).div_ceil(4)).max(slots * self.gb * self.d)
+    }
+
+    /// Value-code tokens staged per step: as many as fill the table space.
+    fn chunk(&self) -> usize {
+        (self.table() * 4 / self.m_v() / 16 * 16).clamp(16, MAX_SPLIT)
+    }
+
+    /// Shared memory of the split kernel.
+    fn smem(&self) -> usize {
+        (self.table() + self.entry() * MAX_SPLIT + Self::CENTROIDS * self.replicas() * self.value_words() + self.gb * self.d + self.gb * 32) * 4
+    }
+
+    fn defines(&self) -> Vec<(&'static str, i64)> {
+        let b = |x: bool| x as i64;
+        vec![
+            ("D", self.d as i64),
+            ("M_K", self.m_k() as i64),
+            ("SD_K", self.sd_k as i64),
+            ("K_K", Self::CENTROIDS as i64),
+            ("M_V", self.m_v() as i64),
+            ("SD_V", self.sd_v as i64),
+            ("K_V", Self::CENTROIDS as i64),
+            ("HQ", self.q_heads as i64),
+            ("HKV", self.kv_heads as i64),
+            ("G", (self.q_heads / self.kv_heads) as i64),
+            ("CENTER_K", b(self.center.0)),
+            ("SMOOTH_K", b(self.smooth.0)),
+            ("CENTER_V", b(self.center.1)),
+            ("SMOOTH_V", b(self.smooth.1)),
+            ("ROTATE", b(self.rotate)),
+            ("MAX_SPLIT", MAX_SPLIT as i64),
+            ("GB", self.gb as i64),
+            ("TABLE", self.table() as i64),
+            ("CHUNK", self.chunk() as i64),
+            ("THREADS", self.threads as i64),
+            ("GBP", self.entry() as i64),
+            ("PJ", self.interleave() as i64),
+            ("RV", self.replicas() as i64),
+            ("VALUES_F16", self.half_values as i64),
+        ]
+    }
+}
+
+/// Defines of several geometries (D 64/128/256, sub_dim 2/4/8, 1–4 heads per block), for the
+/// NVRTC compile check.
+pub(super) fn example_defines() -> Vec<Vec<(&'static str, i64)>> {
+    let base = Plan { d: 128, sd_k: 4, sd_v: 4, q_heads: 32, kv_heads: 8, center: (true, true), smooth: (true, false), rotate: true, gb: 4, threads: DEFAULT_THREADS, half_values: false };
     [
-        ("D", 128),
-        ("M_K", 32),
-        ("SD_K", 4),
-        ("K_K", 256),
-        ("M_V", 32),
-        ("SD_V", 4),
-        ("K_V", 256),
-        ("HQ", 32),
-        ("HKV", 8),
-        ("G", 4),
-        ("CENTER_K", 1),
-        ("SMOOTH_K", 1),
-        ("CENTER_V", 1),
-        ("SMOOTH_V", 0),
-        ("ROTATE", 1),
-        ("MAX_SPLIT", 2048),
-        ("GB", 4),
-        ("TABLE", 4 * 32 * 256),
-        ("CHUNK", 256),
-        ("THREADS", 256),
+        base,
+        Plan { d: 64, sd_k: 8, sd_v: 8, gb: 1, q_heads: 8, threads: 1024, ..base },
+        Plan { d: 256, sd_k: 4, sd_v: 2, gb: 2, q_heads: 16, center: (false, false), threads: 256, ..base },
+        Plan { q_heads: 24, gb: 3, smooth: (false, true), rotate: false, ..base },
+        Plan { half_values: true, ..base },
+        Plan { d: 256, sd_k: 4, sd_v: 2, gb: 2, q_heads: 16, half_values: true, ..base },
     ]
-    .to_vec()
+    .iter()
+    .map(Plan::defines)
+    .collect()
 }

@@ -9,6 +9,26 @@ __device__ __forceinline__ float h2f(unsigned short h) {
     return f;
 }
 
+// Packed f16 pairs in 32-bit words (PTX, no cuda_fp16.h): {lo, hi} from floats, d = a·b + c lane-wise,
+// and back to floats.
+__device__ __forceinline__ unsigned int pack_h2(float lo, float hi) {
+    unsigned int r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ unsigned int hfma2(unsigned int a, unsigned int b, unsigned int c) {
+    unsigned int d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+__device__ __forceinline__ float2 unpack_h2(unsigned int r) {
+    unsigned short lo, hi;
+    asm("mov.b32 {%0, %1}, %2;" : "=h"(lo), "=h"(hi) : "r"(r));
+    return make_float2(h2f(lo), h2f(hi));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);

@@ -6,7 +6,7 @@
 mod attention;
 mod quantize;
 
-pub use attention::{AttentionScratch, GpuAttention};
+pub use attention::{AttentionScratch, GpuAttention, DEFAULT_THREADS};
 pub use quantize::GpuCodec;
 
 use std::collections::HashMap;
@@ -103,10 +103,8 @@ impl Gpu {
 
 /// NVRTC compile check of every kernel source without a GPU (needs libnvrtc only).
 pub fn compile_check(arch: &'static str) -> Result<()> {
-    for (name, src, defines) in [
-        ("vq_quantize", quantize::SOURCE, quantize::example_defines()),
-        ("vq_attend_split", attention::SOURCE, attention::example_defines()),
-    ] {
+    let attention = attention::example_defines().into_iter().map(|d| ("vq_attend_split", attention::SOURCE, d));
+    for (name, src, defines) in std::iter::once(("vq_quantize", quantize::SOURCE, quantize::example_defines())).chain(attention) {
         let header: String = defines.iter().map(|(k, v)| format!("#define {k} {v}\n")).collect();
         let opts = CompileOptions { arch: Some(arch), options: vec!["--std=c++17".into()], ..Default::default() };
         quietly(|| compile_ptx_with_opts(format!("{header}{COMMON}\n{src}"), opts))
