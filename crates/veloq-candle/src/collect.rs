@@ -9,7 +9,7 @@ use veloq::artifact::{Calibration, LayerCodecs};
 use veloq::calibrate::{train_codec_with_progress, KMeansConfig, TextFingerprint};
 use veloq::codec::vecinfer::CodecSpec;
 
-use crate::cache::{Fp16Cache, LayerCache};
+use crate::cache::LayerCache;
 use crate::error::{Error, Result};
 use crate::model::Model;
 
@@ -29,7 +29,7 @@ pub struct LayerActivations {
 
 /// An fp16 cache that also copies everything appended to it into a shared sink.
 struct Recorder {
-    inner: Fp16Cache,
+    inner: Box<dyn LayerCache>,
     sink: Arc<Mutex<LayerActivations>>,
 }
 
@@ -66,8 +66,9 @@ pub fn collect_activations(model: &Model, tokens: &[u32], window: usize, progres
     for chunk in tokens.chunks(window.max(1)) {
         let mut caches: Vec<Box<dyn LayerCache>> = sinks
             .iter()
-            .map(|s| Box::new(Recorder { inner: Fp16Cache::new(id.n_kv_heads, id.head_dim), sink: s.clone() }) as Box<dyn LayerCache>)
-            .collect();
+            .enumerate()
+            .map(|(i, s)| Ok(Box::new(Recorder { inner: model.fp16_cache(i)?, sink: s.clone() }) as Box<dyn LayerCache>))
+            .collect::<Result<_>>()?;
         model.forward(chunk, &mut caches, false)?;
         done += chunk.len();
         progress(done);

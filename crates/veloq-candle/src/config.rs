@@ -20,7 +20,7 @@ use veloq::codec::lloyd_max::LloydMaxCodec;
 use candle_core::Device;
 use veloq::kernels::select::KernelChoice;
 
-use crate::cache::{DecodingCache, Fp16Cache, LayerCache, PortableVecInferCache, VecInferCache, WindowConfig};
+use crate::cache::{DecodingCache, LayerCache, PortableVecInferCache, VecInferCache, WindowConfig};
 use crate::error::{Error, Result};
 use crate::model::Model;
 
@@ -139,6 +139,13 @@ impl CacheConfig {
 
     /// One cache per layer of `model`.
     pub fn build(&self, model: &Model) -> Result<Vec<Box<dyn LayerCache>>> {
+        let caches = self.build_global(model)?;
+        // Sliding-window layers hold at most their window, in f16, whatever the method.
+        caches.into_iter().enumerate().map(|(i, c)| if model.layer_window(i).is_some() { model.fp16_cache(i) } else { Ok(c) }).collect()
+    }
+
+    /// The method's cache for every layer (sliding-window layers are replaced by [`Self::build`]).
+    fn build_global(&self, model: &Model) -> Result<Vec<Box<dyn LayerCache>>> {
         let id = &model.info.identity;
         if let Method::VecInfer(cal) = &self.method {
             check_calibration(cal, model)?;
@@ -157,7 +164,7 @@ impl CacheConfig {
                 .collect();
         }
         let Some(pairs) = self.codecs(model)? else {
-            return Ok((0..id.n_layers).map(|_| Box::new(Fp16Cache::new(id.n_kv_heads, id.head_dim)) as Box<dyn LayerCache>).collect());
+            return (0..id.n_layers).map(|i| model.fp16_cache(i)).collect();
         };
         pairs
             .into_iter()
@@ -204,8 +211,10 @@ pub fn resident_bytes(caches: &[Box<dyn LayerCache>]) -> usize {
     caches.iter().map(|c| c.resident_bytes()).sum()
 }
 
-/// What an f16 cache of `tokens` positions would hold for `model` (keys + values, no padding).
+/// What an f16 cache of `tokens` positions would hold for `model` (keys + values, no padding;
+/// sliding-window layers hold their window).
 pub fn fp16_bytes(model: &Model, tokens: usize) -> usize {
     let id = &model.info.identity;
-    tokens * id.n_layers * id.n_kv_heads * id.head_dim * 2 * 2
+    let positions: usize = (0..id.n_layers).map(|i| model.layer_window(i).map_or(tokens, |w| w.min(tokens))).sum();
+    positions * id.n_kv_heads * id.head_dim * 2 * 2
 }

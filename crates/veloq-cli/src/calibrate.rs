@@ -25,8 +25,10 @@ pub struct Args {
     /// Tokens of text to calibrate on.
     #[arg(long, default_value_t = 8192)]
     pub tokens: usize,
-    /// Context window per forward pass while collecting.
-    #[arg(long, default_value_t = 512)]
+    /// Positions per forward pass while collecting. Post-RoPE keys depend on position, so make it
+    /// at least the context you will run: on SmolLM2 at ctx 2048, codecs calibrated with
+    /// 512-position windows gave KL 0.144, with 2048-position windows 0.074 (`veloq eval`).
+    #[arg(long, default_value_t = 2048)]
     pub window: usize,
     #[arg(long, default_value_t = 4)]
     pub key_sub_dim: usize,

@@ -11,6 +11,12 @@ use crate::error::Result;
 /// token-major (`[S, Hkv, D]`). Query heads are grouped onto their kv head by reshaping the
 /// queries (`[Hkv, G·T, D]`), never by copying keys.
 pub fn attend_dense(q: &Tensor, k: Vec<f32>, v: Vec<f32>, n_kv: usize, scale: f64) -> Result<Tensor> {
+    attend_dense_window(q, k, v, n_kv, scale, None)
+}
+
+/// [`attend_dense`] where each query also sees at most the `window` most recent positions
+/// (itself included), as in sliding-window layers.
+pub fn attend_dense_window(q: &Tensor, k: Vec<f32>, v: Vec<f32>, n_kv: usize, scale: f64, window: Option<usize>) -> Result<Tensor> {
     let (_, hq, t, d) = q.dims4()?;
     let s = k.len() / (n_kv * d);
     let g = hq / n_kv;
@@ -19,20 +25,23 @@ pub fn attend_dense(q: &Tensor, k: Vec<f32>, v: Vec<f32>, n_kv: usize, scale: f6
     let vt = Tensor::from_vec(v, (s, n_kv, d), dev)?.transpose(0, 1)?.contiguous()?;
     let qg = q.to_dtype(DType::F32)?.reshape((n_kv, g * t, d))?;
     let att = (qg.matmul(&kt.t()?)? * scale)?; // [Hkv, G·T, S]
-    let att = if t > 1 { att.broadcast_add(&causal_mask(t, s, g, dev)?)? } else { att };
+    let masked = t > 1 || window.is_some_and(|w| s > w);
+    let att = if masked { att.broadcast_add(&causal_mask(t, s, g, window, dev)?)? } else { att };
     let p = candle_nn::ops::softmax_last_dim(&att)?;
     Ok(p.matmul(&vt)?.reshape((1, hq, t, d))?)
 }
 
-/// `[G·T, S]` additive mask: row (g, i) sees positions `0..=S − T + i`.
-fn causal_mask(t: usize, s: usize, g: usize, dev: &Device) -> Result<Tensor> {
+/// `[G·T, S]` additive mask: row (g, i) sees positions `0..=S − T + i`, and with a window only
+/// the last `window` of them.
+fn causal_mask(t: usize, s: usize, g: usize, window: Option<usize>, dev: &Device) -> Result<Tensor> {
     let off = s - t;
     let mut m = vec![0.0f32; g * t * s];
     for gi in 0..g {
         for i in 0..t {
-            for j in off + i + 1..s {
-                m[(gi * t + i) * s + j] = f32::NEG_INFINITY;
-            }
+            let row = &mut m[(gi * t + i) * s..(gi * t + i + 1) * s];
+            let first = window.map_or(0, |w| (off + i + 1).saturating_sub(w));
+            row[..first].fill(f32::NEG_INFINITY);
+            row[off + i + 1..].fill(f32::NEG_INFINITY);
         }
     }
     Ok(Tensor::from_vec(m, (g * t, s), dev)?)

@@ -2,7 +2,7 @@
 //! asks it for attention, so a compressed cache can score against codes without rebuilding fp16
 //! keys. Implementations: [`Fp16Cache`] (the reference), [`VecInferCache`] (codes, lookup-table
 //! decode) and [`DecodingCache`] (any other [`BlockCodec`](veloq::codec::block::BlockCodec), for
-//! the scalar baselines).
+//! the scalar baselines); [`SlidingCache`] serves sliding-window layers whatever the method.
 //!
 //! Shapes: keys/values `[1, n_kv_heads, T, head_dim]`, queries `[1, n_q_heads, T, head_dim]`, f32
 //! on the CPU. Batch 1 on this path; GQA is handled inside (query heads index their kv head, keys
@@ -12,12 +12,14 @@ mod decoding;
 mod dense;
 mod fp16;
 mod portable;
+mod sliding;
 mod store;
 mod vecinfer;
 
 pub use decoding::DecodingCache;
 pub use fp16::Fp16Cache;
 pub use portable::PortableVecInferCache;
+pub use sliding::SlidingCache;
 pub use store::WindowConfig;
 pub use vecinfer::VecInferCache;
 

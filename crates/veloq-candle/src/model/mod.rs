@@ -1,10 +1,10 @@
 //! Models over GGUF weights: geometry from the file's metadata, our own forward pass (so the
 //! cache contract is the only place keys and values live), candle's quantized matmul.
 
-mod llama;
+mod decoder;
 mod tokenizer;
 
-pub use llama::Model;
+pub use decoder::Model;
 pub use tokenizer::{decode, encode, load_tokenizer, ChatTemplate};
 pub use tokenizers::Tokenizer;
 

@@ -1,5 +1,10 @@
-//! The Llama family (Llama 2/3, SmolLM2, Mistral, Falcon3 as `llama`; Qwen2 with its q/k/v
-//! biases and NeoX RoPE): pre-norm decoder, GQA attention through the layer cache, SwiGLU MLP.
+//! Pre-norm decoders over GGUF weights, GQA attention through the layer cache:
+//! - the Llama family (Llama 2/3, SmolLM2, Mistral, Falcon3 as `llama`; Qwen2 with its q/k/v biases
+//!   and NeoX RoPE), SwiGLU MLP;
+//! - Gemma 3 (`gemma3`): embeddings × √hidden, per-head q/k RMS norms, norms after attention and
+//!   after the MLP too, GELU (tanh) gated MLP, NeoX RoPE with base 10,000 on sliding-window layers
+//!   and the file's base (and linear scaling) on global ones; every `sliding_window_pattern`-th layer
+//!   (6) is global, the others see the last `sliding_window` positions ([`SlidingCache`]).
 
 use std::fs::File;
 use std::io::BufReader;
@@ -10,7 +15,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_transformers::quantized_nn::RmsNorm;
 
 use super::ModelInfo;
-use crate::cache::LayerCache;
+use crate::cache::{Fp16Cache, LayerCache, SlidingCache};
 use crate::error::{Error, Result};
 use veloq::artifact::ModelIdentity;
 
@@ -25,6 +30,17 @@ struct Layer {
     gate: QMatMul,
     up: QMatMul,
     down: QMatMul,
+    /// Gemma 3: per-head q/k norms, norms on the attention and MLP outputs.
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
+    post_norms: Option<(RmsNorm, RmsNorm)>,
+    /// Sliding-window layer: attends the last `window` positions, with the local RoPE tables.
+    window: Option<usize>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Activation {
+    Silu,
+    GeluTanh,
 }
 
 pub struct Model {
@@ -36,6 +52,11 @@ pub struct Model {
     neox: bool,
     cos: Tensor,
     sin: Tensor,
+    /// RoPE tables of sliding-window layers (Gemma 3: base 10,000).
+    local_rope: Option<(Tensor, Tensor)>,
+    activation: Activation,
+    embed_scale: f64,
+    attn_scale: f64,
     max_context: usize,
     device: Device,
 }
@@ -51,9 +72,10 @@ impl Model {
         let arch = md("general.architecture").and_then(|v| v.to_string().ok()).cloned().ok_or_else(|| bad("no general.architecture".into()))?;
         let neox = match arch.as_str() {
             "llama" | "mistral" => false,
-            "qwen2" => true,
+            "qwen2" | "gemma3" => true,
             other => return Err(Error::Architecture(other.to_string())),
         };
+        let gemma = arch == "gemma3";
         let get_u = |k: &str| -> Result<usize> {
             md(&format!("{arch}.{k}"))
                 .ok_or_else(|| bad(format!("missing metadata {arch}.{k}")))?
@@ -68,6 +90,11 @@ impl Model {
         let head_dim = get_u("attention.key_length").unwrap_or(hidden / n_heads);
         let eps = md(&format!("{arch}.attention.layer_norm_rms_epsilon")).and_then(|v| v.to_f32().ok()).unwrap_or(1e-5) as f64;
         let rope_base = md(&format!("{arch}.rope.freq_base")).and_then(|v| v.to_f32().ok()).unwrap_or(10000.0);
+        let get_f = |k: &str| md(&format!("{arch}.{k}")).and_then(|v| v.to_f32().ok());
+        // Gemma 3: linear RoPE scaling on global layers (4B and up), windows on the others.
+        let rope_scale = if gemma { get_f("rope.scaling.factor").filter(|f| *f > 0.0).unwrap_or(1.0) } else { 1.0 };
+        let sliding = if gemma { Some(get_u("attention.sliding_window")?) } else { None };
+        let pattern = get_u("attention.sliding_window_pattern").unwrap_or(6).max(1);
         let train_context = get_u("context_length").ok();
         if n_heads == 0 || n_kv == 0 || n_heads % n_kv != 0 {
             return Err(bad(format!("{n_heads} heads and {n_kv} kv-heads do not group")));
@@ -84,7 +111,7 @@ impl Model {
         if let Some(tokens) = md("tokenizer.ggml.tokens").and_then(|v| v.to_vec().ok()) {
             for (i, t) in tokens.iter().enumerate() {
                 if let Ok(s) = t.to_string() {
-                    if matches!(s.as_str(), "<|im_end|>" | "<|eot_id|>" | "<|endoftext|>") && !eos_tokens.contains(&(i as u32)) {
+                    if matches!(s.as_str(), "<|im_end|>" | "<|eot_id|>" | "<|endoftext|>" | "<end_of_turn>") && !eos_tokens.contains(&(i as u32)) {
                         eos_tokens.push(i as u32);
                     }
                 }
@@ -106,6 +133,13 @@ impl Model {
             let mut q = |n: &str| -> Result<QMatMul> { Ok(QMatMul::from_qtensor(tensor(&format!("{p}.{n}.weight"))?)?) };
             let (wq, wk, wv, wo) = (q("attn_q")?, q("attn_k")?, q("attn_v")?, q("attn_output")?);
             let (gate, up, down) = (q("ffn_gate")?, q("ffn_up")?, q("ffn_down")?);
+            let mut norm = |n: &str| -> Result<RmsNorm> { Ok(RmsNorm::from_qtensor(tensor(&format!("{p}.{n}.weight"))?, eps)?) };
+            let (qk_norm, post_norms) = if gemma {
+                (Some((norm("attn_q_norm")?, norm("attn_k_norm")?)), Some((norm("post_attention_norm")?, norm("post_ffw_norm")?)))
+            } else {
+                (None, None)
+            };
+            let window = sliding.filter(|_| (i + 1) % pattern != 0);
             let bias = if arch == "qwen2" {
                 let mut b = |n: &str| -> Result<Tensor> { Ok(tensor(&format!("{p}.{n}.bias"))?.dequantize(device)?) };
                 Some((b("attn_q")?, b("attn_k")?, b("attn_v")?))
@@ -123,9 +157,15 @@ impl Model {
                 gate,
                 up,
                 down,
+                qk_norm,
+                post_norms,
+                window,
             });
         }
-        let (cos, sin) = rope_tables(head_dim, rope_base, max_context, device)?;
+        let (cos, sin) = rope_tables(head_dim, rope_base, rope_scale, max_context, device)?;
+        let local_rope = if gemma { Some(rope_tables(head_dim, 10_000.0, 1.0, max_context, device)?) } else { None };
+        // Gemma 3 scales queries by 1/√head_dim, except the 27B (62 layers): 1/√(hidden/heads).
+        let attn_scale = if gemma && n_layers == 62 { 1.0 / ((hidden / n_heads) as f64).sqrt() } else { 1.0 / (head_dim as f64).sqrt() };
         let info = ModelInfo {
             identity: ModelIdentity { name, architecture: arch, n_layers, n_kv_heads: n_kv, head_dim },
             n_heads,
@@ -135,7 +175,22 @@ impl Model {
             train_context,
             eos_tokens,
         };
-        let model = Self { info, embed, layers, norm, output, neox, cos, sin, max_context, device: device.clone() };
+        let model = Self {
+            info,
+            embed,
+            layers,
+            norm,
+            output,
+            neox,
+            cos,
+            sin,
+            local_rope,
+            activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
+            embed_scale: if gemma { (hidden as f64).sqrt() } else { 1.0 },
+            attn_scale,
+            max_context,
+            device: device.clone(),
+        };
         Ok((model, ct))
     }
 
@@ -144,6 +199,20 @@ impl Model {
     }
     pub fn max_context(&self) -> usize {
         self.max_context
+    }
+
+    /// The window of a sliding-window layer, `None` for layers that see every position.
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        self.layers.get(layer).and_then(|l| l.window)
+    }
+
+    /// The reference cache for `layer`: f16, bounded to the window on sliding-window layers.
+    pub fn fp16_cache(&self, layer: usize) -> Result<Box<dyn LayerCache>> {
+        let id = &self.info.identity;
+        Ok(match self.layer_window(layer) {
+            Some(w) => Box::new(SlidingCache::new(id.n_kv_heads, id.head_dim, w)?),
+            None => Box::new(Fp16Cache::new(id.n_kv_heads, id.head_dim)),
+        })
     }
 
     /// Runs `tokens` at positions `caches[0].len()..`, appending to the caches. Returns logits
@@ -167,9 +236,16 @@ impl Model {
         let (nh, nkv, hd) = (info.n_heads, info.identity.n_kv_heads, info.identity.head_dim);
         let ids = Tensor::new(tokens, &self.device)?;
         let mut x = self.embed.index_select(&ids, 0)?.unsqueeze(0)?; // [1, T, hidden]
+        if self.embed_scale != 1.0 {
+            x = (x * self.embed_scale)?;
+        }
         let cos = self.cos.narrow(0, pos, t)?;
         let sin = self.sin.narrow(0, pos, t)?;
-        let scale = 1.0 / (hd as f64).sqrt();
+        let local = match &self.local_rope {
+            Some((c, s)) => Some((c.narrow(0, pos, t)?, s.narrow(0, pos, t)?)),
+            None => None,
+        };
+        let scale = self.attn_scale;
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
             let h = layer.attn_norm.forward(&x)?;
             let (mut q, mut k, mut v) = (layer.wq.forward(&h)?, layer.wk.forward(&h)?, layer.wv.forward(&h)?);
@@ -178,9 +254,18 @@ impl Model {
                 k = k.broadcast_add(bk)?;
                 v = v.broadcast_add(bv)?;
             }
-            let q = q.reshape((1, t, nh, hd))?.transpose(1, 2)?.contiguous()?;
-            let k = k.reshape((1, t, nkv, hd))?.transpose(1, 2)?.contiguous()?;
+            let (mut q, mut k) = (q.reshape((1, t, nh, hd))?, k.reshape((1, t, nkv, hd))?);
+            if let Some((qn, kn)) = &layer.qk_norm {
+                q = qn.forward(&q)?;
+                k = kn.forward(&k)?;
+            }
+            let q = q.transpose(1, 2)?.contiguous()?;
+            let k = k.transpose(1, 2)?.contiguous()?;
             let v = v.reshape((1, t, nkv, hd))?.transpose(1, 2)?.contiguous()?;
+            let (cos, sin) = match (&local, layer.window) {
+                (Some((c, s)), Some(_)) => (c, s),
+                _ => (&cos, &sin),
+            };
             let (q, k) = if self.neox {
                 (candle_nn::rotary_emb::rope(&q, &cos, &sin)?, candle_nn::rotary_emb::rope(&k, &cos, &sin)?)
             } else {
@@ -189,9 +274,21 @@ impl Model {
             cache.append(&k, &v)?;
             let y = cache.attend(&q, scale)?; // [1, nh, T, hd]
             let y = y.transpose(1, 2)?.reshape((1, t, nh * hd))?;
-            x = (x + layer.wo.forward(&y)?)?;
+            let mut o = layer.wo.forward(&y)?;
+            if let Some((post_attn, _)) = &layer.post_norms {
+                o = post_attn.forward(&o)?;
+            }
+            x = (x + o)?;
             let h = layer.ffn_norm.forward(&x)?;
-            let mlp = layer.down.forward(&(candle_nn::ops::silu(&layer.gate.forward(&h)?)? * layer.up.forward(&h)?)?)?;
+            let gate = layer.gate.forward(&h)?;
+            let gate = match self.activation {
+                Activation::Silu => candle_nn::ops::silu(&gate)?,
+                Activation::GeluTanh => gate.gelu()?,
+            };
+            let mut mlp = layer.down.forward(&(gate * layer.up.forward(&h)?)?)?;
+            if let Some((_, post_ffn)) = &layer.post_norms {
+                mlp = post_ffn.forward(&mlp)?;
+            }
             x = (x + mlp)?;
         }
         let x = if all_logits { x } else { x.narrow(1, t - 1, 1)? };
@@ -200,9 +297,10 @@ impl Model {
     }
 }
 
-/// cos/sin tables `[max_context, head_dim/2]` for RoPE.
-fn rope_tables(head_dim: usize, base: f32, max_context: usize, device: &Device) -> Result<(Tensor, Tensor)> {
-    let inv: Vec<f32> = (0..head_dim).step_by(2).map(|i| 1.0 / base.powf(i as f32 / head_dim as f32)).collect();
+/// cos/sin tables `[max_context, head_dim/2]` for RoPE; positions divided by `scale` (linear
+/// scaling).
+fn rope_tables(head_dim: usize, base: f32, scale: f32, max_context: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+    let inv: Vec<f32> = (0..head_dim).step_by(2).map(|i| 1.0 / base.powf(i as f32 / head_dim as f32) / scale).collect();
     let inv = Tensor::new(inv.as_slice(), device)?.reshape((1, head_dim / 2))?;
     let t = Tensor::arange(0u32, max_context as u32, device)?.to_dtype(DType::F32)?.reshape((max_context, 1))?;
     let freqs = t.matmul(&inv)?;
