@@ -15,7 +15,7 @@
 //
 // Defines: D, M_K, SD_K, K_K (key centroids, 8-bit codes), M_V, SD_V, K_V, HQ, HKV, G (= HQ/HKV),
 // GB (heads per block, divides G), CENTER_K, SMOOTH_K, CENTER_V, SMOOTH_V, ROTATE, MAX_SPLIT,
-// TABLE (floats of the table space), CHUNK, THREADS, GBP (table entry width), PJ (sub-spaces
+// TABLE (floats of the table space), CHUNK, THREADS, MAX_MERGE (most splits merged), GBP (table entry width), PJ (sub-spaces
 // interleaved in the table), RV (value codebook replicas), VALUES_F16 (value pass in packed f16). Layouts: q [B][HQ][D] f32; codes [B][HKV][S][M] u8; window [B][HKV][W][D] f16.
 
 // Shared-memory layouts are chosen so that the lanes of one load phase hit distinct banks even
@@ -449,36 +449,64 @@ extern "C" __global__ void __launch_bounds__(128) vq_attend_merge(
     const unsigned short* __restrict__ wk, const unsigned short* __restrict__ wv, const float* __restrict__ vmean,
     const float* __restrict__ vscale, float* __restrict__ out, int nsplit, int W, float scale) {
     __shared__ float oc[D];
-    __shared__ float ws[64];
-    __shared__ float red[2];
+    __shared__ float ws[64];       // window scores, then weights
+    __shared__ float sw[MAX_MERGE]; // split maxima, then weights
+    __shared__ float sl[MAX_MERGE]; // split sums
+    __shared__ float red[8];
     const int qh = blockIdx.x, b = blockIdx.y, h = qh / G;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     const size_t base = (size_t)(b * HQ + qh) * nsplit;
-    // Window scores, one warp per window position.
-    for (int t = warp; t < W; t += blockDim.x >> 5) {
+    // Window scores, one warp per window position; split maxima and sums, one thread per split.
+    for (int t = warp; t < W; t += nwarps) {
         float s = 0.f;
         for (int e = lane; e < D; e += 32)
             s = fmaf(q[((size_t)b * HQ + qh) * D + e] * scale, h2f(wk[(((size_t)b * HKV + h) * W + t) * D + e]), s);
         s = warp_sum(s);
         if (lane == 0) ws[t] = s;
     }
-    __syncthreads();
-    if (tid == 0) {
-        float m = -3.402823466e38f;
-        for (int s = 0; s < nsplit; s++) m = fmaxf(m, part_ml[(base + s) * 2]);
-        for (int t = 0; t < W; t++) m = fmaxf(m, ws[t]);
-        float lc = 0.f, lw = 0.f;
-        for (int s = 0; s < nsplit; s++) lc += part_ml[(base + s) * 2 + 1] * __expf(part_ml[(base + s) * 2] - m);
-        for (int t = 0; t < W; t++) { ws[t] = __expf(ws[t] - m); lw += ws[t]; }
-        red[0] = m;
-        red[1] = lc;
-        ws[63] = lw;
+    for (int s = tid; s < nsplit; s += blockDim.x) {
+        sw[s] = part_ml[(base + s) * 2];
+        sl[s] = part_ml[(base + s) * 2 + 1];
     }
     __syncthreads();
-    const float m = red[0], lc = red[1], lw = ws[63];
+    // The overall maximum (every thread reduces over its splits and window rows).
+    float m = -3.402823466e38f;
+    for (int s = tid; s < nsplit; s += blockDim.x) m = fmaxf(m, sw[s]);
+    for (int t = tid; t < W; t += blockDim.x) m = fmaxf(m, ws[t]);
+    m = warp_max(m);
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    m = red[0];
+    for (int w = 1; w < nwarps; w++) m = fmaxf(m, red[w]);
+    __syncthreads();
+    // Weights of the splits and window rows, and their masses.
+    float lc = 0.f, lw = 0.f;
+    for (int s = tid; s < nsplit; s += blockDim.x) {
+        sw[s] = __expf(sw[s] - m);
+        lc += sl[s] * sw[s];
+    }
+    for (int t = tid; t < W; t += blockDim.x) {
+        ws[t] = __expf(ws[t] - m);
+        lw += ws[t];
+    }
+    lc = warp_sum(lc);
+    lw = warp_sum(lw);
+    if (lane == 0) {
+        red[warp] = lc;
+        red[4 + warp] = lw;
+    }
+    __syncthreads();
+    lc = 0.f;
+    lw = 0.f;
+    for (int w = 0; w < nwarps; w++) {
+        lc += red[w];
+        lw += red[4 + w];
+    }
+    // Code-space sum over the splits: independent loads, unrolled so several are in flight.
     for (int d = tid; d < D; d += blockDim.x) {
         float acc = 0.f;
-        for (int s = 0; s < nsplit; s++) acc += part_o[(base + s) * D + d] * __expf(part_ml[(base + s) * 2] - m);
+#pragma unroll 8
+        for (int s = 0; s < nsplit; s++) acc = fmaf(part_o[(base + s) * D + d], sw[s], acc);
         oc[d] = acc;
     }
     __syncthreads();

@@ -15,7 +15,9 @@ const MAX_SPLIT: usize = 2048;
 /// Fewest value-code tokens staged in shared memory per step (more when the table space allows).
 const MIN_CHUNK: usize = 256;
 /// Most f16 window rows the merge kernel takes.
-pub const MAX_WINDOW: usize = 62;
+pub const MAX_WINDOW: usize = 64;
+/// Most splits the merge kernel takes (S up to 2M positions).
+const MAX_MERGE: usize = 1024;
 
 /// Key and value codecs of one layer on the GPU, with the query-head geometry.
 pub struct GpuAttention {
@@ -136,6 +138,9 @@ impl GpuAttention {
             return Err(Error::Device(format!("attention over {s} codes and {w} window rows (window ≤ {MAX_WINDOW}, something to attend)")));
         }
         let nsplit = self.splits(gpu, batch, s.max(1));
+        if nsplit > MAX_MERGE {
+            return Err(Error::Device(format!("{s} positions need {nsplit} splits, more than the {MAX_MERGE} the merge takes")));
+        }
         let split = s.div_ceil(nsplit).max(1);
         if scratch.part_ml.len() < batch * self.q_heads * nsplit * 2 || scratch.part_o.len() < batch * self.q_heads * nsplit * d {
             return Err(Error::Device(format!("attention scratch too small for {nsplit} splits")));
@@ -265,6 +270,7 @@ impl Plan {
             ("TABLE", self.table() as i64),
             ("CHUNK", self.chunk() as i64),
             ("THREADS", self.threads as i64),
+            ("MAX_MERGE", MAX_MERGE as i64),
             ("GBP", self.entry() as i64),
             ("PJ", self.interleave() as i64),
             ("RV", self.replicas() as i64),
