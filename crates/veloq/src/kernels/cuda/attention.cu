@@ -448,7 +448,9 @@ extern "C" __global__ void __launch_bounds__(128) vq_attend_merge(
     const float* __restrict__ q, const float* __restrict__ part_o, const float* __restrict__ part_ml,
     const unsigned short* __restrict__ wk, const unsigned short* __restrict__ wv, const float* __restrict__ vmean,
     const float* __restrict__ vscale, float* __restrict__ out, int nsplit, int W, float scale) {
+    extern __shared__ __align__(16) unsigned short wkv[];  // window keys then values, [2][W][D] f16
     __shared__ float oc[D];
+    __shared__ float qs[D];
     __shared__ float ws[64];       // window scores, then weights
     __shared__ float sw[MAX_MERGE]; // split maxima, then weights
     __shared__ float sl[MAX_MERGE]; // split sums
@@ -456,17 +458,31 @@ extern "C" __global__ void __launch_bounds__(128) vq_attend_merge(
     const int qh = blockIdx.x, b = blockIdx.y, h = qh / G;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     const size_t base = (size_t)(b * HQ + qh) * nsplit;
-    // Window scores, one warp per window position; split maxima and sums, one thread per split.
-    for (int t = warp; t < W; t += nwarps) {
-        float s = 0.f;
-        for (int e = lane; e < D; e += 32)
-            s = fmaf(q[((size_t)b * HQ + qh) * D + e] * scale, h2f(wk[(((size_t)b * HKV + h) * W + t) * D + e]), s);
-        s = warp_sum(s);
-        if (lane == 0) ws[t] = s;
+    // One round trip for everything small: the window rows (16-byte loads), the query, the split
+    // maxima and sums.
+    {
+        const uint4* sk = (const uint4*)(wk + ((size_t)b * HKV + h) * W * D);
+        const uint4* sv = (const uint4*)(wv + ((size_t)b * HKV + h) * W * D);
+        uint4* dk = (uint4*)wkv;
+        uint4* dv = (uint4*)(wkv + W * D);
+#pragma unroll 4
+        for (int i = tid; i < W * D / 8; i += blockDim.x) {
+            dk[i] = sk[i];
+            dv[i] = sv[i];
+        }
     }
+    for (int e = tid; e < D; e += blockDim.x) qs[e] = q[((size_t)b * HQ + qh) * D + e] * scale;
     for (int s = tid; s < nsplit; s += blockDim.x) {
         sw[s] = part_ml[(base + s) * 2];
         sl[s] = part_ml[(base + s) * 2 + 1];
+    }
+    __syncthreads();
+    // Window scores, one warp per window position.
+    for (int t = warp; t < W; t += nwarps) {
+        float s = 0.f;
+        for (int e = lane; e < D; e += 32) s = fmaf(qs[e], h2f(wkv[t * D + e]), s);
+        s = warp_sum(s);
+        if (lane == 0) ws[t] = s;
     }
     __syncthreads();
     // The overall maximum (every thread reduces over its splits and window rows).
@@ -528,7 +544,7 @@ extern "C" __global__ void __launch_bounds__(128) vq_attend_merge(
     const float inv = 1.f / (lc + lw);
     for (int d = tid; d < D; d += blockDim.x) {
         float acc = oc[d];
-        for (int t = 0; t < W; t++) acc = fmaf(ws[t], h2f(wv[(((size_t)b * HKV + h) * W + t) * D + d]), acc);
+        for (int t = 0; t < W; t++) acc = fmaf(ws[t], h2f(wkv[(W + t) * D + d]), acc);
         out[((size_t)b * HQ + qh) * D + d] = acc * inv;
     }
 }

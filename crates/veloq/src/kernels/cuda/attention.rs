@@ -157,7 +157,7 @@ impl GpuAttention {
         let plan = self.best_plan(gpu);
         let (gb, defines, smem) = (plan.gb, plan.defines(), plan.smem());
         let split_fn = gpu.kernel(SOURCE, "vq_attend_split", &defines, smem)?;
-        let merge_fn = gpu.kernel(SOURCE, "vq_attend_merge", &defines, 0)?;
+        let merge_fn = gpu.kernel(SOURCE, "vq_attend_merge", &defines, MAX_WINDOW * d * 4)?;
         let g = (self.group() / gb) as u32;
         let (s_i, split_i, nsplit_i, w_i) = (s as i32, split as i32, nsplit as i32, w as i32);
         let cfg = LaunchConfig { grid_dim: (g, nsplit as u32, (batch * hkv) as u32), block_dim: (plan.threads, 1, 1), shared_mem_bytes: smem as u32 };
@@ -165,7 +165,7 @@ impl GpuAttention {
         l.arg(q).arg(kcodes).arg(vcodes).arg(&k.centroids).arg(&v.centroids).arg(&k.mean).arg(&k.scale);
         l.arg(&mut scratch.part_o).arg(&mut scratch.part_ml).arg(&s_i).arg(&split_i).arg(&scale);
         unsafe { l.launch(cfg) }.map_err(dev_err)?;
-        let cfg = LaunchConfig { grid_dim: (self.q_heads as u32, batch as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig { grid_dim: (self.q_heads as u32, batch as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: (2 * w * d * 2) as u32 };
         let mut l = gpu.stream().launch_builder(&merge_fn);
         l.arg(q).arg(&scratch.part_o).arg(&scratch.part_ml).arg(window_k).arg(window_v).arg(&v.mean).arg(&v.scale).arg(out);
         l.arg(&nsplit_i).arg(&w_i).arg(&scale);
