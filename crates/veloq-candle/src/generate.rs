@@ -59,7 +59,12 @@ pub fn generate(
     on_text: &mut dyn FnMut(&str),
 ) -> Result<GenerateOutput> {
     let text = if opts.chat { ChatTemplate::detect(tok).apply(prompt) } else { prompt.to_string() };
-    let prompt_ids = encode(tok, &text)?;
+    let mut prompt_ids = encode(tok, &text)?;
+    if let Some(bos) = model.info.bos {
+        if prompt_ids.first() != Some(&bos) {
+            prompt_ids.insert(0, bos);
+        }
+    }
     generate_ids(model, tok, caches, &prompt_ids, opts, on_text)
 }
 

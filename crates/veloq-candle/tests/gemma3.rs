@@ -47,6 +47,7 @@ fn gemma3_geometry_from_metadata() {
     let ids = veloq_candle::model::encode(&tok, "Hi").unwrap();
     assert_eq!(tok.id_to_token(ids[ids.len() - 1]).as_deref(), Some("<0x69>"));
     let (model, ..) = reference();
+    assert_eq!(model.info.bos, Some(2), "SentencePiece files start prompts with their BOS");
     let id = &model.info.identity;
     assert_eq!((id.architecture.as_str(), id.n_layers, id.n_kv_heads, id.head_dim), ("gemma3", 3, 1, 256));
     assert_eq!(model.info.n_heads, 2);

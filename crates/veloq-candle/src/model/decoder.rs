@@ -106,6 +106,9 @@ impl Model {
         if let Some(v) = md("tokenizer.ggml.eos_token_id").and_then(|v| v.to_u32().ok()) {
             eos_tokens.push(v);
         }
+        let spm = md("tokenizer.ggml.model").and_then(|v| v.to_string().ok()).is_some_and(|m| m == "llama");
+        let add_bos = md("tokenizer.ggml.add_bos_token").and_then(|v| v.to_bool().ok()).unwrap_or(spm);
+        let bos = md("tokenizer.ggml.bos_token_id").and_then(|v| v.to_u32().ok()).filter(|_| add_bos);
         let vocab = md("tokenizer.ggml.tokens").and_then(|v| v.to_vec().ok()).map(|v| v.len()).unwrap_or(0);
         // Chat end markers of common templates end generation too.
         if let Some(tokens) = md("tokenizer.ggml.tokens").and_then(|v| v.to_vec().ok()) {
@@ -174,6 +177,7 @@ impl Model {
             rope_base,
             train_context,
             eos_tokens,
+            bos,
         };
         let model = Self {
             info,

@@ -21,4 +21,7 @@ pub struct ModelInfo {
     /// Context the model was trained for (GGUF `context_length`), if recorded.
     pub train_context: Option<usize>,
     pub eos_tokens: Vec<u32>,
+    /// Token every prompt starts with, when the file asks for one (`tokenizer.ggml.add_bos_token`,
+    /// which SentencePiece vocabularies default to).
+    pub bos: Option<u32>,
 }
