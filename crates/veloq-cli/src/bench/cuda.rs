@@ -115,10 +115,10 @@ fn check_quantize(gpu: &Gpu, rng: &mut Rng, (s, d, h, sd, bits, g): (usize, usiz
     let xh: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
     let want = c.encode_vec(&xh)?;
     let st = gpu.stream();
-    let xd = dev!(st.memcpy_stod(&f16_bits(&x)));
-    let mut out = dev!(st.memcpy_stod(&vec![0xABu8; gc.code_bytes(s * h)]));
+    let xd = dev!(st.clone_htod(&f16_bits(&x)));
+    let mut out = dev!(st.clone_htod(&vec![0xABu8; gc.code_bytes(s * h)]));
     gc.quantize(gpu, &xd, s * h, &mut out)?;
-    let got: Vec<u8> = dev!(st.memcpy_dtov(&out));
+    let got: Vec<u8> = dev!(st.clone_dtoh(&out));
     let m = s * h * d / sd;
     let (mut a, mut b) = (vec![0u16; m], vec![0u16; m]);
     unpack(&want, bits, &mut a)?;
@@ -203,15 +203,15 @@ fn check_attention(gpu: &Gpu, rng: &mut Rng, c: AttnCase, threads: u32, half: bo
     }
     let st = gpu.stream();
     let nz = |v: Vec<u8>| if v.is_empty() { vec![0u8; 16] } else { v };
-    let kcd = dev!(st.memcpy_stod(&nz(head_major(&kcodes, b, s, hkv, m))));
-    let vcd = dev!(st.memcpy_stod(&nz(head_major(&vcodes, b, s, hkv, m))));
-    let wkd = dev!(st.memcpy_stod(&if w > 0 { f16_bits(&wk) } else { vec![0u16; 1] }));
-    let wvd = dev!(st.memcpy_stod(&if w > 0 { f16_bits(&wv) } else { vec![0u16; 1] }));
-    let qd = dev!(st.memcpy_stod(&q));
-    let mut out = dev!(st.memcpy_stod(&vec![f32::NAN; b * hq * d]));
+    let kcd = dev!(st.clone_htod(&nz(head_major(&kcodes, b, s, hkv, m))));
+    let vcd = dev!(st.clone_htod(&nz(head_major(&vcodes, b, s, hkv, m))));
+    let wkd = dev!(st.clone_htod(&if w > 0 { f16_bits(&wk) } else { vec![0u16; 1] }));
+    let wvd = dev!(st.clone_htod(&if w > 0 { f16_bits(&wv) } else { vec![0u16; 1] }));
+    let qd = dev!(st.clone_htod(&q));
+    let mut out = dev!(st.clone_htod(&vec![f32::NAN; b * hq * d]));
     let mut scratch = AttentionScratch::new(gpu, b, hq, d, att.splits(gpu, b, s.max(1)))?;
     att.attend(gpu, &qd, &kcd, &vcd, b, s, &wkd, &wvd, w, scale, &mut scratch, &mut out)?;
-    let got: Vec<f32> = dev!(st.memcpy_dtov(&out));
+    let got: Vec<f32> = dev!(st.clone_dtoh(&out));
     let err: f64 = got.iter().zip(&want).map(|(g, w)| (*g as f64 - w).powi(2)).sum::<f64>().sqrt();
     let norm: f64 = want.iter().map(|w| w * w).sum::<f64>().sqrt();
     let rel = err / norm;
@@ -280,7 +280,7 @@ pub fn run(a: Args) -> Result<()> {
     for (s, d, h, sd) in [(2048, 128, 8, 8), (8192, 128, 8, 8), (131072, 128, 8, 8), (4096, 256, 4, 4), (131072, 128, 8, 4)] {
         let c = codec(&mut rng, h, d, sd, 8, Granularity::PerLayer, true)?;
         let gc = GpuCodec::upload(&gpu, &c)?;
-        let xd = dev!(st.memcpy_stod(&f16_bits(&rng.rows(s * h, d))));
+        let xd = dev!(st.clone_htod(&f16_bits(&rng.rows(s * h, d))));
         let mut out = dev!(st.alloc_zeros::<u8>(gc.code_bytes(s * h)));
         let ms = time_ms(&gpu, a.reps, || Ok(gc.quantize(&gpu, &xd, s * h, &mut out)?))?;
         let n = (s * h * d / sd) as f64;
@@ -321,11 +321,11 @@ fn time_attention(gpu: &Gpu, rng: &mut Rng, shapes: Vec<(usize, usize)>, reps: u
         let m = d / 4;
         let n = b * hkv * s * m;
         let codes: Vec<u8> = (0..n).map(|i| (rng.next() * 256.0) as u8 ^ (i as u8)).collect();
-        let kcd = dev!(st.memcpy_stod(&codes));
-        let vcd = dev!(st.memcpy_stod(&codes));
-        let wkd = dev!(st.memcpy_stod(&f16_bits(&rng.rows(b * hkv * w, d))));
-        let wvd = dev!(st.memcpy_stod(&f16_bits(&rng.rows(b * hkv * w, d))));
-        let qd = dev!(st.memcpy_stod(&rng.rows(b * hq, d)));
+        let kcd = dev!(st.clone_htod(&codes));
+        let vcd = dev!(st.clone_htod(&codes));
+        let wkd = dev!(st.clone_htod(&f16_bits(&rng.rows(b * hkv * w, d))));
+        let wvd = dev!(st.clone_htod(&f16_bits(&rng.rows(b * hkv * w, d))));
+        let qd = dev!(st.clone_htod(&rng.rows(b * hq, d)));
         let mut out = dev!(st.alloc_zeros::<f32>(b * hq * d));
         let splits = att.splits(gpu, b, s);
         let mut scratch = AttentionScratch::new(gpu, b, hq, d, splits)?;

@@ -37,7 +37,7 @@ impl GpuCodec {
             return Err(Error::Device(format!("CUDA kernels take power-of-two head_dim 32..=256 with ≥ 8 sub-vectors; got {d}/{}", shape.sub_dim)));
         }
         let s = gpu.stream();
-        let up = |v: &[f32]| s.memcpy_stod(if v.is_empty() { &[0.0f32][..] } else { v }).map_err(dev_err);
+        let up = |v: &[f32]| s.clone_htod(if v.is_empty() { &[0.0f32][..] } else { v }).map_err(dev_err);
         let mean = codec.mean().map(|m| m.to_vec()).unwrap_or_default();
         let scale = codec.smooth().map(|m| m.as_slice().to_vec()).unwrap_or_default();
         let inv: Vec<f32> = scale.iter().map(|s| 1.0 / s).collect();
