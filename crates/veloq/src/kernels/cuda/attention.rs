@@ -11,7 +11,7 @@ pub(super) const SOURCE: &str = include_str!("attention.cu");
 /// Threads per split block (16 warps: the block holds a whole SM's shared memory).
 pub const DEFAULT_THREADS: u32 = 512;
 /// Most tokens one split block scores (its softmax weights sit in shared memory).
-const MAX_SPLIT: usize = 2048;
+const MAX_SPLIT: usize = 4096;
 /// Fewest value-code tokens staged in shared memory per step (more when the table space allows).
 const MIN_CHUNK: usize = 256;
 /// Most f16 window rows the merge kernel takes.
