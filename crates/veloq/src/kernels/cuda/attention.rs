@@ -101,12 +101,16 @@ impl GpuAttention {
         (1..=g.min(4)).rev().filter(|gb| g % gb == 0).map(|gb| self.plan(gb)).find(|p| p.smem() <= gpu.max_smem).unwrap_or_else(|| self.plan(1))
     }
 
-    /// Splits the split kernel uses for `batch` × `s` tokens: about two blocks per multiprocessor,
-    /// each split at most [`MAX_SPLIT`] tokens.
+    /// Splits the split kernel uses for `batch` × `s` tokens: as few as keep each split within
+    /// [`MAX_SPLIT`] positions (one table build per split), then as many as fill the waves those
+    /// need (one block per multiprocessor: each takes most of its shared memory), at least 256
+    /// positions each.
     pub fn splits(&self, gpu: &Gpu, batch: usize, s: usize) -> usize {
-        let blocks = batch * self.keys.heads * (self.group() / self.best_plan(gpu).gb);
-        let fill = (2 * gpu.multiprocessors() as usize).div_ceil(blocks);
-        fill.min(s.div_ceil(256)).max(s.div_ceil(MAX_SPLIT)).max(1)
+        let heads = batch * self.keys.heads * (self.group() / self.best_plan(gpu).gb);
+        let sms = gpu.multiprocessors() as usize;
+        let fewest = s.div_ceil(MAX_SPLIT).max(1);
+        let waves = (heads * fewest).div_ceil(sms);
+        (waves * sms / heads).clamp(fewest, s.div_ceil(256).max(fewest))
     }
 
     /// Decode attention for `q` (`[batch, q_heads, D]` f32) over `s` coded positions
