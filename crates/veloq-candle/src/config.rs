@@ -137,16 +137,11 @@ impl CacheConfig {
         })
     }
 
-    /// One cache per layer of `model`.
+    /// One cache per layer of `model`. Sliding-window layers hold at most their window, in f16,
+    /// whatever the method ([`Model::fp16_cache`]); the method codes the others.
     pub fn build(&self, model: &Model) -> Result<Vec<Box<dyn LayerCache>>> {
-        let caches = self.build_global(model)?;
-        // Sliding-window layers hold at most their window, in f16, whatever the method.
-        caches.into_iter().enumerate().map(|(i, c)| if model.layer_window(i).is_some() { model.fp16_cache(i) } else { Ok(c) }).collect()
-    }
-
-    /// The method's cache for every layer (sliding-window layers are replaced by [`Self::build`]).
-    fn build_global(&self, model: &Model) -> Result<Vec<Box<dyn LayerCache>>> {
         let id = &model.info.identity;
+        let windowed = |i: usize| model.layer_window(i).is_some();
         if let Method::VecInfer(cal) = &self.method {
             check_calibration(cal, model)?;
             let dev = model.device();
@@ -154,8 +149,11 @@ impl CacheConfig {
             return cal
                 .layers
                 .iter()
-                .map(|l| {
-                    Ok(if fused {
+                .enumerate()
+                .map(|(i, l)| {
+                    Ok(if windowed(i) {
+                        model.fp16_cache(i)?
+                    } else if fused {
                         Box::new(VecInferCache::new(Arc::new(l.keys.clone()), Arc::new(l.values.clone()), self.window)?) as Box<dyn LayerCache>
                     } else {
                         Box::new(PortableVecInferCache::new(&l.keys, &l.values, self.window, dev)?) as Box<dyn LayerCache>
@@ -168,7 +166,11 @@ impl CacheConfig {
         };
         pairs
             .into_iter()
-            .map(|(k, v)| {
+            .enumerate()
+            .map(|(i, (k, v))| {
+                if windowed(i) {
+                    return model.fp16_cache(i);
+                }
                 let cfg = WindowConfig { flush_block: lcm(lcm(self.window.flush_block, k.block_tokens()), v.block_tokens()), ..self.window };
                 Ok(Box::new(DecodingCache::new(k, v, cfg)?) as Box<dyn LayerCache>)
             })

@@ -307,13 +307,21 @@ pub fn run(a: Args) -> Result<()> {
 /// recomputed from the same cache configurations (calibrations come from the on-disk cache).
 fn replot(json: &Path, model_path: &Path, chosen: &[(&str, Kind)], a: &Args) -> Result<()> {
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(json)?)?;
-    let (model, tok) = Model::open(model_path, 512)?;
-    let calib_path = a.calib_text.clone().unwrap_or_else(default_text);
-    let calib_tokens = read_tokens(&tok, &calib_path)?;
-    let cals = calibrations(&model, model_path, &calib_tokens[..a.calib_tokens.min(calib_tokens.len())], chosen, a.seed, a.calib_window.unwrap_or(512))?;
-    let stream: Vec<(String, f64)> =
-        chosen.iter().zip(cals).map(|((l, k), c)| Ok((l.to_string(), config(*k, c).stream_bits_per_element(&model)?))).collect::<Result<_>>()?;
-    for run in v["runs"].as_array().context("no runs in the JSON")? {
+    let runs = v["runs"].as_array().context("no runs in the JSON")?;
+    let missing = runs.iter().flat_map(|r| r["methods"].as_array().into_iter().flatten()).any(|m| m["stream_bits_per_element"].is_null());
+    // Only older files lack stream bits; those calibrations are rebuilt (or found in the cache) with
+    // the window the run used (512 before the JSON recorded it).
+    let stream: Vec<(String, f64)> = if missing {
+        let window = a.calib_window.or(v["calib_window"].as_u64().map(|w| w as usize)).unwrap_or(512);
+        let (model, tok) = Model::open(model_path, window.max(512))?;
+        let calib_path = a.calib_text.clone().unwrap_or_else(default_text);
+        let calib_tokens = read_tokens(&tok, &calib_path)?;
+        let cals = calibrations(&model, model_path, &calib_tokens[..a.calib_tokens.min(calib_tokens.len())], chosen, a.seed, window)?;
+        chosen.iter().zip(cals).map(|((l, k), c)| Ok((l.to_string(), config(*k, c).stream_bits_per_element(&model)?))).collect::<Result<_>>()?
+    } else {
+        Vec::new()
+    };
+    for run in runs {
         let ctx = run["ctx"].as_u64().context("ctx")? as usize;
         let scores: Vec<MethodScore> = run["methods"]
             .as_array()

@@ -6,7 +6,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::dense::{attend_dense, axpy, dot, output, query_rows, softmax, widen};
-use super::{token_major, LayerCache};
+use super::{kv_rows, LayerCache};
 use crate::error::{Error, Result};
 
 /// Positions per block.
@@ -46,11 +46,7 @@ impl Fp16Cache {
 
 impl LayerCache for Fp16Cache {
     fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
-        let (h, t, d, kr) = token_major(k)?;
-        let (_, _, _, vr) = token_major(v)?;
-        if h != self.n_kv || d != self.head_dim {
-            return Err(Error::Config(format!("fp16 cache holds {}×{}, got {h}×{d}", self.n_kv, self.head_dim)));
-        }
+        let (t, kr, vr) = kv_rows(k, v, self.n_kv, self.head_dim, "fp16 cache")?;
         let r = self.row();
         for i in 0..t {
             let pos = self.len + i;

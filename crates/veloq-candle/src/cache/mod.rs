@@ -53,3 +53,14 @@ pub(crate) fn token_major(x: &Tensor) -> Result<(usize, usize, usize, Vec<f32>)>
     let v = x.squeeze(0)?.transpose(0, 1)?.contiguous()?.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     Ok((h, t, d, v))
 }
+
+/// Token-major rows of one append's keys and values (`[T, H, D]` f32 each) and `T`, checked
+/// against the `n_kv × head_dim` geometry `what` holds.
+pub(crate) fn kv_rows(k: &Tensor, v: &Tensor, n_kv: usize, head_dim: usize, what: &str) -> Result<(usize, Vec<f32>, Vec<f32>)> {
+    let (h, t, d, kr) = token_major(k)?;
+    let (vh, vt, vd, vr) = token_major(v)?;
+    if (h, d) != (n_kv, head_dim) || (vh, vt, vd) != (h, t, d) {
+        return Err(crate::Error::Config(format!("{what} holds {n_kv}×{head_dim}, got keys {h}×{d} and values {vh}×{vd} ({t} and {vt} positions)")));
+    }
+    Ok((t, kr, vr))
+}

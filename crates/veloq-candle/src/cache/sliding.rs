@@ -7,7 +7,7 @@ use candle_core::Tensor;
 use half::f16;
 
 use super::dense::{attend_dense_window, widen};
-use super::{token_major, LayerCache};
+use super::{kv_rows, LayerCache};
 use crate::error::{Error, Result};
 
 pub struct SlidingCache {
@@ -47,11 +47,7 @@ impl SlidingCache {
 
 impl LayerCache for SlidingCache {
     fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
-        let (h, t, d, kr) = token_major(k)?;
-        let (_, _, _, vr) = token_major(v)?;
-        if h != self.n_kv || d != self.head_dim {
-            return Err(Error::Config(format!("sliding cache for {}×{} got {h}×{d}", self.n_kv, self.head_dim)));
-        }
+        let (t, kr, vr) = kv_rows(k, v, self.n_kv, self.head_dim, "sliding cache")?;
         // The first new position looks back window − 1 positions; older rows are never seen again.
         self.keep_last(self.window - 1);
         self.keys.extend(kr.iter().map(|&x| f16::from_f32(x)));
