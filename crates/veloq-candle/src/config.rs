@@ -45,6 +45,9 @@ pub struct CacheConfig {
     pub window: WindowConfig,
     /// Fused kernels (the CPU lookup-table path on CPU devices) or the portable candle-ops path.
     pub kernels: KernelChoice,
+    /// Positions per sequence that device caches reserve up front; default the model's
+    /// `max_context`.
+    pub capacity: Option<usize>,
 }
 
 /// One layer's key and value codecs, as the caches see them.
@@ -52,11 +55,11 @@ type LayerPair = (Arc<dyn BlockCodec>, Arc<dyn BlockCodec>);
 
 impl CacheConfig {
     pub fn fp16() -> Self {
-        Self { method: Method::Fp16, window: WindowConfig::default(), kernels: KernelChoice::Auto }
+        Self { method: Method::Fp16, window: WindowConfig::default(), kernels: KernelChoice::Auto, capacity: None }
     }
 
     pub fn vecinfer(calibration: Calibration) -> Self {
-        Self { method: Method::VecInfer(Arc::new(calibration)), window: WindowConfig::default(), kernels: KernelChoice::Auto }
+        Self { method: Method::VecInfer(Arc::new(calibration)), window: WindowConfig::default(), kernels: KernelChoice::Auto, capacity: None }
     }
 
     /// Loads a calibration artifact and checks it was made for `model`.
@@ -65,11 +68,11 @@ impl CacheConfig {
     }
 
     pub fn kivi(bits: u32, group: usize) -> Self {
-        Self { method: Method::Kivi { bits, group }, window: WindowConfig::default(), kernels: KernelChoice::Auto }
+        Self { method: Method::Kivi { bits, group }, window: WindowConfig::default(), kernels: KernelChoice::Auto, capacity: None }
     }
 
     pub fn rot_lloyd_max(bits: u32) -> Self {
-        Self { method: Method::RotLloydMax { bits, seed: 0 }, window: WindowConfig::default(), kernels: KernelChoice::Auto }
+        Self { method: Method::RotLloydMax { bits, seed: 0 }, window: WindowConfig::default(), kernels: KernelChoice::Auto, capacity: None }
     }
 
     pub fn name(&self) -> String {
@@ -137,23 +140,43 @@ impl CacheConfig {
         })
     }
 
-    /// One cache per layer of `model`. Sliding-window layers hold at most their window, in f16,
-    /// whatever the method ([`Model::fp16_cache`]); the method codes the others.
+    /// One cache per layer of `model`, for one sequence. Sliding-window layers hold at most their
+    /// window, in f16, whatever the method ([`Model::fp16_cache`]); the method codes the others.
     pub fn build(&self, model: &Model) -> Result<Vec<Box<dyn LayerCache>>> {
+        self.build_batch(model, 1)
+    }
+
+    /// One cache per layer for `batch` sequences decoded together (all at the same position). On
+    /// the CPU, and for the scalar baselines, batch 1 only; on CUDA, fp16 and VecInfer take any
+    /// batch, each sized for the model's `max_context` positions up front.
+    pub fn build_batch(&self, model: &Model, batch: usize) -> Result<Vec<Box<dyn LayerCache>>> {
         let id = &model.info.identity;
         let windowed = |i: usize| model.layer_window(i).is_some();
+        let dev = model.device();
+        let capacity = self.capacity.unwrap_or(model.max_context());
         if let Method::VecInfer(cal) = &self.method {
             check_calibration(cal, model)?;
-            let dev = model.device();
-            let fused = self.kernels.resolve(fused_available(dev))?;
+            let fused = self.kernels.resolve(fused_available(dev, cal, model.info.n_heads))?;
+            #[cfg(feature = "cuda")]
+            let runtime = match (fused, dev) {
+                (true, Device::Cuda(_)) => Some(crate::cache::CudaRuntime::new(dev)?),
+                _ => None,
+            };
             return cal
                 .layers
                 .iter()
                 .enumerate()
                 .map(|(i, l)| {
-                    Ok(if windowed(i) {
-                        model.fp16_cache(i)?
-                    } else if fused {
+                    if windowed(i) {
+                        return model.fp16_cache_batch(i, batch, capacity);
+                    }
+                    #[cfg(feature = "cuda")]
+                    if let Some(rt) = &runtime {
+                        let c = crate::cache::CudaVecInferCache::new(rt.clone(), &l.keys, &l.values, model.info.n_heads, batch, capacity, self.window)?;
+                        return Ok(Box::new(c) as Box<dyn LayerCache>);
+                    }
+                    single(batch, "VecInfer on this device")?;
+                    Ok(if fused {
                         Box::new(VecInferCache::new(Arc::new(l.keys.clone()), Arc::new(l.values.clone()), self.window)?) as Box<dyn LayerCache>
                     } else {
                         Box::new(PortableVecInferCache::new(&l.keys, &l.values, self.window, dev)?) as Box<dyn LayerCache>
@@ -162,8 +185,9 @@ impl CacheConfig {
                 .collect();
         }
         let Some(pairs) = self.codecs(model)? else {
-            return (0..id.n_layers).map(|i| model.fp16_cache(i)).collect();
+            return (0..id.n_layers).map(|i| model.fp16_cache_batch(i, batch, capacity)).collect();
         };
+        single(batch, &self.name())?;
         pairs
             .into_iter()
             .enumerate()
@@ -178,12 +202,27 @@ impl CacheConfig {
     }
 }
 
-/// Whether the fused VecInfer kernels serve caches on `dev`: the CPU lookup-table path does; the
-/// CUDA kernels (veloq::kernels::cuda) are not wired into candle caches yet.
-fn fused_available(dev: &Device) -> std::result::Result<(), String> {
+fn single(batch: usize, what: &str) -> Result<()> {
+    if batch != 1 {
+        return Err(Error::Config(format!("{what} decodes one sequence at a time, asked for a batch of {batch}")));
+    }
+    Ok(())
+}
+
+/// Whether fused VecInfer kernels serve caches on `dev`: the CPU lookup-table path always; the
+/// CUDA kernels when built with the `cuda` feature and the codecs fit them.
+fn fused_available(dev: &Device, cal: &Calibration, q_heads: usize) -> std::result::Result<(), String> {
     match dev {
         Device::Cpu => Ok(()),
-        other => Err(format!("no fused VecInfer kernels for {other:?} in the candle caches yet")),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => match cal.layers.first() {
+            Some(l) => veloq::kernels::cuda::GpuAttention::supports(&l.keys, &l.values, q_heads),
+            None => Err("the calibration has no layers".into()),
+        },
+        other => {
+            let _ = (cal, q_heads);
+            Err(format!("no fused VecInfer kernels for {other:?} in this build (the CUDA ones need the `cuda` feature)"))
+        }
     }
 }
 

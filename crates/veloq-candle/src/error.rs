@@ -10,7 +10,7 @@ pub enum Error {
     Codec(#[from] veloq::Error),
     #[error("model file {path}: {reason}")]
     Model { path: PathBuf, reason: String },
-    #[error("unsupported architecture {0:?} (supported: llama, mistral, qwen2; Llama 3, SmolLM2 and Falcon3 GGUFs use llama)")]
+    #[error("unsupported architecture {0:?} (supported: llama, mistral, qwen2, gemma3; Llama 3, SmolLM2 and Falcon3 GGUFs use llama)")]
     Architecture(String),
     #[error("tokenizer: {0}")]
     Tokenizer(String),

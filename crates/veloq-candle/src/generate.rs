@@ -58,14 +58,21 @@ pub fn generate(
     opts: &GenerateOptions,
     on_text: &mut dyn FnMut(&str),
 ) -> Result<GenerateOutput> {
-    let text = if opts.chat { ChatTemplate::detect(tok).apply(prompt) } else { prompt.to_string() };
-    let mut prompt_ids = encode(tok, &text)?;
+    let prompt_ids = prompt_ids(model, tok, prompt, opts.chat)?;
+    generate_ids(model, tok, caches, &prompt_ids, opts, on_text)
+}
+
+/// The token ids `generate` feeds for `prompt`: in the chat template when `chat`, after a BOS when
+/// the model asks for one.
+pub fn prompt_ids(model: &Model, tok: &Tokenizer, prompt: &str, chat: bool) -> Result<Vec<u32>> {
+    let text = if chat { ChatTemplate::detect(tok).apply(prompt) } else { prompt.to_string() };
+    let mut ids = encode(tok, &text)?;
     if let Some(bos) = model.info.bos {
-        if prompt_ids.first() != Some(&bos) {
-            prompt_ids.insert(0, bos);
+        if ids.first() != Some(&bos) {
+            ids.insert(0, bos);
         }
     }
-    generate_ids(model, tok, caches, &prompt_ids, opts, on_text)
+    Ok(ids)
 }
 
 pub fn generate_ids(

@@ -26,3 +26,10 @@ pub fn randn(n: usize, seed: u64, outliers: bool) -> Vec<f32> {
         })
         .collect()
 }
+
+/// A CPU tensor of fresh Gaussian values (seeded by the clock, mixed with `salt`).
+pub fn rand_tensor(shape: &[usize], salt: u64) -> candle_core::Tensor {
+    let n = shape.iter().product();
+    let seed = fresh_seed() ^ salt.wrapping_mul(0xA24BAED4963EE407);
+    candle_core::Tensor::from_vec(randn(n, seed, false), shape, &candle_core::Device::Cpu).expect("shape matches")
+}

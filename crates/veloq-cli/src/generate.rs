@@ -8,6 +8,7 @@ use clap::{Args as ClapArgs, ValueEnum};
 
 use veloq_candle::config::CacheConfig;
 use veloq_candle::generate::{generate, GenerateOptions};
+use veloq::kernels::select::KernelChoice;
 use veloq_candle::model::Model;
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -40,9 +41,16 @@ pub struct Args {
     /// Feed the prompt as is, without the chat template.
     #[arg(long)]
     pub raw: bool,
-    /// Longest context (prompt + generated) the caches accept.
+    /// Longest context (prompt + generated) the caches accept (GPU caches reserve it up front).
     #[arg(long, default_value_t = 8192)]
     pub max_context: usize,
+    /// cpu, cuda or cuda:N (CUDA needs a build with --features cuda).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Fused kernels: auto (use them where they exist), require (fail if they do not), forbid
+    /// (portable candle-ops path).
+    #[arg(long, default_value = "auto")]
+    pub kernels: String,
 }
 
 pub fn default_model() -> PathBuf {
@@ -56,7 +64,9 @@ pub fn default_calibration(model: &std::path::Path) -> PathBuf {
 
 pub fn run(a: Args) -> Result<()> {
     let model_path = a.model.clone().unwrap_or_else(default_model);
-    let (model, tok) = Model::open(&model_path, a.max_context).with_context(|| format!("loading {}", model_path.display()))?;
+    let device = crate::device::parse(&a.device)?;
+    let kernels = KernelChoice::parse(&a.kernels)?;
+    let (model, tok) = Model::open_on(&model_path, a.max_context, &device).with_context(|| format!("loading {}", model_path.display()))?;
     let config = match a.method {
         MethodArg::Fp16 => CacheConfig::fp16(),
         MethodArg::Vecinfer => {
@@ -66,6 +76,7 @@ pub fn run(a: Args) -> Result<()> {
             })?
         }
     };
+    let config = CacheConfig { kernels, ..config };
     let mut caches = config.build(&model)?;
     let opts = GenerateOptions { max_tokens: a.max_tokens, temperature: a.temperature, top_p: a.top_p, seed: a.seed, chat: !a.raw };
     let out = generate(&model, &tok, &mut caches, &a.prompt, &opts, &mut |s| {
@@ -74,16 +85,22 @@ pub fn run(a: Args) -> Result<()> {
     })?;
     println!();
     std::io::stdout().flush()?;
+    // Caches on a GPU reserve --max-context positions up front: compare reservations there.
+    let (fp16, what) = if device.is_cpu() {
+        (out.kv_fp16_bytes, "resident".to_string())
+    } else {
+        (veloq_candle::config::fp16_bytes(&model, a.max_context), format!("reserved for {} positions", a.max_context))
+    };
     eprintln!(
-        "[{}] prompt {} tok, prefill {:.1} tok/s | generated {} tok, decode {:.1} tok/s | KV cache {} resident vs {} for fp16 ({:.2}×)",
+        "[{}] prompt {} tok, prefill {:.1} tok/s | generated {} tok, decode {:.1} tok/s | KV cache {} {what} vs {} for fp16 ({:.2}×)",
         config.name(),
         out.prompt_tokens,
         out.prefill_tok_s(),
         out.tokens.len(),
         out.decode_tok_s(),
         human(out.kv_resident_bytes),
-        human(out.kv_fp16_bytes),
-        out.kv_fp16_bytes as f64 / out.kv_resident_bytes.max(1) as f64
+        human(fp16),
+        fp16 as f64 / out.kv_resident_bytes.max(1) as f64
     );
     Ok(())
 }

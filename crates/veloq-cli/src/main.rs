@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod calibrate;
+mod device;
 mod eval;
 mod generate;
 mod plot;

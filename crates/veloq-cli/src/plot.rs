@@ -147,3 +147,43 @@ pub fn attention(path: &Path, series: &[(usize, Vec<(f64, f64)>, Vec<(f64, f64)>
     root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }
+
+/// Panels of a figure: a title, then one labelled line of (x, y) points per method.
+pub type Panels = Vec<(String, Vec<(String, Vec<(f64, f64)>)>)>;
+
+/// Decode tokens/s against context (log x), one line per method, one panel per (model, batch).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub fn decode_speed(path: &Path, device: &str, panels: &Panels) -> Result<()> {
+    font()?;
+    let cols = panels.len().clamp(1, 2);
+    let rows = panels.len().div_ceil(cols).max(1);
+    let root = BitMapBackend::new(path, (560 * cols as u32, 420 * rows as u32)).into_drawing_area();
+    root.fill(&WHITE)?;
+    for ((title, lines), area) in panels.iter().zip(root.split_evenly((rows, cols))) {
+        let pts = || lines.iter().flat_map(|l| l.1.iter());
+        let xmin = pts().map(|p| p.0).fold(f64::INFINITY, f64::min);
+        let xmax = pts().map(|p| p.0).fold(0.0, f64::max);
+        let ymax = pts().map(|p| p.1).fold(0.0, f64::max);
+        if !xmin.is_finite() || xmax <= 0.0 {
+            continue;
+        }
+        let mut chart = ChartBuilder::on(&area)
+            .margin(12)
+            .caption(format!("{title} — {device}"), ("sans-serif", 15))
+            .x_label_area_size(36)
+            .y_label_area_size(56)
+            .build_cartesian_2d((xmin * 0.8..xmax * 1.25).log_scale(), 0.0..ymax * 1.15)?;
+        chart.configure_mesh().x_desc("context (tokens)").y_desc("decode tokens/s").draw()?;
+        for (i, (label, line)) in lines.iter().enumerate() {
+            let color = COLORS[i % COLORS.len()];
+            chart
+                .draw_series(LineSeries::new(line.clone(), color.stroke_width(2)))?
+                .label(label.clone())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+            chart.draw_series(line.iter().map(|&p| Circle::new(p, 4, color.filled())))?;
+        }
+        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::UpperRight).draw()?;
+    }
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}

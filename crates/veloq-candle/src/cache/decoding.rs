@@ -44,4 +44,7 @@ impl LayerCache for DecodingCache {
     fn truncate(&mut self, len: usize) -> Result<()> {
         self.store.truncate(len)
     }
+    fn commit(&mut self) -> Result<()> {
+        self.store.flush()
+    }
 }

@@ -3,10 +3,12 @@
 //! keys. Implementations: [`Fp16Cache`] (the reference), [`VecInferCache`] (codes, lookup-table
 //! decode) and [`DecodingCache`] (any other [`BlockCodec`](veloq::codec::block::BlockCodec), for
 //! the scalar baselines); [`SlidingCache`] serves sliding-window layers whatever the method.
+//! On other devices: [`TensorCache`] (f16 in device tensors, candle's attention) and, with the
+//! `cuda` feature, [`CudaVecInferCache`] (codes on the GPU, veloq's fused kernels).
 //!
-//! Shapes: keys/values `[1, n_kv_heads, T, head_dim]`, queries `[1, n_q_heads, T, head_dim]`, f32
-//! on the CPU. Batch 1 on this path; GQA is handled inside (query heads index their kv head, keys
-//! are never copied per query head).
+//! Shapes: keys/values `[B, n_kv_heads, T, head_dim]`, queries `[B, n_q_heads, T, head_dim]`, f32.
+//! The CPU caches take batch 1; GQA is handled inside (query heads index their kv head, keys are
+//! never copied per query head).
 
 mod decoding;
 mod dense;
@@ -14,13 +16,19 @@ mod fp16;
 mod portable;
 mod sliding;
 mod store;
+mod tensor;
 mod vecinfer;
+#[cfg(feature = "cuda")]
+mod cuda;
 
 pub use decoding::DecodingCache;
 pub use fp16::Fp16Cache;
 pub use portable::PortableVecInferCache;
 pub use sliding::SlidingCache;
 pub use store::WindowConfig;
+pub use tensor::{attend_tensors, TensorCache};
+#[cfg(feature = "cuda")]
+pub use cuda::{CudaRuntime, CudaVecInferCache};
 pub use vecinfer::VecInferCache;
 
 use candle_core::Tensor;
@@ -42,6 +50,16 @@ pub trait LayerCache: Send {
     fn resident_bytes(&self) -> usize;
     /// Keeps the first `len` positions.
     fn truncate(&mut self, len: usize) -> Result<()>;
+    /// Moves what appends left pending into long-term storage (codes) as `attend` does after
+    /// attending; for filling a cache without attending (benchmarks, restored sessions).
+    fn commit(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// Device operations (kernel launches) issued so far; 0 for the CPU caches, whose work is
+    /// not launched.
+    fn launches(&self) -> usize {
+        0
+    }
 }
 
 /// Splits a `[1, H, T, D]` tensor into token-major rows `[T, H, D]` of f32.

@@ -255,6 +255,9 @@ impl LayerCache for PortableVecInferCache {
         }
         Ok(())
     }
+    fn commit(&mut self) -> Result<()> {
+        self.flush()
+    }
 }
 
 #[cfg(test)]

@@ -192,6 +192,9 @@ impl LayerCache for VecInferCache {
     fn truncate(&mut self, len: usize) -> Result<()> {
         self.store.truncate(len)
     }
+    fn commit(&mut self) -> Result<()> {
+        self.store.flush()
+    }
 }
 
 #[cfg(test)]

@@ -12,53 +12,53 @@ use std::path::Path;
 
 use candle_core::quantized::{gguf_file, QMatMul};
 use candle_core::{DType, Device, Module, Tensor};
-use candle_transformers::quantized_nn::RmsNorm;
+use candle_nn::RmsNorm;
 
 use super::ModelInfo;
-use crate::cache::{Fp16Cache, LayerCache, SlidingCache};
+use crate::cache::{Fp16Cache, LayerCache, SlidingCache, TensorCache};
 use crate::error::{Error, Result};
 use veloq::artifact::ModelIdentity;
 
-struct Layer {
-    attn_norm: RmsNorm,
-    wq: QMatMul,
-    wk: QMatMul,
-    wv: QMatMul,
-    wo: QMatMul,
-    bias: Option<(Tensor, Tensor, Tensor)>,
-    ffn_norm: RmsNorm,
-    gate: QMatMul,
-    up: QMatMul,
-    down: QMatMul,
+pub(super) struct Layer {
+    pub(super) attn_norm: RmsNorm,
+    pub(super) wq: QMatMul,
+    pub(super) wk: QMatMul,
+    pub(super) wv: QMatMul,
+    pub(super) wo: QMatMul,
+    pub(super) bias: Option<(Tensor, Tensor, Tensor)>,
+    pub(super) ffn_norm: RmsNorm,
+    pub(super) gate: QMatMul,
+    pub(super) up: QMatMul,
+    pub(super) down: QMatMul,
     /// Gemma 3: per-head q/k norms, norms on the attention and MLP outputs.
-    qk_norm: Option<(RmsNorm, RmsNorm)>,
-    post_norms: Option<(RmsNorm, RmsNorm)>,
+    pub(super) qk_norm: Option<(RmsNorm, RmsNorm)>,
+    pub(super) post_norms: Option<(RmsNorm, RmsNorm)>,
     /// Sliding-window layer: attends the last `window` positions, with the local RoPE tables.
-    window: Option<usize>,
+    pub(super) window: Option<usize>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Activation {
+pub(super) enum Activation {
     Silu,
     GeluTanh,
 }
 
 pub struct Model {
     pub info: ModelInfo,
-    embed: Tensor,
-    layers: Vec<Layer>,
-    norm: RmsNorm,
-    output: QMatMul,
-    neox: bool,
-    cos: Tensor,
-    sin: Tensor,
+    pub(super) embed: Tensor,
+    pub(super) layers: Vec<Layer>,
+    pub(super) norm: RmsNorm,
+    pub(super) output: QMatMul,
+    pub(super) neox: bool,
+    pub(super) cos: Tensor,
+    pub(super) sin: Tensor,
     /// RoPE tables of sliding-window layers (Gemma 3: base 10,000).
-    local_rope: Option<(Tensor, Tensor)>,
-    activation: Activation,
-    embed_scale: f64,
-    attn_scale: f64,
-    max_context: usize,
-    device: Device,
+    pub(super) local_rope: Option<(Tensor, Tensor)>,
+    pub(super) activation: Activation,
+    pub(super) embed_scale: f64,
+    pub(super) attn_scale: f64,
+    pub(super) max_context: usize,
+    pub(super) device: Device,
 }
 
 impl Model {
@@ -129,14 +129,14 @@ impl Model {
             Ok(t) => t,
             Err(_) => embed_q,
         })?;
-        let norm = RmsNorm::from_qtensor(tensor("output_norm.weight")?, eps)?;
+        let norm = RmsNorm::new(tensor("output_norm.weight")?.dequantize(device)?, eps);
         let mut layers = Vec::with_capacity(n_layers);
         for i in 0..n_layers {
             let p = format!("blk.{i}");
             let mut q = |n: &str| -> Result<QMatMul> { Ok(QMatMul::from_qtensor(tensor(&format!("{p}.{n}.weight"))?)?) };
             let (wq, wk, wv, wo) = (q("attn_q")?, q("attn_k")?, q("attn_v")?, q("attn_output")?);
             let (gate, up, down) = (q("ffn_gate")?, q("ffn_up")?, q("ffn_down")?);
-            let mut norm = |n: &str| -> Result<RmsNorm> { Ok(RmsNorm::from_qtensor(tensor(&format!("{p}.{n}.weight"))?, eps)?) };
+            let mut norm = |n: &str| -> Result<RmsNorm> { Ok(RmsNorm::new(tensor(&format!("{p}.{n}.weight"))?.dequantize(device)?, eps)) };
             let (qk_norm, post_norms) = if gemma {
                 (Some((norm("attn_q_norm")?, norm("attn_k_norm")?)), Some((norm("post_attention_norm")?, norm("post_ffw_norm")?)))
             } else {
@@ -150,8 +150,8 @@ impl Model {
                 None
             };
             layers.push(Layer {
-                attn_norm: RmsNorm::from_qtensor(tensor(&format!("{p}.attn_norm.weight"))?, eps)?,
-                ffn_norm: RmsNorm::from_qtensor(tensor(&format!("{p}.ffn_norm.weight"))?, eps)?,
+                attn_norm: RmsNorm::new(tensor(&format!("{p}.attn_norm.weight"))?.dequantize(device)?, eps),
+                ffn_norm: RmsNorm::new(tensor(&format!("{p}.ffn_norm.weight"))?.dequantize(device)?, eps),
                 wq,
                 wk,
                 wv,
@@ -212,34 +212,54 @@ impl Model {
 
     /// The reference cache for `layer`: f16, bounded to the window on sliding-window layers.
     pub fn fp16_cache(&self, layer: usize) -> Result<Box<dyn LayerCache>> {
+        self.fp16_cache_batch(layer, 1, self.max_context)
+    }
+
+    /// [`fp16_cache`](Self::fp16_cache) for `batch` sequences: on the CPU the block cache (batch
+    /// 1, growing), elsewhere f16 device tensors for `capacity` positions.
+    pub fn fp16_cache_batch(&self, layer: usize, batch: usize, capacity: usize) -> Result<Box<dyn LayerCache>> {
         let id = &self.info.identity;
+        let on_cpu = matches!(self.device, Device::Cpu);
         Ok(match self.layer_window(layer) {
-            Some(w) => Box::new(SlidingCache::new(id.n_kv_heads, id.head_dim, w)?),
-            None => Box::new(Fp16Cache::new(id.n_kv_heads, id.head_dim)),
+            Some(w) if batch == 1 => Box::new(SlidingCache::new(id.n_kv_heads, id.head_dim, w)?),
+            Some(_) => return Err(Error::Config(format!("sliding-window layers decode one sequence at a time, asked for a batch of {batch}"))),
+            None if on_cpu && batch == 1 => Box::new(Fp16Cache::new(id.n_kv_heads, id.head_dim)),
+            None => Box::new(TensorCache::new(batch, id.n_kv_heads, id.head_dim, capacity, self.info.n_heads, &self.device)?),
         })
     }
 
     /// Runs `tokens` at positions `caches[0].len()..`, appending to the caches. Returns logits
     /// `[T, vocab]` for every position when `all_logits`, else `[1, vocab]` for the last.
     pub fn forward(&self, tokens: &[u32], caches: &mut [Box<dyn LayerCache>], all_logits: bool) -> Result<Tensor> {
+        Ok(self.forward_batch(&[tokens], caches, all_logits)?.squeeze(0)?)
+    }
+
+    /// [`forward`](Self::forward) for a batch of sequences at the same position, the same number
+    /// of tokens each (caches built for that batch). Returns logits `[B, T or 1, vocab]`.
+    pub fn forward_batch(&self, tokens: &[&[u32]], caches: &mut [Box<dyn LayerCache>], all_logits: bool) -> Result<Tensor> {
         if caches.len() != self.layers.len() {
             return Err(Error::Config(format!("{} caches for {} layers", caches.len(), self.layers.len())));
         }
         let pos = caches[0].len();
-        let t = tokens.len();
+        let b = tokens.len();
+        let t = tokens.first().map_or(0, |s| s.len());
         if t == 0 {
             return Err(Error::Config("forward needs at least one token".into()));
+        }
+        if tokens.iter().any(|s| s.len() != t) {
+            return Err(Error::Config("every sequence of a batch takes the same number of tokens".into()));
         }
         if pos + t > self.max_context {
             return Err(Error::ContextOverflow { requested: pos + t, max: self.max_context });
         }
-        if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= self.embed.dim(0).unwrap_or(0)) {
+        let flat: Vec<u32> = tokens.concat();
+        if let Some(&bad) = flat.iter().find(|&&x| x as usize >= self.embed.dim(0).unwrap_or(0)) {
             return Err(Error::Config(format!("token id {bad} outside the vocabulary")));
         }
         let info = &self.info;
         let (nh, nkv, hd) = (info.n_heads, info.identity.n_kv_heads, info.identity.head_dim);
-        let ids = Tensor::new(tokens, &self.device)?;
-        let mut x = self.embed.index_select(&ids, 0)?.unsqueeze(0)?; // [1, T, hidden]
+        let ids = Tensor::new(flat.as_slice(), &self.device)?;
+        let mut x = self.embed.index_select(&ids, 0)?.to_dtype(DType::F32)?.reshape((b, t, info.hidden))?;
         if self.embed_scale != 1.0 {
             x = (x * self.embed_scale)?;
         }
@@ -258,26 +278,26 @@ impl Model {
                 k = k.broadcast_add(bk)?;
                 v = v.broadcast_add(bv)?;
             }
-            let (mut q, mut k) = (q.reshape((1, t, nh, hd))?, k.reshape((1, t, nkv, hd))?);
+            let (mut q, mut k) = (q.reshape((b, t, nh, hd))?, k.reshape((b, t, nkv, hd))?);
             if let Some((qn, kn)) = &layer.qk_norm {
                 q = qn.forward(&q)?;
                 k = kn.forward(&k)?;
             }
             let q = q.transpose(1, 2)?.contiguous()?;
             let k = k.transpose(1, 2)?.contiguous()?;
-            let v = v.reshape((1, t, nkv, hd))?.transpose(1, 2)?.contiguous()?;
+            let v = v.reshape((b, t, nkv, hd))?.transpose(1, 2)?.contiguous()?;
             let (cos, sin) = match (&local, layer.window) {
                 (Some((c, s)), Some(_)) => (c, s),
                 _ => (&cos, &sin),
             };
             let (q, k) = if self.neox {
-                (candle_nn::rotary_emb::rope(&q, &cos, &sin)?, candle_nn::rotary_emb::rope(&k, &cos, &sin)?)
+                (candle_nn::rotary_emb::rope(&q, cos, sin)?, candle_nn::rotary_emb::rope(&k, cos, sin)?)
             } else {
-                (candle_nn::rotary_emb::rope_i(&q, &cos, &sin)?, candle_nn::rotary_emb::rope_i(&k, &cos, &sin)?)
+                (candle_nn::rotary_emb::rope_i(&q, cos, sin)?, candle_nn::rotary_emb::rope_i(&k, cos, sin)?)
             };
             cache.append(&k, &v)?;
-            let y = cache.attend(&q, scale)?; // [1, nh, T, hd]
-            let y = y.transpose(1, 2)?.reshape((1, t, nh * hd))?;
+            let y = cache.attend(&q, scale)?; // [B, nh, T, hd]
+            let y = y.transpose(1, 2)?.reshape((b, t, nh * hd))?;
             let mut o = layer.wo.forward(&y)?;
             if let Some((post_attn, _)) = &layer.post_norms {
                 o = post_attn.forward(&o)?;
@@ -297,13 +317,13 @@ impl Model {
         }
         let x = if all_logits { x } else { x.narrow(1, t - 1, 1)? };
         let x = self.norm.forward(&x)?;
-        Ok(self.output.forward(&x)?.squeeze(0)?.to_dtype(DType::F32)?)
+        Ok(self.output.forward(&x)?.to_dtype(DType::F32)?)
     }
 }
 
 /// cos/sin tables `[max_context, head_dim/2]` for RoPE; positions divided by `scale` (linear
 /// scaling).
-fn rope_tables(head_dim: usize, base: f32, scale: f32, max_context: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+pub(super) fn rope_tables(head_dim: usize, base: f32, scale: f32, max_context: usize, device: &Device) -> Result<(Tensor, Tensor)> {
     let inv: Vec<f32> = (0..head_dim).step_by(2).map(|i| 1.0 / base.powf(i as f32 / head_dim as f32) / scale).collect();
     let inv = Tensor::new(inv.as_slice(), device)?.reshape((1, head_dim / 2))?;
     let t = Tensor::arange(0u32, max_context as u32, device)?.to_dtype(DType::F32)?.reshape((max_context, 1))?;
@@ -315,7 +335,12 @@ fn rope_tables(head_dim: usize, base: f32, scale: f32, max_context: usize, devic
 impl Model {
     /// Loads a GGUF model and its tokenizer on the CPU.
     pub fn open(path: &Path, max_context: usize) -> Result<(Self, tokenizers::Tokenizer)> {
-        let (model, ct) = Self::load(path, max_context, &Device::Cpu)?;
+        Self::open_on(path, max_context, &Device::Cpu)
+    }
+
+    /// Loads a GGUF model (weights on `device`) and its tokenizer.
+    pub fn open_on(path: &Path, max_context: usize, device: &Device) -> Result<(Self, tokenizers::Tokenizer)> {
+        let (model, ct) = Self::load(path, max_context, device)?;
         let tok = super::load_tokenizer(&ct)?;
         Ok((model, tok))
     }

@@ -2,9 +2,11 @@
 //! cache contract is the only place keys and values live), candle's quantized matmul.
 
 mod decoder;
+mod synthetic;
 mod tokenizer;
 
 pub use decoder::Model;
+pub use synthetic::Geometry;
 pub use tokenizer::{decode, encode, load_tokenizer, ChatTemplate};
 pub use tokenizers::Tokenizer;
 

@@ -50,23 +50,23 @@ pub struct Args {
 }
 
 /// Gaussian stream (xorshift + Box–Muller): fresh, never zero, outlier channels like real keys.
-struct Rng(u64);
+pub(super) struct Rng(pub(super) u64);
 impl Rng {
-    fn next(&mut self) -> f64 {
+    pub(super) fn next(&mut self) -> f64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
         ((self.0 >> 11) as f64 + 0.5) / (1u64 << 53) as f64
     }
-    fn normal(&mut self) -> f32 {
+    pub(super) fn normal(&mut self) -> f32 {
         ((-2.0 * self.next().ln()).sqrt() * (2.0 * std::f64::consts::PI * self.next()).cos()) as f32
     }
-    fn rows(&mut self, rows: usize, d: usize) -> Vec<f32> {
+    pub(super) fn rows(&mut self, rows: usize, d: usize) -> Vec<f32> {
         (0..rows * d).map(|i| self.normal() * if i % d == 3 || i % d == d / 2 { 8.0 } else { 1.0 } + if i % d == 5 { 2.0 } else { 0.0 }).collect()
     }
 }
 
-fn codec(rng: &mut Rng, heads: usize, d: usize, sd: usize, bits: u32, granularity: Granularity, keys: bool) -> Result<VecInferCodec> {
+pub(super) fn codec(rng: &mut Rng, heads: usize, d: usize, sd: usize, bits: u32, granularity: Granularity, keys: bool) -> Result<VecInferCodec> {
     let shape = PqShape::new(sd, bits)?;
     let spec = if keys { CodecSpec { granularity, ..CodecSpec::keys(shape) } } else { CodecSpec { granularity, ..CodecSpec::values(shape) } };
     let train = rng.rows(((4 << bits) / heads).max(600) * heads, d);

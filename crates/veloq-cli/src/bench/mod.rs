@@ -6,6 +6,8 @@ use clap::Subcommand;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod decode;
+#[cfg(feature = "cuda")]
+pub mod runner;
 pub mod search;
 pub mod smooth;
 
@@ -20,6 +22,10 @@ pub enum BenchCommand {
     /// CUDA kernels: correctness against the CPU path, then timings (build with --features cuda).
     #[cfg(feature = "cuda")]
     Cuda(cuda::Args),
+    /// The runner on CUDA: cache checks, CPU/CUDA agreement, decode tok/s and peak memory of fp16
+    /// vs VecInfer at long contexts (real SmolLM2 and a random Llama-3.1-8B geometry).
+    #[cfg(feature = "cuda")]
+    Runner(runner::Args),
 }
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
@@ -29,6 +35,8 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Smooth(a) => smooth::run(a),
         #[cfg(feature = "cuda")]
         BenchCommand::Cuda(a) => cuda::run(a),
+        #[cfg(feature = "cuda")]
+        BenchCommand::Runner(a) => runner::run(a),
     }
 }
 

@@ -49,7 +49,7 @@ __device__ __forceinline__ void add_entry(float (&s)[GB], const float* e) {
 extern "C" __global__ void __launch_bounds__(THREADS) vq_attend_split(
     const float* __restrict__ q, const unsigned char* __restrict__ kcodes, const unsigned char* __restrict__ vcodes,
     const float* __restrict__ kbook, const float* __restrict__ vbook, const float* __restrict__ kmean,
-    const float* __restrict__ kscale, float* __restrict__ part_o, float* __restrict__ part_ml, int S, int split, float scale) {
+    const float* __restrict__ kscale, float* __restrict__ part_o, float* __restrict__ part_ml, int S, long long stride, int split, float scale) {
     extern __shared__ __align__(16) float smem[];
     float* lut = smem;                          // [M_K/PJ][K_K][PJ][GBP], later staged codes and partials
     float* p = lut + TABLE;                     // [MAX_SPLIT][GBP]
@@ -94,7 +94,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) vq_attend_split(
     }
 
     // The first key codes of this thread are requested now; they arrive while the table is built.
-    const unsigned char* kc = kcodes + ((size_t)(b * HKV + h) * S) * M_K;
+    const unsigned char* kc = kcodes + ((size_t)(b * HKV + h) * stride) * M_K;
     constexpr int NW = M_K / 4, A = M_K / PJ;
     auto load_codes = [&](unsigned int (&w)[NW], int t) {
         const unsigned char* row = kc + (size_t)(t0 + t) * M_K;
@@ -229,7 +229,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) vq_attend_split(
     // Pass 2: block maxima and sums per head, weights in place. The first chunk of value codes is
     // loaded into registers meanwhile (the table is no longer read).
     __syncthreads();
-    const unsigned char* vc = vcodes + ((size_t)(b * HKV + h) * S) * M_V;
+    const unsigned char* vc = vcodes + ((size_t)(b * HKV + h) * stride) * M_V;
     unsigned char* vs = (unsigned char*)lut;  // [CHUNK][M_V], in the table space
     int c0s = 0;  // first token of the chunk being staged
 #if M_V % 16 == 0
@@ -444,10 +444,20 @@ extern "C" __global__ void __launch_bounds__(THREADS) vq_attend_split(
     }
 }
 
+// The f16 rows of one stream: W rows, of which rows [0, n_sink) and ring rows sink_cap + ((head +
+// i) mod ring_cap), i < ring_len, hold positions (order is irrelevant to attention); others are
+// skipped.
+struct WindowMap {
+    int n_sink, sink_cap, ring_head, ring_len, ring_cap;
+    __device__ bool valid(int t) const {
+        return t < n_sink || (t >= sink_cap && (t - sink_cap - ring_head + ring_cap) % ring_cap < ring_len);
+    }
+};
+
 extern "C" __global__ void __launch_bounds__(128) vq_attend_merge(
     const float* __restrict__ q, const float* __restrict__ part_o, const float* __restrict__ part_ml,
     const unsigned short* __restrict__ wk, const unsigned short* __restrict__ wv, const float* __restrict__ vmean,
-    const float* __restrict__ vscale, float* __restrict__ out, int nsplit, int W, float scale) {
+    const float* __restrict__ vscale, float* __restrict__ out, int nsplit, int W, WindowMap wmap, float scale) {
     extern __shared__ __align__(16) unsigned short wkv[];  // window keys then values, [2][W][D] f16
     __shared__ float oc[D];
     __shared__ float qs[D];
@@ -482,7 +492,7 @@ extern "C" __global__ void __launch_bounds__(128) vq_attend_merge(
         float s = 0.f;
         for (int e = lane; e < D; e += 32) s = fmaf(qs[e], h2f(wkv[t * D + e]), s);
         s = warp_sum(s);
-        if (lane == 0) ws[t] = s;
+        if (lane == 0) ws[t] = wmap.valid(t) ? s : -3.402823466e38f;
     }
     __syncthreads();
     // The overall maximum (every thread reduces over its splits and window rows).
@@ -502,7 +512,7 @@ extern "C" __global__ void __launch_bounds__(128) vq_attend_merge(
         lc += sl[s] * sw[s];
     }
     for (int t = tid; t < W; t += blockDim.x) {
-        ws[t] = __expf(ws[t] - m);
+        ws[t] = wmap.valid(t) ? __expf(ws[t] - m) : 0.f;
         lw += ws[t];
     }
     lc = warp_sum(lc);
@@ -544,7 +554,8 @@ extern "C" __global__ void __launch_bounds__(128) vq_attend_merge(
     const float inv = 1.f / (lc + lw);
     for (int d = tid; d < D; d += blockDim.x) {
         float acc = oc[d];
-        for (int t = 0; t < W; t++) acc = fmaf(ws[t], h2f(wkv[(W + t) * D + d]), acc);
+        for (int t = 0; t < W; t++)
+            if (ws[t] != 0.f) acc = fmaf(ws[t], h2f(wkv[(W + t) * D + d]), acc);  // skipped rows may hold anything
         out[((size_t)b * HQ + qh) * D + d] = acc * inv;
     }
 }

@@ -1,9 +1,13 @@
 //! Host side of the fused decode attention over codes (`attention.cu`): a split kernel over the
 //! sequence and a merge kernel, two launches per layer and decode step.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use std::sync::OnceLock;
+
+use cudarc::driver::{CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::quantize::GpuCodec;
+use crate::codec::codebook::Granularity;
+use crate::codec::vecinfer::VecInferCodec;
 use super::{dev_err, Gpu};
 use crate::error::{Error, Result};
 
@@ -26,12 +30,31 @@ pub struct GpuAttention {
     pub q_heads: usize,
     threads: u32,
     half_values: bool,
+    /// The plan and its compiled split and merge kernels, found once (a decode step should not
+    /// rebuild define lists and cache keys per layer).
+    prepared: OnceLock<(Plan, CudaFunction, CudaFunction)>,
+}
+
+struct Geometry {
+    heads: usize,
+    head_dim: usize,
+    sub_dim: usize,
+    bits: u32,
+    per_layer: bool,
+}
+
+fn check_geometry(k: Geometry, v: Geometry, q_heads: usize) -> std::result::Result<(), String> {
+    let ok = k.bits == 8 && v.bits == 8 && k.per_layer && v.per_layer && (k.head_dim / k.sub_dim) % 4 == 0 && k.sub_dim % 2 == 0;
+    if !ok || k.heads != v.heads || k.head_dim != v.head_dim || q_heads % k.heads != 0 {
+        return Err("CUDA attention takes 8-bit per-layer codebooks for keys and values of one geometry (key sub-spaces a multiple of 4, even key sub_dim), q_heads a multiple of kv heads".into());
+    }
+    Ok(())
 }
 
 /// Partials of the split kernel, reused across calls.
 pub struct AttentionScratch {
-    part_o: CudaSlice<f32>,
-    part_ml: CudaSlice<f32>,
+    pub(super) part_o: CudaSlice<f32>,
+    pub(super) part_ml: CudaSlice<f32>,
 }
 
 impl AttentionScratch {
@@ -46,11 +69,23 @@ impl AttentionScratch {
 
 impl GpuAttention {
     pub fn new(keys: GpuCodec, values: GpuCodec, q_heads: usize) -> Result<Self> {
-        let ok = keys.bits == 8 && values.bits == 8 && keys.books == 1 && values.books == 1 && keys.subspaces() % 4 == 0 && keys.sub_dim % 2 == 0;
-        if !ok || keys.heads != values.heads || keys.head_dim != values.head_dim || q_heads % keys.heads != 0 {
-            return Err(Error::Device("CUDA attention takes 8-bit per-layer codebooks for keys and values of one geometry (key sub-spaces a multiple of 4, even key sub_dim), q_heads a multiple of kv heads".into()));
-        }
-        Ok(Self { keys, values, q_heads, threads: DEFAULT_THREADS, half_values: false })
+        let geometry = |c: &GpuCodec| Geometry { heads: c.heads, head_dim: c.head_dim, sub_dim: c.sub_dim, bits: c.bits, per_layer: c.books == 1 };
+        check_geometry(geometry(&keys), geometry(&values), q_heads).map_err(Error::Device)?;
+        Ok(Self { keys, values, q_heads, threads: DEFAULT_THREADS, half_values: false, prepared: OnceLock::new() })
+    }
+
+    /// Whether the kernels take these codecs (no GPU needed): why not, if not.
+    pub fn supports(keys: &VecInferCodec, values: &VecInferCodec, q_heads: usize) -> std::result::Result<(), String> {
+        let geometry = |c: &VecInferCodec| Geometry {
+            heads: c.n_heads(),
+            head_dim: c.head_dim(),
+            sub_dim: c.shape().sub_dim,
+            bits: c.shape().bits,
+            per_layer: c.books().granularity() == Granularity::PerLayer,
+        };
+        GpuCodec::check(keys)?;
+        GpuCodec::check(values)?;
+        check_geometry(geometry(keys), geometry(values), q_heads)
     }
 
     /// Threads per split block (a multiple of 32, at most 1024; more threads get fewer registers
@@ -60,6 +95,7 @@ impl GpuAttention {
             return Err(Error::Device(format!("{threads} threads per block: need a multiple of 32 in 64..=1024")));
         }
         self.threads = threads;
+        self.prepared = OnceLock::new();
         Ok(self)
     }
 
@@ -70,6 +106,7 @@ impl GpuAttention {
             return Err(Error::Device("f16 value accumulation needs an even value sub_dim".into()));
         }
         self.half_values = on;
+        self.prepared = OnceLock::new();
         Ok(self)
     }
 
@@ -101,12 +138,29 @@ impl GpuAttention {
         (1..=g.min(4)).rev().filter(|gb| g % gb == 0).map(|gb| self.plan(gb)).find(|p| p.smem() <= gpu.max_smem).unwrap_or_else(|| self.plan(1))
     }
 
+    /// Compiles the kernels for this geometry now (they are otherwise compiled at the first call).
+    pub fn prepare(&self, gpu: &Gpu) -> Result<()> {
+        self.kernels(gpu).map(|_| ())
+    }
+
+    fn kernels(&self, gpu: &Gpu) -> Result<&(Plan, CudaFunction, CudaFunction)> {
+        if let Some(k) = self.prepared.get() {
+            return Ok(k);
+        }
+        let plan = self.best_plan(gpu);
+        let defines = plan.defines();
+        let split = gpu.kernel(SOURCE, "vq_attend_split", &defines, plan.smem())?;
+        let merge = gpu.kernel(SOURCE, "vq_attend_merge", &defines, MAX_WINDOW * plan.d * 4)?;
+        Ok(self.prepared.get_or_init(|| (plan, split, merge)))
+    }
+
     /// Splits the split kernel uses for `batch` × `s` tokens: as few as keep each split within
     /// [`MAX_SPLIT`] positions (one table build per split), then as many as fill the waves those
     /// need (one block per multiprocessor: each takes most of its shared memory), at least 256
     /// positions each.
     pub fn splits(&self, gpu: &Gpu, batch: usize, s: usize) -> usize {
-        let heads = batch * self.keys.heads * (self.group() / self.best_plan(gpu).gb);
+        let gb = self.prepared.get().map_or_else(|| self.best_plan(gpu).gb, |k| k.0.gb);
+        let heads = batch * self.keys.heads * (self.group() / gb);
         let sms = gpu.multiprocessors() as usize;
         let fewest = s.div_ceil(MAX_SPLIT).max(1);
         let waves = (heads * fewest).div_ceil(sms);
@@ -132,51 +186,118 @@ impl GpuAttention {
         scratch: &mut AttentionScratch,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
+        let codes = Coded { keys: kcodes, values: vcodes, len: s, stride: s };
+        let window = Window { keys: window_k.as_view(), values: window_v.as_view(), rows: w, map: WindowMap::all(w) };
+        self.attend_cache(gpu, &q.as_view(), batch, &codes, &window, scale, scratch, out)
+    }
+
+    /// Decode attention of `q` (`[batch, q_heads, D]` f32) over a cache's codes and f16 rows, into
+    /// `out` (`[batch, q_heads, D]`). Two launches; one when nothing is coded yet.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_cache(
+        &self,
+        gpu: &Gpu,
+        q: &CudaView<f32>,
+        batch: usize,
+        codes: &Coded,
+        window: &Window,
+        scale: f32,
+        scratch: &mut AttentionScratch,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
         let (k, v) = (&self.keys, &self.values);
         if k.rotate != v.rotate {
             return Err(Error::Device("keys and values must both rotate or both not".into()));
         }
-        let d = k.head_dim;
-        let hkv = k.heads;
-        if w > MAX_WINDOW || s + w == 0 {
-            return Err(Error::Device(format!("attention over {s} codes and {w} window rows (window ≤ {MAX_WINDOW}, something to attend)")));
+        let (d, hkv, s, w) = (k.head_dim, k.heads, codes.len, window.rows);
+        if w > MAX_WINDOW || s + window.map.positions() == 0 || codes.stride < s {
+            return Err(Error::Device(format!(
+                "attention over {s} codes (stride {}) and {} of {w} window rows (window ≤ {MAX_WINDOW}, something to attend)",
+                codes.stride,
+                window.map.positions()
+            )));
         }
-        let nsplit = self.splits(gpu, batch, s.max(1));
+        let nsplit = if s == 0 { 0 } else { self.splits(gpu, batch, s) };
         if nsplit > MAX_MERGE {
             return Err(Error::Device(format!("{s} positions need {nsplit} splits, more than the {MAX_MERGE} the merge takes")));
         }
-        let split = s.div_ceil(nsplit).max(1);
+        let split = s.div_ceil(nsplit.max(1)).max(1);
         if scratch.part_ml.len() < batch * self.q_heads * nsplit * 2 || scratch.part_o.len() < batch * self.q_heads * nsplit * d {
             return Err(Error::Device(format!("attention scratch too small for {nsplit} splits")));
         }
+        let streams = batch * hkv;
         let sizes_ok = q.len() >= batch * self.q_heads * d
-            && kcodes.len() >= batch * hkv * s * k.subspaces()
-            && vcodes.len() >= batch * hkv * s * v.subspaces()
-            && window_k.len() >= batch * hkv * w * d
-            && window_v.len() >= batch * hkv * w * d
+            && codes.keys.len() >= streams * codes.stride * k.subspaces()
+            && codes.values.len() >= streams * codes.stride * v.subspaces()
+            && window.keys.len() >= streams * w * d
+            && window.values.len() >= streams * w * d
             && out.len() >= batch * self.q_heads * d;
         if !sizes_ok {
             return Err(Error::Shape("attention: a buffer is smaller than the shapes say".into()));
         }
-        let plan = self.best_plan(gpu);
-        let (gb, defines, smem) = (plan.gb, plan.defines(), plan.smem());
-        let split_fn = gpu.kernel(SOURCE, "vq_attend_split", &defines, smem)?;
-        let merge_fn = gpu.kernel(SOURCE, "vq_attend_merge", &defines, MAX_WINDOW * d * 4)?;
-        let g = (self.group() / gb) as u32;
-        let (s_i, split_i, nsplit_i, w_i) = (s as i32, split as i32, nsplit as i32, w as i32);
-        let cfg = LaunchConfig { grid_dim: (g, nsplit as u32, (batch * hkv) as u32), block_dim: (plan.threads, 1, 1), shared_mem_bytes: smem as u32 };
-        let mut l = gpu.stream().launch_builder(&split_fn);
-        l.arg(q).arg(kcodes).arg(vcodes).arg(&k.centroids).arg(&v.centroids).arg(&k.mean).arg(&k.scale);
-        l.arg(&mut scratch.part_o).arg(&mut scratch.part_ml).arg(&s_i).arg(&split_i).arg(&scale);
-        unsafe { l.launch(cfg) }.map_err(dev_err)?;
+        let (plan, split_fn, merge_fn) = self.kernels(gpu)?;
+        let (gb, smem) = (plan.gb, plan.smem());
+        if nsplit > 0 {
+            let g = (self.group() / gb) as u32;
+            let (s_i, stride, split_i) = (s as i32, codes.stride as i64, split as i32);
+            let cfg = LaunchConfig { grid_dim: (g, nsplit as u32, streams as u32), block_dim: (plan.threads, 1, 1), shared_mem_bytes: smem as u32 };
+            let mut l = gpu.stream().launch_builder(split_fn);
+            l.arg(q).arg(codes.keys).arg(codes.values).arg(&k.centroids).arg(&v.centroids).arg(&k.mean).arg(&k.scale);
+            l.arg(&mut scratch.part_o).arg(&mut scratch.part_ml).arg(&s_i).arg(&stride).arg(&split_i).arg(&scale);
+            unsafe { l.launch(cfg) }.map_err(dev_err)?;
+        }
+        let (nsplit_i, w_i) = (nsplit as i32, w as i32);
         let cfg = LaunchConfig { grid_dim: (self.q_heads as u32, batch as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: (2 * w * d * 2) as u32 };
-        let mut l = gpu.stream().launch_builder(&merge_fn);
-        l.arg(q).arg(&scratch.part_o).arg(&scratch.part_ml).arg(window_k).arg(window_v).arg(&v.mean).arg(&v.scale).arg(out);
-        l.arg(&nsplit_i).arg(&w_i).arg(&scale);
+        let mut l = gpu.stream().launch_builder(merge_fn);
+        l.arg(q).arg(&scratch.part_o).arg(&scratch.part_ml).arg(&window.keys).arg(&window.values).arg(&v.mean).arg(&v.scale).arg(out);
+        l.arg(&nsplit_i).arg(&w_i).arg(&window.map).arg(&scale);
         unsafe { l.launch(cfg) }.map_err(dev_err)?;
         Ok(())
     }
 }
+
+/// A cache's codes: `[streams, stride, subspaces]` bytes each (stream = sequence × kv head), the
+/// first `len` positions of every stream filled.
+pub struct Coded<'a> {
+    pub keys: &'a CudaSlice<u8>,
+    pub values: &'a CudaSlice<u8>,
+    pub len: usize,
+    pub stride: usize,
+}
+
+/// A cache's f16 rows: `[streams, rows, head_dim]` each, `map` says which rows hold positions.
+pub struct Window<'a> {
+    pub keys: CudaView<'a, u16>,
+    pub values: CudaView<'a, u16>,
+    pub rows: usize,
+    pub map: WindowMap,
+}
+
+/// Which f16 rows of a stream hold positions (mirrors `WindowMap` in `attention.cu`): rows
+/// `[0, n_sink)`, and ring rows `sink_cap + (ring_head + i) mod ring_cap` for `i < ring_len`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WindowMap {
+    pub n_sink: i32,
+    pub sink_cap: i32,
+    pub ring_head: i32,
+    pub ring_len: i32,
+    pub ring_cap: i32,
+}
+
+impl WindowMap {
+    /// All of `rows` rows hold positions.
+    pub fn all(rows: usize) -> Self {
+        Self { n_sink: rows as i32, sink_cap: rows as i32, ring_head: 0, ring_len: 0, ring_cap: 1 }
+    }
+    /// Positions held.
+    pub fn positions(&self) -> usize {
+        (self.n_sink + self.ring_len) as usize
+    }
+}
+
+// SAFETY: plain old data with the C layout the kernel declares.
+unsafe impl DeviceRepr for WindowMap {}
 
 /// Sizes and layout choices of the split kernel for one geometry, 8-bit codebooks (no GPU needed).
 #[derive(Clone, Copy, Debug)]

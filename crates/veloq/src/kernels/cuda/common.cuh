@@ -9,6 +9,12 @@ __device__ __forceinline__ float h2f(unsigned short h) {
     return f;
 }
 
+__device__ __forceinline__ unsigned short f2h(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
 // Packed f16 pairs in 32-bit words (PTX, no cuda_fp16.h): {lo, hi} from floats, d = a·b + c lane-wise,
 // and back to floats.
 __device__ __forceinline__ unsigned int pack_h2(float lo, float hi) {

@@ -4,10 +4,14 @@
 //! machine without a GPU gets an error, not a crash.
 
 mod attention;
+mod dense;
 mod quantize;
+mod window;
 
-pub use attention::{AttentionScratch, GpuAttention, DEFAULT_THREADS};
-pub use quantize::GpuCodec;
+pub use attention::{AttentionScratch, Coded, GpuAttention, Window, WindowMap, DEFAULT_THREADS, MAX_WINDOW};
+pub use dense::GpuDenseAttention;
+pub use quantize::{GpuCodec, RowMap};
+pub use window::{prepare_put, put_window, PutMap};
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -50,12 +54,47 @@ impl Gpu {
         let ctx = quietly(|| CudaContext::new(ordinal))
             .map_err(|_| Error::Device("the CUDA driver library (libcuda.so) could not be loaded".into()))?
             .map_err(dev_err)?;
+        Self::from_stream(ctx.default_stream())
+    }
+
+    /// The GPU of `stream`, launching on it (so kernels order with a framework's work there, e.g.
+    /// candle's CUDA device).
+    pub fn from_stream(stream: Arc<CudaStream>) -> Result<Self> {
+        let ctx = stream.context().clone();
         let (major, minor) = ctx.compute_capability().map_err(dev_err)?;
         let sms = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(dev_err)? as u32;
         let max_smem = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(dev_err)? as usize;
         let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
-        let stream = ctx.default_stream();
         Ok(Self { ctx, stream, arch, sms, max_smem, kernels: Mutex::new(HashMap::new()) })
+    }
+
+    /// Device memory of the default pool (where stream-ordered allocations such as candle's and
+    /// veloq's come from): bytes in use now and the most in use since the last
+    /// [`reset_peak_memory`](Self::reset_peak_memory), as the driver counts them.
+    pub fn pool_memory(&self) -> Result<PoolMemory> {
+        let pool = self.default_pool()?;
+        let get = |attr| -> Result<usize> {
+            let mut v: u64 = 0;
+            unsafe { cudarc::driver::sys::cuMemPoolGetAttribute(pool, attr, &mut v as *mut u64 as *mut _) }.result().map_err(dev_err)?;
+            Ok(v as usize)
+        };
+        use cudarc::driver::sys::CUmemPool_attribute::*;
+        Ok(PoolMemory { used: get(CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?, peak: get(CU_MEMPOOL_ATTR_USED_MEM_HIGH)? })
+    }
+
+    /// Restarts the pool's high-water mark from what is in use now.
+    pub fn reset_peak_memory(&self) -> Result<()> {
+        let pool = self.default_pool()?;
+        let mut zero: u64 = 0;
+        let attr = cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+        unsafe { cudarc::driver::sys::cuMemPoolSetAttribute(pool, attr, &mut zero as *mut u64 as *mut _) }.result().map_err(dev_err)
+    }
+
+    fn default_pool(&self) -> Result<cudarc::driver::sys::CUmemoryPool> {
+        self.ctx.bind_to_thread().map_err(dev_err)?;
+        let mut pool = std::ptr::null_mut();
+        unsafe { cudarc::driver::sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) }.result().map_err(dev_err)?;
+        Ok(pool)
     }
 
     /// Why there is no usable GPU, if there is none (for [`KernelChoice`](super::select::KernelChoice)).
@@ -101,10 +140,20 @@ impl Gpu {
     }
 }
 
+/// Stream-ordered device memory, in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolMemory {
+    pub used: usize,
+    pub peak: usize,
+}
+
 /// NVRTC compile check of every kernel source without a GPU (needs libnvrtc only).
 pub fn compile_check(arch: &'static str) -> Result<()> {
     let attention = attention::example_defines().into_iter().map(|d| ("vq_attend_split", attention::SOURCE, d));
-    for (name, src, defines) in std::iter::once(("vq_quantize", quantize::SOURCE, quantize::example_defines())).chain(attention) {
+    let window = std::iter::once(("vq_window_put", window::SOURCE, vec![("D", 128)]));
+    let dense = dense::example_defines().into_iter().map(|d| ("f16_attend_split", dense::SOURCE, d));
+    let all = std::iter::once(("vq_quantize", quantize::SOURCE, quantize::example_defines())).chain(attention).chain(window).chain(dense);
+    for (name, src, defines) in all {
         let header: String = defines.iter().map(|(k, v)| format!("#define {k} {v}\n")).collect();
         let opts = CompileOptions { arch: Some(arch), options: vec!["--std=c++17".into()], ..Default::default() };
         quietly(|| compile_ptx_with_opts(format!("{header}{COMMON}\n{src}"), opts))

@@ -1,4 +1,4 @@
-// Fused VecInfer quantize: f16 rows [n_rows, D] (row = token * HEADS + head) → centering,
+// Fused VecInfer quantize: f16 head vectors → centering,
 // smoothing, Hadamard, nearest-centroid search (‖c‖² − 2x·c, running argmin in registers, ties to
 // the lowest index), packed codes. One launch, no intermediate in device memory.
 //
@@ -9,10 +9,25 @@
 // every thread searches (row, sub-space) pairs two at a time against the codebook in shared
 // memory (all lanes read the same centroid at once: a broadcast, used for both). Phase C: groups of 8 codes are packed
 // into BITS bytes each (8 codes always end on a byte boundary).
+//
+// Rows: row r is vector t = r mod T of stream bh = r / T (kv head bh mod HEADS); it is read from
+// row bh·in_hs + (in_base + t)·in_ts of x and its codes go to row bh·out_hs + (out_base + t)·out_ts
+// of out (M·BITS/8 bytes per row). Token-major [tokens][HEADS] is hs = 1, ts = HEADS; a cache's
+// head-major [streams][capacity] is hs = capacity, ts = 1.
+struct RowMap {
+    int t;
+    long long in_hs;
+    int in_ts, in_base;
+    long long out_hs;
+    int out_ts, out_base;
+    __device__ size_t in_row(int r) const { return (size_t)(r / t) * in_hs + (size_t)(in_base + r % t) * in_ts; }
+    __device__ size_t out_row(int r) const { return (size_t)(r / t) * out_hs + (size_t)(out_base + r % t) * out_ts; }
+    __device__ int head(int r) const { return (r / t) % HEADS; }
+};
 
 extern "C" __global__ void __launch_bounds__(256) vq_quantize(
     const unsigned short* __restrict__ x, const float* __restrict__ mean, const float* __restrict__ inv_scale,
-    const float* __restrict__ books, const float* __restrict__ norms, unsigned char* __restrict__ out, int n_rows) {
+    const float* __restrict__ books, const float* __restrict__ norms, unsigned char* __restrict__ out, int n_rows, RowMap map) {
     extern __shared__ float smem[];
     float* cb = smem;                                   // [BOOKS][K][SD]
     float* nb = cb + BOOKS * K * SD;                    // [BOOKS][K]
@@ -25,12 +40,13 @@ extern "C" __global__ void __launch_bounds__(256) vq_quantize(
     for (int row0 = blockIdx.x * ROWS; row0 < n_rows; row0 += gridDim.x * ROWS) {
         const int rows = min(ROWS, n_rows - row0);
         for (int r = warp; r < rows; r += nwarps) {
-            const int row = row0 + r, head = row % HEADS;
+            const int row = row0 + r, head = map.head(row);
+            const size_t src = map.in_row(row);
             float v[D / 32];
 #pragma unroll
             for (int i = 0; i < D / 32; i++) {
                 const int e = i * 32 + lane;
-                float f = h2f(x[(size_t)row * D + e]);
+                float f = h2f(x[src * D + e]);
                 if (CENTER) f -= mean[head * D + e];
                 if (SMOOTH) f *= inv_scale[head * D + e];
                 v[i] = f;
@@ -83,8 +99,8 @@ extern "C" __global__ void __launch_bounds__(256) vq_quantize(
                 }
             }
             if (BITS == 8) {
-                out[(size_t)row0 * M + p0] = (unsigned char)bi0;
-                if (two) out[(size_t)row0 * M + p1] = (unsigned char)bi1;
+                out[map.out_row(row0 + p0 / M) * M + j0] = (unsigned char)bi0;
+                if (two) out[map.out_row(row0 + p1 / M) * M + j1] = (unsigned char)bi1;
             } else {
                 codes[p0] = (unsigned short)bi0;
                 if (two) codes[p1] = (unsigned short)bi1;
@@ -95,7 +111,7 @@ extern "C" __global__ void __launch_bounds__(256) vq_quantize(
             for (int g = threadIdx.x; g < rows * M / 8; g += blockDim.x) {
                 unsigned long long acc = 0;
                 int filled = 0;
-                size_t pos = ((size_t)row0 * M / 8 + g) * BITS;
+                size_t pos = map.out_row(row0 + g * 8 / M) * (M / 8 * BITS) + (g * 8 % M) / 8 * BITS;
 #pragma unroll
                 for (int i = 0; i < 8; i++) {
                     acc |= (unsigned long long)codes[g * 8 + i] << filled;

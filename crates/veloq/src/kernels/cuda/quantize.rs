@@ -1,6 +1,8 @@
 //! Host side of the fused quantize kernel (`quantize.cu`).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use std::sync::OnceLock;
+
+use cudarc::driver::{CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::{dev_err, Gpu};
 use crate::codec::codebook::Granularity;
@@ -26,16 +28,16 @@ pub struct GpuCodec {
     pub(super) inv_scale: CudaSlice<f32>,
     pub(super) centroids: CudaSlice<f32>,
     pub(super) norms: CudaSlice<f32>,
+    /// The compiled kernel, found once.
+    function: OnceLock<CudaFunction>,
 }
 
 impl GpuCodec {
     /// Uploads `codec`. The CUDA path takes power-of-two head_dim 32..=256 with at least 8
     /// sub-vectors per head.
     pub fn upload(gpu: &Gpu, codec: &VecInferCodec) -> Result<Self> {
+        Self::check(codec).map_err(Error::Device)?;
         let (d, shape) = (codec.head_dim(), codec.shape());
-        if !d.is_power_of_two() || !(32..=256).contains(&d) || (d / shape.sub_dim) % 8 != 0 {
-            return Err(Error::Device(format!("CUDA kernels take power-of-two head_dim 32..=256 with ≥ 8 sub-vectors; got {d}/{}", shape.sub_dim)));
-        }
         let s = gpu.stream();
         let up = |v: &[f32]| s.clone_htod(if v.is_empty() { &[0.0f32][..] } else { v }).map_err(dev_err);
         let mean = codec.mean().map(|m| m.to_vec()).unwrap_or_default();
@@ -57,7 +59,17 @@ impl GpuCodec {
             inv_scale: up(&inv)?,
             centroids: up(&centroids)?,
             norms: up(&norms)?,
+            function: OnceLock::new(),
         })
+    }
+
+    /// Whether the kernels take `codec` (no GPU needed): why not, if not.
+    pub fn check(codec: &VecInferCodec) -> std::result::Result<(), String> {
+        let (d, sd) = (codec.head_dim(), codec.shape().sub_dim);
+        if !d.is_power_of_two() || !(32..=256).contains(&d) || (d / sd) % 8 != 0 {
+            return Err(format!("CUDA kernels take power-of-two head_dim 32..=256 with ≥ 8 sub-vectors; got {d}/{sd}"));
+        }
+        Ok(())
     }
 
     pub(super) fn subspaces(&self) -> usize {
@@ -93,27 +105,88 @@ impl GpuCodec {
         (self.books * k * self.sub_dim + self.books * k + ROWS * self.head_dim) * 4 + ROWS * self.subspaces() * 2
     }
 
+    /// Compiles the kernel now (it is otherwise compiled at the first call).
+    pub fn prepare(&self, gpu: &Gpu) -> Result<()> {
+        self.function(gpu).map(|_| ())
+    }
+
+    fn function(&self, gpu: &Gpu) -> Result<&CudaFunction> {
+        if let Some(f) = self.function.get() {
+            return Ok(f);
+        }
+        let f = gpu.kernel(SOURCE, "vq_quantize", &self.defines(), self.smem())?;
+        Ok(self.function.get_or_init(|| f))
+    }
+
+    /// Bytes of the tables on the GPU (codebooks, norms, means, smoothing scales).
+    pub fn table_bytes(&self) -> usize {
+        4 * (self.centroids.len() + self.norms.len() + self.mean.len() + self.scale.len() + self.inv_scale.len())
+    }
+
+    /// Bytes of one head vector's codes.
+    pub fn row_bytes(&self) -> usize {
+        self.subspaces() * self.bits as usize / 8
+    }
+
     /// Encodes `rows` f16 head vectors (`x`: f16 bits, `[rows, head_dim]`, row = token·heads + head)
     /// into `out` ([`code_bytes`](Self::code_bytes)), byte-identical in layout to the CPU encoder.
     pub fn quantize(&self, gpu: &Gpu, x: &CudaSlice<u16>, rows: usize, out: &mut CudaSlice<u8>) -> Result<()> {
-        if x.len() < rows * self.head_dim || out.len() < self.code_bytes(rows) {
-            return Err(Error::Shape(format!("quantize: {rows} rows need {} inputs and {} output bytes", rows * self.head_dim, self.code_bytes(rows))));
+        if rows % self.heads != 0 {
+            return Err(Error::Shape(format!("quantize: {rows} rows are not whole tokens of {} heads", self.heads)));
         }
+        let tokens = rows / self.heads;
+        let map = RowMap { t: tokens as i32, in_hs: 1, in_ts: self.heads as i32, in_base: 0, out_hs: 1, out_ts: self.heads as i32, out_base: 0 };
+        self.quantize_mapped(gpu, &x.as_view(), self.heads, map, out)
+    }
+
+    /// Encodes `t` vectors of each of `streams` streams (a stream: one kv head of one sequence)
+    /// where `map` says: the layouts of `x` and `out` (see `quantize.cu`). One launch.
+    pub fn quantize_mapped(&self, gpu: &Gpu, x: &CudaView<u16>, streams: usize, map: RowMap, out: &mut CudaSlice<u8>) -> Result<()> {
+        let t = map.t.max(0) as usize;
+        let rows = streams * t;
         if rows == 0 {
             return Ok(());
         }
+        let last = |hs: i64, ts: i32, base: i32| (streams as i64 - 1) * hs + (base as i64 + t as i64 - 1) * ts as i64;
+        let (last_in, last_out) = (last(map.in_hs, map.in_ts, map.in_base), last(map.out_hs, map.out_ts, map.out_base));
+        let negative = map.in_hs < 0 || map.out_hs < 0 || map.in_ts < 0 || map.out_ts < 0 || map.in_base < 0 || map.out_base < 0;
+        if negative || (last_in as usize + 1) * self.head_dim > x.len() || (last_out as usize + 1) * self.row_bytes() > out.len() {
+            return Err(Error::Shape(format!(
+                "quantize: {streams}×{t} rows reach input row {last_in} and output row {last_out}; buffers hold {} and {}",
+                x.len() / self.head_dim,
+                out.len() / self.row_bytes()
+            )));
+        }
         let smem = self.smem();
-        let f = gpu.kernel(SOURCE, "vq_quantize", &self.defines(), smem)?;
+        let f = self.function(gpu)?;
         let tiles = rows.div_ceil(ROWS) as u32;
         let blocks = tiles.min(gpu.multiprocessors() * 8);
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: smem as u32 };
         let n = rows as i32;
-        let mut launch = gpu.stream().launch_builder(&f);
-        launch.arg(x).arg(&self.mean).arg(&self.inv_scale).arg(&self.centroids).arg(&self.norms).arg(out).arg(&n);
+        let mut launch = gpu.stream().launch_builder(f);
+        launch.arg(x).arg(&self.mean).arg(&self.inv_scale).arg(&self.centroids).arg(&self.norms).arg(out).arg(&n).arg(&map);
         unsafe { launch.launch(cfg) }.map_err(dev_err)?;
         Ok(())
     }
 }
+
+/// Where the quantize kernel reads and writes (mirrors `RowMap` in `quantize.cu`): vector `t` of
+/// stream `s` is input row `s·in_hs + (in_base + t)·in_ts`, output row `s·out_hs + (out_base + t)·out_ts`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowMap {
+    /// Vectors per stream.
+    pub t: i32,
+    pub in_hs: i64,
+    pub in_ts: i32,
+    pub in_base: i32,
+    pub out_hs: i64,
+    pub out_ts: i32,
+    pub out_base: i32,
+}
+
+// SAFETY: plain old data with the C layout the kernel declares.
+unsafe impl DeviceRepr for RowMap {}
 
 pub(super) fn example_defines() -> Vec<(&'static str, i64)> {
     [("D", 128), ("SD", 4), ("K", 256), ("BITS", 12), ("M", 32), ("BOOKS", 1), ("HEADS", 8), ("ROWS", 32), ("CENTER", 1), ("SMOOTH", 1), ("ROTATE", 1)].to_vec()

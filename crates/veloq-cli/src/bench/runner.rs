@@ -1,0 +1,460 @@
+//! `veloq bench runner`: the model runner on a CUDA device, fp16 cache vs VecInfer codes, what a
+//! user sees. In one run:
+//! 1. cache checks: the CUDA VecInfer cache against the CPU one on fresh random inputs (prefill,
+//!    then single tokens across flushes, batch 1 and 3), the device fp16 cache against the CPU one;
+//! 2. agreement: greedy SmolLM2 on the CPU and on CUDA (fp16 and VecInfer), and the CUDA logits
+//!    teacher-forced on the CPU's tokens;
+//! 3. decode tok/s, peak allocator memory and launches per layer-step at each context and batch,
+//!    on the real SmolLM2 and on a random-weight Llama-3.1-8B geometry. Caches are filled with
+//!    random keys and values (speed does not depend on their values), then the model decodes;
+//! 4. the longest context each cache fits in a fixed memory budget (allocated and measured).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor, D};
+use clap::Args as ClapArgs;
+use serde_json::{json, Value};
+
+use veloq::artifact::{Calibration, LayerCodecs};
+use veloq::calibrate::TextFingerprint;
+use veloq::codec::codebook::{Granularity, PqShape};
+use veloq::codec::vecinfer::CodecSpec;
+use veloq::kernels::cuda::Gpu;
+use veloq_candle::cache::{CudaRuntime, CudaVecInferCache, Fp16Cache, LayerCache, TensorCache, VecInferCache, WindowConfig};
+use veloq_candle::config::{resident_bytes, CacheConfig};
+use veloq_candle::generate::prompt_ids;
+use veloq_candle::model::{Geometry, Model};
+
+use super::cuda::{codec, Rng};
+use super::write_json;
+use crate::generate::{default_calibration, default_model, human};
+
+#[derive(ClapArgs)]
+pub struct Args {
+    /// The real model (GGUF); default SmolLM2 from scripts/fetch-data.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long)]
+    calibration: Option<PathBuf>,
+    /// Contexts (positions already cached when decoding starts).
+    #[arg(long, value_delimiter = ',', default_value = "1024,8192,32768,131072")]
+    contexts: Vec<usize>,
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    batches: Vec<usize>,
+    /// Timed decode steps per case (after 2 untimed).
+    #[arg(long, default_value_t = 16)]
+    steps: usize,
+    /// Memory budget for the longest-context search, GiB of KV cache (batch 1).
+    #[arg(long, default_value_t = 16.0)]
+    budget_gib: f64,
+    /// Greedy tokens compared between CPU and CUDA.
+    #[arg(long, default_value_t = 32)]
+    agree_tokens: usize,
+    #[arg(long, default_value = "Why is the sky blue? Answer in two sentences.")]
+    prompt: String,
+    /// Models to time: smollm2 (the real file) and/or llama8b (random weights, f16).
+    #[arg(long, value_delimiter = ',', default_value = "smollm2,llama8b")]
+    models: Vec<String>,
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Figure: decode tok/s against context, one line per method, a panel per model and batch.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Redraw the figure (--plot) from this JSON of an earlier run; measures nothing.
+    #[arg(long)]
+    replot: Option<PathBuf>,
+}
+
+/// Panels of the figure from the JSON rows: (model, batch) → method → (context, tok/s).
+fn figure(runs: &[Value]) -> crate::plot::Panels {
+    let mut panels = crate::plot::Panels::new();
+    for r in runs.iter().filter(|r| r["fits"].as_bool() == Some(true)) {
+        let model = r["model"].as_str().unwrap_or("?");
+        let title = format!("{}, batch {}", model.split(" (").next().unwrap_or(model), r["batch"]);
+        let method = r["method"].as_str().unwrap_or("?").to_string();
+        let point = (r["context"].as_f64().unwrap_or(0.0), r["tok_s"].as_f64().unwrap_or(0.0));
+        let pi = panels.iter().position(|p| p.0 == title).unwrap_or_else(|| {
+            panels.push((title, Vec::new()));
+            panels.len() - 1
+        });
+        let lines = &mut panels[pi].1;
+        match lines.iter_mut().find(|l| l.0 == method) {
+            Some(l) => l.1.push(point),
+            None => lines.push((method, vec![point])),
+        }
+    }
+    panels
+}
+
+fn plot(path: &std::path::Path, json: &Value) -> Result<()> {
+    let runs = json["runs"].as_array().cloned().unwrap_or_default();
+    crate::plot::decode_speed(path, json["device"].as_str().unwrap_or("GPU"), &figure(&runs))?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}
+
+fn sync(dev: &Device) -> Result<()> {
+    dev.synchronize()?;
+    Ok(())
+}
+
+fn max_rel(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let (a, b) = (a.to_device(&Device::Cpu)?.to_dtype(DType::F32)?, b.to_device(&Device::Cpu)?.to_dtype(DType::F32)?);
+    let num = (&a - &b)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+    let den = b.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+    Ok((num / den).sqrt())
+}
+
+fn randn(shape: &[usize], rng: &mut Rng) -> Result<Tensor> {
+    let d = *shape.last().unwrap_or(&1);
+    let n: usize = shape.iter().product();
+    Ok(Tensor::from_vec(rng.rows(n / d, d), shape, &Device::Cpu)?)
+}
+
+/// The CUDA VecInfer cache and the device fp16 cache against their CPU references on one geometry:
+/// worst relative error of the attention outputs over a prefill and 40 single-token steps.
+fn cache_checks(dev: &Device, rt: &Arc<CudaRuntime>, rng: &mut Rng, heads: usize, q_heads: usize, d: usize, batch: usize) -> Result<Value> {
+    let keys = codec(rng, heads, d, 4, 8, Granularity::PerLayer, true)?;
+    let values = codec(rng, heads, d, 4, 8, Granularity::PerLayer, false)?;
+    let cfg = WindowConfig::default();
+    let mut gpu_vq = CudaVecInferCache::new(rt.clone(), &keys, &values, q_heads, batch, 256, cfg)?;
+    let mut gpu_fp = TensorCache::new(batch, heads, d, 256, q_heads, dev)?;
+    let mut cpu_vq: Vec<VecInferCache> = (0..batch).map(|_| VecInferCache::new(Arc::new(keys.clone()), Arc::new(values.clone()), cfg)).collect::<veloq_candle::Result<_>>()?;
+    let mut cpu_fp: Vec<Fp16Cache> = (0..batch).map(|_| Fp16Cache::new(heads, d)).collect();
+    let (mut worst_vq, mut worst_fp) = (0.0f64, 0.0f64);
+    let scale = 1.0 / (d as f64).sqrt();
+    for (step, t) in std::iter::once(37).chain(std::iter::repeat(1).take(40)).enumerate() {
+        let (k, v, q) = (randn(&[batch, heads, t, d], rng)?, randn(&[batch, heads, t, d], rng)?, randn(&[batch, q_heads, t, d], rng)?);
+        let (kg, vg, qg) = (k.to_device(dev)?, v.to_device(dev)?, q.to_device(dev)?);
+        gpu_vq.append(&kg, &vg).with_context(|| format!("CUDA VecInfer append, step {step}"))?;
+        gpu_fp.append(&kg, &vg).with_context(|| format!("device fp16 append, step {step}"))?;
+        let ovq = gpu_vq.attend(&qg, scale).with_context(|| format!("CUDA VecInfer attend, step {step}"))?;
+        let ofp = gpu_fp.attend(&qg, scale).with_context(|| format!("device fp16 attend, step {step}"))?;
+        for s in 0..batch {
+            let (ks, vs, qs) = (k.narrow(0, s, 1)?, v.narrow(0, s, 1)?, q.narrow(0, s, 1)?);
+            cpu_vq[s].append(&ks, &vs)?;
+            cpu_fp[s].append(&ks, &vs)?;
+            let (rvq, rfp) = (cpu_vq[s].attend(&qs, scale)?, cpu_fp[s].attend(&qs, scale)?);
+            let e_vq = max_rel(&ovq.narrow(0, s, 1)?, &rvq)?;
+            let e_fp = max_rel(&ofp.narrow(0, s, 1)?, &rfp)?;
+            if !(e_vq.is_finite() && e_fp.is_finite()) {
+                anyhow::bail!("step {step}, sequence {s}: non-finite error");
+            }
+            worst_vq = worst_vq.max(e_vq);
+            worst_fp = worst_fp.max(e_fp);
+        }
+    }
+    let pass = worst_vq < 1e-2 && worst_fp < 1e-2 && gpu_vq.len() == cpu_vq[0].len();
+    println!(
+        "  kv heads {heads}, q heads {q_heads}, D {d}, batch {batch}: {} positions; VecInfer CUDA vs CPU rel. error {worst_vq:.2e}, fp16 device vs CPU {worst_fp:.2e} — {}",
+        gpu_vq.len(),
+        if pass { "ok" } else { "FAIL" }
+    );
+    Ok(json!({"kv_heads": heads, "q_heads": q_heads, "head_dim": d, "batch": batch, "positions": gpu_vq.len(),
+              "vecinfer_rel_err": worst_vq, "fp16_rel_err": worst_fp, "pass": pass}))
+}
+
+/// Greedy tokens and per-step logits on `model`; with `forced`, those tokens are fed instead of the
+/// model's own choices (teacher forcing).
+fn greedy(model: &Model, cfg: &CacheConfig, prompt: &[u32], n: usize, forced: Option<&[u32]>) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
+    let mut caches = cfg.build(model)?;
+    let mut logits = model.forward(prompt, &mut caches, false)?.squeeze(0)?;
+    let (mut tokens, mut all) = (Vec::new(), Vec::new());
+    for i in 0..n {
+        let l = logits.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
+        let best = argmax(&l);
+        all.push(l);
+        let next = forced.map_or(best, |f| f[i]);
+        tokens.push(best);
+        if i + 1 < n {
+            logits = model.forward(&[next], &mut caches, false)?.squeeze(0)?;
+        }
+    }
+    Ok((tokens, all))
+}
+
+fn argmax(x: &[f32]) -> u32 {
+    x.iter().enumerate().fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) }).0 as u32
+}
+
+/// Top-1 minus top-2 logit.
+fn margin(x: &[f32]) -> f32 {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &v in x {
+        if v > a {
+            (a, b) = (v, a);
+        } else if v > b {
+            b = v;
+        }
+    }
+    a - b
+}
+
+/// Greedy decoding on the CPU and on CUDA with the same cache method: where the free runs part,
+/// and, teacher-forced on the CPU's tokens, how far the CUDA logits are from the CPU's.
+fn agreement(cpu: &Model, gpu: &Model, cfg: &CacheConfig, prompt: &[u32], n: usize) -> Result<Value> {
+    let (cpu_tok, cpu_logits) = greedy(cpu, cfg, prompt, n, None)?;
+    let (gpu_tok, _) = greedy(gpu, cfg, prompt, n, None)?;
+    let (forced_tok, forced_logits) = greedy(gpu, cfg, prompt, n, Some(&cpu_tok))?;
+    let first_diff = cpu_tok.iter().zip(&gpu_tok).position(|(a, b)| a != b);
+    let top1 = cpu_tok.iter().zip(&forced_tok).filter(|(a, b)| a == b).count();
+    let max_dlogit = cpu_logits.iter().zip(&forced_logits).map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max)).fold(0.0f32, f32::max);
+    let at_diff = first_diff.map(|i| json!({"step": i, "cpu_token": cpu_tok[i], "cuda_token": gpu_tok[i], "cpu_top2_margin": margin(&cpu_logits[i]),
+        "max_abs_logit_diff_there": cpu_logits[i].iter().zip(&forced_logits[i]).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max)}));
+    println!(
+        "  {:<22} greedy tokens equal: {} of {n}{}; teacher-forced top-1 {top1}/{n}, max |Δlogit| {max_dlogit:.3}",
+        cfg.name(),
+        first_diff.unwrap_or(n),
+        first_diff.map_or(String::new(), |i| format!(" (first difference at token {i}: CPU top-2 margin there {:.3})", margin(&cpu_logits[i]))),
+    );
+    Ok(json!({"method": cfg.name(), "tokens": n, "equal_prefix": first_diff.unwrap_or(n), "first_difference": at_diff,
+              "teacher_forced_top1": top1, "max_abs_logit_diff": max_dlogit, "cpu_tokens": cpu_tok, "cuda_tokens": gpu_tok}))
+}
+
+fn is_oom(e: &dyn std::fmt::Display) -> bool {
+    let s = e.to_string();
+    s.contains("OUT_OF_MEMORY") || s.contains("out of memory")
+}
+
+/// Appends `ctx` random positions to every layer's cache (chunks of 4096, committed).
+fn fill(model: &Model, caches: &mut [Box<dyn LayerCache>], batch: usize, ctx: usize) -> Result<()> {
+    let id = &model.info.identity;
+    let mut done = 0;
+    while done < ctx {
+        let n = (ctx - done).min(4096);
+        let shape = (batch, id.n_kv_heads, n, id.head_dim);
+        let (k, v) = (Tensor::randn(0f32, 1.0, shape, model.device())?, Tensor::randn(0f32, 1.0, shape, model.device())?);
+        for c in caches.iter_mut() {
+            c.append(&k, &v)?;
+            c.commit()?;
+        }
+        done += n;
+    }
+    Ok(())
+}
+
+/// One greedy decode step for every sequence of the batch (the argmax comes back to the host, as
+/// in generation).
+fn step(model: &Model, caches: &mut [Box<dyn LayerCache>], tokens: &mut Vec<u32>) -> Result<()> {
+    let seqs: Vec<&[u32]> = tokens.iter().map(std::slice::from_ref).collect();
+    let logits = model.forward_batch(&seqs, caches, false)?;
+    *tokens = logits.squeeze(1)?.argmax(D::Minus1)?.to_dtype(DType::U32)?.to_vec1::<u32>()?;
+    Ok(())
+}
+
+/// Decode speed and memory of one method at one context and batch; `None` when it does not fit.
+fn case(model: &Model, cfg: &CacheConfig, batch: usize, ctx: usize, steps: usize, gpu: &Gpu) -> Result<Value> {
+    let dev = model.device();
+    sync(dev)?;
+    let used0 = gpu.pool_memory()?.used;
+    let cfg = CacheConfig { capacity: Some(ctx + steps + 8), ..cfg.clone() };
+    let run = || -> Result<(f64, usize, usize, usize)> {
+        let mut caches = cfg.build_batch(model, batch)?;
+        fill(model, &mut caches, batch, ctx)?;
+        sync(dev)?;
+        gpu.reset_peak_memory()?;
+        let mut tokens = vec![1u32; batch];
+        for _ in 0..2 {
+            step(model, &mut caches, &mut tokens)?;
+        }
+        let l0: usize = caches.iter().map(|c| c.launches()).sum();
+        sync(dev)?;
+        let start = Instant::now();
+        for _ in 0..steps {
+            step(model, &mut caches, &mut tokens)?;
+        }
+        sync(dev)?;
+        let secs = start.elapsed().as_secs_f64();
+        let launches = caches.iter().map(|c| c.launches()).sum::<usize>() - l0;
+        let peak = gpu.pool_memory()?.peak.saturating_sub(used0);
+        Ok((secs, launches, peak, resident_bytes(&caches)))
+    };
+    let r = run();
+    sync(dev)?;
+    let layers = model.info.identity.n_layers;
+    Ok(match r {
+        Ok((secs, launches, peak, resident)) => json!({
+            "fits": true, "tok_s": (batch * steps) as f64 / secs, "ms_per_step": secs * 1e3 / steps as f64,
+            "peak_bytes": peak, "resident_bytes": resident, "launches_per_layer_step": launches as f64 / (steps * layers) as f64}),
+        Err(e) if is_oom(&e) => json!({"fits": false, "error": e.to_string()}),
+        Err(e) => return Err(e),
+    })
+}
+
+/// Bytes the allocator hands out for caches of `capacity` positions (batch 1), measured.
+fn allocated(model: &Model, cfg: &CacheConfig, capacity: usize, gpu: &Gpu) -> Result<Option<usize>> {
+    sync(model.device())?;
+    let used0 = gpu.pool_memory()?.used;
+    let cfg = CacheConfig { capacity: Some(capacity), ..cfg.clone() };
+    match cfg.build_batch(model, 1) {
+        Ok(caches) => {
+            sync(model.device())?;
+            let bytes = gpu.pool_memory()?.used - used0;
+            drop(caches);
+            sync(model.device())?;
+            Ok(Some(bytes))
+        }
+        Err(e) if is_oom(&e) => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The longest context (a multiple of 1024) whose caches take at most `budget` bytes: bytes are
+/// affine in the capacity, measured at two capacities, then the answer and the next 1024 are
+/// allocated to confirm.
+fn longest_context(model: &Model, cfg: &CacheConfig, budget: usize, gpu: &Gpu) -> Result<Value> {
+    let (c0, c1) = (16 * 1024, 32 * 1024);
+    let (b0, b1) = (allocated(model, cfg, c0, gpu)?.context("16k positions do not fit")?, allocated(model, cfg, c1, gpu)?.context("32k positions do not fit")?);
+    let per_pos = (b1 - b0) as f64 / (c1 - c0) as f64;
+    let fixed = b0 as f64 - per_pos * c0 as f64;
+    let mut best = (((budget as f64 - fixed) / per_pos) as usize) / 1024 * 1024;
+    // Confirm: the answer fits, one more block does not (step down if the model was optimistic).
+    let mut at = allocated(model, cfg, best, gpu)?;
+    while best > 1024 && at.is_none_or_over(budget) {
+        best -= 1024;
+        at = allocated(model, cfg, best, gpu)?;
+    }
+    let next = allocated(model, cfg, best + 1024, gpu)?;
+    Ok(json!({"method": cfg.name(), "budget_bytes": budget, "bytes_per_position": per_pos, "fixed_bytes": fixed,
+              "longest_context": best, "bytes_at_longest": at, "bytes_at_next": next,
+              "next_exceeds": next.is_none_or_over(budget)}))
+}
+
+trait OverBudget {
+    fn is_none_or_over(&self, budget: usize) -> bool;
+}
+impl OverBudget for Option<usize> {
+    fn is_none_or_over(&self, budget: usize) -> bool {
+        self.map_or(true, |b| b > budget)
+    }
+}
+
+/// Random 2-bit VecInfer codebooks (sub_dim 4, 256 centroids, like the real calibration) for
+/// every layer of a synthetic model.
+fn synthetic_calibration(model: &Model, rng: &mut Rng) -> Result<Calibration> {
+    let id = model.info.identity.clone();
+    let keys = codec(rng, id.n_kv_heads, id.head_dim, 4, 8, Granularity::PerLayer, true)?;
+    let values = codec(rng, id.n_kv_heads, id.head_dim, 4, 8, Granularity::PerLayer, false)?;
+    let layer = || LayerCodecs { keys: keys.clone(), values: values.clone() };
+    let shape = PqShape::new(4, 8)?;
+    Ok(Calibration {
+        keys: CodecSpec::keys(shape),
+        values: CodecSpec::values(shape),
+        seed: rng.0,
+        calibration_tokens: 0,
+        text: TextFingerprint::default(),
+        layers: (0..id.n_layers).map(|_| layer()).collect(),
+        model: id,
+    })
+}
+
+pub fn run(a: Args) -> Result<()> {
+    if let Some(src) = &a.replot {
+        let json: Value = serde_json::from_str(&std::fs::read_to_string(src).with_context(|| src.display().to_string())?)?;
+        return plot(a.plot.as_deref().context("--replot needs --plot")?, &json);
+    }
+    let dev = crate::device::parse("cuda")?;
+    let Device::Cuda(cuda) = &dev else { unreachable!("parse gives a CUDA device for cuda") };
+    let gpu = Gpu::from_stream(cuda.cuda_stream())?;
+    let rt = CudaRuntime::new(&dev)?;
+    println!("{} ({} SMs)", gpu.name(), gpu.multiprocessors());
+    let mut rng = Rng(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos() as u64 | 1);
+
+    println!("\n1. cache checks (fresh random inputs; prefill of 37, then 40 single tokens across flushes)");
+    let mut checks = Vec::new();
+    for (h, hq, d, b) in [(8, 32, 128, 1), (3, 9, 64, 3), (4, 8, 256, 1)] {
+        checks.push(cache_checks(&dev, &rt, &mut rng, h, hq, d, b).with_context(|| format!("cache check {h}/{hq}/{d}/{b}"))?);
+    }
+
+    let model_path = a.model.clone().unwrap_or_else(default_model);
+    let max_ctx = a.contexts.iter().max().copied().unwrap_or(1024) + a.steps + 64;
+    let cal_path = a.calibration.clone().unwrap_or_else(|| default_calibration(&model_path));
+    let mut agree = Vec::new();
+    let mut runs = Vec::new();
+    let mut budget = Vec::new();
+    for name in &a.models {
+        let (model, cal, label) = match name.as_str() {
+            "smollm2" => {
+                let (gpu_model, tok) = Model::open_on(&model_path, max_ctx, &dev).with_context(|| model_path.display().to_string())?;
+                let cal = Calibration::load_for(&cal_path, &gpu_model.info.identity).with_context(|| cal_path.display().to_string())?;
+                println!("\n2. agreement, {}: greedy {} tokens, CPU vs CUDA", gpu_model.info.identity.name, a.agree_tokens);
+                let (cpu_model, _) = Model::open(&model_path, 4096)?;
+                let prompt = prompt_ids(&gpu_model, &tok, &a.prompt, true)?;
+                for cfg in [CacheConfig::fp16(), CacheConfig::vecinfer(cal.clone())] {
+                    agree.push(agreement(&cpu_model, &gpu_model, &cfg, &prompt, a.agree_tokens).with_context(|| format!("agreement, {}", cfg.name()))?);
+                }
+                (gpu_model, cal, "SmolLM2-135M (real weights)".to_string())
+            }
+            "llama8b" => {
+                let g = Geometry::LLAMA_3_1_8B;
+                let model = Model::synthetic("llama-3.1-8b-geometry-random", g, max_ctx, &dev, 7)?;
+                let cal = synthetic_calibration(&model, &mut rng)?;
+                (model, cal, format!("Llama-3.1-8B geometry, random f16 weights ({:.1} B parameters)", g.parameters() as f64 / 1e9))
+            }
+            other => anyhow::bail!("unknown model {other:?} (smollm2, llama8b)"),
+        };
+        let methods = [CacheConfig::fp16(), CacheConfig::vecinfer(cal)];
+        println!("\n3. decode, {label}: {} timed steps after 2, caches filled with random keys/values", a.steps);
+        println!("{:>5} {:>7} | {:>22} {:>9} {:>9} {:>12} {:>8} | {:>8} {:>9}", "batch", "context", "method", "tok/s", "ms/step", "peak alloc", "launch/L", "speed", "memory");
+        for &batch in &a.batches {
+            for &ctx in &a.contexts {
+                let mut base: Option<(f64, f64)> = None;
+                for (mi, m) in methods.iter().enumerate() {
+                    let r = case(&model, m, batch, ctx, a.steps, &gpu).with_context(|| format!("{} batch {batch} context {ctx}", m.name()))?;
+                    if r["fits"].as_bool() == Some(true) {
+                        let (tps, peak) = (r["tok_s"].as_f64().unwrap_or(0.0), r["peak_bytes"].as_f64().unwrap_or(0.0));
+                        let (speed, mem) = base.map_or((1.0, 1.0), |(bt, bp)| (tps / bt, peak / bp));
+                        if mi == 0 {
+                            base = Some((tps, peak));
+                        }
+                        println!(
+                            "{batch:>5} {ctx:>7} | {:>22} {tps:>9.1} {:>9.2} {:>12} {:>8.2} | {:>7.2}× {:>8.3}×",
+                            m.name(),
+                            r["ms_per_step"].as_f64().unwrap_or(0.0),
+                            human(peak as usize),
+                            r["launches_per_layer_step"].as_f64().unwrap_or(0.0),
+                            if base.is_some() && mi > 0 { speed } else { 1.0 },
+                            if base.is_some() && mi > 0 { mem } else { 1.0 }
+                        );
+                    } else {
+                        println!("{batch:>5} {ctx:>7} | {:>22} does not fit in GPU memory", m.name());
+                    }
+                    let mut row = r;
+                    row["model"] = json!(label);
+                    row["method"] = json!(m.name());
+                    row["batch"] = json!(batch);
+                    row["context"] = json!(ctx);
+                    runs.push(row);
+                }
+            }
+        }
+        let budget_bytes = (a.budget_gib * (1u64 << 30) as f64) as usize;
+        println!("\n4. longest context in {:.0} GiB of KV cache, {label}, batch 1 (allocated and measured)", a.budget_gib);
+        for m in &methods {
+            let r = longest_context(&model, m, budget_bytes, &gpu).with_context(|| format!("longest context, {}", m.name()))?;
+            println!(
+                "  {:>22}: {:>9} positions ({:.0} B/position measured; {} allocated there, the next 1024 {})",
+                m.name(),
+                r["longest_context"],
+                r["bytes_per_position"].as_f64().unwrap_or(0.0),
+                r["bytes_at_longest"].as_u64().map_or("?".into(), |b| human(b as usize)),
+                if r["next_exceeds"].as_bool() == Some(true) { "exceed it" } else { "fit too" }
+            );
+            let mut r = r;
+            r["model"] = json!(label);
+            budget.push(r);
+        }
+    }
+    let out = json!({"bench": "runner", "device": gpu.name(), "steps": a.steps, "checks": checks, "agreement": agree, "runs": runs, "budget": budget});
+    write_json(&a.json, &out)?;
+    if let Some(p) = &a.plot {
+        // The figure is a convenience: a missing font must not lose the measurements (--replot).
+        if let Err(e) = plot(p, &out) {
+            eprintln!("figure not drawn ({e:#}); redraw it with --replot");
+        }
+    }
+    Ok(())
+}

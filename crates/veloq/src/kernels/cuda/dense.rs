@@ -1,0 +1,124 @@
+//! Host side of `dense.cu`: decode attention over an f16 cache (flash-decoding: split over the
+//! sequence, then a merge). The baseline the code kernels are measured against end to end, built
+//! the same way so the comparison is kernel against kernel.
+
+use std::sync::OnceLock;
+
+use cudarc::driver::{CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+
+use super::attention::AttentionScratch;
+use super::{dev_err, Gpu};
+use crate::error::{Error, Result};
+
+pub(super) const SOURCE: &str = include_str!("dense.cu");
+const THREADS: u32 = 256;
+/// Most positions one split block scores (its weights sit in shared memory).
+const MAX_SPLIT: usize = 2048;
+/// Fewest positions per split.
+const MIN_SPLIT: usize = 128;
+
+/// Decode attention over f16 keys and values of one geometry.
+pub struct GpuDenseAttention {
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    /// Compiled split and merge kernels, found once.
+    prepared: OnceLock<(CudaFunction, CudaFunction)>,
+}
+
+impl GpuDenseAttention {
+    /// head_dim a multiple of 64 up to 512; q_heads a multiple of kv_heads.
+    pub fn new(q_heads: usize, kv_heads: usize, head_dim: usize) -> Result<Self> {
+        if head_dim % 64 != 0 || head_dim > 512 || kv_heads == 0 || q_heads % kv_heads != 0 {
+            return Err(Error::Device(format!("f16 decode attention takes head_dim a multiple of 64 up to 512 and grouped heads; got {q_heads}/{kv_heads}×{head_dim}")));
+        }
+        Ok(Self { q_heads, kv_heads, head_dim, prepared: OnceLock::new() })
+    }
+
+    fn group(&self) -> usize {
+        self.q_heads / self.kv_heads
+    }
+
+    /// Splits for `batch` × `s` positions: at least 4 blocks per multiprocessor where the sequence
+    /// allows (≥ 128 positions each), never more than 2048 positions per block.
+    pub fn splits(&self, gpu: &Gpu, batch: usize, s: usize) -> usize {
+        let streams = batch * self.kv_heads;
+        let want = (4 * gpu.multiprocessors() as usize).div_ceil(streams);
+        want.clamp(s.div_ceil(MAX_SPLIT).max(1), s.div_ceil(MIN_SPLIT).max(1))
+    }
+
+    /// Compiles the kernels now (they are otherwise compiled at the first call).
+    pub fn prepare(&self, gpu: &Gpu) -> Result<()> {
+        self.kernels(gpu).map(|_| ())
+    }
+
+    fn kernels(&self, gpu: &Gpu) -> Result<&(CudaFunction, CudaFunction)> {
+        if let Some(k) = self.prepared.get() {
+            return Ok(k);
+        }
+        let (g, d) = (self.group(), self.head_dim);
+        // Compiled for the largest shared memory a launch can ask for.
+        let smem = (g * MAX_SPLIT).max(THREADS as usize / (d / 8) * g * d) * 4;
+        let split = gpu.kernel(SOURCE, "f16_attend_split", &self.defines(), smem)?;
+        let merge = gpu.kernel(SOURCE, "f16_attend_merge", &self.defines(), 0)?;
+        Ok(self.prepared.get_or_init(|| (split, merge)))
+    }
+
+    fn defines(&self) -> Vec<(&'static str, i64)> {
+        vec![("D", self.head_dim as i64), ("G", self.group() as i64), ("HKV", self.kv_heads as i64), ("HQ", self.q_heads as i64), ("THREADS", THREADS as i64)]
+    }
+
+    /// `q` (`[batch, q_heads, D]` f32) over the first `s` positions of `k`/`v` (f16 bits,
+    /// `[batch·kv_heads, stride, D]`), into `out` (`[batch, q_heads, D]`). Two launches.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend(
+        &self,
+        gpu: &Gpu,
+        q: &CudaView<f32>,
+        k: &CudaView<u16>,
+        v: &CudaView<u16>,
+        batch: usize,
+        s: usize,
+        stride: usize,
+        scale: f32,
+        scratch: &mut AttentionScratch,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (d, g) = (self.head_dim, self.group());
+        let streams = batch * self.kv_heads;
+        if s == 0 || stride < s {
+            return Err(Error::Device(format!("f16 attention over {s} positions with stride {stride}")));
+        }
+        let nsplit = self.splits(gpu, batch, s);
+        let split = s.div_ceil(nsplit);
+        let parts = batch * self.q_heads * nsplit;
+        let ok = q.len() >= batch * self.q_heads * d
+            && k.len() >= streams * stride * d
+            && v.len() >= streams * stride * d
+            && out.len() >= batch * self.q_heads * d
+            && scratch.part_o.len() >= parts * d
+            && scratch.part_ml.len() >= parts * 2;
+        if !ok {
+            return Err(Error::Shape("f16 attention: a buffer is smaller than the shapes say".into()));
+        }
+        let ngrp = THREADS as usize / (d / 8);
+        let smem = (g * split).max(ngrp * g * d) * 4;
+        let (split_fn, merge_fn) = self.kernels(gpu)?;
+        let (s_i, stride_i, split_i) = (s as i32, stride as i64, split as i32);
+        let cfg = LaunchConfig { grid_dim: (nsplit as u32, streams as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: smem as u32 };
+        let mut l = gpu.stream().launch_builder(split_fn);
+        l.arg(q).arg(k).arg(v).arg(&mut scratch.part_o).arg(&mut scratch.part_ml).arg(&s_i).arg(&stride_i).arg(&split_i).arg(&scale);
+        unsafe { l.launch(cfg) }.map_err(dev_err)?;
+        let cfg = LaunchConfig { grid_dim: (self.q_heads as u32, batch as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: (nsplit * 4) as u32 };
+        let nsplit_i = nsplit as i32;
+        let mut l = gpu.stream().launch_builder(merge_fn);
+        l.arg(&scratch.part_o).arg(&scratch.part_ml).arg(out).arg(&nsplit_i);
+        unsafe { l.launch(cfg) }.map_err(dev_err)?;
+        Ok(())
+    }
+}
+
+/// Defines of a few geometries, for the NVRTC compile check.
+pub(super) fn example_defines() -> Vec<Vec<(&'static str, i64)>> {
+    [(32, 8, 128), (9, 3, 64), (8, 4, 256)].iter().map(|&(hq, hkv, d)| GpuDenseAttention::new(hq, hkv, d).expect("valid").defines()).collect()
+}
