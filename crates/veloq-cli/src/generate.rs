@@ -51,6 +51,11 @@ pub struct Args {
     /// (portable candle-ops path).
     #[arg(long, default_value = "auto")]
     pub kernels: String,
+    /// Dequantize the GGUF weights to f32 (candle's CANDLE_DEQUANTIZE_ALL): slower and larger, but
+    /// the same matmul arithmetic on every device, so greedy output on CUDA matches the CPU's
+    /// (candle's quantized CUDA and CPU matmuls round differently).
+    #[arg(long)]
+    pub dequantize: bool,
 }
 
 pub fn default_model() -> PathBuf {
@@ -64,6 +69,10 @@ pub fn default_calibration(model: &std::path::Path) -> PathBuf {
 
 pub fn run(a: Args) -> Result<()> {
     let model_path = a.model.clone().unwrap_or_else(default_model);
+    if a.dequantize {
+        // Read by candle when the weights are loaded, below; nothing else runs yet.
+        std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
+    }
     let device = crate::device::parse(&a.device)?;
     let kernels = KernelChoice::parse(&a.kernels)?;
     let (model, tok) = Model::open_on(&model_path, a.max_context, &device).with_context(|| format!("loading {}", model_path.display()))?;
@@ -91,16 +100,18 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         (veloq_candle::config::fp16_bytes(&model, a.max_context), format!("reserved for {} positions", a.max_context))
     };
+    let kv = if matches!(config.method, veloq_candle::config::Method::Fp16) {
+        format!("KV cache {} {what}", human(out.kv_resident_bytes))
+    } else {
+        format!("KV cache {} {what} vs {} for fp16 ({:.2}×)", human(out.kv_resident_bytes), human(fp16), fp16 as f64 / out.kv_resident_bytes.max(1) as f64)
+    };
     eprintln!(
-        "[{}] prompt {} tok, prefill {:.1} tok/s | generated {} tok, decode {:.1} tok/s | KV cache {} {what} vs {} for fp16 ({:.2}×)",
+        "[{}] prompt {} tok, prefill {:.1} tok/s | generated {} tok, decode {:.1} tok/s | {kv}",
         config.name(),
         out.prompt_tokens,
         out.prefill_tok_s(),
         out.tokens.len(),
         out.decode_tok_s(),
-        human(out.kv_resident_bytes),
-        human(fp16),
-        fp16 as f64 / out.kv_resident_bytes.max(1) as f64
     );
     Ok(())
 }

@@ -112,17 +112,17 @@ struct Codes {
 }
 
 impl Codes {
-    /// Codes `t` vectors per stream of `x` (keys) and `y` (values), f16 bits, whose row `i` of
-    /// stream `s` sits at `s·hs + base + i`, after the filled positions. Two launches.
-    #[allow(clippy::too_many_arguments)]
-    fn write(&mut self, attn: &GpuAttention, gpu: &Gpu, streams: usize, x: &CudaView<u16>, y: &CudaView<u16>, hs: usize, base: usize, t: usize) -> Result<usize> {
+    /// Codes the vectors `input` picks from `x` (keys) and `y` (values), f16 bits, after the
+    /// filled positions (its output fields are set here). Two launches.
+    fn write(&mut self, attn: &GpuAttention, gpu: &Gpu, streams: usize, x: &CudaView<u16>, y: &CudaView<u16>, input: RowMap) -> Result<usize> {
+        let t = input.t.max(0) as usize;
         if t == 0 {
             return Ok(0);
         }
         if self.len + t > self.capacity {
             return Err(Error::Config(format!("{} coded positions would exceed the capacity of {}", self.len + t, self.capacity)));
         }
-        let map = RowMap { t: t as i32, in_hs: hs as i64, in_ts: 1, in_base: base as i32, out_hs: self.capacity as i64, out_ts: 1, out_base: self.len as i32 };
+        let map = RowMap { out_hs: self.capacity as i64, out_ts: 1, out_base: self.len as i32, ..input };
         attn.keys.quantize_mapped(gpu, x, streams, map, &mut self.keys)?;
         attn.values.quantize_mapped(gpu, y, streams, map, &mut self.values)?;
         self.len += t;
@@ -253,15 +253,12 @@ impl CudaVecInferCache {
         Ok(())
     }
 
-    /// Codes the oldest `n` ring rows (at most two runs of slots, two launches each).
+    /// Codes the oldest `n` ring rows (two launches, wherever the ring wraps).
     fn code_ring(&mut self, n: usize) -> Result<()> {
-        let (cap, rows, sink, streams) = (self.ring_cap(), self.rows(), self.cfg.sink, self.streams());
-        let first = n.min(cap - self.ring_head);
-        for (slot, len) in [(self.ring_head, first), (0, n - first)] {
-            let plane = self.plane();
-            let (x, y) = (self.w.slice(..plane), self.w.slice(plane..));
-            self.launches += self.codes.write(&self.attn, self.rt.gpu(), streams, &x, &y, rows, sink + slot, len)?;
-        }
+        let (cap, rows, sink, streams, plane) = (self.ring_cap(), self.rows(), self.cfg.sink, self.streams(), self.plane());
+        let input = RowMap { in_wrap: cap as i32, in_off: sink as i32, ..RowMap::streams(n, rows, self.ring_head, 0, 0) };
+        let (x, y) = (self.w.slice(..plane), self.w.slice(plane..));
+        self.launches += self.codes.write(&self.attn, self.rt.gpu(), streams, &x, &y, input)?;
         self.ring_head = (self.ring_head + n) % cap;
         self.ring_len -= n;
         Ok(())
@@ -299,7 +296,7 @@ impl CudaVecInferCache {
             let streams = self.streams();
             let (codes, attn, gpu) = (&mut self.codes, &self.attn, self.rt.gpu());
             self.launches += with_view::<f16, _>(&k16, |kx| {
-                with_view::<f16, _>(&v16, |vx| codes.write(attn, gpu, streams, &as_bits(&kx), &as_bits(&vx), t, to_sink, from_new))
+                with_view::<f16, _>(&v16, |vx| codes.write(attn, gpu, streams, &as_bits(&kx), &as_bits(&vx), RowMap::streams(from_new, t, to_sink, 0, 0)))
             })?;
         }
         self.put(&k, &v, to_sink + from_new, rest - from_new)

@@ -44,8 +44,8 @@ pub struct Args {
     contexts: Vec<usize>,
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
     batches: Vec<usize>,
-    /// Timed decode steps per case (after 2 untimed).
-    #[arg(long, default_value_t = 16)]
+    /// Timed decode steps per case (after 4 untimed); the median step is reported.
+    #[arg(long, default_value_t = 24)]
     steps: usize,
     /// Memory budget for the longest-context search, GiB of KV cache (batch 1).
     #[arg(long, default_value_t = 16.0)]
@@ -245,43 +245,78 @@ fn step(model: &Model, caches: &mut [Box<dyn LayerCache>], tokens: &mut Vec<u32>
     Ok(())
 }
 
-/// Decode speed and memory of one method at one context and batch; `None` when it does not fit.
-fn case(model: &Model, cfg: &CacheConfig, batch: usize, ctx: usize, steps: usize, gpu: &Gpu) -> Result<Value> {
+/// Untimed decode steps before timing (host clocks and caches settle).
+const WARMUP: usize = 4;
+
+/// The methods at one context and batch: for each, the allocator's peak over decode steps with
+/// only its caches built; then the decode speed of all that fit with their caches side by side,
+/// steps interleaved (method A, method B, A, B, …) so that both see the same host: the steps are
+/// bound by launch overhead, and the host's speed drifts by tens of percent over a run.
+fn cases(model: &Model, methods: &[CacheConfig], batch: usize, ctx: usize, steps: usize, gpu: &Gpu) -> Result<Vec<Value>> {
     let dev = model.device();
-    sync(dev)?;
-    let used0 = gpu.pool_memory()?.used;
-    let cfg = CacheConfig { capacity: Some(ctx + steps + 8), ..cfg.clone() };
-    let run = || -> Result<(f64, usize, usize, usize)> {
+    let sized: Vec<CacheConfig> = methods.iter().map(|m| CacheConfig { capacity: Some(ctx + steps + WARMUP + 8), ..m.clone() }).collect();
+    let build = |cfg: &CacheConfig| -> Result<Vec<Box<dyn LayerCache>>> {
         let mut caches = cfg.build_batch(model, batch)?;
         fill(model, &mut caches, batch, ctx)?;
-        sync(dev)?;
-        gpu.reset_peak_memory()?;
-        let mut tokens = vec![1u32; batch];
-        for _ in 0..2 {
-            step(model, &mut caches, &mut tokens)?;
-        }
-        let l0: usize = caches.iter().map(|c| c.launches()).sum();
-        sync(dev)?;
-        let start = Instant::now();
-        for _ in 0..steps {
-            step(model, &mut caches, &mut tokens)?;
-        }
-        sync(dev)?;
-        let secs = start.elapsed().as_secs_f64();
-        let launches = caches.iter().map(|c| c.launches()).sum::<usize>() - l0;
-        let peak = gpu.pool_memory()?.peak.saturating_sub(used0);
-        Ok((secs, launches, peak, resident_bytes(&caches)))
+        Ok(caches)
     };
-    let r = run();
+    // Memory, one method at a time.
+    let mut rows = Vec::new();
+    for cfg in &sized {
+        sync(dev)?;
+        let used0 = gpu.pool_memory()?.used;
+        let measured = (|| -> Result<(usize, usize)> {
+            let mut caches = build(cfg)?;
+            sync(dev)?;
+            gpu.reset_peak_memory()?;
+            let mut tokens = vec![1u32; batch];
+            for _ in 0..WARMUP {
+                step(model, &mut caches, &mut tokens)?;
+            }
+            sync(dev)?;
+            Ok((gpu.pool_memory()?.peak.saturating_sub(used0), resident_bytes(&caches)))
+        })();
+        sync(dev)?;
+        rows.push(match measured {
+            Ok((peak, resident)) => json!({"fits": true, "peak_bytes": peak, "resident_bytes": resident}),
+            Err(e) if is_oom(&e) => json!({"fits": false, "error": e.to_string()}),
+            Err(e) => return Err(e),
+        });
+    }
+    // Speed, the methods that fit, interleaved.
+    let fit: Vec<usize> = (0..sized.len()).filter(|&i| rows[i]["fits"].as_bool() == Some(true)).collect();
+    let mut caches = fit.iter().map(|&i| build(&sized[i])).collect::<Result<Vec<_>>>()?;
+    let mut tokens = vec![vec![1u32; batch]; fit.len()];
+    for _ in 0..WARMUP {
+        for (c, t) in caches.iter_mut().zip(tokens.iter_mut()) {
+            step(model, c, t)?;
+        }
+    }
     sync(dev)?;
+    let l0: Vec<usize> = caches.iter().map(|c| c.iter().map(|l| l.launches()).sum()).collect();
+    let mut times = vec![Vec::with_capacity(steps); fit.len()];
+    for _ in 0..steps {
+        for ((c, t), times) in caches.iter_mut().zip(tokens.iter_mut()).zip(times.iter_mut()) {
+            // Each step ends on the host (the argmax comes back): steps time one by one.
+            let start = Instant::now();
+            step(model, c, t)?;
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
     let layers = model.info.identity.n_layers;
-    Ok(match r {
-        Ok((secs, launches, peak, resident)) => json!({
-            "fits": true, "tok_s": (batch * steps) as f64 / secs, "ms_per_step": secs * 1e3 / steps as f64,
-            "peak_bytes": peak, "resident_bytes": resident, "launches_per_layer_step": launches as f64 / (steps * layers) as f64}),
-        Err(e) if is_oom(&e) => json!({"fits": false, "error": e.to_string()}),
-        Err(e) => return Err(e),
-    })
+    for (k, &i) in fit.iter().enumerate() {
+        times[k].sort_by(f64::total_cmp);
+        let median = times[k][steps / 2];
+        let launches = caches[k].iter().map(|l| l.launches()).sum::<usize>() - l0[k];
+        let row = &mut rows[i];
+        row["tok_s"] = json!(batch as f64 / median);
+        row["ms_per_step"] = json!(median * 1e3);
+        row["ms_per_step_min_max"] = json!([times[k][0] * 1e3, times[k][steps - 1] * 1e3]);
+        row["launches_per_layer_step"] = json!(launches as f64 / (steps * layers) as f64);
+    }
+    drop(caches);
+    sync(dev)?;
+    Ok(rows)
 }
 
 /// Bytes the allocator hands out for caches of `capacity` positions (batch 1), measured.
@@ -397,32 +432,28 @@ pub fn run(a: Args) -> Result<()> {
             other => anyhow::bail!("unknown model {other:?} (smollm2, llama8b)"),
         };
         let methods = [CacheConfig::fp16(), CacheConfig::vecinfer(cal)];
-        println!("\n3. decode, {label}: {} timed steps after 2, caches filled with random keys/values", a.steps);
+        println!("\n3. decode, {label}: median of {} steps after {WARMUP}, methods interleaved step by step, caches filled with random keys/values", a.steps);
         println!("{:>5} {:>7} | {:>22} {:>9} {:>9} {:>12} {:>8} | {:>8} {:>9}", "batch", "context", "method", "tok/s", "ms/step", "peak alloc", "launch/L", "speed", "memory");
         for &batch in &a.batches {
             for &ctx in &a.contexts {
-                let mut base: Option<(f64, f64)> = None;
-                for (mi, m) in methods.iter().enumerate() {
-                    let r = case(&model, m, batch, ctx, a.steps, &gpu).with_context(|| format!("{} batch {batch} context {ctx}", m.name()))?;
-                    if r["fits"].as_bool() == Some(true) {
-                        let (tps, peak) = (r["tok_s"].as_f64().unwrap_or(0.0), r["peak_bytes"].as_f64().unwrap_or(0.0));
-                        let (speed, mem) = base.map_or((1.0, 1.0), |(bt, bp)| (tps / bt, peak / bp));
-                        if mi == 0 {
-                            base = Some((tps, peak));
+                let rows = cases(&model, &methods, batch, ctx, a.steps, &gpu).with_context(|| format!("batch {batch} context {ctx}"))?;
+                let base = rows[0]["tok_s"].as_f64().zip(rows[0]["peak_bytes"].as_f64());
+                for (m, mut row) in methods.iter().zip(rows) {
+                    match (row["tok_s"].as_f64(), row["peak_bytes"].as_f64()) {
+                        (Some(tps), Some(peak)) => {
+                            let vs = |x: Option<f64>, w: usize, p: usize| x.map_or(format!("{:>w$}", "n/a"), |r| format!("{r:>w$.p$}×"));
+                            println!(
+                                "{batch:>5} {ctx:>7} | {:>22} {tps:>9.1} {:>9.2} {:>12} {:>8.2} | {:>8} {:>9}",
+                                m.name(),
+                                row["ms_per_step"].as_f64().unwrap_or(0.0),
+                                human(peak as usize),
+                                row["launches_per_layer_step"].as_f64().unwrap_or(0.0),
+                                vs(base.map(|(bt, _)| tps / bt), 7, 2),
+                                vs(base.map(|(_, bp)| peak / bp), 8, 3)
+                            );
                         }
-                        println!(
-                            "{batch:>5} {ctx:>7} | {:>22} {tps:>9.1} {:>9.2} {:>12} {:>8.2} | {:>7.2}× {:>8.3}×",
-                            m.name(),
-                            r["ms_per_step"].as_f64().unwrap_or(0.0),
-                            human(peak as usize),
-                            r["launches_per_layer_step"].as_f64().unwrap_or(0.0),
-                            if base.is_some() && mi > 0 { speed } else { 1.0 },
-                            if base.is_some() && mi > 0 { mem } else { 1.0 }
-                        );
-                    } else {
-                        println!("{batch:>5} {ctx:>7} | {:>22} does not fit in GPU memory", m.name());
+                        _ => println!("{batch:>5} {ctx:>7} | {:>22} does not fit in GPU memory", m.name()),
                     }
-                    let mut row = r;
                     row["model"] = json!(label);
                     row["method"] = json!(m.name());
                     row["batch"] = json!(batch);

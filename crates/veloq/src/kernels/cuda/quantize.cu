@@ -13,14 +13,19 @@
 // Rows: row r is vector t = r mod T of stream bh = r / T (kv head bh mod HEADS); it is read from
 // row bh·in_hs + (in_base + t)·in_ts of x and its codes go to row bh·out_hs + (out_base + t)·out_ts
 // of out (M·BITS/8 bytes per row). Token-major [tokens][HEADS] is hs = 1, ts = HEADS; a cache's
-// head-major [streams][capacity] is hs = capacity, ts = 1.
+// head-major [streams][capacity] is hs = capacity, ts = 1. With in_wrap > 0 the input is a ring:
+// row in_off + (in_base + t) mod in_wrap of the stream.
 struct RowMap {
     int t;
     long long in_hs;
     int in_ts, in_base;
     long long out_hs;
     int out_ts, out_base;
-    __device__ size_t in_row(int r) const { return (size_t)(r / t) * in_hs + (size_t)(in_base + r % t) * in_ts; }
+    int in_wrap, in_off;
+    __device__ size_t in_row(int r) const {
+        const int i = in_wrap > 0 ? in_off + (in_base + r % t) % in_wrap : in_base + r % t;
+        return (size_t)(r / t) * in_hs + (size_t)i * in_ts;
+    }
     __device__ size_t out_row(int r) const { return (size_t)(r / t) * out_hs + (size_t)(out_base + r % t) * out_ts; }
     __device__ int head(int r) const { return (r / t) % HEADS; }
 };

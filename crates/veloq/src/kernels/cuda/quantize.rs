@@ -135,7 +135,7 @@ impl GpuCodec {
             return Err(Error::Shape(format!("quantize: {rows} rows are not whole tokens of {} heads", self.heads)));
         }
         let tokens = rows / self.heads;
-        let map = RowMap { t: tokens as i32, in_hs: 1, in_ts: self.heads as i32, in_base: 0, out_hs: 1, out_ts: self.heads as i32, out_base: 0 };
+        let map = RowMap { t: tokens as i32, in_hs: 1, in_ts: self.heads as i32, in_base: 0, out_hs: 1, out_ts: self.heads as i32, out_base: 0, in_wrap: 0, in_off: 0 };
         self.quantize_mapped(gpu, &x.as_view(), self.heads, map, out)
     }
 
@@ -148,8 +148,9 @@ impl GpuCodec {
             return Ok(());
         }
         let last = |hs: i64, ts: i32, base: i32| (streams as i64 - 1) * hs + (base as i64 + t as i64 - 1) * ts as i64;
-        let (last_in, last_out) = (last(map.in_hs, map.in_ts, map.in_base), last(map.out_hs, map.out_ts, map.out_base));
-        let negative = map.in_hs < 0 || map.out_hs < 0 || map.in_ts < 0 || map.out_ts < 0 || map.in_base < 0 || map.out_base < 0;
+        let last_in = if map.in_wrap > 0 { last(map.in_hs, map.in_ts, map.in_off + map.in_wrap - t as i32) } else { last(map.in_hs, map.in_ts, map.in_base) };
+        let last_out = last(map.out_hs, map.out_ts, map.out_base);
+        let negative = map.in_hs < 0 || map.out_hs < 0 || map.in_ts < 0 || map.out_ts < 0 || map.in_base < 0 || map.out_base < 0 || map.in_wrap < 0 || map.in_off < 0;
         if negative || (last_in as usize + 1) * self.head_dim > x.len() || (last_out as usize + 1) * self.row_bytes() > out.len() {
             return Err(Error::Shape(format!(
                 "quantize: {streams}×{t} rows reach input row {last_in} and output row {last_out}; buffers hold {} and {}",
@@ -183,6 +184,18 @@ pub struct RowMap {
     pub out_hs: i64,
     pub out_ts: i32,
     pub out_base: i32,
+    /// When positive, the input is a ring of this many rows starting at row `in_off` of each
+    /// stream: vector `t` is row `in_off + (in_base + t) mod in_wrap`.
+    pub in_wrap: i32,
+    pub in_off: i32,
+}
+
+impl RowMap {
+    /// `t` vectors per stream from rows `in_base..` of `[streams, in_hs]` rows to rows
+    /// `out_base..` of `[streams, out_hs]` rows (both head-major).
+    pub fn streams(t: usize, in_hs: usize, in_base: usize, out_hs: usize, out_base: usize) -> Self {
+        Self { t: t as i32, in_hs: in_hs as i64, in_ts: 1, in_base: in_base as i32, out_hs: out_hs as i64, out_ts: 1, out_base: out_base as i32, in_wrap: 0, in_off: 0 }
+    }
 }
 
 // SAFETY: plain old data with the C layout the kernel declares.
