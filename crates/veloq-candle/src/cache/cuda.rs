@@ -1,12 +1,13 @@
-//! The VecInfer cache on a CUDA device (feature `cuda`): codes, sink and window live in GPU
-//! memory and veloq's fused kernels do the work on candle's stream, so they order with the
-//! model's own launches.
+//! veloq's CUDA kernels behind the candle caches (feature `cuda`): the per-device runtime, the
+//! VecInfer cache ([`CudaVecInferCache`]) and the fp16 cache's CUDA path (`DenseKernels`, used by
+//! [`TensorCache`](super::TensorCache)). Codes, sink and window live in GPU memory and the kernels
+//! run on candle's stream, so they order with the model's own launches.
 //!
 //! Layout per stream (one kv head of one sequence): codes `[capacity, subspaces]` bytes for keys
 //! and for values; f16 rows `[sink + ring, head_dim]`, where the first `sink` rows keep the first
 //! positions for good and the ring holds the recent ones (attention does not care about order).
-//! A decode step is 2–3 launches: the new row into the ring, then the split and merge attention
-//! kernels over codes + f16 rows. When the ring reaches `window + flush_block` rows after
+//! A decode step is 3 launches: the new row into the ring, then the split and merge attention
+//! kernels over codes + f16 rows (the split is skipped while nothing is coded). When the ring reaches `window + flush_block` rows after
 //! attending, its oldest `flush_block` rows are quantized in place (one launch for keys, one for
 //! values), so quantizing costs 2 launches every `flush_block` steps. Prefill attends exactly and
 //! quantizes all but the window straight from the prompt's keys and values.
