@@ -25,7 +25,7 @@ use cudarc::driver::{CudaSlice, CudaView};
 use half::f16;
 
 use veloq::codec::vecinfer::VecInferCodec;
-use veloq::kernels::cuda::{prepare_put, put_window, AttentionScratch, Coded, Gpu, GpuAttention, GpuCodec, GpuDenseAttention, PutMap, RowMap, Window, WindowMap, MAX_WINDOW};
+use veloq::kernels::cuda::{AttentionScratch, Coded, Gpu, GpuAttention, GpuCodec, GpuDenseAttention, PutMap, PutRows, RowMap, Window, WindowMap, MAX_WINDOW};
 
 use super::store::WindowConfig;
 use super::tensor::attend_tensors;
@@ -134,6 +134,7 @@ impl Codes {
 pub struct CudaVecInferCache {
     rt: Arc<CudaRuntime>,
     attn: GpuAttention,
+    put: PutRows,
     cfg: WindowConfig,
     batch: usize,
     n_kv: usize,
@@ -175,7 +176,7 @@ impl CudaVecInferCache {
         attn.prepare(gpu)?;
         attn.keys.prepare(gpu)?;
         attn.values.prepare(gpu)?;
-        prepare_put(gpu, head_dim)?;
+        let put = PutRows::new(gpu, head_dim)?;
         let streams = batch * n_kv;
         let alloc8 = |n: usize| gpu.stream().alloc_zeros::<u8>(n.max(1)).map_err(dev);
         let alloc16 = |n: usize| gpu.stream().alloc_zeros::<u16>(n).map_err(dev);
@@ -190,6 +191,7 @@ impl CudaVecInferCache {
             w: alloc16(2 * streams * rows * head_dim)?,
             rt,
             attn,
+            put,
             cfg,
             batch,
             n_kv,
@@ -245,9 +247,9 @@ impl CudaVecInferCache {
             ring0: ((self.ring_head + self.ring_len) % self.ring_cap()) as i32,
             ring_cap: self.ring_cap() as i32,
         };
-        let (streams, d, rows) = (self.streams(), self.head_dim, self.rows());
-        let (gpu, w) = (self.rt.gpu(), &mut self.w);
-        with_view::<f32, _>(k, |kv| with_view::<f32, _>(v, |vv| Ok(put_window(gpu, &kv, &vv, streams, d, &mut w.as_view_mut(), rows, map)?)))?;
+        let (streams, rows) = (self.streams(), self.rows());
+        let (gpu, put, w) = (self.rt.gpu(), &self.put, &mut self.w);
+        with_view::<f32, _>(k, |kv| with_view::<f32, _>(v, |vv| Ok(put.launch(gpu, &kv, &vv, streams, &mut w.as_view_mut(), rows, map)?)))?;
         self.n_sink += to_sink;
         self.ring_len += t - to_sink;
         self.launches += 1;
@@ -441,6 +443,7 @@ impl LayerCache for CudaVecInferCache {
 pub(crate) struct DenseKernels {
     rt: Arc<CudaRuntime>,
     attn: GpuDenseAttention,
+    put: PutRows,
 }
 
 impl DenseKernels {
@@ -450,17 +453,17 @@ impl DenseKernels {
         let rt = CudaRuntime::new(device)?;
         let attn = GpuDenseAttention::new(q_heads, n_kv, head_dim)?;
         attn.prepare(rt.gpu())?;
-        prepare_put(rt.gpu(), head_dim)?;
-        Ok(Some(Self { rt, attn }))
+        let put = PutRows::new(rt.gpu(), head_dim)?;
+        Ok(Some(Self { rt, attn, put }))
     }
 
     /// Writes `k`/`v` (`[B, h, T, D]`) at positions `len..len + T` of `kv` (`[2, B, h, cap, D]` f16).
     pub(crate) fn append(&self, kv: &Tensor, k: &Tensor, v: &Tensor, len: usize) -> Result<()> {
-        let (_, b, h, cap, d) = kv.dims5()?;
+        let (_, b, h, cap, _) = kv.dims5()?;
         let t = k.dim(2)?;
         let (k, v) = (k.to_dtype(DType::F32)?.contiguous()?, v.to_dtype(DType::F32)?.contiguous()?);
         let map = PutMap { t: t as i32, src_t: t as i32, src0: 0, n_sink: 0, sink0: 0, sink_cap: 0, ring0: len as i32, ring_cap: cap as i32 };
-        kv.inplace_op1(&PutOp { gpu: self.rt.gpu(), k: &k, v: &v, streams: b * h, head_dim: d, rows: cap, map })?;
+        kv.inplace_op1(&PutOp { gpu: self.rt.gpu(), put: &self.put, k: &k, v: &v, streams: b * h, rows: cap, map })?;
         Ok(())
     }
 
@@ -489,10 +492,10 @@ impl DenseKernels {
 /// in-place ops).
 struct PutOp<'a> {
     gpu: &'a Gpu,
+    put: &'a PutRows,
     k: &'a Tensor,
     v: &'a Tensor,
     streams: usize,
-    head_dim: usize,
     rows: usize,
     map: PutMap,
 }
@@ -513,8 +516,8 @@ impl candle_core::InplaceOp1 for PutOp<'_> {
         let mut dst = storage.as_cuda_slice_mut::<f16>()?.slice_mut(start..end);
         // SAFETY: f16 and u16 have the same size and alignment; the kernel writes f16 bits.
         let mut bits = unsafe { dst.transmute_mut::<u16>(end - start) }.expect("same size");
-        let (s, d, rows, map) = (self.streams, self.head_dim, self.rows, self.map);
-        let r = with_view::<f32, _>(self.k, |k| with_view::<f32, _>(self.v, |v| Ok(put_window(self.gpu, &k, &v, s, d, &mut bits, rows, map)?)));
+        let (s, rows, map) = (self.streams, self.rows, self.map);
+        let r = with_view::<f32, _>(self.k, |k| with_view::<f32, _>(self.v, |v| Ok(self.put.launch(self.gpu, &k, &v, s, &mut bits, rows, map)?)));
         r.map_err(candle_core::Error::wrap)
     }
 }

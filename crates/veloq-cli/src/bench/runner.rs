@@ -348,23 +348,19 @@ fn longest_context(model: &Model, cfg: &CacheConfig, budget: usize, gpu: &Gpu) -
     let mut best = (((budget as f64 - fixed) / per_pos) as usize) / 1024 * 1024;
     // Confirm: the answer fits, one more block does not (step down if the model was optimistic).
     let mut at = allocated(model, cfg, best, gpu)?;
-    while best > 1024 && at.is_none_or_over(budget) {
+    while best > 1024 && over(at, budget) {
         best -= 1024;
         at = allocated(model, cfg, best, gpu)?;
     }
     let next = allocated(model, cfg, best + 1024, gpu)?;
     Ok(json!({"method": cfg.name(), "budget_bytes": budget, "bytes_per_position": per_pos, "fixed_bytes": fixed,
               "longest_context": best, "bytes_at_longest": at, "bytes_at_next": next,
-              "next_exceeds": next.is_none_or_over(budget)}))
+              "next_exceeds": over(next, budget)}))
 }
 
-trait OverBudget {
-    fn is_none_or_over(&self, budget: usize) -> bool;
-}
-impl OverBudget for Option<usize> {
-    fn is_none_or_over(&self, budget: usize) -> bool {
-        self.map_or(true, |b| b > budget)
-    }
+/// Whether an allocation failed or took more than `budget` bytes.
+fn over(bytes: Option<usize>, budget: usize) -> bool {
+    bytes.map_or(true, |b| b > budget)
 }
 
 /// Random 2-bit VecInfer codebooks (sub_dim 4, 256 centroids, like the real calibration) for

@@ -11,7 +11,7 @@ mod window;
 pub use attention::{AttentionScratch, Coded, GpuAttention, Window, WindowMap, DEFAULT_THREADS, MAX_WINDOW};
 pub use dense::GpuDenseAttention;
 pub use quantize::{GpuCodec, RowMap};
-pub use window::{prepare_put, put_window, PutMap};
+pub use window::{PutMap, PutRows};
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -1,7 +1,7 @@
 //! Host side of `window.cu`: new positions into a cache's f16 rows (sink, then ring), keys and
 //! values in one launch.
 
-use cudarc::driver::{CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::{dev_err, Gpu};
 use crate::error::{Error, Result};
@@ -27,48 +27,46 @@ pub struct PutMap {
 // SAFETY: plain old data with the C layout the kernel declares.
 unsafe impl DeviceRepr for PutMap {}
 
-/// Compiles the kernel for `head_dim` now (it is otherwise compiled at the first call).
-pub fn prepare_put(gpu: &Gpu, head_dim: usize) -> Result<()> {
-    gpu.kernel(SOURCE, "vq_window_put", &[("D", head_dim as i64)], 0).map(|_| ())
+/// The row-writing kernel for one head_dim, compiled when made (a decode step appends a row per
+/// layer: looking the kernel up per call rebuilt its define header and cache key each time).
+pub struct PutRows {
+    head_dim: usize,
+    function: CudaFunction,
 }
 
-/// Writes rows of `k`/`v` (f32 `[streams, src_t, head_dim]`) as f16 into `w` (keys
-/// `[streams, rows, head_dim]`, then values the same). One launch.
-#[allow(clippy::too_many_arguments)]
-pub fn put_window(
-    gpu: &Gpu,
-    k: &CudaView<f32>,
-    v: &CudaView<f32>,
-    streams: usize,
-    head_dim: usize,
-    w: &mut CudaViewMut<u16>,
-    rows: usize,
-    map: PutMap,
-) -> Result<()> {
-    let t = map.t.max(0) as usize;
-    if t == 0 {
-        return Ok(());
+impl PutRows {
+    pub fn new(gpu: &Gpu, head_dim: usize) -> Result<Self> {
+        Ok(Self { head_dim, function: gpu.kernel(SOURCE, "vq_window_put", &[("D", head_dim as i64)], 0)? })
     }
-    let last_row = (map.sink0 + map.n_sink - 1).max(map.sink_cap + map.ring_cap - 1);
-    let ok = map.n_sink >= 0
-        && map.sink0 >= 0
-        && map.ring_cap > 0
-        && map.ring0 >= 0
-        && (map.n_sink as usize >= t || map.sink_cap + map.ring_cap <= rows as i32)
-        && (map.n_sink == 0 || map.sink0 + map.n_sink <= map.sink_cap)
-        && map.src0 >= 0
-        && map.src0 as usize + t <= map.src_t as usize
-        && k.len() >= streams * map.src_t as usize * head_dim
-        && v.len() >= streams * map.src_t as usize * head_dim
-        && w.len() >= 2 * streams * rows * head_dim;
-    if !ok || last_row < 0 {
-        return Err(Error::Shape(format!("window put: {map:?} does not fit {streams} streams of {rows} rows × {head_dim}")));
+
+    /// Writes rows of `k`/`v` (f32 `[streams, src_t, head_dim]`) as f16 into `w` (keys
+    /// `[streams, rows, head_dim]`, then values the same). One launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch(&self, gpu: &Gpu, k: &CudaView<f32>, v: &CudaView<f32>, streams: usize, w: &mut CudaViewMut<u16>, rows: usize, map: PutMap) -> Result<()> {
+        let (t, head_dim) = (map.t.max(0) as usize, self.head_dim);
+        if t == 0 {
+            return Ok(());
+        }
+        let last_row = (map.sink0 + map.n_sink - 1).max(map.sink_cap + map.ring_cap - 1);
+        let ok = map.n_sink >= 0
+            && map.sink0 >= 0
+            && map.ring_cap > 0
+            && map.ring0 >= 0
+            && (map.n_sink as usize >= t || map.sink_cap + map.ring_cap <= rows as i32)
+            && (map.n_sink == 0 || map.sink0 + map.n_sink <= map.sink_cap)
+            && map.src0 >= 0
+            && map.src0 as usize + t <= map.src_t as usize
+            && k.len() >= streams * map.src_t as usize * head_dim
+            && v.len() >= streams * map.src_t as usize * head_dim
+            && w.len() >= 2 * streams * rows * head_dim;
+        if !ok || last_row < 0 {
+            return Err(Error::Shape(format!("window put: {map:?} does not fit {streams} streams of {rows} rows × {head_dim}")));
+        }
+        let cfg = LaunchConfig { grid_dim: (streams as u32, t as u32, 1), block_dim: (head_dim.min(256) as u32, 1, 1), shared_mem_bytes: 0 };
+        let (plane, rows_i) = ((streams * rows * head_dim) as i64, rows as i32);
+        let mut l = gpu.stream().launch_builder(&self.function);
+        l.arg(k).arg(v).arg(w).arg(&plane).arg(&rows_i).arg(&map);
+        unsafe { l.launch(cfg) }.map_err(dev_err)?;
+        Ok(())
     }
-    let f = gpu.kernel(SOURCE, "vq_window_put", &[("D", head_dim as i64)], 0)?;
-    let cfg = LaunchConfig { grid_dim: (streams as u32, t as u32, 1), block_dim: (head_dim.min(256) as u32, 1, 1), shared_mem_bytes: 0 };
-    let (plane, rows_i) = ((streams * rows * head_dim) as i64, rows as i32);
-    let mut l = gpu.stream().launch_builder(&f);
-    l.arg(k).arg(v).arg(w).arg(&plane).arg(&rows_i).arg(&map);
-    unsafe { l.launch(cfg) }.map_err(dev_err)?;
-    Ok(())
 }
