@@ -15,7 +15,7 @@ use veloq::calibrate::{train_codec, KMeansConfig};
 use veloq::codec::codebook::{Granularity, PqShape};
 use veloq::codec::pack::unpack;
 use veloq::codec::vecinfer::{CodecSpec, VecInferCodec};
-use veloq::kernels::cuda::{AttentionScratch, Gpu, GpuAttention, GpuCodec};
+use veloq::kernels::cuda::{AttentionScratch, Gpu, GpuAttention, GpuCodec, SplitKernel};
 
 use super::write_json;
 
@@ -39,14 +39,41 @@ pub struct Args {
     /// calls and one timed, then exit. For a profiler such as Nsight Compute.
     #[arg(long, value_delimiter = ',')]
     profile: Vec<usize>,
-    /// Threads per attention split block, comma separated: times the attention grid at each (the
-    /// ratio tables and the figure use the first).
+    /// Attention split kernels, comma separated: tensor-cores and/or tables. Each is checked and
+    /// timed over the same grid in this run (the ratio tables and the figure use the first).
+    #[arg(long, value_delimiter = ',', default_value = "tensor-cores,tables")]
+    kernels: Vec<String>,
+    /// Threads per block of the table kernel, comma separated: times it at each.
     #[arg(long, value_delimiter = ',', default_values_t = [veloq::kernels::cuda::DEFAULT_THREADS])]
     threads: Vec<u32>,
-    /// Value accumulation in the attention kernel, comma separated: f32 (default) and/or f16
-    /// (packed pairs, partials flushed to f32). Timed and checked for each.
+    /// Value accumulation in the table kernel, comma separated: f32 (default) and/or f16 (packed
+    /// pairs, partials flushed to f32). Timed and checked for each.
     #[arg(long, value_delimiter = ',', default_value = "f32")]
     values: Vec<String>,
+}
+
+/// One attention configuration under test.
+#[derive(Clone, Copy)]
+struct Variant {
+    kernel: SplitKernel,
+    threads: u32,
+    half: bool,
+}
+
+impl Variant {
+    fn build(self, gpu: &Gpu, kc: &VecInferCodec, vc: &VecInferCodec, hq: usize) -> Result<GpuAttention> {
+        let att = GpuAttention::new(GpuCodec::upload(gpu, kc)?, GpuCodec::upload(gpu, vc)?, hq)?.with_split_kernel(self.kernel)?;
+        Ok(att.with_threads(self.threads)?.with_half_values(self.half)?)
+    }
+
+    /// Label and the relative error it must stay within against the f64 reference: f16 operands
+    /// on tensor cores (the bound), f32 (or f16 partials) on CUDA cores.
+    fn label(self) -> (String, f64) {
+        match self.kernel {
+            SplitKernel::TensorCores => ("tensor-cores".into(), 1e-2),
+            SplitKernel::Tables => (format!("tables {} {}", self.threads, if self.half { "f16" } else { "f32" }), 1e-3),
+        }
+    }
 }
 
 /// Gaussian stream (xorshift + Box–Muller): fresh, never zero, outlier channels like real keys.
@@ -163,10 +190,11 @@ struct AttnCase {
 }
 
 /// GPU attention over codes + window vs an f64 reference over the CPU-decoded keys and values.
-fn check_attention(gpu: &Gpu, rng: &mut Rng, c: AttnCase, threads: u32, half: bool) -> Result<serde_json::Value> {
+fn check_attention(gpu: &Gpu, rng: &mut Rng, c: AttnCase, v: Variant) -> Result<serde_json::Value> {
     let AttnCase { b, hq, hkv, d, s, w } = c;
     let (kc, vc) = (codec(rng, hkv, d, 4, 8, Granularity::PerLayer, true)?, codec(rng, hkv, d, 4, 8, Granularity::PerLayer, false)?);
-    let att = GpuAttention::new(GpuCodec::upload(gpu, &kc)?, GpuCodec::upload(gpu, &vc)?, hq)?.with_threads(threads)?.with_half_values(half)?;
+    let att = v.build(gpu, &kc, &vc, hq)?;
+    let (label, bound) = v.label();
     let m = d / 4;
     let keys = rng.rows(b * s * hkv, d);
     let values = rng.rows(b * s * hkv, d);
@@ -215,12 +243,12 @@ fn check_attention(gpu: &Gpu, rng: &mut Rng, c: AttnCase, threads: u32, half: bo
     let err: f64 = got.iter().zip(&want).map(|(g, w)| (*g as f64 - w).powi(2)).sum::<f64>().sqrt();
     let norm: f64 = want.iter().map(|w| w * w).sum::<f64>().sqrt();
     let rel = err / norm;
-    let ok = rel.is_finite() && rel < 1e-3;
-    println!("attention B={b} Hq={hq} Hkv={hkv} D={d} S={s:<5} W={w:<2} threads={threads:<4} {}: rel err {rel:.2e} {}", if half { "f16" } else { "f32" }, if ok { "ok" } else { "FAIL" });
+    let ok = rel.is_finite() && rel < bound;
+    println!("attention B={b} Hq={hq} Hkv={hkv} D={d} S={s:<5} W={w:<2} {label}: rel err {rel:.2e} (bound {bound:.0e}) {}", if ok { "ok" } else { "FAIL" });
     if !ok {
         bail!("attention mismatch");
     }
-    Ok(json!({"B": b, "Hq": hq, "Hkv": hkv, "D": d, "S": s, "W": w, "threads": threads, "values": if half { "f16" } else { "f32" }, "rel_err": rel}))
+    Ok(json!({"B": b, "Hq": hq, "Hkv": hkv, "D": d, "S": s, "W": w, "kernel": label, "rel_err": rel, "bound": bound}))
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -237,10 +265,27 @@ pub fn run(a: Args) -> Result<()> {
             o => bail!("--values takes f32 or f16, not {o}"),
         })
         .collect::<Result<_>>()?;
+    let mut variants = Vec::new();
+    for k in &a.kernels {
+        match k.as_str() {
+            "tensor-cores" => variants.push(Variant { kernel: SplitKernel::TensorCores, threads: a.threads[0], half: false }),
+            "tables" => {
+                for &threads in &a.threads {
+                    for &h in &half {
+                        variants.push(Variant { kernel: SplitKernel::Tables, threads, half: h });
+                    }
+                }
+            }
+            o => bail!("--kernels takes tensor-cores or tables, not {o}"),
+        }
+    }
+    if variants.is_empty() {
+        bail!("--kernels names no kernel");
+    }
     match a.profile[..] {
         [] => {}
         [b, s] => {
-            time_attention(&gpu, &mut rng, vec![(b, s)], 1, a.threads[0], half[0])?;
+            time_attention(&gpu, &mut rng, vec![(b, s)], 1, variants[0])?;
             return Ok(());
         }
         _ => bail!("--profile takes B,S"),
@@ -262,11 +307,16 @@ pub fn run(a: Args) -> Result<()> {
         AttnCase { b: 1, hq: 12, hkv: 4, d: 128, s: 0, w: 20 },
         AttnCase { b: 2, hq: 9, hkv: 3, d: 64, s: 777, w: 20 },
         AttnCase { b: 2, hq: 32, hkv: 8, d: 128, s: 20011, w: 16 },
+        AttnCase { b: 1, hq: 8, hkv: 1, d: 256, s: 5, w: 3 },
+        AttnCase { b: 2, hq: 16, hkv: 2, d: 128, s: 17, w: 0 },
+        AttnCase { b: 1, hq: 32, hkv: 8, d: 128, s: 131071, w: 24 },
     ] {
-        for &threads in &a.threads {
-            for &h in &half {
-                checks.push(check_attention(&gpu, &mut rng, c, threads, h)?);
+        for &v in &variants {
+            // The tensor-core kernel takes groups of at most 8 heads; others use the table kernel.
+            if v.kernel == SplitKernel::TensorCores && c.hq / c.hkv > 8 {
+                continue;
             }
+            checks.push(check_attention(&gpu, &mut rng, c, v)?);
         }
     }
     if a.check_only {
@@ -290,16 +340,16 @@ pub fn run(a: Args) -> Result<()> {
         qt.push(json!({"S": s, "D": d, "H": h, "sub_dim": sd, "ms": ms, "sub_vectors": n, "flops": flops, "bytes": bytes}));
     }
     // Decode attention timing: Llama-3.1-8B geometry, 2-bit codes (256 centroids of 4).
-    println!("\n| attention B,S (Hq 32, Hkv 8, D 128) | threads, values | ms | code MiB | GB/s | splits |");
+    println!("\n| attention B,S (Hq 32, Hkv 8, D 128) | kernel | ms | code MiB | GB/s | splits |");
     println!("|---|---|---|---|---|---|");
     let mut at = Vec::new();
-    for &threads in &a.threads {
-        for &h in &half {
-            let grid = [1usize, 8, 32].iter().flat_map(|&b| [1024usize, 4096, 16384, 65536, 131072].map(move |s| (b, s))).collect();
-            at.extend(time_attention(&gpu, &mut rng, grid, a.reps, threads, h)?);
-        }
+    for &v in &variants {
+        let grid = [1usize, 8, 32].iter().flat_map(|&b| [1024usize, 4096, 16384, 65536, 131072].map(move |s| (b, s))).collect();
+        at.extend(time_attention(&gpu, &mut rng, grid, a.reps, v)?);
     }
-    let first: Vec<_> = at.iter().filter(|x| x["threads"] == a.threads[0] && x["values"] == a.values[0].as_str()).cloned().collect();
+    side_by_side(&at);
+    let first_label = variants[0].label().0;
+    let first: Vec<_> = at.iter().filter(|x| x["kernel"] == first_label.as_str()).cloned().collect();
     if let Some(path) = &a.baselines {
         let base: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
         ratios(&base, &qt, &first, a.plot.as_deref())?;
@@ -309,14 +359,14 @@ pub fn run(a: Args) -> Result<()> {
 
 /// Times decode attention over 2-bit codes (256 centroids of 4) in the Llama-3.1-8B geometry for
 /// each (batch, positions), printing a table row each.
-fn time_attention(gpu: &Gpu, rng: &mut Rng, shapes: Vec<(usize, usize)>, reps: usize, threads: u32, half: bool) -> Result<Vec<serde_json::Value>> {
+fn time_attention(gpu: &Gpu, rng: &mut Rng, shapes: Vec<(usize, usize)>, reps: usize, v: Variant) -> Result<Vec<serde_json::Value>> {
     let st = gpu.stream();
     let mut at = Vec::new();
     let (hq, hkv, d, w) = (32, 8, 128, 16);
     let kc = codec(rng, hkv, d, 4, 8, Granularity::PerLayer, true)?;
     let vc = codec(rng, hkv, d, 4, 8, Granularity::PerLayer, false)?;
-    let att = GpuAttention::new(GpuCodec::upload(gpu, &kc)?, GpuCodec::upload(gpu, &vc)?, hq)?.with_threads(threads)?.with_half_values(half)?;
-    let values = if half { "f16" } else { "f32" };
+    let att = v.build(gpu, &kc, &vc, hq)?;
+    let label = v.label().0;
     for (b, s) in shapes {
         let m = d / 4;
         let n = b * hkv * s * m;
@@ -331,11 +381,27 @@ fn time_attention(gpu: &Gpu, rng: &mut Rng, shapes: Vec<(usize, usize)>, reps: u
         let mut scratch = AttentionScratch::new(gpu, b, hq, d, splits)?;
         let ms = time_ms(gpu, reps, || Ok(att.attend(gpu, &qd, &kcd, &vcd, b, s, &wkd, &wvd, w, 0.088, &mut scratch, &mut out)?))?;
         let bytes = 2.0 * n as f64;
-        println!("| {b},{s} | {threads} {values} | {ms:.4} | {:.1} | {:.0} | {splits} |", bytes / (1 << 20) as f64, bytes / ms / 1e6);
-        at.push(json!({"B": b, "S": s, "threads": threads, "values": values, "Hq": hq, "Hkv": hkv, "D": d, "W": w, "ms": ms, "code_bytes": bytes, "splits": splits,
+        println!("| {b},{s} | {label} | {ms:.4} | {:.1} | {:.0} | {splits} |", bytes / (1 << 20) as f64, bytes / ms / 1e6);
+        at.push(json!({"B": b, "S": s, "kernel": label, "Hq": hq, "Hkv": hkv, "D": d, "W": w, "ms": ms, "code_bytes": bytes, "splits": splits,
             "fp16_kv_bytes": (2 * b * hkv * s * d * 2) as f64, "launches": 2}));
     }
     Ok(at)
+}
+
+/// Each kernel's time at every shape next to the first kernel's, measured in this run.
+fn side_by_side(at: &[serde_json::Value]) {
+    let Some(first) = at.first().map(|x| x["kernel"].clone()) else { return };
+    let others: Vec<_> = at.iter().filter(|x| x["kernel"] != first).collect();
+    if others.is_empty() {
+        return;
+    }
+    println!("\n| attention B,S | {} ms | other kernel | its ms | speed-up of {} |", first.as_str().unwrap_or("?"), first.as_str().unwrap_or("?"));
+    println!("|---|---|---|---|---|");
+    for o in others {
+        let Some(f) = at.iter().find(|x| x["kernel"] == first && x["B"] == o["B"] && x["S"] == o["S"]) else { continue };
+        let (fm, om) = (f["ms"].as_f64().unwrap_or(f64::NAN), o["ms"].as_f64().unwrap_or(f64::NAN));
+        println!("| {},{} | {fm:.4} | {} | {om:.4} | {:.2}× |", o["B"], o["S"], o["kernel"].as_str().unwrap_or("?"), om / fm);
+    }
 }
 
 /// Side-by-side tables against the PyTorch/Triton anchors timed in the same device call, and the

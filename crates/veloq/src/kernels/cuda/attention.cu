@@ -10,6 +10,8 @@
 // code space) per head. Codes are the only cache bytes read, once per group; no fp16 key or value
 // is written anywhere.
 //
+#define MERGE_PF 48  // split partials the merge requests in its first round trip
+
 // vq_attend_merge: block (q head, b). Merges the splits, attends exactly over the f16 window,
 // rotates the code-space sum back (H, value scale, + μ_v times its softmax mass), normalises.
 //
@@ -481,6 +483,12 @@ extern "C" __global__ void __launch_bounds__(128) vq_attend_merge(
             dv[i] = sv[i];
         }
     }
+    // The first MERGE_PF splits' partials of this thread's first dim ride along (registers).
+    float pre[MERGE_PF];
+    if (tid < D) {
+#pragma unroll
+        for (int s = 0; s < MERGE_PF; s++) pre[s] = s < nsplit ? part_o[(base + s) * D + tid] : 0.f;
+    }
     for (int e = tid; e < D; e += blockDim.x) qs[e] = q[((size_t)b * HQ + qh) * D + e] * scale;
     for (int s = tid; s < nsplit; s += blockDim.x) {
         sw[s] = part_ml[(base + s) * 2];
@@ -528,11 +536,18 @@ extern "C" __global__ void __launch_bounds__(128) vq_attend_merge(
         lc += red[w];
         lw += red[4 + w];
     }
-    // Code-space sum over the splits: independent loads, unrolled so several are in flight.
+    // Code-space sum over the splits: prefetched partials first, then independent loads, unrolled
+    // so several are in flight.
     for (int d = tid; d < D; d += blockDim.x) {
         float acc = 0.f;
+        int s0 = 0;
+        if (d == tid) {
+#pragma unroll
+            for (int s = 0; s < MERGE_PF; s++) acc = fmaf(pre[s], s < nsplit ? sw[s] : 0.f, acc);
+            s0 = MERGE_PF;
+        }
 #pragma unroll 8
-        for (int s = 0; s < nsplit; s++) acc = fmaf(part_o[(base + s) * D + d], sw[s], acc);
+        for (int s = s0; s < nsplit; s++) acc = fmaf(part_o[(base + s) * D + d], sw[s], acc);
         oc[d] = acc;
     }
     __syncthreads();

@@ -1,5 +1,6 @@
-//! Host side of the fused decode attention over codes (`attention.cu`): a split kernel over the
-//! sequence and a merge kernel, two launches per layer and decode step.
+//! Host side of the fused decode attention over codes: a split kernel over the sequence
+//! (`attention_mma.cu` on tensor cores where the geometry allows, else `attention.cu`'s lookup
+//! tables) and a merge kernel (`attention.cu`), two launches per layer and decode step.
 
 use std::sync::OnceLock;
 
@@ -12,6 +13,7 @@ use super::{dev_err, Gpu};
 use crate::error::{Error, Result};
 
 pub(super) const SOURCE: &str = include_str!("attention.cu");
+pub(super) const MMA_SOURCE: &str = include_str!("attention_mma.cu");
 /// Threads per split block (16 warps: the block holds a whole SM's shared memory).
 pub const DEFAULT_THREADS: u32 = 512;
 /// Most tokens one split block scores (its softmax weights sit in shared memory).
@@ -22,6 +24,31 @@ const MIN_CHUNK: usize = 256;
 pub const MAX_WINDOW: usize = 64;
 /// Most splits the merge kernel takes (S up to 2M positions).
 const MAX_MERGE: usize = 1024;
+/// Threads per tensor-core split block (its warp partials must fit over the two 32 KiB codebooks).
+const MMA_THREADS: u32 = 256;
+/// Most positions per tensor-core split (nothing in shared memory grows with it; more splits only
+/// fill the GPU).
+const MMA_MAX_SPLIT: usize = 16384;
+
+/// Which split kernel scores and accumulates the codes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SplitKernel {
+    /// `attention_mma.cu`: `mma.sync` on f16 centroids and weights with f32 accumulation, for
+    /// sub-vectors of 4, head_dim 64/128/256 and at most 8 query heads per kv head. The default
+    /// where it applies.
+    TensorCores,
+    /// `attention.cu`: per-query lookup tables and f32 FMAs on CUDA cores; every geometry.
+    Tables,
+}
+
+impl SplitKernel {
+    pub fn name(self) -> &'static str {
+        match self {
+            SplitKernel::TensorCores => "tensor-cores",
+            SplitKernel::Tables => "tables",
+        }
+    }
+}
 
 /// Key and value codecs of one layer on the GPU, with the query-head geometry.
 pub struct GpuAttention {
@@ -30,6 +57,7 @@ pub struct GpuAttention {
     pub q_heads: usize,
     threads: u32,
     half_values: bool,
+    kernel: SplitKernel,
     /// The plan and its compiled split and merge kernels, found once (a decode step should not
     /// rebuild define lists and cache keys per layer).
     prepared: OnceLock<(Plan, CudaFunction, CudaFunction)>,
@@ -41,6 +69,11 @@ struct Geometry {
     sub_dim: usize,
     bits: u32,
     per_layer: bool,
+}
+
+/// Whether the tensor-core split kernel takes this geometry (the table kernel's checks passed).
+fn mma_geometry(k: &Geometry, v: &Geometry, q_heads: usize) -> bool {
+    k.sub_dim == 4 && v.sub_dim == 4 && matches!(k.head_dim, 64 | 128 | 256) && q_heads / k.heads <= 8
 }
 
 fn check_geometry(k: Geometry, v: Geometry, q_heads: usize) -> std::result::Result<(), String> {
@@ -70,8 +103,27 @@ impl AttentionScratch {
 impl GpuAttention {
     pub fn new(keys: GpuCodec, values: GpuCodec, q_heads: usize) -> Result<Self> {
         let geometry = |c: &GpuCodec| Geometry { heads: c.heads, head_dim: c.head_dim, sub_dim: c.sub_dim, bits: c.bits, per_layer: c.books == 1 };
-        check_geometry(geometry(&keys), geometry(&values), q_heads).map_err(Error::Device)?;
-        Ok(Self { keys, values, q_heads, threads: DEFAULT_THREADS, half_values: false, prepared: OnceLock::new() })
+        let (kg, vg) = (geometry(&keys), geometry(&values));
+        let kernel = if mma_geometry(&kg, &vg, q_heads) { SplitKernel::TensorCores } else { SplitKernel::Tables };
+        check_geometry(kg, vg, q_heads).map_err(Error::Device)?;
+        Ok(Self { keys, values, q_heads, threads: DEFAULT_THREADS, half_values: false, kernel, prepared: OnceLock::new() })
+    }
+
+    /// The split kernel in use.
+    pub fn split_kernel(&self) -> SplitKernel {
+        self.kernel
+    }
+
+    /// Chooses the split kernel (for comparisons: the default is the tensor-core kernel wherever it
+    /// applies). Tensor cores for a geometry they do not take → [`Error::Device`].
+    pub fn with_split_kernel(mut self, kernel: SplitKernel) -> Result<Self> {
+        let geometry = |c: &GpuCodec| Geometry { heads: c.heads, head_dim: c.head_dim, sub_dim: c.sub_dim, bits: c.bits, per_layer: c.books == 1 };
+        if kernel == SplitKernel::TensorCores && !mma_geometry(&geometry(&self.keys), &geometry(&self.values), self.q_heads) {
+            return Err(Error::Device("the tensor-core attention kernel takes sub-vectors of 4, head_dim 64/128/256 and at most 8 query heads per kv head".into()));
+        }
+        self.kernel = kernel;
+        self.prepared = OnceLock::new();
+        Ok(self)
     }
 
     /// Whether the kernels take these codecs (no GPU needed): why not, if not.
@@ -88,8 +140,8 @@ impl GpuAttention {
         check_geometry(geometry(keys), geometry(values), q_heads)
     }
 
-    /// Threads per split block (a multiple of 32, at most 1024; more threads get fewer registers
-    /// each). For tuning: the default is the measured best.
+    /// Threads per block of the table kernel (a multiple of 32, at most 1024; more threads get
+    /// fewer registers each). For tuning: the default is the measured best.
     pub fn with_threads(mut self, threads: u32) -> Result<Self> {
         if threads % 32 != 0 || !(64..=1024).contains(&threads) {
             return Err(Error::Device(format!("{threads} threads per block: need a multiple of 32 in 64..=1024")));
@@ -99,8 +151,9 @@ impl GpuAttention {
         Ok(self)
     }
 
-    /// Accumulate values with packed f16 FMAs (partials of 8 tokens summed in f32): half the
-    /// value-pass instructions for about 1e-3 relative error. Needs an even value sub_dim.
+    /// Accumulate values with packed f16 FMAs in the table kernel (partials of 8 tokens summed in
+    /// f32): half the value-pass instructions for about 1e-3 relative error. Needs an even value
+    /// sub_dim.
     pub fn with_half_values(mut self, on: bool) -> Result<Self> {
         if on && self.values.sub_dim % 2 != 0 {
             return Err(Error::Device("f16 value accumulation needs an even value sub_dim".into()));
@@ -128,6 +181,7 @@ impl GpuAttention {
             gb,
             threads: self.threads,
             half_values: self.half_values,
+            kernel: self.kernel,
         }
     }
 
@@ -149,22 +203,29 @@ impl GpuAttention {
         }
         let plan = self.best_plan(gpu);
         let defines = plan.defines();
-        let split = gpu.kernel(SOURCE, "vq_attend_split", &defines, plan.smem())?;
+        let split = match plan.kernel {
+            SplitKernel::TensorCores => gpu.kernel(MMA_SOURCE, "vq_attend_mma", &plan.mma_defines(), plan.split_smem())?,
+            SplitKernel::Tables => gpu.kernel(SOURCE, "vq_attend_split", &defines, plan.split_smem())?,
+        };
         let merge = gpu.kernel(SOURCE, "vq_attend_merge", &defines, MAX_WINDOW * plan.d * 4)?;
         Ok(self.prepared.get_or_init(|| (plan, split, merge)))
     }
 
-    /// Splits the split kernel uses for `batch` × `s` tokens: as few as keep each split within
-    /// [`MAX_SPLIT`] positions (one table build per split), then as many as fill the waves those
-    /// need (one block per multiprocessor: each takes most of its shared memory), at least 256
-    /// positions each.
+    /// Splits the split kernel uses for `batch` × `s` tokens: as few as keep each split within its
+    /// most positions ([`MAX_SPLIT`] for the table kernel: one table build per split), then as many
+    /// as fill the waves those need (table kernel: one block per multiprocessor, it takes most of
+    /// the shared memory; tensor cores: two), at least 256 positions each.
     pub fn splits(&self, gpu: &Gpu, batch: usize, s: usize) -> usize {
         let gb = self.prepared.get().map_or_else(|| self.best_plan(gpu).gb, |k| k.0.gb);
-        let heads = batch * self.keys.heads * (self.group() / gb);
         let sms = gpu.multiprocessors() as usize;
-        let fewest = s.div_ceil(MAX_SPLIT).max(1);
-        let waves = (heads * fewest).div_ceil(sms);
-        (waves * sms / heads).clamp(fewest, s.div_ceil(256).max(fewest))
+        let (blocks, most, per_sm) = match self.kernel {
+            SplitKernel::TensorCores => (batch * self.keys.heads, MMA_MAX_SPLIT, 2),
+            SplitKernel::Tables => (batch * self.keys.heads * (self.group() / gb), MAX_SPLIT, 1),
+        };
+        let slots = sms * per_sm;
+        let fewest = s.div_ceil(most).max(1);
+        let waves = (blocks * fewest).div_ceil(slots);
+        (waves * slots / blocks).clamp(fewest, s.div_ceil(256).max(fewest))
     }
 
     /// Decode attention for `q` (`[batch, q_heads, D]` f32) over `s` coded positions
@@ -236,13 +297,23 @@ impl GpuAttention {
             return Err(Error::Shape("attention: a buffer is smaller than the shapes say".into()));
         }
         let (plan, split_fn, merge_fn) = self.kernels(gpu)?;
-        let (gb, smem) = (plan.gb, plan.smem());
+        let smem = plan.split_smem() as u32;
         if nsplit > 0 {
-            let g = (self.group() / gb) as u32;
             let (s_i, stride, split_i) = (s as i32, codes.stride as i64, split as i32);
-            let cfg = LaunchConfig { grid_dim: (g, nsplit as u32, streams as u32), block_dim: (plan.threads, 1, 1), shared_mem_bytes: smem as u32 };
+            let cfg = match plan.kernel {
+                SplitKernel::TensorCores => LaunchConfig { grid_dim: (nsplit as u32, streams as u32, 1), block_dim: (MMA_THREADS, 1, 1), shared_mem_bytes: smem },
+                SplitKernel::Tables => {
+                    let g = (self.group() / plan.gb) as u32;
+                    LaunchConfig { grid_dim: (g, nsplit as u32, streams as u32), block_dim: (plan.threads, 1, 1), shared_mem_bytes: smem }
+                }
+            };
             let mut l = gpu.stream().launch_builder(split_fn);
-            l.arg(q).arg(codes.keys).arg(codes.values).arg(&k.centroids).arg(&v.centroids).arg(&k.mean).arg(&k.scale);
+            l.arg(q).arg(codes.keys).arg(codes.values);
+            match plan.kernel {
+                SplitKernel::TensorCores => l.arg(&k.centroids_f16).arg(&v.centroids_f16),
+                SplitKernel::Tables => l.arg(&k.centroids).arg(&v.centroids),
+            };
+            l.arg(&k.mean).arg(&k.scale);
             l.arg(&mut scratch.part_o).arg(&mut scratch.part_ml).arg(&s_i).arg(&stride).arg(&split_i).arg(&scale);
             unsafe { l.launch(cfg) }.map_err(dev_err)?;
         }
@@ -316,6 +387,7 @@ pub(super) struct Plan {
     threads: u32,
     /// Value pass in packed f16 (`VALUES_F16`).
     half_values: bool,
+    kernel: SplitKernel,
 }
 
 impl Plan {
@@ -367,7 +439,35 @@ impl Plan {
         (self.table() * 4 / self.m_v() / 16 * 16).clamp(16, MAX_SPLIT)
     }
 
-    /// Shared memory of the split kernel.
+    /// Shared memory of the split kernel in use.
+    fn split_smem(&self) -> usize {
+        match self.kernel {
+            // Two f16 codebooks × 16 replicas, the queries, offsets, warp maxima and sums.
+            SplitKernel::TensorCores => 2 * Self::CENTROIDS * 16 * 8 + (self.group() * self.d + 8 + (MMA_THREADS as usize / 32) * 16) * 4,
+            SplitKernel::Tables => self.smem(),
+        }
+    }
+
+    fn group(&self) -> usize {
+        self.q_heads / self.kv_heads
+    }
+
+    /// Defines of the tensor-core split kernel.
+    fn mma_defines(&self) -> Vec<(&'static str, i64)> {
+        let b = |x: bool| x as i64;
+        vec![
+            ("D", self.d as i64),
+            ("HQ", self.q_heads as i64),
+            ("HKV", self.kv_heads as i64),
+            ("G", self.group() as i64),
+            ("CENTER_K", b(self.center.0)),
+            ("SMOOTH_K", b(self.smooth.0)),
+            ("ROTATE", b(self.rotate)),
+            ("WARPS", (MMA_THREADS / 32) as i64),
+        ]
+    }
+
+    /// Shared memory of the table kernel.
     fn smem(&self) -> usize {
         (self.table() + self.entry() * MAX_SPLIT + Self::CENTROIDS * self.replicas() * self.value_words() + self.gb * self.d + self.gb * 32) * 4
     }
@@ -407,7 +507,20 @@ impl Plan {
 /// Defines of several geometries (D 64/128/256, sub_dim 2/4/8, 1–4 heads per block), for the
 /// NVRTC compile check.
 pub(super) fn example_defines() -> Vec<Vec<(&'static str, i64)>> {
-    let base = Plan { d: 128, sd_k: 4, sd_v: 4, q_heads: 32, kv_heads: 8, center: (true, true), smooth: (true, false), rotate: true, gb: 4, threads: DEFAULT_THREADS, half_values: false };
+    let base = Plan {
+        d: 128,
+        sd_k: 4,
+        sd_v: 4,
+        q_heads: 32,
+        kv_heads: 8,
+        center: (true, true),
+        smooth: (true, false),
+        rotate: true,
+        gb: 4,
+        threads: DEFAULT_THREADS,
+        half_values: false,
+        kernel: SplitKernel::Tables,
+    };
     [
         base,
         Plan { d: 64, sd_k: 8, sd_v: 8, gb: 1, q_heads: 8, threads: 1024, ..base },
@@ -419,4 +532,79 @@ pub(super) fn example_defines() -> Vec<Vec<(&'static str, i64)>> {
     .iter()
     .map(Plan::defines)
     .collect()
+}
+
+/// Defines of the tensor-core split kernel for D 64/128/256 and groups of 1–8 heads, for the NVRTC
+/// compile check.
+pub(super) fn example_mma_defines() -> Vec<Vec<(&'static str, i64)>> {
+    let base = Plan {
+        d: 128,
+        sd_k: 4,
+        sd_v: 4,
+        q_heads: 32,
+        kv_heads: 8,
+        center: (true, true),
+        smooth: (true, false),
+        rotate: true,
+        gb: 4,
+        threads: DEFAULT_THREADS,
+        half_values: false,
+        kernel: SplitKernel::TensorCores,
+    };
+    [
+        base,
+        Plan { d: 64, q_heads: 9, kv_heads: 3, ..base },
+        Plan { d: 256, q_heads: 8, kv_heads: 1, center: (false, false), smooth: (false, false), rotate: false, ..base },
+        Plan { q_heads: 4, kv_heads: 4, ..base },
+    ]
+    .iter()
+    .map(Plan::mma_defines)
+    .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geometry(heads: usize, head_dim: usize, sub_dim: usize) -> Geometry {
+        Geometry { heads, head_dim, sub_dim, bits: 8, per_layer: true }
+    }
+
+    /// The tensor-core kernel is chosen exactly where its layout holds: sub-vectors of 4,
+    /// head_dim 64/128/256, at most 8 query heads per kv head.
+    #[test]
+    fn tensor_cores_take_their_geometries_only() {
+        assert!(mma_geometry(&geometry(8, 128, 4), &geometry(8, 128, 4), 32));
+        assert!(mma_geometry(&geometry(3, 64, 4), &geometry(3, 64, 4), 9));
+        assert!(mma_geometry(&geometry(1, 256, 4), &geometry(1, 256, 4), 8));
+        assert!(!mma_geometry(&geometry(8, 128, 8), &geometry(8, 128, 8), 32));
+        assert!(!mma_geometry(&geometry(8, 128, 4), &geometry(8, 128, 2), 32));
+        assert!(!mma_geometry(&geometry(2, 128, 4), &geometry(2, 128, 4), 32));
+        assert!(!mma_geometry(&geometry(4, 96, 4), &geometry(4, 96, 4), 8));
+    }
+
+    /// Every tensor-core plan fits the H200's 227 KiB of shared memory per block with room for a
+    /// second block, and its warp partials fit over the two codebooks they overwrite.
+    #[test]
+    fn tensor_core_plans_fit_shared_memory() {
+        for (d, hq, hkv) in [(64, 9, 3), (128, 32, 8), (128, 8, 8), (256, 8, 1)] {
+            let p = Plan {
+                d,
+                sd_k: 4,
+                sd_v: 4,
+                q_heads: hq,
+                kv_heads: hkv,
+                center: (true, true),
+                smooth: (true, false),
+                rotate: true,
+                gb: 1,
+                threads: DEFAULT_THREADS,
+                half_values: false,
+                kernel: SplitKernel::TensorCores,
+            };
+            assert!(2 * p.split_smem() <= 227 * 1024, "D {d}: {} B", p.split_smem());
+            let partials = (MMA_THREADS as usize / 32) * (hq / hkv) * d * 4;
+            assert!(partials <= 2 * 256 * 16 * 8, "D {d}, group {}: {partials} B of partials", hq / hkv);
+        }
+    }
 }

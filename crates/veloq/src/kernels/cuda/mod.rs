@@ -8,7 +8,7 @@ mod dense;
 mod quantize;
 mod window;
 
-pub use attention::{AttentionScratch, Coded, GpuAttention, Window, WindowMap, DEFAULT_THREADS, MAX_WINDOW};
+pub use attention::{AttentionScratch, Coded, GpuAttention, SplitKernel, Window, WindowMap, DEFAULT_THREADS, MAX_WINDOW};
 pub use dense::GpuDenseAttention;
 pub use quantize::{GpuCodec, RowMap};
 pub use window::{PutMap, PutRows};
@@ -150,9 +150,10 @@ pub struct PoolMemory {
 /// NVRTC compile check of every kernel source without a GPU (needs libnvrtc only).
 pub fn compile_check(arch: &'static str) -> Result<()> {
     let attention = attention::example_defines().into_iter().map(|d| ("vq_attend_split", attention::SOURCE, d));
+    let mma = attention::example_mma_defines().into_iter().map(|d| ("vq_attend_mma", attention::MMA_SOURCE, d));
     let window = std::iter::once(("vq_window_put", window::SOURCE, vec![("D", 128)]));
     let dense = dense::example_defines().into_iter().map(|d| ("f16_attend_split", dense::SOURCE, d));
-    let all = std::iter::once(("vq_quantize", quantize::SOURCE, quantize::example_defines())).chain(attention).chain(window).chain(dense);
+    let all = std::iter::once(("vq_quantize", quantize::SOURCE, quantize::example_defines())).chain(attention).chain(mma).chain(window).chain(dense);
     for (name, src, defines) in all {
         let header: String = defines.iter().map(|(k, v)| format!("#define {k} {v}\n")).collect();
         let opts = CompileOptions { arch: Some(arch), options: vec!["--std=c++17".into()], ..Default::default() };

@@ -27,6 +27,8 @@ pub struct GpuCodec {
     pub(super) scale: CudaSlice<f32>,
     pub(super) inv_scale: CudaSlice<f32>,
     pub(super) centroids: CudaSlice<f32>,
+    /// The centroids as f16 bits (the tensor-core attention stages these).
+    pub(super) centroids_f16: CudaSlice<u16>,
     pub(super) norms: CudaSlice<f32>,
     /// The compiled kernel, found once.
     function: OnceLock<CudaFunction>,
@@ -57,6 +59,7 @@ impl GpuCodec {
             mean: up(&mean)?,
             scale: up(&scale)?,
             inv_scale: up(&inv)?,
+            centroids_f16: s.clone_htod(&centroids.iter().map(|&c| half::f16::from_f32(c).to_bits()).collect::<Vec<u16>>()).map_err(dev_err)?,
             centroids: up(&centroids)?,
             norms: up(&norms)?,
             function: OnceLock::new(),

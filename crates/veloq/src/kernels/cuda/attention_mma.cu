@@ -1,0 +1,371 @@
+// Decode attention over VecInfer codes on tensor cores: the split kernel of the flash-decoding pair
+// for sub-vectors of 4 with 256 centroids (2 bits per element) and GQA groups of up to 8 heads;
+// vq_attend_merge (attention.cu) finishes it from the same partials vq_attend_split writes.
+//
+// Block (split, stream). Each warp walks its own run of the split 16 positions at a time with an
+// online softmax; the block folds its warps' (max, sum, code-space D-vector) per head at the end.
+//
+// Scores: S = K̂ · Q̃^T with mma.m16n8k16 (rows: 16 positions; columns: the group's query heads,
+// zero-padded to 8; k: 16 dims = 4 sub-spaces). The dims of a k-tile are ordered so that a lane's
+// pairs (2q, 2q+1) and (2q+8, 2q+9) are elements (0, 1) and (2, 3) of one sub-space: its A
+// fragment for positions g and g + 8 is their two centroids, four f16s each, two 8-byte shared
+// loads. Lane q of a quad takes sub-spaces q·KT + kt, so its code bytes of a position are
+// contiguous (one load per position and step).
+// Softmax: online, per head over the steps, lazily: the reference maximum moves only when a score
+// passes it by more than 2^8, so most steps need no shuffles. The weights (position, head) become
+// the (head, position) B fragments of the value mma with one movmatrix transpose each.
+// Values: O^T += V̂^T · P^T (rows: 16 dims = 8 sub-spaces × 2 elements; k: 16 positions; columns:
+// heads); the A fragment pairs two positions' elements of one sub-space (two centroid loads and
+// byte permutes per register pair). Lane group g takes sub-spaces g·VP + u. The value codes of a
+// step are fetched two steps ahead, the key codes one, and a step's value mma is issued between
+// the next step's score mma and softmax (two independent streams for the schedulers).
+// Neither keys nor values are ever decoded outside registers.
+//
+// Both codebooks sit in shared memory as f16, replicated 16 times and interleaved per centroid,
+// [centroid][key, value][replica] (256 bytes per centroid): the 16 lanes of a load phase read 16
+// distinct bank pairs whatever their random codes, and a lane's entry offset, code·256 + its
+// replica's, is one byte permute of the code word.
+//
+// Defines: D (64, 128 or 256), HQ, HKV, G (= HQ / HKV ≤ 8), CENTER_K, SMOOTH_K, ROTATE, WARPS.
+// Layouts: q [B][HQ][D] f32; codes [B·HKV][stride][D/4] u8; books [256][4] f16; partials as
+// vq_attend_split: part_o [B][HQ][nsplit][D], part_ml [B][HQ][nsplit][2] (natural-log max, sum).
+
+#define M_SUB (D / 4)     // sub-spaces (code bytes per position)
+#define KT (D / 16)       // key k-tiles
+#define VP (D / 32)       // value m-tile pairs
+#define KW ((KT + 3) / 4) // words of a lane's key code bytes per position
+#define VW ((VP + 3) / 4) // words of a lane's value code bytes per position
+#define LOG2E 1.4426950408889634f
+#define NEG_MAX (-3.402823466e38f)
+
+#if G > 8 || G > WARPS || (D != 64 && D != 128 && D != 256)
+#error "vq_attend_mma takes D 64/128/256 and at most 8 query heads per kv head"
+#endif
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Transpose of an 8×8 matrix of f16 held as mma fragments (lane l: row l/4, columns 2(l%4), +1).
+__device__ __forceinline__ unsigned transpose8(unsigned x) {
+    unsigned y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+}
+
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Bytes of a and b picked by selector s (PTX prmt): 0x5410 = low halves, 0x7632 = high halves.
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned s) {
+    unsigned r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
+    return r;
+}
+
+// Byte offset of the centroid whose code is byte i of the words w, in the book starting at base8
+// (< 256) of its 256-byte row: code · 256 + base8.
+__device__ __forceinline__ unsigned entry(const unsigned* w, int i, unsigned base8) {
+    return prmt(w[i >> 2], base8, 0x5504u | ((unsigned)(i & 3) << 4));
+}
+
+// A lane's KT key code bytes of one position.
+__device__ __forceinline__ void load_k(unsigned (&w)[KW], const unsigned char* p) {
+#if KT == 4
+    w[0] = *(const unsigned*)p;
+#elif KT == 8
+    const uint2 u = *(const uint2*)p;
+    w[0] = u.x; w[1] = u.y;
+#else
+    const uint4 u = *(const uint4*)p;
+    w[0] = u.x; w[1] = u.y; w[2] = u.z; w[3] = u.w;
+#endif
+}
+
+// A lane's VP value code bytes of one position.
+__device__ __forceinline__ void load_v(unsigned (&w)[VW], const unsigned char* p) {
+#if VP == 2
+    w[0] = *(const unsigned short*)p;
+#elif VP == 4
+    w[0] = *(const unsigned*)p;
+#else
+    const uint2 u = *(const uint2*)p;
+    w[0] = u.x; w[1] = u.y;
+#endif
+}
+
+// Two blocks per multiprocessor (16 warps) where the registers allow it; head_dim 256 needs more.
+#if D == 256
+#define MIN_BLOCKS 1
+#else
+#define MIN_BLOCKS 2
+#endif
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_mma(
+    const float* __restrict__ q, const unsigned char* __restrict__ kcodes, const unsigned char* __restrict__ vcodes,
+    const uint2* __restrict__ kbook, const uint2* __restrict__ vbook, const float* __restrict__ kmean,
+    const float* __restrict__ kscale, float* __restrict__ part_o, float* __restrict__ part_ml, int S, long long stride, int split, float scale) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    uint2* books = (uint2*)smem_raw;        // [256][key, value][16] centroids, f16 × 4
+    float* qt = (float*)(books + 256 * 32); // [G][D] queries in code space, log2 units
+    float* off = qt + G * D;                // [8] key-centering offsets (natural units)
+    float* wml = off + 8;                   // [WARPS][2][8] warp maxima (log2) and sums
+    float* wo = (float*)smem_raw;           // [WARPS][G][D] warp partials, over the books at the end
+
+    const int sp = blockIdx.x, bh = blockIdx.y, nsplit = gridDim.x;
+    const int h = bh % HKV, b = bh / HKV;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, qd = lane & 3, rl = lane & 15;
+    const int t0 = sp * split, t1 = min(S, t0 + split), n = max(0, t1 - t0);
+
+    // This warp's run: whole steps of 16 positions.
+    const int per = ((n + WARPS - 1) / WARPS + 15) & ~15;
+    const int w0 = t0 + min(n, warp * per), w1 = min(t1, w0 + per);
+    const unsigned char* kc = kcodes + (size_t)bh * stride * M_SUB;
+    const unsigned char* vc = vcodes + (size_t)bh * stride * M_SUB;
+    // Key codes of positions st + 8·nt + g (bytes qd·KT …), value codes of st + 2qd + {0, 1, 8, 9}
+    // (bytes g·VP …); positions past the run read its last one (their weights are zeroed).
+    // Running pointers to the codes of the step after the current one.
+    const unsigned char* kp = kc + (size_t)(w0 + 16 + g) * M_SUB + qd * KT;
+    const unsigned char* vp = vc + (size_t)(w0 + 16 + 2 * qd) * M_SUB + g * VP;
+    auto load_keys = [&](unsigned (&kw)[2][KW], int st, const unsigned char* p) {
+        if (st + 16 <= w1) {  // a whole step: fixed offsets
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) load_k(kw[nt], p + nt * 8 * M_SUB);
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) load_k(kw[nt], kc + (size_t)min(st + nt * 8 + g, w1 - 1) * M_SUB + qd * KT);
+        }
+    };
+    auto load_values = [&](unsigned (&vw)[4][VW], int st, const unsigned char* p) {
+        if (st + 16 <= w1) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) load_v(vw[i], p + ((i & 1) + 8 * (i >> 1)) * M_SUB);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; i++) load_v(vw[i], vc + (size_t)min(st + 2 * qd + (i & 1) + 8 * (i >> 1), w1 - 1) * M_SUB + g * VP);
+        }
+    };
+    // Codes in registers: keys of this step (kw) and the next (kn); values of the previous step
+    // (vw, accumulated during this one), of this one (vcur), and of the next (vn, being fetched).
+    // The first are requested now; they arrive while the books and queries are prepared.
+    unsigned kw[2][KW], vw[4][VW], kn[2][KW], vn[4][VW], vcur[4][VW];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int k = 0; k < VW; k++) vw[i][k] = 0u;  // centroid 0 with zero weights before the first step
+    if (w0 < w1) {
+        load_keys(kw, w0, kp - 16 * M_SUB);
+        load_values(vcur, w0, vp - 16 * M_SUB);
+    }
+
+    // Everything global that the prologue needs is requested at once: this warp's query head (warp
+    // g < G) with its centering and smoothing, and the books (each thread 16 centroids per book;
+    // a warp's stores then fill two 128-byte rows: no bank conflicts).
+    float qv[D / 32], km[D / 32], ks[D / 32];
+    if (warp < G) {
+#pragma unroll
+        for (int i = 0; i < D / 32; i++) {
+            const int e = i * 32 + lane;
+            qv[i] = q[((size_t)b * HQ + h * G + warp) * D + e];
+            km[i] = CENTER_K ? kmean[h * D + e] : 0.f;
+            ks[i] = SMOOTH_K ? kscale[h * D + e] : 1.f;
+        }
+    }
+    {
+        constexpr int PER = 256 * 16 / (WARPS * 32);
+        const int r = tid % 16, c0 = tid / 16, cs = WARPS * 32 / 16;
+        uint2 ke[PER], ve[PER];
+#pragma unroll
+        for (int k = 0; k < PER; k++) {
+            ke[k] = kbook[c0 + k * cs];
+            ve[k] = vbook[c0 + k * cs];
+        }
+#pragma unroll
+        for (int k = 0; k < PER; k++) {
+            books[(c0 + k * cs) * 32 + r] = ke[k];
+            books[(c0 + k * cs) * 32 + 16 + r] = ve[k];
+        }
+    }
+    // q̃ = H(s ⊙ q·scale), the offset q·scale·μ_k (scores are q̃·ĉ + offset).
+    if (warp < G) {
+        float o = 0.f;
+#pragma unroll
+        for (int i = 0; i < D / 32; i++) {
+            const float f = qv[i] * scale;
+            o = fmaf(f, km[i], o);
+            qv[i] = f * ks[i];
+        }
+        if (ROTATE) warp_fwht<D>(qv, lane);
+#pragma unroll
+        for (int i = 0; i < D / 32; i++) qt[warp * D + i * 32 + lane] = qv[i] * LOG2E;
+        o = warp_sum(o);
+        if (lane == 0) off[warp] = o;
+    }
+    __syncthreads();
+    const unsigned kl8 = rl * 8, vl8 = 128 + rl * 8;  // this lane's replica in the key / value book
+
+    // Query fragments, head g (zero for g ≥ G): k-tile kt, lane q → sub-space q·KT + kt, elements
+    // (0, 1) and (2, 3). They are the A rows of Q̃ (S^T form) or the B columns of Q̃^T (S form).
+    unsigned qf[KT][2];
+#pragma unroll
+    for (int kt = 0; kt < KT; kt++) {
+        if (g < G) {
+            const float4 v = *(const float4*)(qt + g * D + 4 * (qd * KT + kt));
+            qf[kt][0] = pack_h2(v.x, v.y);
+            qf[kt][1] = pack_h2(v.z, v.w);
+        } else {
+            qf[kt][0] = 0u;
+            qf[kt][1] = 0u;
+        }
+    }
+
+    float o[2 * VP][4];
+#pragma unroll
+    for (int mt = 0; mt < 2 * VP; mt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) o[mt][i] = 0.f;
+
+    // O^T += V̂^T · P^T over one step: value codes vw, weights pb (P^T fragments: positions 2q,
+    // 2q+1 and 2q+8, 2q+9 of head g).
+    auto accumulate = [&](const unsigned (&vw)[4][VW], unsigned pb0, unsigned pb1) {
+#pragma unroll
+        for (int u = 0; u < VP; u++) {
+            uint2 c[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) c[i] = *(const uint2*)(smem_raw + entry(vw[i], u, vl8));
+            mma_16816(o[2 * u], prmt(c[0].x, c[1].x, 0x5410), prmt(c[0].x, c[1].x, 0x7632), prmt(c[2].x, c[3].x, 0x5410), prmt(c[2].x, c[3].x, 0x7632), pb0, pb1);
+            mma_16816(o[2 * u + 1], prmt(c[0].y, c[1].y, 0x5410), prmt(c[0].y, c[1].y, 0x7632), prmt(c[2].y, c[3].y, 0x5410), prmt(c[2].y, c[3].y, 0x7632), pb0, pb1);
+        }
+    };
+    // Rescales the value accumulators of heads 2q (columns 0, 2) and 2q+1 (1, 3).
+    auto rescale = [&](float a0, float a1) {
+#pragma unroll
+        for (int mt = 0; mt < 2 * VP; mt++) {
+            o[mt][0] *= a0;
+            o[mt][1] *= a1;
+            o[mt][2] *= a0;
+            o[mt][3] *= a1;
+        }
+    };
+
+    // One step of 16 positions at st: scores from key codes kw, then the value accumulation of the
+    // previous step (codes vw, weights pb), which the schedulers overlap with the scoring, then
+    // the online softmax → pb. Meanwhile the next step's key codes (kn) and this step's value
+    // codes (vn) are fetched.
+    unsigned pb0 = 0u, pb1 = 0u;  // zero weights before the first step
+    // S = K̂ · Q̃^T: rows positions g (codes kw[0]) and g + 8 (kw[1]), columns heads. A lane keeps
+    // the softmax state of heads 2q, 2q+1: the heads of its value accumulators.
+    float mrow[2] = {NEG_MAX, NEG_MAX}, lrow[2] = {0.f, 0.f};
+    auto step = [&](const unsigned (&kw)[2][KW], const unsigned (&vw)[4][VW], unsigned (&kn)[2][KW], unsigned (&vn)[4][VW], int st) {
+        if (st + 16 < w1) {
+            load_keys(kn, st + 16, kp);
+            load_values(vn, st + 16, vp);
+        }
+        kp += 16 * M_SUB;
+        vp += 16 * M_SUB;
+        float s[4] = {0.f, 0.f, 0.f, 0.f};  // (g, 2q), (g, 2q+1), (g+8, 2q), (g+8, 2q+1)
+#pragma unroll
+        for (int kt = 0; kt < KT; kt++) {
+            const uint2 a = *(const uint2*)(smem_raw + entry(kw[0], kt, kl8));
+            const uint2 c = *(const uint2*)(smem_raw + entry(kw[1], kt, kl8));
+            mma_16816(s, a.x, c.x, a.y, c.y, qf[kt][0], qf[kt][1]);
+        }
+        accumulate(vw, pb0, pb1);
+        if (st + 16 > w1) {  // the run's last, partial step
+            if (st + g >= w1) s[0] = s[1] = __int_as_float(0xff800000);  // -inf
+            if (st + 8 + g >= w1) s[2] = s[3] = __int_as_float(0xff800000);
+        }
+        // Online softmax over the 16 positions (lanes of equal q) of heads 2q, 2q+1, lazily: the
+        // reference maximum moves only when a score passes it by more than 8 (log2 units), so
+        // weights stay ≤ 2^8 (exact enough in f16) and most steps need one vote, no shuffles.
+        float t0m = fmaxf(s[0], s[2]), t1m = fmaxf(s[1], s[3]);
+        if (__any_sync(FULL_MASK, t0m > mrow[0] + 8.f || t1m > mrow[1] + 8.f)) {
+#pragma unroll
+            for (int x = 4; x < 32; x <<= 1) {
+                t0m = fmaxf(t0m, __shfl_xor_sync(FULL_MASK, t0m, x));
+                t1m = fmaxf(t1m, __shfl_xor_sync(FULL_MASK, t1m, x));
+            }
+            const float m0 = fmaxf(mrow[0], t0m), m1 = fmaxf(mrow[1], t1m);
+            const float a0 = ex2(mrow[0] - m0), a1 = ex2(mrow[1] - m1);
+            mrow[0] = m0;
+            mrow[1] = m1;
+            lrow[0] *= a0;
+            lrow[1] *= a1;
+            rescale(a0, a1);
+        }
+        const float p0 = ex2(s[0] - mrow[0]), p1 = ex2(s[1] - mrow[1]), p2 = ex2(s[2] - mrow[0]), p3 = ex2(s[3] - mrow[1]);
+        lrow[0] += p0 + p2;
+        lrow[1] += p1 + p3;
+        // (position, head) fragments → (head, position): the P^T fragments of the value mma.
+        pb0 = transpose8(pack_h2(p0, p1));
+        pb1 = transpose8(pack_h2(p2, p3));
+    };
+    for (int st = w0; st < w1; st += 16) {
+        step(kw, vw, kn, vn, st);
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int k = 0; k < KW; k++) kw[nt][k] = kn[nt][k];
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int k = 0; k < VW; k++) {
+                vw[i][k] = vcur[i][k];
+                vcur[i][k] = vn[i][k];
+            }
+    }
+    if (w0 < w1) accumulate(vw, pb0, pb1);  // the last step's values
+
+    // Fold the warps: partials over the (no longer read) codebooks.
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int x = 4; x < 32; x <<= 1) lrow[j] += __shfl_xor_sync(FULL_MASK, lrow[j], x);
+    if (g == 0) {
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+            if (2 * qd + j < G) {
+                wml[warp * 16 + 2 * qd + j] = mrow[j];
+                wml[warp * 16 + 8 + 2 * qd + j] = lrow[j];
+            }
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2 * VP; mt++) {
+        const int dim = 4 * (g * VP + (mt >> 1)) + 2 * (mt & 1);
+        if (2 * qd < G) {
+            wo[(warp * G + 2 * qd) * D + dim] = o[mt][0];
+            wo[(warp * G + 2 * qd) * D + dim + 1] = o[mt][2];
+        }
+        if (2 * qd + 1 < G) {
+            wo[(warp * G + 2 * qd + 1) * D + dim] = o[mt][1];
+            wo[(warp * G + 2 * qd + 1) * D + dim + 1] = o[mt][3];
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < G * D; i += WARPS * 32) {
+        const int hh = i / D, d = i % D;
+        float mx = NEG_MAX;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, wml[w * 16 + hh]);
+        float acc = 0.f, l = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) {
+            const float f = ex2(wml[w * 16 + hh] - mx);
+            acc = fmaf(f, wo[(w * G + hh) * D + d], acc);
+            l = fmaf(f, wml[w * 16 + 8 + hh], l);
+        }
+        const size_t part = (size_t)(b * HQ + h * G + hh) * nsplit + sp;
+        part_o[part * D + d] = acc;
+        if (d == 0) {
+            part_ml[part * 2] = n > 0 ? mx / LOG2E + off[hh] : NEG_MAX;
+            part_ml[part * 2 + 1] = n > 0 ? l : 0.f;
+        }
+    }
+}
