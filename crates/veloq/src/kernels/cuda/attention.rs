@@ -214,12 +214,13 @@ impl GpuAttention {
     /// Splits the split kernel uses for `batch` × `s` tokens: as few as keep each split within its
     /// most positions ([`MAX_SPLIT`] for the table kernel: one table build per split), then as many
     /// as fill the waves those need (table kernel: one block per multiprocessor, it takes most of
-    /// the shared memory; tensor cores: two), at least 256 positions each.
+    /// the shared memory; tensor cores: two, one at head_dim 256), at least 256 positions each.
     pub fn splits(&self, gpu: &Gpu, batch: usize, s: usize) -> usize {
         let gb = self.prepared.get().map_or_else(|| self.best_plan(gpu).gb, |k| k.0.gb);
         let sms = gpu.multiprocessors() as usize;
         let (blocks, most, per_sm) = match self.kernel {
-            SplitKernel::TensorCores => (batch * self.keys.heads, MMA_MAX_SPLIT, 2),
+            // Two blocks per SM; one at head_dim 256 (its registers: `MIN_BLOCKS` in the kernel).
+            SplitKernel::TensorCores => (batch * self.keys.heads, MMA_MAX_SPLIT, if self.keys.head_dim == 256 { 1 } else { 2 }),
             SplitKernel::Tables => (batch * self.keys.heads * (self.group() / gb), MAX_SPLIT, 1),
         };
         let slots = sms * per_sm;
