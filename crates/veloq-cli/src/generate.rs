@@ -17,18 +17,37 @@ pub enum MethodArg {
     Vecinfer,
 }
 
-#[derive(ClapArgs)]
-pub struct Args {
+/// The model file and its calibration, as every command that runs a calibrated model takes them.
+#[derive(ClapArgs, Clone)]
+pub struct ModelFiles {
     /// GGUF model file (scripts/fetch-data puts SmolLM2 in ~/.cache/veloq).
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Calibration artifact (veloq calibrate); default ~/.cache/veloq/<model>.vecinfer.safetensors
+    #[arg(long)]
+    pub calibration: Option<PathBuf>,
+}
+
+impl ModelFiles {
+    /// The model file, or the default one.
+    pub fn model(&self) -> PathBuf {
+        self.model.clone().unwrap_or_else(default_model)
+    }
+
+    /// The calibration file, or the default one beside the model's name.
+    pub fn calibration(&self) -> PathBuf {
+        self.calibration.clone().unwrap_or_else(|| default_calibration(&self.model()))
+    }
+}
+
+#[derive(ClapArgs)]
+pub struct Args {
+    #[command(flatten)]
+    pub files: ModelFiles,
     #[arg(long)]
     pub prompt: String,
     #[arg(long, value_enum, default_value = "vecinfer")]
     pub method: MethodArg,
-    /// Calibration artifact (veloq calibrate); default ~/.cache/veloq/<model>.vecinfer.safetensors
-    #[arg(long)]
-    pub calibration: Option<PathBuf>,
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
     /// Sampling temperature; 0 = greedy.
@@ -68,7 +87,7 @@ pub fn default_calibration(model: &std::path::Path) -> PathBuf {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let model_path = a.model.clone().unwrap_or_else(default_model);
+    let model_path = a.files.model();
     if a.dequantize {
         // Read by candle when the weights are loaded, below; nothing else runs yet.
         std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
@@ -79,7 +98,7 @@ pub fn run(a: Args) -> Result<()> {
     let config = match a.method {
         MethodArg::Fp16 => CacheConfig::fp16(),
         MethodArg::Vecinfer => {
-            let cal = a.calibration.clone().unwrap_or_else(|| default_calibration(&model_path));
+            let cal = a.files.calibration();
             CacheConfig::vecinfer_from_file(&cal, &model).with_context(|| {
                 format!("loading calibration {} (make one with `veloq calibrate --model {}`)", cal.display(), model_path.display())
             })?

@@ -13,14 +13,12 @@ use veloq_candle::model::{encode, Model};
 
 use super::write_json;
 use crate::calibrate::default_text;
-use crate::generate::{default_calibration, default_model};
+use crate::generate::ModelFiles;
 
 #[derive(ClapArgs)]
 pub struct Args {
-    #[arg(long)]
-    model: Option<PathBuf>,
-    #[arg(long)]
-    calibration: Option<PathBuf>,
+    #[command(flatten)]
+    files: ModelFiles,
     /// Context lengths to measure at.
     #[arg(long, value_delimiter = ',', default_value = "256,1024,4096")]
     contexts: Vec<usize>,
@@ -35,10 +33,10 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let model_path = a.model.clone().unwrap_or_else(default_model);
+    let model_path = a.files.model();
     let max_ctx = a.contexts.iter().max().copied().unwrap_or(256) + a.steps + 1;
     let (model, tok) = Model::open(&model_path, max_ctx)?;
-    let cal = a.calibration.clone().unwrap_or_else(|| default_calibration(&model_path));
+    let cal = a.files.calibration();
     let methods = [CacheConfig::fp16(), CacheConfig::vecinfer_from_file(&cal, &model).with_context(|| format!("calibration {}", cal.display()))?];
     let text_path = a.text.clone().unwrap_or_else(|| default_text().with_file_name("emma.txt"));
     let ids = encode(&tok, &std::fs::read_to_string(&text_path).with_context(|| text_path.display().to_string())?)?;

@@ -30,15 +30,13 @@ use veloq_candle::model::{Geometry, Model};
 
 use super::cuda::{codec, Rng};
 use super::write_json;
-use crate::generate::{default_calibration, default_model, human};
+use crate::generate::{human, ModelFiles};
 
 #[derive(ClapArgs)]
 pub struct Args {
-    /// The real model (GGUF); default SmolLM2 from scripts/fetch-data.
-    #[arg(long)]
-    model: Option<PathBuf>,
-    #[arg(long)]
-    calibration: Option<PathBuf>,
+    // The real model (GGUF) and its calibration; default SmolLM2 from scripts/fetch-data.
+    #[command(flatten)]
+    files: ModelFiles,
     /// Contexts (positions already cached when decoding starts).
     #[arg(long, value_delimiter = ',', default_value = "1024,8192,32768,131072")]
     contexts: Vec<usize>,
@@ -400,9 +398,9 @@ pub fn run(a: Args) -> Result<()> {
         checks.push(cache_checks(&dev, &rt, &mut rng, h, hq, d, b).with_context(|| format!("cache check {h}/{hq}/{d}/{b}"))?);
     }
 
-    let model_path = a.model.clone().unwrap_or_else(default_model);
+    let model_path = a.files.model();
     let max_ctx = a.contexts.iter().max().copied().unwrap_or(1024) + a.steps + 64;
-    let cal_path = a.calibration.clone().unwrap_or_else(|| default_calibration(&model_path));
+    let cal_path = a.files.calibration();
     let mut agree = Vec::new();
     let mut runs = Vec::new();
     let mut budget = Vec::new();
