@@ -70,8 +70,8 @@ impl Variant {
     /// on tensor cores (the bound), f32 (or f16 partials) on CUDA cores.
     fn label(self) -> (String, f64) {
         match self.kernel {
-            SplitKernel::TensorCores => ("tensor-cores".into(), 1e-2),
-            SplitKernel::Tables => (format!("tables {} {}", self.threads, if self.half { "f16" } else { "f32" }), 1e-3),
+            SplitKernel::TensorCores => (self.kernel.name().into(), 1e-2),
+            SplitKernel::Tables => (format!("{} {} {}", self.kernel.name(), self.threads, if self.half { "f16" } else { "f32" }), 1e-3),
         }
     }
 }

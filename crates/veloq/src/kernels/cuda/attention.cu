@@ -10,8 +10,6 @@
 // code space) per head. Codes are the only cache bytes read, once per group; no fp16 key or value
 // is written anywhere.
 //
-#define MERGE_PF 48  // split partials the merge requests in its first round trip
-
 // vq_attend_merge: block (q head, b). Merges the splits, attends exactly over the f16 window,
 // rotates the code-space sum back (H, value scale, + μ_v times its softmax mass), normalises.
 //
@@ -445,6 +443,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) vq_attend_split(
         if (d < 2) part_ml[part * 2 + d] = red[g * 32 + d];
     }
 }
+
+#define MERGE_PF 48  // split partials the merge requests in its first round trip
 
 // The f16 rows of one stream: W rows, of which rows [0, n_sink) and ring rows sink_cap + ((head +
 // i) mod ring_cap), i < ring_len, hold positions (order is irrelevant to attention); others are

@@ -71,6 +71,12 @@ struct Geometry {
     per_layer: bool,
 }
 
+impl Geometry {
+    fn of(c: &GpuCodec) -> Self {
+        Self { heads: c.heads, head_dim: c.head_dim, sub_dim: c.sub_dim, bits: c.bits, per_layer: c.books == 1 }
+    }
+}
+
 /// Whether the tensor-core split kernel takes this geometry (the table kernel's checks passed).
 fn mma_geometry(k: &Geometry, v: &Geometry, q_heads: usize) -> bool {
     k.sub_dim == 4 && v.sub_dim == 4 && matches!(k.head_dim, 64 | 128 | 256) && q_heads / k.heads <= 8
@@ -102,23 +108,16 @@ impl AttentionScratch {
 
 impl GpuAttention {
     pub fn new(keys: GpuCodec, values: GpuCodec, q_heads: usize) -> Result<Self> {
-        let geometry = |c: &GpuCodec| Geometry { heads: c.heads, head_dim: c.head_dim, sub_dim: c.sub_dim, bits: c.bits, per_layer: c.books == 1 };
-        let (kg, vg) = (geometry(&keys), geometry(&values));
+        let (kg, vg) = (Geometry::of(&keys), Geometry::of(&values));
         let kernel = if mma_geometry(&kg, &vg, q_heads) { SplitKernel::TensorCores } else { SplitKernel::Tables };
         check_geometry(kg, vg, q_heads).map_err(Error::Device)?;
         Ok(Self { keys, values, q_heads, threads: DEFAULT_THREADS, half_values: false, kernel, prepared: OnceLock::new() })
     }
 
-    /// The split kernel in use.
-    pub fn split_kernel(&self) -> SplitKernel {
-        self.kernel
-    }
-
     /// Chooses the split kernel (for comparisons: the default is the tensor-core kernel wherever it
     /// applies). Tensor cores for a geometry they do not take → [`Error::Device`].
     pub fn with_split_kernel(mut self, kernel: SplitKernel) -> Result<Self> {
-        let geometry = |c: &GpuCodec| Geometry { heads: c.heads, head_dim: c.head_dim, sub_dim: c.sub_dim, bits: c.bits, per_layer: c.books == 1 };
-        if kernel == SplitKernel::TensorCores && !mma_geometry(&geometry(&self.keys), &geometry(&self.values), self.q_heads) {
+        if kernel == SplitKernel::TensorCores && !mma_geometry(&Geometry::of(&self.keys), &Geometry::of(&self.values), self.q_heads) {
             return Err(Error::Device("the tensor-core attention kernel takes sub-vectors of 4, head_dim 64/128/256 and at most 8 query heads per kv head".into()));
         }
         self.kernel = kernel;
@@ -393,6 +392,27 @@ pub(super) struct Plan {
 
 impl Plan {
     const CENTROIDS: usize = 256;
+    /// Bytes of the tensor-core kernel's two f16 codebooks (16 replicas of 4 elements each).
+    const MMA_BOOKS: usize = 2 * Self::CENTROIDS * 16 * 4 * 2;
+
+    /// The Llama-3.1-8B geometry (2-bit codes, key centering and smoothing, rotation) with `kernel`:
+    /// the base the compile checks and tests vary.
+    fn example(kernel: SplitKernel) -> Self {
+        Plan {
+            d: 128,
+            sd_k: 4,
+            sd_v: 4,
+            q_heads: 32,
+            kv_heads: 8,
+            center: (true, true),
+            smooth: (true, false),
+            rotate: true,
+            gb: 4,
+            threads: DEFAULT_THREADS,
+            half_values: false,
+            kernel,
+        }
+    }
 
     fn m_k(&self) -> usize {
         self.d / self.sd_k
@@ -444,7 +464,7 @@ impl Plan {
     fn split_smem(&self) -> usize {
         match self.kernel {
             // Two f16 codebooks × 16 replicas, the queries, offsets, warp maxima and sums.
-            SplitKernel::TensorCores => 2 * Self::CENTROIDS * 16 * 8 + (self.group() * self.d + 8 + (MMA_THREADS as usize / 32) * 16) * 4,
+            SplitKernel::TensorCores => Self::MMA_BOOKS + (self.group() * self.d + 8 + (MMA_THREADS as usize / 32) * 16) * 4,
             SplitKernel::Tables => self.smem(),
         }
     }
@@ -508,20 +528,7 @@ impl Plan {
 /// Defines of several geometries (D 64/128/256, sub_dim 2/4/8, 1–4 heads per block), for the
 /// NVRTC compile check.
 pub(super) fn example_defines() -> Vec<Vec<(&'static str, i64)>> {
-    let base = Plan {
-        d: 128,
-        sd_k: 4,
-        sd_v: 4,
-        q_heads: 32,
-        kv_heads: 8,
-        center: (true, true),
-        smooth: (true, false),
-        rotate: true,
-        gb: 4,
-        threads: DEFAULT_THREADS,
-        half_values: false,
-        kernel: SplitKernel::Tables,
-    };
+    let base = Plan::example(SplitKernel::Tables);
     [
         base,
         Plan { d: 64, sd_k: 8, sd_v: 8, gb: 1, q_heads: 8, threads: 1024, ..base },
@@ -538,20 +545,7 @@ pub(super) fn example_defines() -> Vec<Vec<(&'static str, i64)>> {
 /// Defines of the tensor-core split kernel for D 64/128/256 and groups of 1–8 heads, for the NVRTC
 /// compile check.
 pub(super) fn example_mma_defines() -> Vec<Vec<(&'static str, i64)>> {
-    let base = Plan {
-        d: 128,
-        sd_k: 4,
-        sd_v: 4,
-        q_heads: 32,
-        kv_heads: 8,
-        center: (true, true),
-        smooth: (true, false),
-        rotate: true,
-        gb: 4,
-        threads: DEFAULT_THREADS,
-        half_values: false,
-        kernel: SplitKernel::TensorCores,
-    };
+    let base = Plan::example(SplitKernel::TensorCores);
     [
         base,
         Plan { d: 64, q_heads: 9, kv_heads: 3, ..base },
@@ -589,23 +583,10 @@ mod tests {
     #[test]
     fn tensor_core_plans_fit_shared_memory() {
         for (d, hq, hkv) in [(64, 9, 3), (128, 32, 8), (128, 8, 8), (256, 8, 1)] {
-            let p = Plan {
-                d,
-                sd_k: 4,
-                sd_v: 4,
-                q_heads: hq,
-                kv_heads: hkv,
-                center: (true, true),
-                smooth: (true, false),
-                rotate: true,
-                gb: 1,
-                threads: DEFAULT_THREADS,
-                half_values: false,
-                kernel: SplitKernel::TensorCores,
-            };
+            let p = Plan { d, q_heads: hq, kv_heads: hkv, ..Plan::example(SplitKernel::TensorCores) };
             assert!(2 * p.split_smem() <= 227 * 1024, "D {d}: {} B", p.split_smem());
             let partials = (MMA_THREADS as usize / 32) * (hq / hkv) * d * 4;
-            assert!(partials <= 2 * 256 * 16 * 8, "D {d}, group {}: {partials} B of partials", hq / hkv);
+            assert!(partials <= Plan::MMA_BOOKS, "D {d}, group {}: {partials} B of partials", hq / hkv);
         }
     }
 }

@@ -164,8 +164,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
         load_values(vcur, w0, vp - 16 * M_SUB);
     }
 
-    // Everything global that the prologue needs is requested at once: this warp's query head (warp
-    // g < G) with its centering and smoothing, and the books (each thread 16 centroids per book;
+    // Everything global that the prologue needs is requested at once: this warp's query head (warps
+    // < G) with its centering and smoothing, and the books (each thread 16 centroids per book;
     // a warp's stores then fill two 128-byte rows: no bank conflicts).
     float qv[D / 32], km[D / 32], ks[D / 32];
     if (warp < G) {
@@ -211,7 +211,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
     const unsigned kl8 = rl * 8, vl8 = 128 + rl * 8;  // this lane's replica in the key / value book
 
     // Query fragments, head g (zero for g ≥ G): k-tile kt, lane q → sub-space q·KT + kt, elements
-    // (0, 1) and (2, 3). They are the A rows of Q̃ (S^T form) or the B columns of Q̃^T (S form).
+    // (0, 1) and (2, 3): the B columns of Q̃^T.
     unsigned qf[KT][2];
 #pragma unroll
     for (int kt = 0; kt < KT; kt++) {
@@ -256,8 +256,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
 
     // One step of 16 positions at st: scores from key codes kw, then the value accumulation of the
     // previous step (codes vw, weights pb), which the schedulers overlap with the scoring, then
-    // the online softmax → pb. Meanwhile the next step's key codes (kn) and this step's value
-    // codes (vn) are fetched.
+    // the online softmax → pb. Meanwhile the next step's key and value codes (kn, vn) are fetched.
     unsigned pb0 = 0u, pb1 = 0u;  // zero weights before the first step
     // S = K̂ · Q̃^T: rows positions g (codes kw[0]) and g + 8 (kw[1]), columns heads. A lane keeps
     // the softmax state of heads 2q, 2q+1: the heads of its value accumulators.
