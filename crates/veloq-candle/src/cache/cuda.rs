@@ -6,8 +6,9 @@
 //! Layout per stream (one kv head of one sequence): codes `[capacity, subspaces]` bytes for keys
 //! and for values; f16 rows `[sink + ring, head_dim]`, where the first `sink` rows keep the first
 //! positions for good and the ring holds the recent ones (attention does not care about order).
-//! A decode step is 3 launches: the new row into the ring, then the split and merge attention
-//! kernels over codes + f16 rows (the split is skipped while nothing is coded). When the ring reaches `window + flush_block` rows after
+//! A decode step is 2 launches: the new row into the ring, then attention over codes + f16 rows
+//! (on tensor cores one kernel whose last block per stream merges; the table kernel and, while
+//! nothing is coded, the window alone take a separate merge launch). When the ring reaches `window + flush_block` rows after
 //! attending, its oldest `flush_block` rows are quantized in place (one launch for keys, one for
 //! values), so quantizing costs 2 launches every `flush_block` steps. Prefill attends exactly and
 //! quantizes all but the window straight from the prompt's keys and values.
@@ -353,10 +354,9 @@ impl CudaVecInferCache {
         let plane = self.plane();
         let window = Window { keys: self.w.slice(..plane), values: self.w.slice(plane..), rows: self.rows(), map: self.window_map() };
         let attn = &self.attn;
-        self.rt.with_scratch(b * hq * nsplit, d, |scratch| {
+        self.launches += self.rt.with_scratch(b * hq * nsplit, d, |scratch| {
             with_view::<f32, _>(&q, |qv| Ok(attn.attend_cache(gpu, &qv, b, &coded, &window, scale as f32, scratch, &mut out)?))
         })?;
-        self.launches += 1 + usize::from(nsplit > 0);
         Ok(self.rt.tensor(out, (b, hq, 1, d)))
     }
 }

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
-use clap::Args as ClapArgs;
+use clap::{Args as ClapArgs, ValueEnum};
 use half::f16;
 use serde_json::json;
 
@@ -24,6 +24,9 @@ pub struct Args {
     /// Timed repetitions per shape (median reported).
     #[arg(long, default_value_t = 50)]
     reps: usize,
+    /// How each timed rep starts: queued (as do_bench times the anchors) or idle.
+    #[arg(long, value_enum, default_value = "queued")]
+    timing: Timing,
     /// Skip timing (correctness only).
     #[arg(long)]
     check_only: bool,
@@ -43,6 +46,16 @@ pub struct Args {
     /// timed over the same grid in this run (the ratio tables and the figure use the first).
     #[arg(long, value_delimiter = ',', default_value = "tensor-cores,tables")]
     kernels: Vec<String>,
+    /// Batches of the attention timing grid.
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 8, 32])]
+    batches: Vec<usize>,
+    /// Positions (coded tokens) of the attention timing grid.
+    #[arg(long, value_delimiter = ',', default_values_t = [1024usize, 4096, 16384, 65536, 131072])]
+    contexts: Vec<usize>,
+    /// How the tensor-core kernel merges its splits, comma separated: fused (its last block per
+    /// stream, one launch) and/or separate (a second launch). Each is checked and timed.
+    #[arg(long, value_delimiter = ',', default_value = "fused")]
+    merge: Vec<String>,
     /// Threads per block of the table kernel, comma separated: times it at each.
     #[arg(long, value_delimiter = ',', default_values_t = [veloq::kernels::cuda::DEFAULT_THREADS])]
     threads: Vec<u32>,
@@ -58,19 +71,20 @@ struct Variant {
     kernel: SplitKernel,
     threads: u32,
     half: bool,
+    fused: bool,
 }
 
 impl Variant {
     fn build(self, gpu: &Gpu, kc: &VecInferCodec, vc: &VecInferCodec, hq: usize) -> Result<GpuAttention> {
         let att = GpuAttention::new(GpuCodec::upload(gpu, kc)?, GpuCodec::upload(gpu, vc)?, hq)?.with_split_kernel(self.kernel)?;
-        Ok(att.with_threads(self.threads)?.with_half_values(self.half)?)
+        Ok(att.with_threads(self.threads)?.with_half_values(self.half)?.with_fused_merge(self.fused))
     }
 
     /// Label and the relative error it must stay within against the f64 reference: f16 operands
     /// on tensor cores (the bound), f32 (or f16 partials) on CUDA cores.
     fn label(self) -> (String, f64) {
         match self.kernel {
-            SplitKernel::TensorCores => (self.kernel.name().into(), 1e-2),
+            SplitKernel::TensorCores => (format!("{}{}", self.kernel.name(), if self.fused { "" } else { " +merge" }), 1e-2),
             SplitKernel::Tables => (format!("{} {} {}", self.kernel.name(), self.threads, if self.half { "f16" } else { "f32" }), 1e-3),
         }
     }
@@ -109,30 +123,56 @@ fn rel_mse(x: &[f32], y: &[f32]) -> f64 {
     e / x.iter().map(|a| (*a as f64).powi(2)).sum::<f64>()
 }
 
-/// Median milliseconds of `reps` runs of `f`, timed with events on the GPU's stream.
-fn time_ms(gpu: &Gpu, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
-    for _ in 0..3 {
-        f()?;
-    }
-    let s = gpu.stream();
-    let mut t = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let a = s.record_event(Some(CU_EVENT_DEFAULT)).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-        f()?;
-        let b = s.record_event(Some(CU_EVENT_DEFAULT)).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-        b.synchronize().map_err(|e| anyhow::anyhow!("{e:?}"))?;
-        t.push(a.elapsed_ms(&b).map_err(|e| anyhow::anyhow!("{e:?}"))? as f64);
-    }
-    t.sort_by(f64::total_cmp);
-    Ok(t[t.len() / 2])
-}
-
 macro_rules! dev {
     ($e:expr) => {
         $e.map_err(|e| anyhow::anyhow!("{e:?}"))?
     };
 }
+
+/// How each timed repetition starts.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Timing {
+    /// As `triton.testing.do_bench`, which times the PyTorch and Triton anchors: L2 cleared
+    /// (256 MB written) before each rep, the rep's events queued behind the clear, one
+    /// synchronisation at the end. The GPU is busy when a rep is submitted, so host launch latency
+    /// is hidden, as in a decode loop that runs ahead of the GPU.
+    Queued,
+    /// Each rep submitted to an idle GPU and waited for: includes the host's launch latency of the
+    /// first kernel, and whatever of the inputs stayed in L2 from the previous rep.
+    Idle,
+}
+
+/// Median milliseconds of `reps` runs of `f`, timed with events on the GPU's stream (after 3
+/// warm-up runs).
+fn time_ms(gpu: &Gpu, timing: Timing, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+    for _ in 0..3 {
+        f()?;
+    }
+    let s = gpu.stream();
+    let mut flush = match timing {
+        Timing::Queued => Some(dev!(s.alloc_zeros::<u8>(256 << 20))),
+        Timing::Idle => None,
+    };
+    let mut events = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        if let Some(buf) = flush.as_mut() {
+            dev!(s.memset_zeros(buf));
+        }
+        let a = dev!(s.record_event(Some(CU_EVENT_DEFAULT)));
+        f()?;
+        let b = dev!(s.record_event(Some(CU_EVENT_DEFAULT)));
+        if timing == Timing::Idle {
+            dev!(b.synchronize());
+        }
+        events.push((a, b));
+    }
+    dev!(s.synchronize());
+    let mut t = events.iter().map(|(a, b)| Ok(dev!(a.elapsed_ms(b)) as f64)).collect::<Result<Vec<_>>>()?;
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
 
 /// GPU codes vs the CPU encoder on one shape: code agreement and reconstruction error.
 fn check_quantize(gpu: &Gpu, rng: &mut Rng, (s, d, h, sd, bits, g): (usize, usize, usize, usize, u32, Granularity)) -> Result<serde_json::Value> {
@@ -253,6 +293,9 @@ fn check_attention(gpu: &Gpu, rng: &mut Rng, c: AttnCase, v: Variant) -> Result<
 
 pub fn run(a: Args) -> Result<()> {
     let gpu = Gpu::new(0).context("opening GPU 0")?;
+    // SAFETY: everything here runs on the GPU's one stream, so cudarc's per-buffer event tracking
+    // would only add driver calls to every launch.
+    unsafe { gpu.stream().context().disable_event_tracking() };
     let seed = SystemTime::now().duration_since(UNIX_EPOCH)?.as_nanos() as u64 | 1;
     let mut rng = Rng(seed);
     println!("{} ({} SMs), seed {seed}", gpu.name(), gpu.multiprocessors());
@@ -268,11 +311,20 @@ pub fn run(a: Args) -> Result<()> {
     let mut variants = Vec::new();
     for k in &a.kernels {
         match k.as_str() {
-            "tensor-cores" => variants.push(Variant { kernel: SplitKernel::TensorCores, threads: a.threads[0], half: false }),
+            "tensor-cores" => {
+                for m in &a.merge {
+                    let fused = match m.as_str() {
+                        "fused" => true,
+                        "separate" => false,
+                        o => bail!("--merge takes fused or separate, not {o}"),
+                    };
+                    variants.push(Variant { kernel: SplitKernel::TensorCores, threads: a.threads[0], half: false, fused });
+                }
+            }
             "tables" => {
                 for &threads in &a.threads {
                     for &h in &half {
-                        variants.push(Variant { kernel: SplitKernel::Tables, threads, half: h });
+                        variants.push(Variant { kernel: SplitKernel::Tables, threads, half: h, fused: false });
                     }
                 }
             }
@@ -285,7 +337,7 @@ pub fn run(a: Args) -> Result<()> {
     match a.profile[..] {
         [] => {}
         [b, s] => {
-            time_attention(&gpu, &mut rng, vec![(b, s)], 1, variants[0])?;
+            time_attention(&gpu, &mut rng, vec![(b, s)], Timing::Idle, 1, variants[0])?;
             return Ok(());
         }
         _ => bail!("--profile takes B,S"),
@@ -332,7 +384,7 @@ pub fn run(a: Args) -> Result<()> {
         let gc = GpuCodec::upload(&gpu, &c)?;
         let xd = dev!(st.clone_htod(&f16_bits(&rng.rows(s * h, d))));
         let mut out = dev!(st.alloc_zeros::<u8>(gc.code_bytes(s * h)));
-        let ms = time_ms(&gpu, a.reps, || Ok(gc.quantize(&gpu, &xd, s * h, &mut out)?))?;
+        let ms = time_ms(&gpu, a.timing, a.reps, || Ok(gc.quantize(&gpu, &xd, s * h, &mut out)?))?;
         let n = (s * h * d / sd) as f64;
         let flops = n * 256.0 * (2.0 * sd as f64 + 1.0);
         let bytes = (s * h * d * 2) as f64 + gc.code_bytes(s * h) as f64;
@@ -344,8 +396,8 @@ pub fn run(a: Args) -> Result<()> {
     println!("|---|---|---|---|---|---|");
     let mut at = Vec::new();
     for &v in &variants {
-        let grid = [1usize, 8, 32].iter().flat_map(|&b| [1024usize, 4096, 16384, 65536, 131072].map(move |s| (b, s))).collect();
-        at.extend(time_attention(&gpu, &mut rng, grid, a.reps, v)?);
+        let grid = a.batches.iter().flat_map(|&b| a.contexts.iter().map(move |&s| (b, s))).collect();
+        at.extend(time_attention(&gpu, &mut rng, grid, a.timing, a.reps, v)?);
     }
     side_by_side(&at);
     let first_label = variants[0].label().0;
@@ -354,12 +406,13 @@ pub fn run(a: Args) -> Result<()> {
         let base: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
         ratios(&base, &qt, &first, a.plot.as_deref())?;
     }
-    write_json(&a.json, &json!({"gpu": gpu.name(), "seed": seed, "checks": checks, "quantize": qt, "attention": at}))
+    let timing = a.timing.to_possible_value().map(|v| v.get_name().to_string());
+    write_json(&a.json, &json!({"gpu": gpu.name(), "seed": seed, "timing": timing, "checks": checks, "quantize": qt, "attention": at}))
 }
 
 /// Times decode attention over 2-bit codes (256 centroids of 4) in the Llama-3.1-8B geometry for
 /// each (batch, positions), printing a table row each.
-fn time_attention(gpu: &Gpu, rng: &mut Rng, shapes: Vec<(usize, usize)>, reps: usize, v: Variant) -> Result<Vec<serde_json::Value>> {
+fn time_attention(gpu: &Gpu, rng: &mut Rng, shapes: Vec<(usize, usize)>, timing: Timing, reps: usize, v: Variant) -> Result<Vec<serde_json::Value>> {
     let st = gpu.stream();
     let mut at = Vec::new();
     let (hq, hkv, d, w) = (32, 8, 128, 16);
@@ -379,11 +432,15 @@ fn time_attention(gpu: &Gpu, rng: &mut Rng, shapes: Vec<(usize, usize)>, reps: u
         let mut out = dev!(st.alloc_zeros::<f32>(b * hq * d));
         let splits = att.splits(gpu, b, s);
         let mut scratch = AttentionScratch::new(gpu, b, hq, d, splits)?;
-        let ms = time_ms(gpu, reps, || Ok(att.attend(gpu, &qd, &kcd, &vcd, b, s, &wkd, &wvd, w, 0.088, &mut scratch, &mut out)?))?;
+        let launches = att.attend(gpu, &qd, &kcd, &vcd, b, s, &wkd, &wvd, w, 0.088, &mut scratch, &mut out)?;
+        let ms = time_ms(gpu, timing, reps, || {
+            att.attend(gpu, &qd, &kcd, &vcd, b, s, &wkd, &wvd, w, 0.088, &mut scratch, &mut out)?;
+            Ok(())
+        })?;
         let bytes = 2.0 * n as f64;
         println!("| {b},{s} | {label} | {ms:.4} | {:.1} | {:.0} | {splits} |", bytes / (1 << 20) as f64, bytes / ms / 1e6);
         at.push(json!({"B": b, "S": s, "kernel": label, "Hq": hq, "Hkv": hkv, "D": d, "W": w, "ms": ms, "code_bytes": bytes, "splits": splits,
-            "fp16_kv_bytes": (2 * b * hkv * s * d * 2) as f64, "launches": 2}));
+            "fp16_kv_bytes": (2 * b * hkv * s * d * 2) as f64, "launches": launches}));
     }
     Ok(at)
 }
@@ -414,9 +471,11 @@ fn ratios(base: &serde_json::Value, qt: &[serde_json::Value], at: &[serde_json::
     for q in qt {
         let Some(b) = base["search"].as_array().and_then(|v| v.iter().find(|b| same(b, q, &["S", "D", "H", "sub_dim"]))) else { continue };
         let ms = get(q, "ms");
+        // The naive anchor is skipped where its difference tensor would not fit.
+        let naive = b["naive_ms"].as_f64().map_or("too big".into(), |n| format!("{:.0}×", n / ms));
         println!(
-            "| {},{},{},{} | {ms:.4} | {:.2} | {:.0}× | {:.1}× | {:.1}× | 0 B (output only) |",
-            q["S"], q["D"], q["H"], q["sub_dim"], get(q, "sub_vectors") / ms / 1e6, get(b, "naive_ms") / ms, get(b, "gemm_ms") / ms, get(b, "triton_ms") / ms
+            "| {},{},{},{} | {ms:.4} | {:.2} | {naive} | {:.1}× | {:.1}× | 0 B (output only) |",
+            q["S"], q["D"], q["H"], q["sub_dim"], get(q, "sub_vectors") / ms / 1e6, get(b, "gemm_ms") / ms, get(b, "triton_ms") / ms
         );
     }
     println!("\n| attention B,S | veloq ms | SDPA fp16 ms | veloq speed / SDPA | veloq GB/s on codes (of 4,800) | SDPA TB/s |");

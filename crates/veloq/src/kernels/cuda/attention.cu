@@ -10,13 +10,13 @@
 // code space) per head. Codes are the only cache bytes read, once per group; no fp16 key or value
 // is written anywhere.
 //
-// vq_attend_merge: block (q head, b). Merges the splits, attends exactly over the f16 window,
-// rotates the code-space sum back (H, value scale, + μ_v times its softmax mass), normalises.
+// vq_attend_merge (merge.cu) finishes from the partials.
 //
 // Defines: D, M_K, SD_K, K_K (key centroids, 8-bit codes), M_V, SD_V, K_V, HQ, HKV, G (= HQ/HKV),
 // GB (heads per block, divides G), CENTER_K, SMOOTH_K, CENTER_V, SMOOTH_V, ROTATE, MAX_SPLIT,
-// TABLE (floats of the table space), CHUNK, THREADS, MAX_MERGE (most splits merged), GBP (table entry width), PJ (sub-spaces
-// interleaved in the table), RV (value codebook replicas), VALUES_F16 (value pass in packed f16). Layouts: q [B][HQ][D] f32; codes [B][HKV][S][M] u8; window [B][HKV][W][D] f16.
+// TABLE (floats of the table space), CHUNK, THREADS, GBP (table entry width), PJ (sub-spaces
+// interleaved in the table), RV (value codebook replicas), VALUES_F16 (value pass in packed f16).
+// Layouts: q [B][HQ][D] f32; codes [B][HKV][S][M] u8.
 
 // Shared-memory layouts are chosen so that the lanes of one load phase hit distinct banks even
 // though codes are random: a table entry (all heads of one (j, c)) is GBP floats, and PJ sub-spaces
@@ -441,136 +441,5 @@ extern "C" __global__ void __launch_bounds__(THREADS) vq_attend_split(
         const size_t part = (size_t)(b * HQ + qh0 + g) * nsplit + sp;
         part_o[part * D + d] = o;
         if (d < 2) part_ml[part * 2 + d] = red[g * 32 + d];
-    }
-}
-
-#define MERGE_PF 48  // split partials the merge requests in its first round trip
-
-// The f16 rows of one stream: W rows, of which rows [0, n_sink) and ring rows sink_cap + ((head +
-// i) mod ring_cap), i < ring_len, hold positions (order is irrelevant to attention); others are
-// skipped.
-struct WindowMap {
-    int n_sink, sink_cap, ring_head, ring_len, ring_cap;
-    __device__ bool valid(int t) const {
-        return t < n_sink || (t >= sink_cap && (t - sink_cap - ring_head + ring_cap) % ring_cap < ring_len);
-    }
-};
-
-extern "C" __global__ void __launch_bounds__(128) vq_attend_merge(
-    const float* __restrict__ q, const float* __restrict__ part_o, const float* __restrict__ part_ml,
-    const unsigned short* __restrict__ wk, const unsigned short* __restrict__ wv, const float* __restrict__ vmean,
-    const float* __restrict__ vscale, float* __restrict__ out, int nsplit, int W, WindowMap wmap, float scale) {
-    extern __shared__ __align__(16) unsigned short wkv[];  // window keys then values, [2][W][D] f16
-    __shared__ float oc[D];
-    __shared__ float qs[D];
-    __shared__ float ws[64];       // window scores, then weights
-    __shared__ float sw[MAX_MERGE]; // split maxima, then weights
-    __shared__ float sl[MAX_MERGE]; // split sums
-    __shared__ float red[8];
-    const int qh = blockIdx.x, b = blockIdx.y, h = qh / G;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
-    const size_t base = (size_t)(b * HQ + qh) * nsplit;
-    // One round trip for everything small: the window rows (16-byte loads), the query, the split
-    // maxima and sums.
-    {
-        const uint4* sk = (const uint4*)(wk + ((size_t)b * HKV + h) * W * D);
-        const uint4* sv = (const uint4*)(wv + ((size_t)b * HKV + h) * W * D);
-        uint4* dk = (uint4*)wkv;
-        uint4* dv = (uint4*)(wkv + W * D);
-#pragma unroll 4
-        for (int i = tid; i < W * D / 8; i += blockDim.x) {
-            dk[i] = sk[i];
-            dv[i] = sv[i];
-        }
-    }
-    // The first MERGE_PF splits' partials of this thread's first dim ride along (registers).
-    float pre[MERGE_PF];
-    if (tid < D) {
-#pragma unroll
-        for (int s = 0; s < MERGE_PF; s++) pre[s] = s < nsplit ? part_o[(base + s) * D + tid] : 0.f;
-    }
-    for (int e = tid; e < D; e += blockDim.x) qs[e] = q[((size_t)b * HQ + qh) * D + e] * scale;
-    for (int s = tid; s < nsplit; s += blockDim.x) {
-        sw[s] = part_ml[(base + s) * 2];
-        sl[s] = part_ml[(base + s) * 2 + 1];
-    }
-    __syncthreads();
-    // Window scores, one warp per window position.
-    for (int t = warp; t < W; t += nwarps) {
-        float s = 0.f;
-        for (int e = lane; e < D; e += 32) s = fmaf(qs[e], h2f(wkv[t * D + e]), s);
-        s = warp_sum(s);
-        if (lane == 0) ws[t] = wmap.valid(t) ? s : -3.402823466e38f;
-    }
-    __syncthreads();
-    // The overall maximum (every thread reduces over its splits and window rows).
-    float m = -3.402823466e38f;
-    for (int s = tid; s < nsplit; s += blockDim.x) m = fmaxf(m, sw[s]);
-    for (int t = tid; t < W; t += blockDim.x) m = fmaxf(m, ws[t]);
-    m = warp_max(m);
-    if (lane == 0) red[warp] = m;
-    __syncthreads();
-    m = red[0];
-    for (int w = 1; w < nwarps; w++) m = fmaxf(m, red[w]);
-    __syncthreads();
-    // Weights of the splits and window rows, and their masses.
-    float lc = 0.f, lw = 0.f;
-    for (int s = tid; s < nsplit; s += blockDim.x) {
-        sw[s] = __expf(sw[s] - m);
-        lc += sl[s] * sw[s];
-    }
-    for (int t = tid; t < W; t += blockDim.x) {
-        ws[t] = wmap.valid(t) ? __expf(ws[t] - m) : 0.f;
-        lw += ws[t];
-    }
-    lc = warp_sum(lc);
-    lw = warp_sum(lw);
-    if (lane == 0) {
-        red[warp] = lc;
-        red[4 + warp] = lw;
-    }
-    __syncthreads();
-    lc = 0.f;
-    lw = 0.f;
-    for (int w = 0; w < nwarps; w++) {
-        lc += red[w];
-        lw += red[4 + w];
-    }
-    // Code-space sum over the splits: prefetched partials first, then independent loads, unrolled
-    // so several are in flight.
-    for (int d = tid; d < D; d += blockDim.x) {
-        float acc = 0.f;
-        int s0 = 0;
-        if (d == tid) {
-#pragma unroll
-            for (int s = 0; s < MERGE_PF; s++) acc = fmaf(pre[s], s < nsplit ? sw[s] : 0.f, acc);
-            s0 = MERGE_PF;
-        }
-#pragma unroll 8
-        for (int s = s0; s < nsplit; s++) acc = fmaf(part_o[(base + s) * D + d], sw[s], acc);
-        oc[d] = acc;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        float v[D / 32];
-#pragma unroll
-        for (int i = 0; i < D / 32; i++) v[i] = oc[i * 32 + lane];
-        if (ROTATE) warp_fwht<D>(v, lane);
-#pragma unroll
-        for (int i = 0; i < D / 32; i++) {
-            const int e = i * 32 + lane;
-            float f = v[i];
-            if (SMOOTH_V) f *= vscale[h * D + e];
-            if (CENTER_V) f = fmaf(lc, vmean[h * D + e], f);
-            oc[e] = f;
-        }
-    }
-    __syncthreads();
-    const float inv = 1.f / (lc + lw);
-    for (int d = tid; d < D; d += blockDim.x) {
-        float acc = oc[d];
-        for (int t = 0; t < W; t++)
-            if (ws[t] != 0.f) acc = fmaf(ws[t], h2f(wkv[(W + t) * D + d]), acc);  // skipped rows may hold anything
-        out[((size_t)b * HQ + qh) * D + d] = acc * inv;
     }
 }

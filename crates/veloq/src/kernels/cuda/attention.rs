@@ -1,6 +1,7 @@
-//! Host side of the fused decode attention over codes: a split kernel over the sequence
-//! (`attention_mma.cu` on tensor cores where the geometry allows, else `attention.cu`'s lookup
-//! tables) and a merge kernel (`attention.cu`), two launches per layer and decode step.
+//! Host side of the fused decode attention over codes: a split kernel over the sequence and a merge
+//! (`merge.cu`). On tensor cores (`attention_mma.cu`, where the geometry allows) the split kernel's
+//! last block per stream merges: one launch per layer and decode step. The lookup-table split
+//! kernel (`attention.cu`, every geometry) is followed by the merge kernel: two launches.
 
 use std::sync::OnceLock;
 
@@ -12,8 +13,11 @@ use crate::codec::vecinfer::VecInferCodec;
 use super::{dev_err, Gpu};
 use crate::error::{Error, Result};
 
-pub(super) const SOURCE: &str = include_str!("attention.cu");
-pub(super) const MMA_SOURCE: &str = include_str!("attention_mma.cu");
+const MERGE: &str = include_str!("merge.cu");
+pub(super) const SOURCES: &[&str] = &[include_str!("attention.cu")];
+pub(super) const MERGE_SOURCES: &[&str] = &[MERGE];
+/// The tensor-core split kernel ends with the merge.
+pub(super) const MMA_SOURCES: &[&str] = &[MERGE, include_str!("attention_mma.cu")];
 /// Threads per split block (16 warps: the block holds a whole SM's shared memory).
 pub const DEFAULT_THREADS: u32 = 512;
 /// Most tokens one split block scores (its softmax weights sit in shared memory).
@@ -22,8 +26,6 @@ const MAX_SPLIT: usize = 4096;
 const MIN_CHUNK: usize = 256;
 /// Most f16 window rows the merge kernel takes.
 pub const MAX_WINDOW: usize = 64;
-/// Most splits the merge kernel takes (S up to 2M positions).
-const MAX_MERGE: usize = 1024;
 /// Threads per tensor-core split block (its warp partials must fit over the two 32 KiB codebooks).
 const MMA_THREADS: u32 = 256;
 /// Most positions per tensor-core split (nothing in shared memory grows with it; more splits only
@@ -58,6 +60,7 @@ pub struct GpuAttention {
     threads: u32,
     half_values: bool,
     kernel: SplitKernel,
+    fuse_merge: bool,
     /// The plan and its compiled split and merge kernels, found once (a decode step should not
     /// rebuild define lists and cache keys per layer).
     prepared: OnceLock<(Plan, CudaFunction, CudaFunction)>,
@@ -84,16 +87,18 @@ fn mma_geometry(k: &Geometry, v: &Geometry, q_heads: usize) -> bool {
 
 fn check_geometry(k: Geometry, v: Geometry, q_heads: usize) -> std::result::Result<(), String> {
     let ok = k.bits == 8 && v.bits == 8 && k.per_layer && v.per_layer && (k.head_dim / k.sub_dim) % 4 == 0 && k.sub_dim % 2 == 0;
-    if !ok || k.heads != v.heads || k.head_dim != v.head_dim || q_heads % k.heads != 0 {
-        return Err("CUDA attention takes 8-bit per-layer codebooks for keys and values of one geometry (key sub-spaces a multiple of 4, even key sub_dim), q_heads a multiple of kv heads".into());
+    if !ok || k.heads != v.heads || k.head_dim != v.head_dim || q_heads % k.heads != 0 || q_heads / k.heads > 16 {
+        return Err("CUDA attention takes 8-bit per-layer codebooks for keys and values of one geometry (key sub-spaces a multiple of 4, even key sub_dim), q_heads a multiple of kv heads, at most 16 query heads per kv head (a warp each in the merge)".into());
     }
     Ok(())
 }
 
-/// Partials of the split kernel, reused across calls.
+/// Partials of the split kernel and per-stream counts of finished blocks (zero between calls),
+/// reused across calls.
 pub struct AttentionScratch {
     pub(super) part_o: CudaSlice<f32>,
     pub(super) part_ml: CudaSlice<f32>,
+    pub(super) done: CudaSlice<u32>,
 }
 
 impl AttentionScratch {
@@ -102,6 +107,7 @@ impl AttentionScratch {
         Ok(Self {
             part_o: gpu.stream().alloc_zeros(n * head_dim).map_err(dev_err)?,
             part_ml: gpu.stream().alloc_zeros(n * 2).map_err(dev_err)?,
+            done: gpu.stream().alloc_zeros(batch * q_heads).map_err(dev_err)?,
         })
     }
 }
@@ -111,7 +117,7 @@ impl GpuAttention {
         let (kg, vg) = (Geometry::of(&keys), Geometry::of(&values));
         let kernel = if mma_geometry(&kg, &vg, q_heads) { SplitKernel::TensorCores } else { SplitKernel::Tables };
         check_geometry(kg, vg, q_heads).map_err(Error::Device)?;
-        Ok(Self { keys, values, q_heads, threads: DEFAULT_THREADS, half_values: false, kernel, prepared: OnceLock::new() })
+        Ok(Self { keys, values, q_heads, threads: DEFAULT_THREADS, half_values: false, kernel, fuse_merge: true, prepared: OnceLock::new() })
     }
 
     /// Chooses the split kernel (for comparisons: the default is the tensor-core kernel wherever it
@@ -123,6 +129,14 @@ impl GpuAttention {
         self.kernel = kernel;
         self.prepared = OnceLock::new();
         Ok(self)
+    }
+
+    /// Whether the tensor-core split kernel merges in its last block per stream (the default; it
+    /// falls back to the merge kernel when the merge's shared memory does not fit its own) or
+    /// leaves the merge to a second launch. For comparisons; the table kernel always launches it.
+    pub fn with_fused_merge(mut self, on: bool) -> Self {
+        self.fuse_merge = on;
+        self
     }
 
     /// Whether the kernels take these codecs (no GPU needed): why not, if not.
@@ -201,12 +215,11 @@ impl GpuAttention {
             return Ok(k);
         }
         let plan = self.best_plan(gpu);
-        let defines = plan.defines();
         let split = match plan.kernel {
-            SplitKernel::TensorCores => gpu.kernel(MMA_SOURCE, "vq_attend_mma", &plan.mma_defines(), plan.split_smem())?,
-            SplitKernel::Tables => gpu.kernel(SOURCE, "vq_attend_split", &defines, plan.split_smem())?,
+            SplitKernel::TensorCores => gpu.kernel(MMA_SOURCES, "vq_attend_mma", &plan.mma_defines(), plan.split_smem())?,
+            SplitKernel::Tables => gpu.kernel(SOURCES, "vq_attend_split", &plan.defines(), plan.split_smem())?,
         };
-        let merge = gpu.kernel(SOURCE, "vq_attend_merge", &defines, MAX_WINDOW * plan.d * 4)?;
+        let merge = gpu.kernel(MERGE_SOURCES, "vq_attend_merge", &plan.merge_defines(), gpu.max_smem)?;
         Ok(self.prepared.get_or_init(|| (plan, split, merge)))
     }
 
@@ -225,7 +238,11 @@ impl GpuAttention {
         let slots = sms * per_sm;
         let fewest = s.div_ceil(most).max(1);
         let waves = (blocks * fewest).div_ceil(slots);
-        (waves * slots / blocks).clamp(fewest, s.div_ceil(256).max(fewest))
+        let n = (waves * slots / blocks).clamp(fewest, s.div_ceil(256).max(fewest));
+        match self.kernel {
+            SplitKernel::TensorCores => fewest_with_steps(s, n, fewest),
+            SplitKernel::Tables => n,
+        }
     }
 
     /// Decode attention for `q` (`[batch, q_heads, D]` f32) over `s` coded positions
@@ -246,14 +263,15 @@ impl GpuAttention {
         scale: f32,
         scratch: &mut AttentionScratch,
         out: &mut CudaSlice<f32>,
-    ) -> Result<()> {
+    ) -> Result<usize> {
         let codes = Coded { keys: kcodes, values: vcodes, len: s, stride: s };
         let window = Window { keys: window_k.as_view(), values: window_v.as_view(), rows: w, map: WindowMap::all(w) };
         self.attend_cache(gpu, &q.as_view(), batch, &codes, &window, scale, scratch, out)
     }
 
     /// Decode attention of `q` (`[batch, q_heads, D]` f32) over a cache's codes and f16 rows, into
-    /// `out` (`[batch, q_heads, D]`). Two launches; one when nothing is coded yet.
+    /// `out` (`[batch, q_heads, D]`). One launch on tensor cores, two on lookup tables; the merge
+    /// alone when nothing is coded yet. Returns the launches issued.
     #[allow(clippy::too_many_arguments)]
     pub fn attend_cache(
         &self,
@@ -265,7 +283,7 @@ impl GpuAttention {
         scale: f32,
         scratch: &mut AttentionScratch,
         out: &mut CudaSlice<f32>,
-    ) -> Result<()> {
+    ) -> Result<usize> {
         let (k, v) = (&self.keys, &self.values);
         if k.rotate != v.rotate {
             return Err(Error::Device("keys and values must both rotate or both not".into()));
@@ -279,14 +297,11 @@ impl GpuAttention {
             )));
         }
         let nsplit = if s == 0 { 0 } else { self.splits(gpu, batch, s) };
-        if nsplit > MAX_MERGE {
-            return Err(Error::Device(format!("{s} positions need {nsplit} splits, more than the {MAX_MERGE} the merge takes")));
-        }
         let split = s.div_ceil(nsplit.max(1)).max(1);
-        if scratch.part_ml.len() < batch * self.q_heads * nsplit * 2 || scratch.part_o.len() < batch * self.q_heads * nsplit * d {
+        let streams = batch * hkv;
+        if scratch.part_ml.len() < batch * self.q_heads * nsplit * 2 || scratch.part_o.len() < batch * self.q_heads * nsplit * d || scratch.done.len() < streams {
             return Err(Error::Device(format!("attention scratch too small for {nsplit} splits")));
         }
-        let streams = batch * hkv;
         let sizes_ok = q.len() >= batch * self.q_heads * d
             && codes.keys.len() >= streams * codes.stride * k.subspaces()
             && codes.values.len() >= streams * codes.stride * v.subspaces()
@@ -298,6 +313,12 @@ impl GpuAttention {
         }
         let (plan, split_fn, merge_fn) = self.kernels(gpu)?;
         let smem = plan.split_smem() as u32;
+        let merge_smem = Plan::merge_smem(w, d, self.group(), nsplit);
+        if merge_smem > gpu.max_smem {
+            return Err(Error::Device(format!("the merge of {nsplit} splits and {w} window rows needs {merge_smem} B of shared memory, the device allows {}", gpu.max_smem)));
+        }
+        // The tensor-core kernel merges in its last block per stream when the merge fits its shared memory.
+        let fused = plan.kernel == SplitKernel::TensorCores && self.fuse_merge && merge_smem <= smem as usize;
         if nsplit > 0 {
             let (s_i, stride, split_i) = (s as i32, codes.stride as i64, split as i32);
             let cfg = match plan.kernel {
@@ -315,16 +336,36 @@ impl GpuAttention {
             };
             l.arg(&k.mean).arg(&k.scale);
             l.arg(&mut scratch.part_o).arg(&mut scratch.part_ml).arg(&s_i).arg(&stride).arg(&split_i).arg(&scale);
+            let (w_i, fuse) = (w as i32, fused as i32);
+            if plan.kernel == SplitKernel::TensorCores {
+                l.arg(&window.keys).arg(&window.values).arg(&v.mean).arg(&v.scale).arg(&mut *out).arg(&w_i).arg(&window.map).arg(&mut scratch.done).arg(&fuse);
+            }
             unsafe { l.launch(cfg) }.map_err(dev_err)?;
+            if fused {
+                return Ok(1);
+            }
         }
         let (nsplit_i, w_i) = (nsplit as i32, w as i32);
-        let cfg = LaunchConfig { grid_dim: (self.q_heads as u32, batch as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: (2 * w * d * 2) as u32 };
+        let cfg = LaunchConfig { grid_dim: (streams as u32, 1, 1), block_dim: (Plan::merge_threads(self.group()), 1, 1), shared_mem_bytes: merge_smem as u32 };
         let mut l = gpu.stream().launch_builder(merge_fn);
         l.arg(q).arg(&scratch.part_o).arg(&scratch.part_ml).arg(&window.keys).arg(&window.values).arg(&v.mean).arg(&v.scale).arg(out);
         l.arg(&nsplit_i).arg(&w_i).arg(&window.map).arg(&scale);
         unsafe { l.launch(cfg) }.map_err(dev_err)?;
-        Ok(())
+        Ok(1 + usize::from(nsplit > 0))
     }
+}
+
+/// Steps of 16 positions the busiest warp of a tensor-core block takes when `s` positions are
+/// split `n` ways (runs of whole steps per warp, as the kernel assigns them).
+fn mma_steps(s: usize, n: usize) -> usize {
+    s.div_ceil(n).div_ceil(MMA_THREADS as usize / 32).div_ceil(16)
+}
+
+/// The fewest splits (≥ `fewest`) whose busiest warp takes no more steps than with `n`: the same
+/// time, fewer partials for the merge to read.
+fn fewest_with_steps(s: usize, n: usize, fewest: usize) -> usize {
+    let steps = mma_steps(s, n);
+    (fewest..=n).find(|&m| mma_steps(s, m) <= steps).unwrap_or(n)
 }
 
 /// A cache's codes: `[streams, stride, subspaces]` bytes each (stream = sequence × kv head), the
@@ -473,19 +514,41 @@ impl Plan {
         self.q_heads / self.kv_heads
     }
 
-    /// Defines of the tensor-core split kernel.
-    fn mma_defines(&self) -> Vec<(&'static str, i64)> {
+    /// Shared memory of the merge of `g` query heads (`merge.cu`): a stream's `w` f16 window rows
+    /// of keys and values, the heads' split weights, code-space sums and masses.
+    fn merge_smem(w: usize, d: usize, g: usize, nsplit: usize) -> usize {
+        2 * w * d * 2 + (g * nsplit + g * d + g) * 4
+    }
+
+    /// Threads of the merge kernel (`MERGE_THREADS`): a warp per query head, at least 8 warps.
+    fn merge_threads(g: usize) -> u32 {
+        32 * g.max(8) as u32
+    }
+
+    /// Defines of the merge (`merge.cu`).
+    fn merge_defines(&self) -> Vec<(&'static str, i64)> {
         let b = |x: bool| x as i64;
         vec![
             ("D", self.d as i64),
             ("HQ", self.q_heads as i64),
             ("HKV", self.kv_heads as i64),
             ("G", self.group() as i64),
+            ("CENTER_V", b(self.center.1)),
+            ("SMOOTH_V", b(self.smooth.1)),
+            ("ROTATE", b(self.rotate)),
+        ]
+    }
+
+    /// Defines of the tensor-core split kernel (which ends with the merge).
+    fn mma_defines(&self) -> Vec<(&'static str, i64)> {
+        let b = |x: bool| x as i64;
+        let mut d = self.merge_defines();
+        d.extend([
             ("CENTER_K", b(self.center.0)),
             ("SMOOTH_K", b(self.smooth.0)),
-            ("ROTATE", b(self.rotate)),
             ("WARPS", (MMA_THREADS / 32) as i64),
-        ]
+        ]);
+        d
     }
 
     /// Shared memory of the table kernel.
@@ -495,33 +558,27 @@ impl Plan {
 
     fn defines(&self) -> Vec<(&'static str, i64)> {
         let b = |x: bool| x as i64;
-        vec![
-            ("D", self.d as i64),
+        let mut d = self.merge_defines();
+        d.extend([
             ("M_K", self.m_k() as i64),
             ("SD_K", self.sd_k as i64),
             ("K_K", Self::CENTROIDS as i64),
             ("M_V", self.m_v() as i64),
             ("SD_V", self.sd_v as i64),
             ("K_V", Self::CENTROIDS as i64),
-            ("HQ", self.q_heads as i64),
-            ("HKV", self.kv_heads as i64),
-            ("G", (self.q_heads / self.kv_heads) as i64),
             ("CENTER_K", b(self.center.0)),
             ("SMOOTH_K", b(self.smooth.0)),
-            ("CENTER_V", b(self.center.1)),
-            ("SMOOTH_V", b(self.smooth.1)),
-            ("ROTATE", b(self.rotate)),
             ("MAX_SPLIT", MAX_SPLIT as i64),
             ("GB", self.gb as i64),
             ("TABLE", self.table() as i64),
             ("CHUNK", self.chunk() as i64),
             ("THREADS", self.threads as i64),
-            ("MAX_MERGE", MAX_MERGE as i64),
             ("GBP", self.entry() as i64),
             ("PJ", self.interleave() as i64),
             ("RV", self.replicas() as i64),
             ("VALUES_F16", self.half_values as i64),
-        ]
+        ]);
+        d
     }
 }
 
@@ -563,6 +620,20 @@ mod tests {
 
     fn geometry(heads: usize, head_dim: usize, sub_dim: usize) -> Geometry {
         Geometry { heads, head_dim, sub_dim, bits: 8, per_layer: true }
+    }
+
+    /// Trimmed split counts keep the busiest warp's steps: 131,072 positions over 33 splits
+    /// (3,972 each: runs of 512 positions, 32 steps) need only 32 splits; 31 would take 34 steps.
+    #[test]
+    fn splits_trim_to_the_same_steps() {
+        assert_eq!(mma_steps(131072, 33), 32);
+        assert_eq!(fewest_with_steps(131072, 33, 8), 32);
+        assert_eq!(mma_steps(131072, 31), 34);
+        for (s, n, fewest) in [(65536, 4, 4), (1024, 4, 1), (20011, 33, 2), (5, 1, 1), (131071, 66, 8)] {
+            let m = fewest_with_steps(s, n, fewest);
+            assert!((fewest..=n).contains(&m) && mma_steps(s, m) == mma_steps(s, n), "{s} over {n}: {m}");
+            assert!(m == fewest || mma_steps(s, m - 1) > mma_steps(s, n), "{s} over {n}: {m} is not the fewest");
+        }
     }
 
     /// The tensor-core kernel is chosen exactly where its layout holds: sub-vectors of 4,

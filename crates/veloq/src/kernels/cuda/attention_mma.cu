@@ -1,6 +1,8 @@
-// Decode attention over VecInfer codes on tensor cores: the split kernel of the flash-decoding pair
-// for sub-vectors of 4 with 256 centroids (2 bits per element) and GQA groups of up to 8 heads;
-// vq_attend_merge (attention.cu) finishes it from the same partials vq_attend_split writes.
+// Decode attention over VecInfer codes on tensor cores, flash-decoding split over the sequence, for
+// sub-vectors of 4 with 256 centroids (2 bits per element) and GQA groups of up to 8 heads.
+// It writes the same partials as vq_attend_split; with `fuse` (when the merge's shared memory fits
+// in the kernel's), the last of a stream's blocks to finish merges them with the window rows
+// (merge_stream, merge.cu) into the output: one launch per layer.
 //
 // Block (split, stream). Each warp walks its own run of the split 16 positions at a time with an
 // online softmax; the block folds its warps' (max, sum, code-space D-vector) per head at the end.
@@ -26,9 +28,11 @@
 // distinct bank pairs whatever their random codes, and a lane's entry offset, code·256 + its
 // replica's, is one byte permute of the code word.
 //
-// Defines: D (64, 128 or 256), HQ, HKV, G (= HQ / HKV ≤ 8), CENTER_K, SMOOTH_K, ROTATE, WARPS.
+// Defines: D (64, 128 or 256), HQ, HKV, G (= HQ / HKV ≤ 8), CENTER_K, SMOOTH_K, CENTER_V, SMOOTH_V,
+// ROTATE, WARPS.
 // Layouts: q [B][HQ][D] f32; codes [B·HKV][stride][D/4] u8; books [256][4] f16; partials as
-// vq_attend_split: part_o [B][HQ][nsplit][D], part_ml [B][HQ][nsplit][2] (natural-log max, sum).
+// vq_attend_split: part_o [B][HQ][nsplit][D], part_ml [B][HQ][nsplit][2] (natural-log max, sum);
+// done [B·HKV] blocks finished per stream (zero between launches).
 
 #define M_SUB (D / 4)     // sub-spaces (code bytes per position)
 #define KT (D / 16)       // key k-tiles
@@ -36,7 +40,6 @@
 #define KW ((KT + 3) / 4) // words of a lane's key code bytes per position
 #define VW ((VP + 3) / 4) // words of a lane's value code bytes per position
 #define LOG2E 1.4426950408889634f
-#define NEG_MAX (-3.402823466e38f)
 
 #if G > 8 || G > WARPS || (D != 64 && D != 128 && D != 256)
 #error "vq_attend_mma takes D 64/128/256 and at most 8 query heads per kv head"
@@ -109,7 +112,9 @@ __device__ __forceinline__ void load_v(unsigned (&w)[VW], const unsigned char* p
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_mma(
     const float* __restrict__ q, const unsigned char* __restrict__ kcodes, const unsigned char* __restrict__ vcodes,
     const uint2* __restrict__ kbook, const uint2* __restrict__ vbook, const float* __restrict__ kmean,
-    const float* __restrict__ kscale, float* __restrict__ part_o, float* __restrict__ part_ml, int S, long long stride, int split, float scale) {
+    const float* __restrict__ kscale, float* part_o, float* part_ml, int S, long long stride, int split, float scale,
+    const unsigned short* __restrict__ wk, const unsigned short* __restrict__ wv, const float* __restrict__ vmean,
+    const float* __restrict__ vscale, float* __restrict__ out, int W, WindowMap wmap, unsigned* __restrict__ done, int fuse) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     uint2* books = (uint2*)smem_raw;        // [256][key, value][16] centroids, f16 × 4
     float* qt = (float*)(books + 256 * 32); // [G][D] queries in code space, log2 units
@@ -261,8 +266,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
     // S = K̂ · Q̃^T: rows positions g (codes kw[0]) and g + 8 (kw[1]), columns heads. A lane keeps
     // the softmax state of heads 2q, 2q+1: the heads of its value accumulators.
     float mrow[2] = {NEG_MAX, NEG_MAX}, lrow[2] = {0.f, 0.f};
-    auto step = [&](const unsigned (&kw)[2][KW], const unsigned (&vw)[4][VW], unsigned (&kn)[2][KW], unsigned (&vn)[4][VW], int st) {
-        if (st + 16 < w1) {
+    // `inner`: this step and the next are whole (no bounds anywhere), a literal at each call.
+    auto step = [&](const unsigned (&kw)[2][KW], const unsigned (&vw)[4][VW], unsigned (&kn)[2][KW], unsigned (&vn)[4][VW], int st, bool inner) {
+        if (inner) {
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) load_k(kn[nt], kp + nt * 8 * M_SUB);
+#pragma unroll
+            for (int i = 0; i < 4; i++) load_v(vn[i], vp + ((i & 1) + 8 * (i >> 1)) * M_SUB);
+        } else if (st + 16 < w1) {
             load_keys(kn, st + 16, kp);
             load_values(vn, st + 16, vp);
         }
@@ -276,7 +287,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
             mma_16816(s, a.x, c.x, a.y, c.y, qf[kt][0], qf[kt][1]);
         }
         accumulate(vw, pb0, pb1);
-        if (st + 16 > w1) {  // the run's last, partial step
+        if (!inner && st + 16 > w1) {  // the run's last, partial step
             if (st + g >= w1) s[0] = s[1] = __int_as_float(0xff800000);  // -inf
             if (st + 8 + g >= w1) s[2] = s[3] = __int_as_float(0xff800000);
         }
@@ -305,8 +316,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
         pb0 = transpose8(pack_h2(p0, p1));
         pb1 = transpose8(pack_h2(p2, p3));
     };
-    for (int st = w0; st < w1; st += 16) {
-        step(kw, vw, kn, vn, st);
+    auto rotate = [&]() {
 #pragma unroll
         for (int nt = 0; nt < 2; nt++)
 #pragma unroll
@@ -318,6 +328,15 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
                 vw[i][k] = vcur[i][k];
                 vcur[i][k] = vn[i][k];
             }
+    };
+    int st = w0;
+    for (; st + 32 <= w1; st += 16) {  // no bounds
+        step(kw, vw, kn, vn, st, true);
+        rotate();
+    }
+    for (; st < w1; st += 16) {  // the last one or two steps
+        step(kw, vw, kn, vn, st, false);
+        rotate();
     }
     if (w0 < w1) accumulate(vw, pb0, pb1);  // the last step's values
 
@@ -367,4 +386,17 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
             part_ml[part * 2 + 1] = n > 0 ? l : 0.f;
         }
     }
+
+    // With `fuse`, the last of the stream's blocks to finish merges them with the window rows (the
+    // others' partials are visible once their fence and count precede ours).
+    if (!fuse) return;
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(done + bh, 1u) == (unsigned)nsplit - 1u;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    merge_stream<WARPS * 32>(q, part_o, part_ml, wk, wv, vmean, vscale, out, nsplit, W, wmap, scale, b, h, smem_raw);
+    if (tid == 0) done[bh] = 0u;  // ready for the next launch
 }

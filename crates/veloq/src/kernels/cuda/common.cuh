@@ -2,6 +2,7 @@
 // conversion goes through PTX, and every size is a compile-time #define prepended by the host.
 
 #define FULL_MASK 0xffffffffu
+#define NEG_MAX (-3.402823466e38f)
 
 __device__ __forceinline__ float h2f(unsigned short h) {
     float f;

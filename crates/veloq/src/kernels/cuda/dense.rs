@@ -10,7 +10,7 @@ use super::attention::AttentionScratch;
 use super::{dev_err, Gpu};
 use crate::error::{Error, Result};
 
-pub(super) const SOURCE: &str = include_str!("dense.cu");
+pub(super) const SOURCES: &[&str] = &[include_str!("dense.cu")];
 const THREADS: u32 = 256;
 /// Most positions one split block scores (its weights sit in shared memory).
 const MAX_SPLIT: usize = 2048;
@@ -59,8 +59,8 @@ impl GpuDenseAttention {
         let (g, d) = (self.group(), self.head_dim);
         // Compiled for the largest shared memory a launch can ask for.
         let smem = (g * MAX_SPLIT).max(THREADS as usize / (d / 8) * g * d) * 4;
-        let split = gpu.kernel(SOURCE, "f16_attend_split", &self.defines(), smem)?;
-        let merge = gpu.kernel(SOURCE, "f16_attend_merge", &self.defines(), 0)?;
+        let split = gpu.kernel(SOURCES, "f16_attend_split", &self.defines(), smem)?;
+        let merge = gpu.kernel(SOURCES, "f16_attend_merge", &self.defines(), 0)?;
         Ok(self.prepared.get_or_init(|| (split, merge)))
     }
 

@@ -117,7 +117,7 @@ impl Gpu {
 
     /// Kernel `name` from `source` with `defines`, compiled on first request; `smem` is the dynamic
     /// shared memory it will be launched with (raised past 48 KiB where the device allows).
-    pub(crate) fn kernel(&self, source: &str, name: &str, defines: &[(&str, i64)], smem: usize) -> Result<CudaFunction> {
+    pub(crate) fn kernel(&self, sources: &[&str], name: &str, defines: &[(&str, i64)], smem: usize) -> Result<CudaFunction> {
         if smem > self.max_smem {
             return Err(Error::Device(format!("{name} needs {smem} B of shared memory, the device allows {}", self.max_smem)));
         }
@@ -127,7 +127,7 @@ impl Gpu {
         if let Some(f) = cache.get(&key) {
             return Ok(f.clone());
         }
-        let src = format!("{header}{COMMON}\n{source}");
+        let src = format!("{header}{COMMON}\n{}", sources.join("\n"));
         let opts = CompileOptions { arch: Some(self.arch), options: vec!["--std=c++17".into()], ..Default::default() };
         let ptx = compile_ptx_with_opts(&src, opts).map_err(|e| Error::Device(format!("NVRTC compiling {name}: {e:?}")))?;
         let module = self.ctx.load_module(ptx).map_err(dev_err)?;
@@ -149,15 +149,16 @@ pub struct PoolMemory {
 
 /// NVRTC compile check of every kernel source without a GPU (needs libnvrtc only).
 pub fn compile_check(arch: &'static str) -> Result<()> {
-    let attention = attention::example_defines().into_iter().map(|d| ("vq_attend_split", attention::SOURCE, d));
-    let mma = attention::example_mma_defines().into_iter().map(|d| ("vq_attend_mma", attention::MMA_SOURCE, d));
-    let window = std::iter::once(("vq_window_put", window::SOURCE, vec![("D", 128)]));
-    let dense = dense::example_defines().into_iter().map(|d| ("f16_attend_split", dense::SOURCE, d));
-    let all = std::iter::once(("vq_quantize", quantize::SOURCE, quantize::example_defines())).chain(attention).chain(mma).chain(window).chain(dense);
-    for (name, src, defines) in all {
+    let attention = attention::example_defines().into_iter().map(|d| ("vq_attend_split", attention::SOURCES, d));
+    let merge = attention::example_defines().into_iter().map(|d| ("vq_attend_merge", attention::MERGE_SOURCES, d));
+    let mma = attention::example_mma_defines().into_iter().map(|d| ("vq_attend_mma", attention::MMA_SOURCES, d));
+    let window = std::iter::once(("vq_window_put", window::SOURCES, vec![("D", 128)]));
+    let dense = dense::example_defines().into_iter().map(|d| ("f16_attend_split", dense::SOURCES, d));
+    let quantize = std::iter::once(("vq_quantize", quantize::SOURCES, quantize::example_defines()));
+    for (name, sources, defines) in quantize.chain(attention).chain(merge).chain(mma).chain(window).chain(dense) {
         let header: String = defines.iter().map(|(k, v)| format!("#define {k} {v}\n")).collect();
         let opts = CompileOptions { arch: Some(arch), options: vec!["--std=c++17".into()], ..Default::default() };
-        quietly(|| compile_ptx_with_opts(format!("{header}{COMMON}\n{src}"), opts))
+        quietly(|| compile_ptx_with_opts(format!("{header}{COMMON}\n{}", sources.join("\n")), opts))
             .map_err(|_| Error::Device("libnvrtc could not be loaded".into()))?
             .map_err(|e| Error::Device(format!("NVRTC compiling {name}: {e:?}")))?;
     }

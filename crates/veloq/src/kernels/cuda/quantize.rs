@@ -9,7 +9,7 @@ use crate::codec::codebook::Granularity;
 use crate::codec::vecinfer::VecInferCodec;
 use crate::error::{Error, Result};
 
-pub(super) const SOURCE: &str = include_str!("quantize.cu");
+pub(super) const SOURCES: &[&str] = &[include_str!("quantize.cu")];
 const ROWS: usize = 32;
 const THREADS: u32 = 256;
 
@@ -117,7 +117,7 @@ impl GpuCodec {
         if let Some(f) = self.function.get() {
             return Ok(f);
         }
-        let f = gpu.kernel(SOURCE, "vq_quantize", &self.defines(), self.smem())?;
+        let f = gpu.kernel(SOURCES, "vq_quantize", &self.defines(), self.smem())?;
         Ok(self.function.get_or_init(|| f))
     }
 

@@ -6,7 +6,7 @@ use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, DeviceRepr, LaunchConf
 use super::{dev_err, Gpu};
 use crate::error::{Error, Result};
 
-pub(super) const SOURCE: &str = include_str!("window.cu");
+pub(super) const SOURCES: &[&str] = &[include_str!("window.cu")];
 
 /// Which source rows go where (mirrors `PutMap` in `window.cu`): rows `src0..src0 + t` of each
 /// stream's `src_t`; the first `n_sink` to sink rows `sink0..`, the rest to ring rows
@@ -36,7 +36,7 @@ pub struct PutRows {
 
 impl PutRows {
     pub fn new(gpu: &Gpu, head_dim: usize) -> Result<Self> {
-        Ok(Self { head_dim, function: gpu.kernel(SOURCE, "vq_window_put", &[("D", head_dim as i64)], 0)? })
+        Ok(Self { head_dim, function: gpu.kernel(SOURCES, "vq_window_put", &[("D", head_dim as i64)], 0)? })
     }
 
     /// Writes rows of `k`/`v` (f32 `[streams, src_t, head_dim]`) as f16 into `w` (keys

@@ -1,0 +1,179 @@
+// The flash-decoding merge of decode attention over codes: per query head, the split partials
+// (natural-log max, sum, code-space D-vector) and the f16 window rows of its stream become the
+// output: softmax over both, the code-space sum rotated back (H, value scale, + μ_v times its
+// mass), normalised. One block per stream (b, kv head), a warp per query head: the tensor-core
+// split kernel runs it in the last of a stream's blocks to finish (no second launch);
+// vq_attend_merge runs it after the table kernel or over the window alone.
+//
+// Defines: D, HQ, HKV, G (= HQ / HKV), ROTATE, CENTER_V, SMOOTH_V.
+// Layouts: q [B][HQ][D] f32; part_o [B][HQ][nsplit][D], part_ml [B][HQ][nsplit][2];
+// window [B][HKV][W][D] f16 (W ≤ 64); out [B][HQ][D].
+
+// The f16 rows of one stream: W rows, of which rows [0, n_sink) and ring rows sink_cap + ((head +
+// i) mod ring_cap), i < ring_len, hold positions (order is irrelevant to attention); others are
+// skipped.
+struct WindowMap {
+    int n_sink, sink_cap, ring_head, ring_len, ring_cap;
+    __device__ bool valid(int t) const {
+        return t < n_sink || (t >= sink_cap && (t - sink_cap - ring_head + ring_cap) % ring_cap < ring_len);
+    }
+};
+
+// A load from L2, past L1: the partials may come from other blocks of the same launch.
+__device__ __forceinline__ float ld_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Merges the G query heads of stream (b, h) with all NT threads of the block (NT ≥ 32·G; warp w
+// < G is head h·G + w's). Everything global is requested in one round trip before the first
+// barrier: a head warp's query, value scale and mean and split maxima and sums; every thread's
+// first PF partials of its K outputs (head, dim); the block's window rows (into shared memory).
+// Then: head warps score the window and publish split weights; all threads sum the partials;
+// head warps rotate back, add the window values and store. `smem`: merge_smem bytes, 16-aligned.
+template <int NT>
+__device__ __noinline__ void merge_stream(const float* __restrict__ q, const float* part_o, const float* part_ml,
+                                             const unsigned short* __restrict__ wk, const unsigned short* __restrict__ wv,
+                                             const float* __restrict__ vmean, const float* __restrict__ vscale, float* __restrict__ out,
+                                             int nsplit, int W, WindowMap wmap, float scale, int b, int h, unsigned char* smem) {
+    constexpr int K = (G * D + NT - 1) / NT;        // outputs (head, dim) per thread
+    constexpr int PF = 64 / K < 32 ? 64 / K : 32;  // splits of each prefetched
+    unsigned short* rows = (unsigned short*)smem;   // [2][W][D] window keys, values
+    float* wsm = (float*)(rows + 2 * W * D);        // [G][nsplit] split weights
+    float* oc = wsm + G * nsplit;                   // [G][D] code-space sums
+    float* lsum = oc + G * D;                       // [G] code mass
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const bool head = warp < G;
+    const size_t row0 = (size_t)b * HQ + h * G;     // first query head's row
+    // Round trip: head warps' inputs…
+    float qs[D / 32], vs[D / 32], vm[D / 32], ml[2] = {NEG_MAX, NEG_MAX}, ls[2] = {0.f, 0.f};
+    float m = NEG_MAX;
+    const size_t base = (row0 + min(warp, G - 1)) * nsplit;
+    if (head) {
+#pragma unroll
+        for (int i = 0; i < D / 32; i++) {
+            const int e = i * 32 + lane;
+            qs[i] = q[(row0 + warp) * D + e] * scale;
+            vs[i] = SMOOTH_V ? vscale[h * D + e] : 1.f;
+            vm[i] = CENTER_V ? vmean[h * D + e] : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+            if (lane + 32 * j < nsplit) {
+                ml[j] = ld_cg(part_ml + (base + lane + 32 * j) * 2);
+                ls[j] = ld_cg(part_ml + (base + lane + 32 * j) * 2 + 1);
+            }
+        for (int s = lane + 64; s < nsplit; s += 32) m = fmaxf(m, ld_cg(part_ml + (base + s) * 2));
+    }
+    // …every thread's first partials…
+    float pre[K][PF];
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        const int o = tid + k * NT;
+        const float* p = part_o + (row0 + o / D) * nsplit * D + o % D;
+#pragma unroll
+        for (int s = 0; s < PF; s++) pre[k][s] = o < G * D && s < nsplit ? ld_cg(p + s * D) : 0.f;
+    }
+    // …and the window rows.
+    {
+        const uint4* sk = (const uint4*)(wk + ((size_t)b * HKV + h) * W * D);
+        const uint4* sv = (const uint4*)(wv + ((size_t)b * HKV + h) * W * D);
+        uint4* dk = (uint4*)rows;
+        uint4* dv = (uint4*)(rows + W * D);
+#pragma unroll 4
+        for (int i = tid; i < W * D / 8; i += NT) {
+            dk[i] = sk[i];
+            dv[i] = sv[i];
+        }
+    }
+    __syncthreads();
+    // Head warps: window scores (lane t mod 32 keeps row t's; rows holding no position never
+    // weigh, they may hold anything), the maximum, split weights into shared memory.
+    float wt[2] = {0.f, 0.f}, lw = 0.f;
+    if (head) {
+        float sc[2] = {NEG_MAX, NEG_MAX};
+        bool live[2] = {false, false};
+#pragma unroll 4
+        for (int t = 0; t < W; t++) {
+            float s = 0.f;
+#pragma unroll
+            for (int i = 0; i < D / 32; i++) s = fmaf(qs[i], h2f(rows[t * D + i * 32 + lane]), s);
+            s = warp_sum(s);
+            if ((t & 31) == lane && wmap.valid(t)) {
+                if (t < 32) { sc[0] = s; live[0] = true; }
+                else { sc[1] = s; live[1] = true; }
+            }
+        }
+        m = warp_max(fmaxf(fmaxf(m, fmaxf(ml[0], ml[1])), fmaxf(sc[0], sc[1])));
+#pragma unroll
+        for (int j = 0; j < 2; j++) wt[j] = live[j] ? __expf(sc[j] - m) : 0.f;
+        lw = warp_sum(wt[0] + wt[1]);
+        float lc = 0.f;
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+            if (lane + 32 * j < nsplit) {
+                const float w = __expf(ml[j] - m);
+                wsm[warp * nsplit + lane + 32 * j] = w;
+                lc = fmaf(w, ls[j], lc);
+            }
+        for (int s = lane + 64; s < nsplit; s += 32) {
+            const float w = __expf(ld_cg(part_ml + (base + s) * 2) - m);
+            wsm[warp * nsplit + s] = w;
+            lc = fmaf(w, ld_cg(part_ml + (base + s) * 2 + 1), lc);
+        }
+        lc = warp_sum(lc);
+        if (lane == 0) lsum[warp] = lc;
+    }
+    __syncthreads();
+    // Every thread: its outputs' sums over the splits.
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        const int o = tid + k * NT;
+        if (o < G * D) {
+            const float* w = wsm + (o / D) * nsplit;
+            float acc = 0.f;
+#pragma unroll
+            for (int s = 0; s < PF; s++) acc = fmaf(s < nsplit ? w[s] : 0.f, pre[k][s], acc);
+            const float* p = part_o + (row0 + o / D) * nsplit * D + o % D;
+#pragma unroll 8
+            for (int s = PF; s < nsplit; s++) acc = fmaf(w[s], ld_cg(p + s * D), acc);
+            oc[o] = acc;
+        }
+    }
+    __syncthreads();
+    if (!head) return;
+    // Head warps: back from code space, the window values, normalised.
+    float v[D / 32];
+#pragma unroll
+    for (int i = 0; i < D / 32; i++) v[i] = oc[warp * D + i * 32 + lane];
+    if (ROTATE) warp_fwht<D>(v, lane);
+    const float lc = lsum[warp];
+#pragma unroll
+    for (int i = 0; i < D / 32; i++) v[i] = fmaf(lc, vm[i], v[i] * vs[i]);
+    const unsigned short* vrows = rows + W * D;
+#pragma unroll 4
+    for (int t = 0; t < W; t++) {
+        const float w = __shfl_sync(FULL_MASK, t < 32 ? wt[0] : wt[1], t & 31);
+        if (w != 0.f) {  // uniform over the warp
+#pragma unroll
+            for (int i = 0; i < D / 32; i++) v[i] = fmaf(w, h2f(vrows[t * D + i * 32 + lane]), v[i]);
+        }
+    }
+    const float inv = 1.f / (lc + lw);
+#pragma unroll
+    for (int i = 0; i < D / 32; i++) out[(row0 + warp) * D + i * 32 + lane] = v[i] * inv;
+}
+
+// Threads of the merge kernel: a warp per query head, at least 8 warps (the partial sums use all).
+#define MERGE_THREADS (G > 8 ? 32 * G : 256)
+
+// Block (b·HKV + h): merges stream (b, h) after the table split kernel, or the window rows alone
+// when nothing is coded (nsplit 0). Dynamic shared memory: merge_smem bytes.
+extern "C" __global__ void __launch_bounds__(MERGE_THREADS) vq_attend_merge(
+    const float* __restrict__ q, const float* __restrict__ part_o, const float* __restrict__ part_ml,
+    const unsigned short* __restrict__ wk, const unsigned short* __restrict__ wv, const float* __restrict__ vmean,
+    const float* __restrict__ vscale, float* __restrict__ out, int nsplit, int W, WindowMap wmap, float scale) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    merge_stream<MERGE_THREADS>(q, part_o, part_ml, wk, wv, vmean, vscale, out, nsplit, W, wmap, scale, blockIdx.x / HKV, blockIdx.x % HKV, smem);
+}
