@@ -226,7 +226,8 @@ impl GpuAttention {
     /// Splits the split kernel uses for `batch` × `s` tokens: as few as keep each split within its
     /// most positions ([`MAX_SPLIT`] for the table kernel: one table build per split), then as many
     /// as fill the waves those need (table kernel: one block per multiprocessor, it takes most of
-    /// the shared memory; tensor cores: two, one at head_dim 256), at least 256 positions each.
+    /// the shared memory; tensor cores: two, one at head_dim 256), at least 256 positions each;
+    /// tensor cores then keep the fewest splits whose busiest warp takes as many steps.
     pub fn splits(&self, gpu: &Gpu, batch: usize, s: usize) -> usize {
         let gb = self.prepared.get().map_or_else(|| self.best_plan(gpu).gb, |k| k.0.gb);
         let sms = gpu.multiprocessors() as usize;
