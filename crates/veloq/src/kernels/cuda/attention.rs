@@ -521,7 +521,7 @@ impl Plan {
         2 * w * d * 2 + (g * nsplit + g * d + g) * 4
     }
 
-    /// Threads of the merge kernel (`MERGE_THREADS`): a warp per query head, at least 8 warps.
+    /// Threads of the merge kernel (its `MERGE_THREADS`): a warp per query head, at least 8 warps.
     fn merge_threads(g: usize) -> u32 {
         32 * g.max(8) as u32
     }
@@ -537,6 +537,7 @@ impl Plan {
             ("CENTER_V", b(self.center.1)),
             ("SMOOTH_V", b(self.smooth.1)),
             ("ROTATE", b(self.rotate)),
+            ("MERGE_THREADS", Self::merge_threads(self.group()) as i64),
         ]
     }
 

@@ -5,7 +5,8 @@
 // split kernel runs it in the last of a stream's blocks to finish (no second launch);
 // vq_attend_merge runs it after the table kernel or over the window alone.
 //
-// Defines: D, HQ, HKV, G (= HQ / HKV), ROTATE, CENTER_V, SMOOTH_V.
+// Defines: D, HQ, HKV, G (= HQ / HKV), ROTATE, CENTER_V, SMOOTH_V, MERGE_THREADS (threads of
+// vq_attend_merge: a warp per query head, at least 8 warps, as the partial sums use all).
 // Layouts: q [B][HQ][D] f32; part_o [B][HQ][nsplit][D], part_ml [B][HQ][nsplit][2];
 // window [B][HKV][W][D] f16 (W ≤ 64); out [B][HQ][D].
 
@@ -164,9 +165,6 @@ __device__ __noinline__ void merge_stream(const float* __restrict__ q, const flo
 #pragma unroll
     for (int i = 0; i < D / 32; i++) out[(row0 + warp) * D + i * 32 + lane] = v[i] * inv;
 }
-
-// Threads of the merge kernel: a warp per query head, at least 8 warps (the partial sums use all).
-#define MERGE_THREADS (G > 8 ? 32 * G : 256)
 
 // Block (b·HKV + h): merges stream (b, h) after the table split kernel, or the window rows alone
 // when nothing is coded (nsplit 0). Dynamic shared memory: merge_smem bytes.

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
 use crate::error::{Error, Result};
 
@@ -115,21 +115,18 @@ impl Gpu {
         self.ctx.name().unwrap_or_else(|_| "unknown GPU".into())
     }
 
-    /// Kernel `name` from `source` with `defines`, compiled on first request; `smem` is the dynamic
+    /// Kernel `name` from `sources` with `defines`, compiled on first request; `smem` is the dynamic
     /// shared memory it will be launched with (raised past 48 KiB where the device allows).
     pub(crate) fn kernel(&self, sources: &[&str], name: &str, defines: &[(&str, i64)], smem: usize) -> Result<CudaFunction> {
         if smem > self.max_smem {
             return Err(Error::Device(format!("{name} needs {smem} B of shared memory, the device allows {}", self.max_smem)));
         }
-        let header: String = defines.iter().map(|(k, v)| format!("#define {k} {v}\n")).collect();
-        let key = format!("{name}\n{header}");
+        let key = format!("{name}\n{defines:?}");
         let mut cache = self.kernels.lock().expect("kernel cache lock");
         if let Some(f) = cache.get(&key) {
             return Ok(f.clone());
         }
-        let src = format!("{header}{COMMON}\n{}", sources.join("\n"));
-        let opts = CompileOptions { arch: Some(self.arch), options: vec!["--std=c++17".into()], ..Default::default() };
-        let ptx = compile_ptx_with_opts(&src, opts).map_err(|e| Error::Device(format!("NVRTC compiling {name}: {e:?}")))?;
+        let ptx = compile(self.arch, name, sources, defines)?;
         let module = self.ctx.load_module(ptx).map_err(dev_err)?;
         let f = module.load_function(name).map_err(dev_err)?;
         if smem > 48 * 1024 {
@@ -156,13 +153,19 @@ pub fn compile_check(arch: &'static str) -> Result<()> {
     let dense = dense::example_defines().into_iter().map(|d| ("f16_attend_split", dense::SOURCES, d));
     let quantize = std::iter::once(("vq_quantize", quantize::SOURCES, quantize::example_defines()));
     for (name, sources, defines) in quantize.chain(attention).chain(merge).chain(mma).chain(window).chain(dense) {
-        let header: String = defines.iter().map(|(k, v)| format!("#define {k} {v}\n")).collect();
-        let opts = CompileOptions { arch: Some(arch), options: vec!["--std=c++17".into()], ..Default::default() };
-        quietly(|| compile_ptx_with_opts(format!("{header}{COMMON}\n{}", sources.join("\n")), opts))
-            .map_err(|_| Error::Device("libnvrtc could not be loaded".into()))?
-            .map_err(|e| Error::Device(format!("NVRTC compiling {name}: {e:?}")))?;
+        compile(arch, name, sources, &defines)?;
     }
     Ok(())
+}
+
+/// PTX of kernel `name` for `arch`: `defines` as `#define` lines, the common helpers, then
+/// `sources`, compiled by NVRTC (a missing libnvrtc is an error, not a panic).
+fn compile(arch: &'static str, name: &str, sources: &[&str], defines: &[(&str, i64)]) -> Result<Ptx> {
+    let header: String = defines.iter().map(|(k, v)| format!("#define {k} {v}\n")).collect();
+    let opts = CompileOptions { arch: Some(arch), options: vec!["--std=c++17".into()], ..Default::default() };
+    quietly(|| compile_ptx_with_opts(format!("{header}{COMMON}\n{}", sources.join("\n")), opts))
+        .map_err(|_| Error::Device("libnvrtc could not be loaded".into()))?
+        .map_err(|e| Error::Device(format!("NVRTC compiling {name}: {e:?}")))
 }
 
 #[cfg(test)]
