@@ -15,6 +15,7 @@ use veloq::calibrate::{train_codec, KMeansConfig};
 use veloq::codec::codebook::{Granularity, PqShape};
 use veloq::codec::pack::unpack;
 use veloq::codec::vecinfer::{CodecSpec, VecInferCodec};
+use cudarc::driver::{CudaFunction, CudaSlice};
 use veloq::kernels::cuda::{AttentionScratch, Gpu, GpuAttention, GpuCodec, SplitKernel};
 
 use super::write_json;
@@ -30,6 +31,12 @@ pub struct Args {
     /// Skip timing (correctness only).
     #[arg(long)]
     check_only: bool,
+    /// Skip the correctness checks (timing only; for comparing variants already checked).
+    #[arg(long)]
+    skip_checks: bool,
+    /// Skip the quantize timing.
+    #[arg(long)]
+    skip_quantize: bool,
     #[arg(long)]
     json: Option<PathBuf>,
     /// JSON from scripts/device/baselines.py run just before on the same GPU: adds ratio tables.
@@ -137,9 +144,67 @@ pub enum Timing {
     /// synchronisation at the end. The GPU is busy when a rep is submitted, so host launch latency
     /// is hidden, as in a decode loop that runs ahead of the GPU.
     Queued,
+    /// As `queued`, but L2 is cleared by reading 256 MB instead of writing it: the lines it leaves
+    /// are clean (as after a layer's weight reads), so the timed kernel's reads do not have to
+    /// write dirty lines back first.
+    QueuedClean,
     /// Each rep submitted to an idle GPU and waited for: includes the host's launch latency of the
     /// first kernel, and whatever of the inputs stayed in L2 from the previous rep.
     Idle,
+}
+
+/// Reads a buffer whole (L2 left holding its clean lines); writes only if a checksum that random
+/// data never gives comes out, so that the reads are not optimised away.
+const READ_FLUSH: &str = r#"
+extern "C" __global__ void read_flush(const uint4* p, unsigned long long n, unsigned* sink) {
+    unsigned x = 0;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n; i += (unsigned long long)gridDim.x * blockDim.x) {
+        const uint4 v = p[i];
+        x ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (x == 0x9e3779b9u) sink[0] = x;
+}
+"#;
+
+/// What runs on the stream before each timed rep: L2 cleared by a 256 MB write (do_bench), by a
+/// 256 MB read, or nothing.
+enum Clear {
+    Nothing,
+    Write(CudaSlice<u8>),
+    Read(CudaSlice<u8>, CudaFunction, CudaSlice<u32>),
+}
+
+impl Clear {
+    fn new(gpu: &Gpu, timing: Timing) -> Result<Self> {
+        let s = gpu.stream();
+        Ok(match timing {
+            Timing::Queued => Clear::Write(dev!(s.alloc_zeros::<u8>(256 << 20))),
+            Timing::QueuedClean => {
+                let ptx = dev!(cudarc::nvrtc::compile_ptx(READ_FLUSH));
+                let f = dev!(dev!(gpu.context().load_module(ptx)).load_function("read_flush"));
+                Clear::Read(dev!(s.alloc_zeros::<u8>(256 << 20)), f, dev!(s.alloc_zeros::<u32>(1)))
+            }
+            Timing::Idle => Clear::Nothing,
+        })
+    }
+
+    fn run(&mut self, gpu: &Gpu) -> Result<()> {
+        use cudarc::driver::{LaunchConfig, PushKernelArg};
+        let s = gpu.stream();
+        match self {
+            Clear::Nothing => {}
+            Clear::Write(buf) => dev!(s.memset_zeros(buf)),
+            Clear::Read(buf, f, sink) => {
+                let n = (buf.len() / 16) as u64;
+                let cfg = LaunchConfig { grid_dim: (4 * gpu.multiprocessors(), 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
+                let mut l = s.launch_builder(f);
+                l.arg(&*buf).arg(&n).arg(&*sink);
+                // SAFETY: the arguments match read_flush's signature; n uint4s fit in buf.
+                dev!(unsafe { l.launch(cfg) });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Median milliseconds of `reps` runs of `f`, timed with events on the GPU's stream (after 3
@@ -150,15 +215,10 @@ fn time_ms(gpu: &Gpu, timing: Timing, reps: usize, mut f: impl FnMut() -> Result
         f()?;
     }
     let s = gpu.stream();
-    let mut flush = match timing {
-        Timing::Queued => Some(dev!(s.alloc_zeros::<u8>(256 << 20))),
-        Timing::Idle => None,
-    };
+    let mut clear = Clear::new(gpu, timing)?;
     let mut events = Vec::with_capacity(reps);
     for _ in 0..reps {
-        if let Some(buf) = flush.as_mut() {
-            dev!(s.memset_zeros(buf));
-        }
+        clear.run(gpu)?;
         let a = dev!(s.record_event(Some(CU_EVENT_DEFAULT)));
         f()?;
         let b = dev!(s.record_event(Some(CU_EVENT_DEFAULT)));
@@ -218,6 +278,31 @@ fn head_major(codes: &[u8], b: usize, s: usize, h: usize, m: usize) -> Vec<u8> {
     }
     out
 }
+
+/// Quantize checks: (S, D, H, sub_dim, bits, granularity).
+const QUANTIZE_CHECKS: [(usize, usize, usize, usize, u32, Granularity); 5] = [
+    (1001, 64, 4, 4, 8, Granularity::PerLayer),
+    (777, 128, 8, 8, 8, Granularity::PerLayer),
+    (513, 256, 4, 4, 8, Granularity::PerLayer),
+    (301, 128, 8, 8, 12, Granularity::PerLayer),
+    (257, 128, 2, 4, 6, Granularity::PerSubspace),
+];
+
+/// Attention checks: GQA 1–4 and 8, D 64/128/256, odd and empty code counts, windows 0–31.
+const ATTENTION_CHECKS: [AttnCase; 9] = [
+    AttnCase { b: 2, hq: 8, hkv: 2, d: 64, s: 1000, w: 7 },
+    AttnCase { b: 1, hq: 32, hkv: 8, d: 128, s: 4097, w: 31 },
+    AttnCase { b: 3, hq: 4, hkv: 4, d: 256, s: 333, w: 0 },
+    AttnCase { b: 1, hq: 12, hkv: 4, d: 128, s: 0, w: 20 },
+    AttnCase { b: 2, hq: 9, hkv: 3, d: 64, s: 777, w: 20 },
+    AttnCase { b: 2, hq: 32, hkv: 8, d: 128, s: 20011, w: 16 },
+    AttnCase { b: 1, hq: 8, hkv: 1, d: 256, s: 5, w: 3 },
+    AttnCase { b: 2, hq: 16, hkv: 2, d: 128, s: 17, w: 0 },
+    AttnCase { b: 1, hq: 32, hkv: 8, d: 128, s: 131071, w: 24 },
+];
+
+/// Quantize timing: the anchors' shapes (S, D, H, sub_dim), 256 centroids.
+const QUANTIZE_SHAPES: [(usize, usize, usize, usize); 5] = [(2048, 128, 8, 8), (8192, 128, 8, 8), (131072, 128, 8, 8), (4096, 256, 4, 4), (131072, 128, 8, 4)];
 
 #[derive(Clone, Copy)]
 struct AttnCase {
@@ -343,26 +428,11 @@ pub fn run(a: Args) -> Result<()> {
         _ => bail!("--profile takes B,S"),
     }
     let mut checks = Vec::new();
-    for shape in [
-        (1001, 64, 4, 4, 8, Granularity::PerLayer),
-        (777, 128, 8, 8, 8, Granularity::PerLayer),
-        (513, 256, 4, 4, 8, Granularity::PerLayer),
-        (301, 128, 8, 8, 12, Granularity::PerLayer),
-        (257, 128, 2, 4, 6, Granularity::PerSubspace),
-    ] {
+    let (quantize_checks, attention_checks): (&[_], &[_]) = if a.skip_checks { (&[], &[]) } else { (&QUANTIZE_CHECKS, &ATTENTION_CHECKS) };
+    for &shape in quantize_checks {
         checks.push(check_quantize(&gpu, &mut rng, shape)?);
     }
-    for c in [
-        AttnCase { b: 2, hq: 8, hkv: 2, d: 64, s: 1000, w: 7 },
-        AttnCase { b: 1, hq: 32, hkv: 8, d: 128, s: 4097, w: 31 },
-        AttnCase { b: 3, hq: 4, hkv: 4, d: 256, s: 333, w: 0 },
-        AttnCase { b: 1, hq: 12, hkv: 4, d: 128, s: 0, w: 20 },
-        AttnCase { b: 2, hq: 9, hkv: 3, d: 64, s: 777, w: 20 },
-        AttnCase { b: 2, hq: 32, hkv: 8, d: 128, s: 20011, w: 16 },
-        AttnCase { b: 1, hq: 8, hkv: 1, d: 256, s: 5, w: 3 },
-        AttnCase { b: 2, hq: 16, hkv: 2, d: 128, s: 17, w: 0 },
-        AttnCase { b: 1, hq: 32, hkv: 8, d: 128, s: 131071, w: 24 },
-    ] {
+    for &c in attention_checks {
         for &v in &variants {
             // The tensor-core kernel takes groups of at most 8 heads; others use the table kernel.
             if v.kernel == SplitKernel::TensorCores && c.hq / c.hkv > 8 {
@@ -375,11 +445,11 @@ pub fn run(a: Args) -> Result<()> {
         return write_json(&a.json, &json!({"gpu": gpu.name(), "checks": checks}));
     }
     let st = gpu.stream();
-    // Quantize timing: the anchors' shapes (S, D, H, sub_dim), 256 centroids.
     println!("\n| quantize S,D,H,sd | ms | G sub-vec/s | GFLOP/s | GB/s |");
     println!("|---|---|---|---|---|");
     let mut qt = Vec::new();
-    for (s, d, h, sd) in [(2048, 128, 8, 8), (8192, 128, 8, 8), (131072, 128, 8, 8), (4096, 256, 4, 4), (131072, 128, 8, 4)] {
+    let quantize_shapes: &[_] = if a.skip_quantize { &[] } else { &QUANTIZE_SHAPES };
+    for &(s, d, h, sd) in quantize_shapes {
         let c = codec(&mut rng, h, d, sd, 8, Granularity::PerLayer, true)?;
         let gc = GpuCodec::upload(&gpu, &c)?;
         let xd = dev!(st.clone_htod(&f16_bits(&rng.rows(s * h, d))));
