@@ -11,11 +11,11 @@ use clap::{Args as ClapArgs, ValueEnum};
 use half::f16;
 use serde_json::json;
 
+use cudarc::driver::{CudaFunction, CudaSlice};
 use veloq::calibrate::{train_codec, KMeansConfig};
 use veloq::codec::codebook::{Granularity, PqShape};
 use veloq::codec::pack::unpack;
 use veloq::codec::vecinfer::{CodecSpec, VecInferCodec};
-use cudarc::driver::{CudaFunction, CudaSlice};
 use veloq::kernels::cuda::{AttentionScratch, Gpu, GpuAttention, GpuCodec, SplitKernel};
 
 use super::write_json;
@@ -25,7 +25,7 @@ pub struct Args {
     /// Timed repetitions per shape (median reported).
     #[arg(long, default_value_t = 50)]
     reps: usize,
-    /// How each timed rep starts: queued (as do_bench times the anchors) or idle.
+    /// How each timed rep starts: queued (as do_bench times the anchors), queued-clean or idle.
     #[arg(long, value_enum, default_value = "queued")]
     timing: Timing,
     /// Skip timing (correctness only).
@@ -153,8 +153,8 @@ pub enum Timing {
     Idle,
 }
 
-/// Reads a buffer whole (L2 left holding its clean lines); writes only if a checksum that random
-/// data never gives comes out, so that the reads are not optimised away.
+/// Reads a buffer whole (L2 left holding its clean lines); writes only if a checksum that the
+/// zeroed buffer never gives comes out, so that the reads are not optimised away.
 const READ_FLUSH: &str = r#"
 extern "C" __global__ void read_flush(const uint4* p, unsigned long long n, unsigned* sink) {
     unsigned x = 0;
@@ -167,7 +167,8 @@ extern "C" __global__ void read_flush(const uint4* p, unsigned long long n, unsi
 "#;
 
 /// What runs on the stream before each timed rep: L2 cleared by a 256 MB write (do_bench), by a
-/// 256 MB read, or nothing.
+/// 256 MB read, or nothing (idle timing). Made once per run: the buffer and the read kernel serve
+/// every timed shape.
 enum Clear {
     Nothing,
     Write(CudaSlice<u8>),
@@ -186,6 +187,11 @@ impl Clear {
             }
             Timing::Idle => Clear::Nothing,
         })
+    }
+
+    /// Idle timing: each rep waited for.
+    fn idle(&self) -> bool {
+        matches!(self, Clear::Nothing)
     }
 
     fn run(&mut self, gpu: &Gpu) -> Result<()> {
@@ -209,20 +215,19 @@ impl Clear {
 
 /// Median milliseconds of `reps` runs of `f`, timed with events on the GPU's stream (after 3
 /// warm-up runs).
-fn time_ms(gpu: &Gpu, timing: Timing, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+fn time_ms(gpu: &Gpu, clear: &mut Clear, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
     for _ in 0..3 {
         f()?;
     }
     let s = gpu.stream();
-    let mut clear = Clear::new(gpu, timing)?;
     let mut events = Vec::with_capacity(reps);
     for _ in 0..reps {
         clear.run(gpu)?;
         let a = dev!(s.record_event(Some(CU_EVENT_DEFAULT)));
         f()?;
         let b = dev!(s.record_event(Some(CU_EVENT_DEFAULT)));
-        if timing == Timing::Idle {
+        if clear.idle() {
             dev!(b.synchronize());
         }
         events.push((a, b));
@@ -232,7 +237,6 @@ fn time_ms(gpu: &Gpu, timing: Timing, reps: usize, mut f: impl FnMut() -> Result
     t.sort_by(f64::total_cmp);
     Ok(t[t.len() / 2])
 }
-
 
 /// GPU codes vs the CPU encoder on one shape: code agreement and reconstruction error.
 fn check_quantize(gpu: &Gpu, rng: &mut Rng, (s, d, h, sd, bits, g): (usize, usize, usize, usize, u32, Granularity)) -> Result<serde_json::Value> {
@@ -422,7 +426,7 @@ pub fn run(a: Args) -> Result<()> {
     match a.profile[..] {
         [] => {}
         [b, s] => {
-            time_attention(&gpu, &mut rng, vec![(b, s)], Timing::Idle, 1, variants[0])?;
+            time_attention(&gpu, &mut rng, vec![(b, s)], &mut Clear::Nothing, 1, variants[0])?;
             return Ok(());
         }
         _ => bail!("--profile takes B,S"),
@@ -445,6 +449,7 @@ pub fn run(a: Args) -> Result<()> {
         return write_json(&a.json, &json!({"gpu": gpu.name(), "checks": checks}));
     }
     let st = gpu.stream();
+    let mut clear = Clear::new(&gpu, a.timing)?;
     println!("\n| quantize S,D,H,sd | ms | G sub-vec/s | GFLOP/s | GB/s |");
     println!("|---|---|---|---|---|");
     let mut qt = Vec::new();
@@ -454,7 +459,7 @@ pub fn run(a: Args) -> Result<()> {
         let gc = GpuCodec::upload(&gpu, &c)?;
         let xd = dev!(st.clone_htod(&f16_bits(&rng.rows(s * h, d))));
         let mut out = dev!(st.alloc_zeros::<u8>(gc.code_bytes(s * h)));
-        let ms = time_ms(&gpu, a.timing, a.reps, || Ok(gc.quantize(&gpu, &xd, s * h, &mut out)?))?;
+        let ms = time_ms(&gpu, &mut clear, a.reps, || Ok(gc.quantize(&gpu, &xd, s * h, &mut out)?))?;
         let n = (s * h * d / sd) as f64;
         let flops = n * 256.0 * (2.0 * sd as f64 + 1.0);
         let bytes = (s * h * d * 2) as f64 + gc.code_bytes(s * h) as f64;
@@ -467,7 +472,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut at = Vec::new();
     for &v in &variants {
         let grid = a.batches.iter().flat_map(|&b| a.contexts.iter().map(move |&s| (b, s))).collect();
-        at.extend(time_attention(&gpu, &mut rng, grid, a.timing, a.reps, v)?);
+        at.extend(time_attention(&gpu, &mut rng, grid, &mut clear, a.reps, v)?);
     }
     side_by_side(&at);
     let first_label = variants[0].label().0;
@@ -482,7 +487,7 @@ pub fn run(a: Args) -> Result<()> {
 
 /// Times decode attention over 2-bit codes (256 centroids of 4) in the Llama-3.1-8B geometry for
 /// each (batch, positions), printing a table row each.
-fn time_attention(gpu: &Gpu, rng: &mut Rng, shapes: Vec<(usize, usize)>, timing: Timing, reps: usize, v: Variant) -> Result<Vec<serde_json::Value>> {
+fn time_attention(gpu: &Gpu, rng: &mut Rng, shapes: Vec<(usize, usize)>, clear: &mut Clear, reps: usize, v: Variant) -> Result<Vec<serde_json::Value>> {
     let st = gpu.stream();
     let mut at = Vec::new();
     let (hq, hkv, d, w) = (32, 8, 128, 16);
@@ -503,7 +508,7 @@ fn time_attention(gpu: &Gpu, rng: &mut Rng, shapes: Vec<(usize, usize)>, timing:
         let splits = att.splits(gpu, b, s);
         let mut scratch = AttentionScratch::new(gpu, b, hq, d, splits)?;
         let mut launches = 0;
-        let ms = time_ms(gpu, timing, reps, || {
+        let ms = time_ms(gpu, clear, reps, || {
             launches = att.attend(gpu, &qd, &kcd, &vcd, b, s, &wkd, &wvd, w, 0.088, &mut scratch, &mut out)?;
             Ok(())
         })?;

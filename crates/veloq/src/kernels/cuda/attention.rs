@@ -320,6 +320,7 @@ impl GpuAttention {
         }
         // The tensor-core kernel merges in its last block per stream when the merge fits its shared memory.
         let fused = plan.kernel == SplitKernel::TensorCores && self.fuse_merge && merge_smem <= smem as usize;
+        let w_i = w as i32;
         if nsplit > 0 {
             let (s_i, stride, split_i) = (s as i32, codes.stride as i64, split as i32);
             let cfg = match plan.kernel {
@@ -337,7 +338,7 @@ impl GpuAttention {
             };
             l.arg(&k.mean).arg(&k.scale);
             l.arg(&mut scratch.part_o).arg(&mut scratch.part_ml).arg(&s_i).arg(&stride).arg(&split_i).arg(&scale);
-            let (w_i, fuse) = (w as i32, fused as i32);
+            let fuse = fused as i32;
             if plan.kernel == SplitKernel::TensorCores {
                 l.arg(&window.keys).arg(&window.values).arg(&v.mean).arg(&v.scale).arg(&mut *out).arg(&w_i).arg(&window.map).arg(&mut scratch.done).arg(&fuse);
             }
@@ -346,7 +347,7 @@ impl GpuAttention {
                 return Ok(1);
             }
         }
-        let (nsplit_i, w_i) = (nsplit as i32, w as i32);
+        let nsplit_i = nsplit as i32;
         let cfg = LaunchConfig { grid_dim: (streams as u32, 1, 1), block_dim: (Plan::merge_threads(self.group()), 1, 1), shared_mem_bytes: merge_smem as u32 };
         let mut l = gpu.stream().launch_builder(merge_fn);
         l.arg(q).arg(&scratch.part_o).arg(&scratch.part_ml).arg(&window.keys).arg(&window.values).arg(&v.mean).arg(&v.scale).arg(out);

@@ -151,8 +151,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
     // Running pointers to the codes of the step after the current one.
     const unsigned char* kp = kc + (size_t)(w0 + 16 + g) * M_SUB + qd * KT;
     const unsigned char* vp = vc + (size_t)(w0 + 16 + 2 * qd) * M_SUB + g * VP;
-    auto load_keys = [&](unsigned (&kw)[2][KW], int st, const unsigned char* p) {
-        if (st + 16 <= w1) {  // a whole step: fixed offsets
+    // The codes of the step at st: at fixed offsets from p where the step is `whole` (16 positions
+    // of the run), else clamped to the run's last position.
+    auto load_keys = [&](unsigned (&kw)[2][KW], int st, const unsigned char* p, bool whole) {
+        if (whole) {
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) load_k(kw[nt], p + nt * 8 * M_SUB);
         } else {
@@ -160,8 +162,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
             for (int nt = 0; nt < 2; nt++) load_k(kw[nt], kc + (size_t)min(st + nt * 8 + g, w1 - 1) * M_SUB + qd * KT);
         }
     };
-    auto load_values = [&](unsigned (&vw)[4][VW], int st, const unsigned char* p) {
-        if (st + 16 <= w1) {
+    auto load_values = [&](unsigned (&vw)[4][VW], int st, const unsigned char* p, bool whole) {
+        if (whole) {
 #pragma unroll
             for (int i = 0; i < 4; i++) load_v(vw[i], p + ((i & 1) + 8 * (i >> 1)) * M_SUB);
         } else {
@@ -178,8 +180,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
 #pragma unroll
         for (int k = 0; k < VW; k++) vw[i][k] = 0u;  // centroid 0 with zero weights before the first step
     if (w0 < w1) {
-        load_keys(kw, w0, kp - 16 * M_SUB);
-        load_values(vcur, w0, vp - 16 * M_SUB);
+        load_keys(kw, w0, kp - 16 * M_SUB, w0 + 16 <= w1);
+        load_values(vcur, w0, vp - 16 * M_SUB, w0 + 16 <= w1);
     }
 
     // Everything global that the prologue needs is requested at once: this warp's query head (warps
@@ -281,14 +283,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
     float mrow[2] = {NEG_MAX, NEG_MAX}, lrow[2] = {0.f, 0.f};
     // `inner`: this step and the next are whole (no bounds anywhere), a literal at each call.
     auto step = [&](const unsigned (&kw)[2][KW], const unsigned (&vw)[4][VW], unsigned (&kn)[2][KW], unsigned (&vn)[4][VW], int st, bool inner) {
-        if (inner) {
-#pragma unroll
-            for (int nt = 0; nt < 2; nt++) load_k(kn[nt], kp + nt * 8 * M_SUB);
-#pragma unroll
-            for (int i = 0; i < 4; i++) load_v(vn[i], vp + ((i & 1) + 8 * (i >> 1)) * M_SUB);
-        } else if (st + 16 < w1) {
-            load_keys(kn, st + 16, kp);
-            load_values(vn, st + 16, vp);
+        if (inner || st + 16 < w1) {
+            const bool whole = inner || st + 32 <= w1;
+            load_keys(kn, st + 16, kp, whole);
+            load_values(vn, st + 16, vp, whole);
         }
         kp += 16 * M_SUB;
         vp += 16 * M_SUB;
