@@ -13,7 +13,7 @@ export VELOQ_FONT=${VELOQ_FONT:-.device/DejaVuSans.ttf}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 # Kernel correctness first (quantize and attention against the CPU path, many shapes).
 .device/veloq bench cuda --check-only | tail -n 20
-# The runner: cache checks, CPU/CUDA agreement, decode speed and memory, budget. Pinned to one
+# The runner: CPU/CUDA agreement, decode speed and memory, budget. Pinned to one
 # core: decode steps are bound by host launch overhead, and an unpinned host drifted.
 pin=$(command -v taskset >/dev/null && echo "taskset -c 3" || true)
 $pin .device/veloq bench runner --model "$gguf" --calibration "$cal" \

@@ -9,7 +9,8 @@ use veloq::artifact::{Calibration, LayerCodecs};
 use veloq::calibrate::{train_codec_with_progress, KMeansConfig, TextFingerprint};
 use veloq::codec::vecinfer::CodecSpec;
 
-use crate::cache::LayerCache;
+use crate::cache::{LayerCache, ModelCache, Step};
+use crate::config::CacheConfig;
 use crate::error::{Error, Result};
 use crate::model::Model;
 
@@ -34,48 +35,69 @@ struct Recorder {
 }
 
 impl LayerCache for Recorder {
-    fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
-        let (_, _, _, kr) = crate::cache::token_major(k)?;
-        let (_, _, _, vr) = crate::cache::token_major(v)?;
+    fn append(&mut self, k: &Tensor, v: &Tensor, step: &Step) -> Result<()> {
+        let rows = |x: &Tensor| -> Result<Vec<f32>> {
+            Ok(x.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+        };
+        let (kr, vr) = (rows(k)?, rows(v)?);
         let mut s = self.sink.lock().expect("recorder lock");
         s.keys.extend(kr);
         s.values.extend(vr);
         drop(s);
-        self.inner.append(k, v)
+        self.inner.append(k, v, step)
     }
-    fn attend(&mut self, q: &Tensor, scale: f64) -> Result<Tensor> {
-        self.inner.attend(q, scale)
+    fn attend(&self, q: &Tensor, step: &Step, scale: f32) -> Result<Tensor> {
+        self.inner.attend(q, step, scale)
     }
-    fn len(&self) -> usize {
-        self.inner.len()
+    fn commit(&mut self) -> Result<()> {
+        self.inner.commit()
+    }
+    fn slots(&self) -> usize {
+        self.inner.slots()
+    }
+    fn len(&self, slot: usize) -> usize {
+        self.inner.len(slot)
     }
     fn resident_bytes(&self) -> usize {
         self.inner.resident_bytes()
     }
-    fn truncate(&mut self, len: usize) -> Result<()> {
-        self.inner.truncate(len)
+    fn truncate(&mut self, slot: usize, len: usize) -> Result<()> {
+        self.inner.truncate(slot, len)
     }
 }
 
 /// Runs `tokens` through the model in windows of `window` positions (fresh caches per window) and
-/// returns every layer's keys and values. `progress(done_tokens)` after each window.
-pub fn collect_activations(model: &Model, tokens: &[u32], window: usize, progress: &mut dyn FnMut(usize)) -> Result<Activations> {
-    let id = &model.info.identity;
-    let sinks: Vec<_> = (0..id.n_layers).map(|_| Arc::new(Mutex::new(LayerActivations::default()))).collect();
+/// returns every layer's keys and values, token-major `[tokens, kv heads, head_dim]`.
+/// `progress(done_tokens)` after each window.
+pub fn collect_activations(
+    model: &Model,
+    tokens: &[u32],
+    window: usize,
+    progress: &mut dyn FnMut(usize),
+) -> Result<Activations> {
+    let sinks: Vec<_> =
+        (0..model.info.identity.n_layers).map(|_| Arc::new(Mutex::new(LayerActivations::default()))).collect();
     let mut done = 0;
     for chunk in tokens.chunks(window.max(1)) {
-        let mut caches: Vec<Box<dyn LayerCache>> = sinks
-            .iter()
-            .enumerate()
-            .map(|(i, s)| Ok(Box::new(Recorder { inner: model.fp16_cache(i)?, sink: s.clone() }) as Box<dyn LayerCache>))
-            .collect::<Result<_>>()?;
+        let fp16 = CacheConfig { capacity: Some(chunk.len()), ..CacheConfig::fp16() }.build(model)?;
+        let layers = fp16
+            .into_layers()
+            .into_iter()
+            .zip(&sinks)
+            .map(|(inner, s)| Box::new(Recorder { inner, sink: s.clone() }) as Box<dyn LayerCache>)
+            .collect();
+        let mut caches = ModelCache::new(layers)?;
         model.forward(chunk, &mut caches, false)?;
         done += chunk.len();
         progress(done);
     }
     let layers = sinks
         .into_iter()
-        .map(|s| Arc::try_unwrap(s).map_err(|_| Error::Config("recorder still shared".into())).map(|m| m.into_inner().expect("recorder lock")))
+        .map(|s| {
+            Arc::try_unwrap(s)
+                .map_err(|_| Error::Config("recorder still shared".into()))
+                .map(|m| m.into_inner().expect("recorder lock"))
+        })
         .collect::<Result<_>>()?;
     Ok(Activations { layers, text: TextFingerprint::of_tokens(tokens) })
 }

@@ -12,17 +12,37 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use candle_core::Device;
+
 use veloq::artifact::Calibration;
 use veloq::codec::block::BlockCodec;
 use veloq::codec::kivi::{KiviAxis, KiviCodec};
 use veloq::codec::lloyd_max::LloydMaxCodec;
-
-use candle_core::Device;
 use veloq::kernels::select::KernelChoice;
 
-use crate::cache::{DecodingCache, LayerCache, PortableVecInferCache, VecInferCache, WindowConfig};
+use crate::cache::{CpuBackend, Heads, KvCache, LayerCache, ModelCache, Policy, TensorBackend};
 use crate::error::{Error, Result};
 use crate::model::Model;
+
+/// The f16 rows a coded cache keeps beside its codes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WindowConfig {
+    /// Recent positions kept in f16 after a flush.
+    pub window: usize,
+    /// Positions encoded per flush (a multiple of 8 and of the codecs' block size).
+    pub flush_block: usize,
+    /// First positions kept in f16 for good (attention sinks: the model parks attention on the
+    /// first tokens, and their keys are outliers no codebook fits).
+    pub sink: usize,
+}
+
+impl Default for WindowConfig {
+    /// 16–23 recent positions exact, codes written 8 positions at a time, 4 sink positions: the
+    /// window's storage (24 positions) stays small next to the codes at 1k tokens.
+    fn default() -> Self {
+        Self { window: 16, flush_block: 8, sink: 4 }
+    }
+}
 
 #[derive(Clone, Debug)]
 pub enum Method {
@@ -59,7 +79,12 @@ impl CacheConfig {
     }
 
     pub fn vecinfer(calibration: Calibration) -> Self {
-        Self { method: Method::VecInfer(Arc::new(calibration)), window: WindowConfig::default(), kernels: KernelChoice::Auto, capacity: None }
+        Self {
+            method: Method::VecInfer(Arc::new(calibration)),
+            window: WindowConfig::default(),
+            kernels: KernelChoice::Auto,
+            capacity: None,
+        }
     }
 
     /// Loads a calibration artifact and checks it was made for `model`.
@@ -68,11 +93,21 @@ impl CacheConfig {
     }
 
     pub fn kivi(bits: u32, group: usize) -> Self {
-        Self { method: Method::Kivi { bits, group }, window: WindowConfig::default(), kernels: KernelChoice::Auto, capacity: None }
+        Self {
+            method: Method::Kivi { bits, group },
+            window: WindowConfig::default(),
+            kernels: KernelChoice::Auto,
+            capacity: None,
+        }
     }
 
     pub fn rot_lloyd_max(bits: u32) -> Self {
-        Self { method: Method::RotLloydMax { bits, seed: 0 }, window: WindowConfig::default(), kernels: KernelChoice::Auto, capacity: None }
+        Self {
+            method: Method::RotLloydMax { bits, seed: 0 },
+            window: WindowConfig::default(),
+            kernels: KernelChoice::Auto,
+            capacity: None,
+        }
     }
 
     pub fn name(&self) -> String {
@@ -96,7 +131,10 @@ impl CacheConfig {
             Method::Fp16 => return Ok(None),
             Method::VecInfer(cal) => {
                 check_calibration(cal, model)?;
-                cal.layers.iter().map(|l| (Arc::new(l.keys.clone()) as Arc<dyn BlockCodec>, Arc::new(l.values.clone()) as _)).collect()
+                cal.layers
+                    .iter()
+                    .map(|l| (Arc::new(l.keys.clone()) as Arc<dyn BlockCodec>, Arc::new(l.values.clone()) as _))
+                    .collect()
             }
             &Method::Kivi { bits, group } => {
                 let k: Arc<dyn BlockCodec> = Arc::new(KiviCodec::new(h, d, bits, group, KiviAxis::PerChannel)?);
@@ -141,72 +179,126 @@ impl CacheConfig {
     }
 
     /// One cache per layer of `model`, for one sequence. Sliding-window layers hold at most their
-    /// window, in f16, whatever the method ([`Model::fp16_cache`]); the method codes the others.
-    pub fn build(&self, model: &Model) -> Result<Vec<Box<dyn LayerCache>>> {
+    /// window, in f16, whatever the method; the method codes the others.
+    pub fn build(&self, model: &Model) -> Result<ModelCache> {
         self.build_batch(model, 1)
     }
 
-    /// One cache per layer for `batch` sequences decoded together (all at the same position). On
-    /// the CPU, and for the scalar baselines, batch 1 only; on CUDA, fp16 and VecInfer take any
-    /// batch, each sized for the model's `max_context` positions up front.
-    pub fn build_batch(&self, model: &Model, batch: usize) -> Result<Vec<Box<dyn LayerCache>>> {
+    /// One cache per layer for `slots` sequences, each up to `capacity` positions (default the
+    /// model's `max_context`). Devices with fused kernels get them (the CPU kernels on the CPU,
+    /// veloq's CUDA kernels with the `cuda` feature), others the portable candle-ops backend, as
+    /// [`kernels`](Self::kernels) says; the scalar baselines always run on the CPU kernels.
+    pub fn build_batch(&self, model: &Model, slots: usize) -> Result<ModelCache> {
         let id = &model.info.identity;
-        let windowed = |i: usize| model.layer_window(i).is_some();
+        let heads = Heads { q: model.info.n_heads, kv: id.n_kv_heads, dim: id.head_dim };
         let dev = model.device();
         let capacity = self.capacity.unwrap_or(model.max_context());
-        if let Method::VecInfer(cal) = &self.method {
-            check_calibration(cal, model)?;
-            let fused = self.kernels.resolve(fused_available(dev, cal, model.info.n_heads))?;
-            #[cfg(feature = "cuda")]
-            let runtime = match (fused, dev) {
-                (true, Device::Cuda(_)) => Some(crate::cache::CudaRuntime::new(dev)?),
-                _ => None,
-            };
-            return cal
-                .layers
-                .iter()
-                .enumerate()
-                .map(|(i, l)| {
-                    if windowed(i) {
-                        return model.fp16_cache_batch(i, batch, capacity);
-                    }
-                    #[cfg(feature = "cuda")]
-                    if let Some(rt) = &runtime {
-                        let c = crate::cache::CudaVecInferCache::new(rt.clone(), &l.keys, &l.values, model.info.n_heads, batch, capacity, self.window)?;
-                        return Ok(Box::new(c) as Box<dyn LayerCache>);
-                    }
-                    single(batch, "VecInfer on this device")?;
-                    Ok(if fused {
-                        Box::new(VecInferCache::new(Arc::new(l.keys.clone()), Arc::new(l.values.clone()), self.window)?) as Box<dyn LayerCache>
-                    } else {
-                        Box::new(PortableVecInferCache::new(&l.keys, &l.values, self.window, dev)?) as Box<dyn LayerCache>
-                    })
-                })
-                .collect();
-        }
-        let Some(pairs) = self.codecs(model)? else {
-            return (0..id.n_layers).map(|i| model.fp16_cache_batch(i, batch, capacity)).collect();
+        let dense_fused = self.kernels.resolve(dense_kernels(dev))?;
+        let pairs = self.codecs(model)?;
+        let vecinfer_fused = match &self.method {
+            Method::VecInfer(cal) => Some(self.kernels.resolve(fused_available(dev, cal, heads.q))?),
+            _ => None,
         };
-        single(batch, &self.name())?;
-        pairs
-            .into_iter()
-            .enumerate()
-            .map(|(i, (k, v))| {
-                if windowed(i) {
-                    return model.fp16_cache(i);
+        #[cfg(feature = "cuda")]
+        let runtime = match (dev, dense_fused || vecinfer_fused == Some(true)) {
+            (Device::Cuda(_), true) => Some(crate::cache::CudaRuntime::new(dev)?),
+            _ => None,
+        };
+        let mut layers: Vec<Box<dyn LayerCache>> = Vec::with_capacity(id.n_layers);
+        for i in 0..id.n_layers {
+            let dense = |policy: Policy| -> Result<Box<dyn LayerCache>> {
+                #[cfg(feature = "cuda")]
+                if let (Some(rt), true) = (&runtime, dense_fused) {
+                    return Ok(Box::new(KvCache::new(
+                        policy,
+                        slots,
+                        heads,
+                        crate::cache::CudaBackend::dense(rt.clone(), heads, slots, policy.rows(), dev)?,
+                    )?));
                 }
-                let cfg = WindowConfig { flush_block: lcm(lcm(self.window.flush_block, k.block_tokens()), v.block_tokens()), ..self.window };
-                Ok(Box::new(DecodingCache::new(k, v, cfg)?) as Box<dyn LayerCache>)
-            })
-            .collect()
+                Ok(match (dev, dense_fused) {
+                    (Device::Cpu, true) => {
+                        Box::new(KvCache::new(policy, slots, heads, CpuBackend::dense(heads, slots, policy.rows()))?)
+                    }
+                    _ => Box::new(KvCache::new(
+                        policy,
+                        slots,
+                        heads,
+                        TensorBackend::dense(heads, slots, policy.rows(), dev)?,
+                    )?),
+                })
+            };
+            if let Some(w) = model.layer_window(i) {
+                layers.push(dense(Policy::sliding(w, capacity))?);
+                continue;
+            }
+            let Some(pairs) = &pairs else {
+                layers.push(dense(Policy::dense(capacity))?);
+                continue;
+            };
+            let (k, v) = pairs[i].clone();
+            let block = lcm(lcm(self.window.flush_block, k.block_tokens()), v.block_tokens());
+            let w = self.window;
+            let policy = Policy::coded(w.sink, w.window, block, capacity);
+            let Method::VecInfer(cal) = &self.method else {
+                layers.push(Box::new(KvCache::new(
+                    policy,
+                    slots,
+                    heads,
+                    CpuBackend::decoding(heads, slots, policy.rows(), k, v, block)?,
+                )?));
+                continue;
+            };
+            let l = &cal.layers[i];
+            let fused = vecinfer_fused == Some(true);
+            #[cfg(feature = "cuda")]
+            if let (Some(rt), true) = (&runtime, fused) {
+                let b = crate::cache::CudaBackend::vecinfer(
+                    rt.clone(),
+                    heads,
+                    slots,
+                    policy.rows(),
+                    capacity,
+                    &l.keys,
+                    &l.values,
+                    dev,
+                )?;
+                layers.push(Box::new(KvCache::new(policy, slots, heads, b)?));
+                continue;
+            }
+            layers.push(match (dev, fused) {
+                (Device::Cpu, true) => {
+                    let b = CpuBackend::vecinfer(
+                        heads,
+                        slots,
+                        policy.rows(),
+                        Arc::new(l.keys.clone()),
+                        Arc::new(l.values.clone()),
+                        block,
+                    )?;
+                    Box::new(KvCache::new(policy, slots, heads, b)?)
+                }
+                _ => Box::new(KvCache::new(
+                    policy,
+                    slots,
+                    heads,
+                    TensorBackend::vecinfer(heads, slots, policy.rows(), capacity, &l.keys, &l.values, dev)?,
+                )?),
+            });
+        }
+        ModelCache::new(layers)
     }
 }
 
-fn single(batch: usize, what: &str) -> Result<()> {
-    if batch != 1 {
-        return Err(Error::Config(format!("{what} decodes one sequence at a time, asked for a batch of {batch}")));
+/// Whether fused kernels serve fp16 (dense) caches on `dev`: the CPU kernels always, the CUDA
+/// ones with the `cuda` feature.
+fn dense_kernels(dev: &Device) -> std::result::Result<(), String> {
+    match dev {
+        Device::Cpu => Ok(()),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => Ok(()),
+        other => Err(format!("no fused kernels for {other:?} in this build (the CUDA ones need the `cuda` feature)")),
     }
-    Ok(())
 }
 
 /// Whether fused VecInfer kernels serve caches on `dev`: the CPU lookup-table path always; the
@@ -221,14 +313,20 @@ fn fused_available(dev: &Device, cal: &Calibration, q_heads: usize) -> std::resu
         },
         other => {
             let _ = (cal, q_heads);
-            Err(format!("no fused VecInfer kernels for {other:?} in this build (the CUDA ones need the `cuda` feature)"))
+            Err(format!(
+                "no fused VecInfer kernels for {other:?} in this build (the CUDA ones need the `cuda` feature)"
+            ))
         }
     }
 }
 
 fn check_calibration(cal: &Calibration, model: &Model) -> Result<()> {
     let (m, id) = (&cal.model, &model.info.identity);
-    if m.architecture != id.architecture || m.n_layers != id.n_layers || m.n_kv_heads != id.n_kv_heads || m.head_dim != id.head_dim {
+    if m.architecture != id.architecture
+        || m.n_layers != id.n_layers
+        || m.n_kv_heads != id.n_kv_heads
+        || m.head_dim != id.head_dim
+    {
         return Err(Error::Config(format!(
             "calibration is for {} ({} layers, {} kv-heads, head_dim {}), the model is {} ({} layers, {} kv-heads, head_dim {})",
             m.name, m.n_layers, m.n_kv_heads, m.head_dim, id.name, id.n_layers, id.n_kv_heads, id.head_dim
@@ -245,11 +343,6 @@ fn lcm(a: usize, b: usize) -> usize {
         a
     };
     a / gcd(a, b) * b
-}
-
-/// Resident bytes of all layers' caches.
-pub fn resident_bytes(caches: &[Box<dyn LayerCache>]) -> usize {
-    caches.iter().map(|c| c.resident_bytes()).sum()
 }
 
 /// What an f16 cache of `tokens` positions would hold for `model` (keys + values, no padding;

@@ -10,7 +10,7 @@
 
 use candle_core::{DType, D};
 
-use crate::config::{resident_bytes, CacheConfig, Method};
+use crate::config::{CacheConfig, Method};
 use crate::error::{Error, Result};
 use crate::model::Model;
 
@@ -56,12 +56,27 @@ impl MethodScore {
 /// Scores `methods` (the first must be the fp16 reference) on `tokens`; refuses a calibrated
 /// method whose calibration text overlaps the evaluated tokens. `progress(tokens)` after
 /// each forward call, counting tokens over all methods and windows.
-pub fn evaluate(model: &Model, tokens: &[u32], methods: &[(String, CacheConfig)], cfg: EvalConfig, progress: &mut dyn FnMut(usize)) -> Result<Vec<MethodScore>> {
+pub fn evaluate(
+    model: &Model,
+    tokens: &[u32],
+    methods: &[(String, CacheConfig)],
+    cfg: EvalConfig,
+    progress: &mut dyn FnMut(usize),
+) -> Result<Vec<MethodScore>> {
     if cfg.ctx < 2 * cfg.step || cfg.step == 0 || cfg.windows == 0 {
-        return Err(Error::Config(format!("eval: ctx {} must hold two steps of {} and windows ≥ 1", cfg.ctx, cfg.step)));
+        return Err(Error::Config(format!(
+            "eval: ctx {} must hold two steps of {} and windows ≥ 1",
+            cfg.ctx, cfg.step
+        )));
     }
     if tokens.len() < cfg.ctx * cfg.windows {
-        return Err(Error::Config(format!("eval: {} windows of {} need {} tokens, the text has {}", cfg.windows, cfg.ctx, cfg.ctx * cfg.windows, tokens.len())));
+        return Err(Error::Config(format!(
+            "eval: {} windows of {} need {} tokens, the text has {}",
+            cfg.windows,
+            cfg.ctx,
+            cfg.ctx * cfg.windows,
+            tokens.len()
+        )));
     }
     if !matches!(methods.first(), Some((_, c)) if matches!(c.method, Method::Fp16)) {
         return Err(Error::Config("eval: the first method must be fp16 (the reference)".into()));
@@ -128,7 +143,7 @@ pub fn evaluate(model: &Model, tokens: &[u32], methods: &[(String, CacheConfig)]
             if m == 0 {
                 scores[0].top1_same += scored;
             }
-            scores[m].resident_bytes = scores[m].resident_bytes.max(resident_bytes(&caches));
+            scores[m].resident_bytes = scores[m].resident_bytes.max(caches.resident_bytes());
         }
     }
     Ok(scores)
@@ -147,4 +162,3 @@ fn argmax(x: &[f32]) -> usize {
 pub fn total_tokens(cfg: &EvalConfig, methods: usize) -> usize {
     cfg.ctx * cfg.windows * methods
 }
-

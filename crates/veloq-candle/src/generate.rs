@@ -6,8 +6,8 @@ use std::time::Instant;
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 use tokenizers::Tokenizer;
 
-use crate::cache::LayerCache;
-use crate::config::{fp16_bytes, resident_bytes};
+use crate::cache::ModelCache;
+use crate::config::fp16_bytes;
 use crate::error::Result;
 use crate::model::{decode, encode, ChatTemplate, Model};
 
@@ -53,7 +53,7 @@ impl GenerateOutput {
 pub fn generate(
     model: &Model,
     tok: &Tokenizer,
-    caches: &mut [Box<dyn LayerCache>],
+    caches: &mut ModelCache,
     prompt: &str,
     opts: &GenerateOptions,
     on_text: &mut dyn FnMut(&str),
@@ -78,7 +78,7 @@ pub fn prompt_ids(model: &Model, tok: &Tokenizer, prompt: &str, chat: bool) -> R
 pub fn generate_ids(
     model: &Model,
     tok: &Tokenizer,
-    caches: &mut [Box<dyn LayerCache>],
+    caches: &mut ModelCache,
     prompt_ids: &[u32],
     opts: &GenerateOptions,
     on_text: &mut dyn FnMut(&str),
@@ -113,14 +113,14 @@ pub fn generate_ids(
         next = proc.sample(&logits)?;
     }
     let decode_s = start.elapsed().as_secs_f64();
-    let len = caches.first().map_or(0, |c| c.len());
+    let len = caches.len(0);
     Ok(GenerateOutput {
         prompt_tokens: prompt_ids.len(),
         text: decode(tok, &tokens)?,
         tokens,
         prefill_s,
         decode_s,
-        kv_resident_bytes: resident_bytes(caches),
+        kv_resident_bytes: caches.resident_bytes(),
         kv_fp16_bytes: fp16_bytes(model, len),
     })
 }

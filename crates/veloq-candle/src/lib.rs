@@ -8,7 +8,6 @@ pub mod error;
 pub mod eval;
 pub mod generate;
 pub mod model;
-pub mod portable;
 
 #[cfg(test)]
 mod testing;

@@ -76,10 +76,11 @@ fn gemma3_logits_match_the_reference_forward_pass() {
     }
     eprintln!("worst relative logit error against the reference: {worst:.2e}");
     // Sliding layers keep 6 positions, the global one all of them.
-    assert_eq!(caches.len(), 3);
-    assert_eq!(caches.iter().map(|c| c.len()).collect::<Vec<_>>(), vec![t; 3]);
-    assert!(caches[0].resident_bytes() <= 6 * 256 * 2 * 2 * 2, "sliding layer holds {} bytes", caches[0].resident_bytes());
-    assert!(caches[2].resident_bytes() >= t * 256 * 2 * 2, "the global layer holds every position");
+    let layers = caches.layers();
+    assert_eq!(layers.len(), 3);
+    assert_eq!(layers.iter().map(|c| c.len(0)).collect::<Vec<_>>(), vec![t; 3]);
+    assert!(layers[0].resident_bytes() <= 6 * 256 * 2 * 2, "sliding layer holds {} bytes", layers[0].resident_bytes());
+    assert!(layers[2].resident_bytes() >= t * 256 * 2 * 2, "the global layer holds every position");
     assert_eq!(fp16_bytes(&model, t), (6 + 6 + t) * 256 * 2 * 2);
 }
 
@@ -91,7 +92,8 @@ fn gemma3_with_vecinfer_codes_the_global_layer() {
     let calib: Vec<u32> = (0..512u32).map(|i| 4 + (i * 37 + i / 7) % 252).collect();
     let acts = collect_activations(&model, &calib, 64, &mut |_| {}).unwrap();
     let shape = PqShape::new(4, 8).unwrap();
-    let cal: Calibration = calibrate(&model, &acts, CodecSpec::keys(shape), CodecSpec::values(shape), 0, &mut |_| {}).unwrap();
+    let cal: Calibration =
+        calibrate(&model, &acts, CodecSpec::keys(shape), CodecSpec::values(shape), 0, &mut |_| {}).unwrap();
     let mut fp = CacheConfig::fp16().build(&model).unwrap();
     let mut vq = CacheConfig::vecinfer(cal).build(&model).unwrap();
     let a = model.forward(&tokens, &mut fp, false).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -99,5 +101,9 @@ fn gemma3_with_vecinfer_codes_the_global_layer() {
     let dot: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
     let cos = dot / (a.iter().map(|x| x * x).sum::<f32>().sqrt() * b.iter().map(|x| x * x).sum::<f32>().sqrt());
     assert!(cos > 0.95, "cosine {cos}");
-    assert_eq!(vq[0].resident_bytes(), fp[0].resident_bytes(), "sliding layer is an f16 window under either method");
+    assert_eq!(
+        vq.layers()[0].resident_bytes(),
+        fp.layers()[0].resident_bytes(),
+        "sliding layer is an f16 window under either method"
+    );
 }

@@ -39,7 +39,8 @@ fn fixture() -> &'static Fixture {
     static F: OnceLock<Fixture> = OnceLock::new();
     F.get_or_init(|| {
         let path = cache_dir().join("smollm2-135m-instruct.q4_1.gguf");
-        let (model, tok) = Model::open(&path, 1024).unwrap_or_else(|e| panic!("{}: {e} (run scripts/fetch-data)", path.display()));
+        let (model, tok) =
+            Model::open(&path, 1024).unwrap_or_else(|e| panic!("{}: {e} (run scripts/fetch-data)", path.display()));
         let persuasion = tokens("persuasion.txt", &tok);
         let emma = tokens("emma.txt", &tok);
         let calib = collect_activations(&model, &persuasion[..512], 512, &mut |_| {}).unwrap();
@@ -56,7 +57,12 @@ fn shape() -> PqShape {
 #[test]
 fn calibration_is_deterministic() {
     let f = fixture();
-    let run = |seed| calibrate(&f.model, &f.calib, CodecSpec::keys(shape()), CodecSpec::values(shape()), seed, &mut |_| {}).unwrap().to_bytes().unwrap();
+    let run = |seed| {
+        calibrate(&f.model, &f.calib, CodecSpec::keys(shape()), CodecSpec::values(shape()), seed, &mut |_| {})
+            .unwrap()
+            .to_bytes()
+            .unwrap()
+    };
     let a = run(3);
     let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
     let b = pool.install(|| run(3));
@@ -69,7 +75,8 @@ fn calibration_is_deterministic() {
 #[test]
 fn evaluation_refuses_calibration_text() {
     let f = fixture();
-    let cal = calibrate(&f.model, &f.calib, CodecSpec::keys(shape()), CodecSpec::values(shape()), 0, &mut |_| {}).unwrap();
+    let cal =
+        calibrate(&f.model, &f.calib, CodecSpec::keys(shape()), CodecSpec::values(shape()), 0, &mut |_| {}).unwrap();
     let methods = vec![("fp16".to_string(), CacheConfig::fp16()), ("vq-2".to_string(), CacheConfig::vecinfer(cal))];
     let cfg = EvalConfig { ctx: 128, windows: 1, step: 16 };
     match evaluate(&f.model, &f.persuasion[200..], &methods, cfg, &mut |_| {}) {
@@ -88,7 +95,10 @@ fn evaluation_refuses_calibration_text() {
 }
 
 /// Relative squared error ‖x − x̂‖² / ‖x‖² of a codec over every layer's held-out keys or values.
-fn rel_err(codecs: &[(Box<dyn BlockCodec>, Box<dyn BlockCodec>)], keys: bool) -> f64 {
+/// One layer's key and value codecs.
+type CodecPair = (Box<dyn BlockCodec>, Box<dyn BlockCodec>);
+
+fn rel_err(codecs: &[CodecPair], keys: bool) -> f64 {
     let f = fixture();
     let (mut e, mut s) = (0.0f64, 0.0f64);
     for (l, (kc, vc)) in f.held_out.layers.iter().zip(codecs) {
@@ -115,8 +125,15 @@ fn codec_errors_on_real_activations() {
         println!("{name:<12} keys {k:.4} values {v:.4}");
         rows.push((name, k, v));
     };
-    let cal = calibrate(&f.model, &f.calib, CodecSpec::keys(shape()), CodecSpec::values(shape()), 0, &mut |_| {}).unwrap();
-    check("vq-2".into(), cal.layers.iter().map(|l| (Box::new(l.keys.clone()) as Box<dyn BlockCodec>, Box::new(l.values.clone()) as _)).collect());
+    let cal =
+        calibrate(&f.model, &f.calib, CodecSpec::keys(shape()), CodecSpec::values(shape()), 0, &mut |_| {}).unwrap();
+    check(
+        "vq-2".into(),
+        cal.layers
+            .iter()
+            .map(|l| (Box::new(l.keys.clone()) as Box<dyn BlockCodec>, Box::new(l.values.clone()) as _))
+            .collect(),
+    );
     for bits in [2u32, 4] {
         check(
             format!("kivi-{bits}"),
@@ -134,7 +151,12 @@ fn codec_errors_on_real_activations() {
         check(
             format!("rlm-{bits}"),
             (0..n as u64)
-                .map(|i| (Box::new(LloydMaxCodec::new(h, d, bits, 2 * i).unwrap()) as Box<dyn BlockCodec>, Box::new(LloydMaxCodec::new(h, d, bits, 2 * i + 1).unwrap()) as _))
+                .map(|i| {
+                    (
+                        Box::new(LloydMaxCodec::new(h, d, bits, 2 * i).unwrap()) as Box<dyn BlockCodec>,
+                        Box::new(LloydMaxCodec::new(h, d, bits, 2 * i + 1).unwrap()) as _,
+                    )
+                })
                 .collect(),
         );
     }

@@ -60,16 +60,22 @@ pub fn default_text() -> PathBuf {
 /// The CLI's progress bar: message, bar, count, elapsed time and estimate.
 pub fn bar(len: u64, msg: &str) -> ProgressBar {
     let b = ProgressBar::new(len);
-    b.set_style(ProgressStyle::with_template("{msg:>14} [{bar:40}] {pos}/{len} {elapsed} (eta {eta})").unwrap().progress_chars("=> "));
+    b.set_style(
+        ProgressStyle::with_template("{msg:>14} [{bar:40}] {pos}/{len} {elapsed} (eta {eta})")
+            .unwrap()
+            .progress_chars("=> "),
+    );
     b.set_message(msg.to_string());
     b
 }
 
 pub fn run(a: Args) -> Result<()> {
     let model_path = a.model.clone().unwrap_or_else(default_model);
-    let (model, tok) = Model::open(&model_path, a.window.max(512)).with_context(|| format!("loading {}", model_path.display()))?;
+    let (model, tok) =
+        Model::open(&model_path, a.window.max(512)).with_context(|| format!("loading {}", model_path.display()))?;
     let text_path = a.text.clone().unwrap_or_else(default_text);
-    let text = std::fs::read_to_string(&text_path).with_context(|| format!("reading {} (run scripts/fetch-data)", text_path.display()))?;
+    let text = std::fs::read_to_string(&text_path)
+        .with_context(|| format!("reading {} (run scripts/fetch-data)", text_path.display()))?;
     let mut ids = encode(&tok, &text)?;
     if ids.len() < a.tokens {
         bail!("{} has {} tokens, fewer than the {} asked for", text_path.display(), ids.len(), a.tokens);
@@ -77,8 +83,20 @@ pub fn run(a: Args) -> Result<()> {
     ids.truncate(a.tokens);
     let granularity = Granularity::parse(&a.granularity)?;
     let smooth = if a.smooth == "none" { None } else { Some(SmoothRule::parse(&a.smooth)?) };
-    let keys = CodecSpec { shape: PqShape::new(a.key_sub_dim, a.key_bits)?, granularity, center: !a.no_center, smooth, rotate: true };
-    let values = CodecSpec { shape: PqShape::new(a.value_sub_dim, a.value_bits)?, granularity, center: !a.no_center, smooth: None, rotate: true };
+    let keys = CodecSpec {
+        shape: PqShape::new(a.key_sub_dim, a.key_bits)?,
+        granularity,
+        center: !a.no_center,
+        smooth,
+        rotate: true,
+    };
+    let values = CodecSpec {
+        shape: PqShape::new(a.value_sub_dim, a.value_bits)?,
+        granularity,
+        center: !a.no_center,
+        smooth: None,
+        rotate: true,
+    };
     let b = bar(ids.len() as u64, "collecting");
     let acts = collect_activations(&model, &ids, a.window, &mut |n| b.set_position(n as u64))?;
     b.finish();

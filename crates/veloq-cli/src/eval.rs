@@ -81,7 +81,15 @@ struct Vq {
 }
 
 const fn vq(sub_dim: usize, bits: u32) -> Vq {
-    Vq { keys: (sub_dim, bits), values: (sub_dim, bits), granularity: Granularity::PerLayer, center: (true, true), smooth: true, rotate: true, sink: true }
+    Vq {
+        keys: (sub_dim, bits),
+        values: (sub_dim, bits),
+        granularity: Granularity::PerLayer,
+        center: (true, true),
+        smooth: true,
+        rotate: true,
+        sink: true,
+    }
 }
 const VQ2: Vq = vq(4, 8);
 
@@ -148,13 +156,20 @@ fn specs(kind: Kind) -> Option<(CodecSpec, CodecSpec)> {
     let Kind::Vq(v) = kind else { return None };
     let smooth = v.smooth.then_some(SmoothRule::SqrtMaxAbs);
     let side = |(sd, bits): (usize, u32), center, smooth| -> Option<CodecSpec> {
-        Some(CodecSpec { shape: PqShape::new(sd, bits).ok()?, granularity: v.granularity, center, smooth, rotate: v.rotate })
+        Some(CodecSpec {
+            shape: PqShape::new(sd, bits).ok()?,
+            granularity: v.granularity,
+            center,
+            smooth,
+            rotate: v.rotate,
+        })
     };
     Some((side(v.keys, v.center.0, smooth)?, side(v.values, v.center.1, None)?))
 }
 
 fn read_tokens(tok: &Tokenizer, path: &Path) -> Result<Vec<u32>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {} (run scripts/fetch-data)", path.display()))?;
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading {} (run scripts/fetch-data)", path.display()))?;
     Ok(encode(tok, &text)?)
 }
 
@@ -180,7 +195,11 @@ fn calibrations(
             continue;
         };
         // Named by what was trained, so methods that differ only in cache settings share a file.
-        let path = dir.join(format!("{stem}.{:016x}.s{seed}.t{}.w{window}.safetensors", fnv(&format!("{keys:?}{values:?}")), calib.len()));
+        let path = dir.join(format!(
+            "{stem}.{:016x}.s{seed}.t{}.w{window}.safetensors",
+            fnv(&format!("{keys:?}{values:?}")),
+            calib.len()
+        ));
         if let Ok(c) = Calibration::load_for(&path, &model.info.identity) {
             if c.text == text && c.keys == keys && c.values == values && c.seed == seed {
                 out.push(Some(c));
@@ -193,7 +212,8 @@ fn calibrations(
             b.finish();
         }
         let b = bar(model.info.identity.n_layers as u64, label);
-        let cal = calibrate(model, acts.as_ref().expect("collected"), keys, values, seed, &mut |n| b.set_position(n as u64))?;
+        let cal =
+            calibrate(model, acts.as_ref().expect("collected"), keys, values, seed, &mut |n| b.set_position(n as u64))?;
         b.finish();
         cal.save(&path)?;
         out.push(Some(cal));
@@ -232,7 +252,10 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         let mut v = vec![METHODS[0]];
         for m in &a.methods {
-            let found = METHODS.iter().find(|(l, _)| l == m).with_context(|| format!("unknown method {m} (see veloq eval --list)"))?;
+            let found = METHODS
+                .iter()
+                .find(|(l, _)| l == m)
+                .with_context(|| format!("unknown method {m} (see veloq eval --list)"))?;
             if found.0 != "fp16" {
                 v.push(*found);
             }
@@ -244,13 +267,19 @@ pub fn run(a: Args) -> Result<()> {
         return replot(json, &model_path, &chosen, &a);
     }
     let max_ctx = a.ctx.iter().copied().max().context("no --ctx")?;
-    let (model, tok) = Model::open(&model_path, max_ctx.max(a.calib_window.unwrap_or(0)).max(512)).with_context(|| format!("loading {}", model_path.display()))?;
+    let (model, tok) = Model::open(&model_path, max_ctx.max(a.calib_window.unwrap_or(0)).max(512))
+        .with_context(|| format!("loading {}", model_path.display()))?;
     let eval_path = a.text.clone().unwrap_or_else(|| default_text().with_file_name("prideprejudice.txt"));
     let calib_path = a.calib_text.clone().unwrap_or_else(default_text);
     let eval_tokens = read_tokens(&tok, &eval_path)?;
     let calib_tokens = read_tokens(&tok, &calib_path)?;
     if calib_tokens.len() < a.calib_tokens {
-        bail!("{} has {} tokens, fewer than --calib-tokens {}", calib_path.display(), calib_tokens.len(), a.calib_tokens);
+        bail!(
+            "{} has {} tokens, fewer than --calib-tokens {}",
+            calib_path.display(),
+            calib_tokens.len(),
+            a.calib_tokens
+        );
     }
     let calib = &calib_tokens[..a.calib_tokens];
     let windows: Vec<usize> = match a.windows.len() {
@@ -269,7 +298,8 @@ pub fn run(a: Args) -> Result<()> {
     }
     let calib_window = a.calib_window.unwrap_or(max_ctx);
     let cals = calibrations(&model, &model_path, calib, &chosen, a.seed, calib_window)?;
-    let methods: Vec<(String, CacheConfig)> = chosen.iter().zip(cals).map(|((l, k), c)| (l.to_string(), config(*k, c))).collect();
+    let methods: Vec<(String, CacheConfig)> =
+        chosen.iter().zip(cals).map(|((l, k), c)| (l.to_string(), config(*k, c))).collect();
     let mut runs = Vec::new();
     for (&ctx, &windows) in a.ctx.iter().zip(&windows) {
         let cfg = EvalConfig { ctx, windows, step: a.step };
@@ -308,7 +338,10 @@ pub fn run(a: Args) -> Result<()> {
 fn replot(json: &Path, model_path: &Path, chosen: &[(&str, Kind)], a: &Args) -> Result<()> {
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(json)?)?;
     let runs = v["runs"].as_array().context("no runs in the JSON")?;
-    let missing = runs.iter().flat_map(|r| r["methods"].as_array().into_iter().flatten()).any(|m| m["stream_bits_per_element"].is_null());
+    let missing = runs
+        .iter()
+        .flat_map(|r| r["methods"].as_array().into_iter().flatten())
+        .any(|m| m["stream_bits_per_element"].is_null());
     // Only older files lack stream bits; those calibrations are rebuilt (or found in the cache) with
     // the window the run used (512 before the JSON recorded it).
     let stream: Vec<(String, f64)> = if missing {
@@ -316,8 +349,19 @@ fn replot(json: &Path, model_path: &Path, chosen: &[(&str, Kind)], a: &Args) -> 
         let (model, tok) = Model::open(model_path, window.max(512))?;
         let calib_path = a.calib_text.clone().unwrap_or_else(default_text);
         let calib_tokens = read_tokens(&tok, &calib_path)?;
-        let cals = calibrations(&model, model_path, &calib_tokens[..a.calib_tokens.min(calib_tokens.len())], chosen, a.seed, window)?;
-        chosen.iter().zip(cals).map(|((l, k), c)| Ok((l.to_string(), config(*k, c).stream_bits_per_element(&model)?))).collect::<Result<_>>()?
+        let cals = calibrations(
+            &model,
+            model_path,
+            &calib_tokens[..a.calib_tokens.min(calib_tokens.len())],
+            chosen,
+            a.seed,
+            window,
+        )?;
+        chosen
+            .iter()
+            .zip(cals)
+            .map(|((l, k), c)| Ok((l.to_string(), config(*k, c).stream_bits_per_element(&model)?)))
+            .collect::<Result<_>>()?
     } else {
         Vec::new()
     };
@@ -332,7 +376,10 @@ fn replot(json: &Path, model_path: &Path, chosen: &[(&str, Kind)], a: &Args) -> 
                 let scored = m["scored_tokens"].as_u64().unwrap_or(0) as usize;
                 let f = |k: &str| m[k].as_f64().unwrap_or(f64::NAN);
                 MethodScore {
-                    stream_bits: m["stream_bits_per_element"].as_f64().or_else(|| stream.iter().find(|s| s.0 == label).map(|s| s.1)).unwrap_or(f64::NAN),
+                    stream_bits: m["stream_bits_per_element"]
+                        .as_f64()
+                        .or_else(|| stream.iter().find(|s| s.0 == label).map(|s| s.1))
+                        .unwrap_or(f64::NAN),
                     label,
                     code_bits: f("code_bits_per_element"),
                     resident_bytes: m["resident_kv_bytes"].as_u64().unwrap_or(0) as usize,
@@ -365,7 +412,9 @@ fn row_json(s: &MethodScore, reference: &MethodScore, kind: Kind) -> serde_json:
 fn print_table(ctx: usize, windows: usize, scores: &[MethodScore]) {
     let r = &scores[0];
     println!("\nctx {ctx}, {windows} windows, {} scored tokens", r.scored);
-    println!("| method | stream bits/elem | bits/elem, all metadata at ctx | resident KV KiB | PPL | ΔPPL | KL | top-1 |");
+    println!(
+        "| method | stream bits/elem | bits/elem, all metadata at ctx | resident KV KiB | PPL | ΔPPL | KL | top-1 |"
+    );
     println!("|---|---|---|---|---|---|---|---|");
     for s in scores {
         println!(

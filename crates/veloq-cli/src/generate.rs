@@ -6,9 +6,9 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::{Args as ClapArgs, ValueEnum};
 
+use veloq::kernels::select::KernelChoice;
 use veloq_candle::config::CacheConfig;
 use veloq_candle::generate::{generate, GenerateOptions};
-use veloq::kernels::select::KernelChoice;
 use veloq_candle::model::Model;
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -94,19 +94,30 @@ pub fn run(a: Args) -> Result<()> {
     }
     let device = crate::device::parse(&a.device)?;
     let kernels = KernelChoice::parse(&a.kernels)?;
-    let (model, tok) = Model::open_on(&model_path, a.max_context, &device).with_context(|| format!("loading {}", model_path.display()))?;
+    let (model, tok) = Model::open_on(&model_path, a.max_context, &device)
+        .with_context(|| format!("loading {}", model_path.display()))?;
     let config = match a.method {
         MethodArg::Fp16 => CacheConfig::fp16(),
         MethodArg::Vecinfer => {
             let cal = a.files.calibration();
             CacheConfig::vecinfer_from_file(&cal, &model).with_context(|| {
-                format!("loading calibration {} (make one with `veloq calibrate --model {}`)", cal.display(), model_path.display())
+                format!(
+                    "loading calibration {} (make one with `veloq calibrate --model {}`)",
+                    cal.display(),
+                    model_path.display()
+                )
             })?
         }
     };
     let config = CacheConfig { kernels, ..config };
     let mut caches = config.build(&model)?;
-    let opts = GenerateOptions { max_tokens: a.max_tokens, temperature: a.temperature, top_p: a.top_p, seed: a.seed, chat: !a.raw };
+    let opts = GenerateOptions {
+        max_tokens: a.max_tokens,
+        temperature: a.temperature,
+        top_p: a.top_p,
+        seed: a.seed,
+        chat: !a.raw,
+    };
     let out = generate(&model, &tok, &mut caches, &a.prompt, &opts, &mut |s| {
         print!("{s}");
         let _ = std::io::stdout().flush();
@@ -122,7 +133,12 @@ pub fn run(a: Args) -> Result<()> {
     let kv = if matches!(config.method, veloq_candle::config::Method::Fp16) {
         format!("KV cache {} {what}", human(out.kv_resident_bytes))
     } else {
-        format!("KV cache {} {what} vs {} for fp16 ({:.2}×)", human(out.kv_resident_bytes), human(fp16), fp16 as f64 / out.kv_resident_bytes.max(1) as f64)
+        format!(
+            "KV cache {} {what} vs {} for fp16 ({:.2}×)",
+            human(out.kv_resident_bytes),
+            human(fp16),
+            fp16 as f64 / out.kv_resident_bytes.max(1) as f64
+        )
     };
     eprintln!(
         "[{}] prompt {} tok, prefill {:.1} tok/s | generated {} tok, decode {:.1} tok/s | {kv}",

@@ -24,8 +24,10 @@ fn font() -> Result<()> {
     static LOADED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     LOADED
         .get_or_init(|| {
-            let path = std::env::var("VELOQ_FONT").unwrap_or_else(|_| "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf".into());
-            let bytes = std::fs::read(&path).map_err(|e| format!("font {path}: {e} (install fonts-dejavu-core or set VELOQ_FONT)"))?;
+            let path = std::env::var("VELOQ_FONT")
+                .unwrap_or_else(|_| "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf".into());
+            let bytes = std::fs::read(&path)
+                .map_err(|e| format!("font {path}: {e} (install fonts-dejavu-core or set VELOQ_FONT)"))?;
             plotters::style::register_font("sans-serif", FontStyle::Normal, Box::leak(bytes.into_boxed_slice()))
                 .map_err(|_| format!("font {path} is not a TrueType font"))
         })
@@ -38,7 +40,14 @@ fn family(label: &str) -> (&str, bool) {
     (label.split('-').next().unwrap_or(label), label.contains('/') || label.starts_with("vq-k"))
 }
 
-const COLORS: [RGBColor; 6] = [RGBColor(31, 119, 180), RGBColor(214, 39, 40), RGBColor(44, 160, 44), RGBColor(148, 103, 189), RGBColor(255, 127, 14), RGBColor(140, 86, 75)];
+const COLORS: [RGBColor; 6] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+    RGBColor(148, 103, 189),
+    RGBColor(255, 127, 14),
+    RGBColor(140, 86, 75),
+];
 
 /// ΔPPL (left) and KL (right) against the coded stream's bits per element (the rate at long
 /// context; tables shared by all positions are in the eval table, not on this axis), log scale, one
@@ -48,12 +57,15 @@ pub fn quality(path: &Path, ctx: usize, scores: &[MethodScore]) -> Result<()> {
     font()?;
     let root = BitMapBackend::new(path, (1400, 560)).into_drawing_area();
     root.fill(&WHITE)?;
-    let root = root.titled(&format!("SmolLM2-135M, ctx {ctx}: quality vs stored bits per element"), ("sans-serif", 22))?;
+    let root =
+        root.titled(&format!("SmolLM2-135M, ctx {ctx}: quality vs stored bits per element"), ("sans-serif", 22))?;
     let panels = root.split_evenly((1, 2));
     let reference = scores[0].ppl();
     let floor = 1e-3;
-    let metrics: [(&str, Box<dyn Fn(&MethodScore) -> f64>, usize); 2] =
-        [("ΔPPL vs fp16", Box::new(move |s: &MethodScore| s.ppl() - reference), 3), ("KL from fp16 (nats)", Box::new(|s: &MethodScore| s.kl()), 4)];
+    let metrics: [Metric; 2] = [
+        ("ΔPPL vs fp16", Box::new(move |s: &MethodScore| s.ppl() - reference), 3),
+        ("KL from fp16 (nats)", Box::new(|s: &MethodScore| s.kl()), 4),
+    ];
     for (panel, (name, metric, anchor_col)) in panels.iter().zip(metrics) {
         let pts: Vec<(f64, f64)> = scores[1..].iter().map(|s| (s.stream_bits, metric(s).max(floor))).collect();
         let ymax = pts.iter().map(|p| p.1).fold(1.0, f64::max) * 2.0;
@@ -63,7 +75,11 @@ pub fn quality(path: &Path, ctx: usize, scores: &[MethodScore]) -> Result<()> {
             .x_label_area_size(40)
             .y_label_area_size(60)
             .build_cartesian_2d(0.5f64..9.0, (floor..ymax).log_scale())?;
-        chart.configure_mesh().x_desc("bits per element of the coded stream (codes + per-group scales; shared codebooks excluded)").y_desc(name).draw()?;
+        chart
+            .configure_mesh()
+            .x_desc("bits per element of the coded stream (codes + per-group scales; shared codebooks excluded)")
+            .y_desc(name)
+            .draw()?;
         let mut families: Vec<&str> = Vec::new();
         for s in &scores[1..] {
             let (f, _) = family(&s.label);
@@ -105,16 +121,27 @@ pub fn quality(path: &Path, ctx: usize, scores: &[MethodScore]) -> Result<()> {
                 chart.draw_series([Text::new(a.1.to_string(), (a.2 + 0.1, y.max(floor)), ("sans-serif", 12))])?;
             }
         }
-        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::UpperRight).draw()?;
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperRight)
+            .draw()?;
     }
     root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }
 
+/// A panel of the quality figure: its title, what it plots per method, the anchor table's column.
+type Metric<'a> = (&'a str, Box<dyn Fn(&MethodScore) -> f64>, usize);
+
+/// One batch size's decode attention: (batch, veloq's (context, ms), SDPA's (context, ms)).
+pub type AttentionSeries = (usize, Vec<(f64, f64)>, Vec<(f64, f64)>);
+
 /// Decode attention time against context, log–log, per batch size: veloq over 2-bit codes (solid)
 /// and SDPA over fp16 (dashed), measured in one device call.
 #[allow(dead_code)]
-pub fn attention(path: &Path, series: &[(usize, Vec<(f64, f64)>, Vec<(f64, f64)>)]) -> Result<()> {
+pub fn attention(path: &Path, series: &[AttentionSeries]) -> Result<()> {
     font()?;
     let root = BitMapBackend::new(path, (900, 600)).into_drawing_area();
     root.fill(&WHITE)?;
@@ -143,7 +170,12 @@ pub fn attention(path: &Path, series: &[(usize, Vec<(f64, f64)>, Vec<(f64, f64)>
             .label(format!("SDPA fp16, batch {b}"))
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(1)));
     }
-    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::UpperLeft).draw()?;
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()?;
     root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }
@@ -182,7 +214,12 @@ pub fn decode_speed(path: &Path, device: &str, panels: &Panels) -> Result<()> {
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
             chart.draw_series(line.iter().map(|&p| Circle::new(p, 4, color.filled())))?;
         }
-        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::UpperRight).draw()?;
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperRight)
+            .draw()?;
     }
     root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())

@@ -24,7 +24,13 @@ fn search(c: &mut Criterion) {
     g.sample_size(10);
     for (s, d, h, sd) in [(128usize, 128usize, 8usize, 8usize), (512, 128, 8, 8), (1024, 256, 4, 4)] {
         let shape = PqShape::new(sd, 8).unwrap();
-        let books = CodebookSet::new(shape, Granularity::PerLayer, d / sd, vec![Codebook::new(sd, normal(256 * sd, 1)).unwrap()]).unwrap();
+        let books = CodebookSet::new(
+            shape,
+            Granularity::PerLayer,
+            d / sd,
+            vec![Codebook::new(sd, normal(256 * sd, 1)).unwrap()],
+        )
+        .unwrap();
         let x = normal(s * h * d, 2);
         let n = s * h * d / sd;
         let mut out = vec![0u8; packed_len(n, 8)];
@@ -45,7 +51,9 @@ fn train(c: &mut Criterion) {
     g.sample_size(10);
     let x = normal((1 << 20) * 8, 3);
     g.bench_function("256x8_1M_subvectors_10_iters", |b| {
-        b.iter(|| kmeans(&x, 8, &KMeansConfig { max_iter: 10, tol: 0.0, ..KMeansConfig::new(256, 1) }, &|_, _| {}).unwrap())
+        b.iter(|| {
+            kmeans(&x, 8, &KMeansConfig { max_iter: 10, tol: 0.0, ..KMeansConfig::new(256, 1) }, &|_, _| {}).unwrap()
+        })
     });
     g.finish();
 }

@@ -131,9 +131,20 @@ fn side_name(keys: bool) -> &'static str {
 
 impl Calibration {
     /// Checks that the layers match the model geometry and the specs.
-    pub fn new(model: ModelIdentity, keys: CodecSpec, values: CodecSpec, seed: u64, calibration_tokens: usize, layers: Vec<LayerCodecs>) -> Result<Self> {
+    pub fn new(
+        model: ModelIdentity,
+        keys: CodecSpec,
+        values: CodecSpec,
+        seed: u64,
+        calibration_tokens: usize,
+        layers: Vec<LayerCodecs>,
+    ) -> Result<Self> {
         if layers.len() != model.n_layers {
-            return Err(Error::Shape(format!("{} layer codecs for a model of {} layers", layers.len(), model.n_layers)));
+            return Err(Error::Shape(format!(
+                "{} layer codecs for a model of {} layers",
+                layers.len(),
+                model.n_layers
+            )));
         }
         for (i, l) in layers.iter().enumerate() {
             for (codec, spec, k) in [(&l.keys, &keys, true), (&l.values, &values, false)] {
@@ -145,7 +156,10 @@ impl Calibration {
                     && codec.mean().is_some() == spec.center
                     && codec.rotates() == spec.rotate;
                 if !ok {
-                    return Err(Error::Shape(format!("layer {i} {} codec does not match the model geometry or its spec", side_name(k))));
+                    return Err(Error::Shape(format!(
+                        "layer {i} {} codec does not match the model geometry or its spec",
+                        side_name(k)
+                    )));
                 }
             }
         }
@@ -189,10 +203,13 @@ impl Calibration {
         }
         let views = owned
             .iter()
-            .map(|(n, s, d)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), d).map_err(|e| Error::Shape(e.to_string()))?)))
+            .map(|(n, s, d)| {
+                Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), d).map_err(|e| Error::Shape(e.to_string()))?))
+            })
             .collect::<Result<Vec<_>>>()?;
         let json = serde_json::to_string(&meta).expect("metadata serializes");
-        safetensors::serialize(views, Some(HashMap::from([("veloq".to_string(), json)]))).map_err(|e| Error::Shape(e.to_string()))
+        safetensors::serialize(views, Some(HashMap::from([("veloq".to_string(), json)])))
+            .map_err(|e| Error::Shape(e.to_string()))
     }
 
     /// Writes the artifact atomically (temporary file, then rename), so a failed write never
@@ -218,7 +235,11 @@ impl Calibration {
     pub fn load_for(path: impl AsRef<Path>, model: &ModelIdentity) -> Result<Self> {
         let cal = Self::load(path.as_ref())?;
         let (a, b) = (&cal.model, model);
-        if a.architecture != b.architecture || a.n_layers != b.n_layers || a.n_kv_heads != b.n_kv_heads || a.head_dim != b.head_dim {
+        if a.architecture != b.architecture
+            || a.n_layers != b.n_layers
+            || a.n_kv_heads != b.n_kv_heads
+            || a.head_dim != b.head_dim
+        {
             return Err(Error::Artifact {
                 path: path.as_ref().to_path_buf(),
                 reason: format!("calibrated for {}, but the model is {}", a.describe(), b.describe()),
@@ -230,7 +251,8 @@ impl Calibration {
     /// Parses and validates artifact bytes; `path` only names the file in errors.
     pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<Self> {
         let bad = |reason: String| Error::Artifact { path: path.to_path_buf(), reason };
-        let st = SafeTensors::deserialize(bytes).map_err(|e| bad(format!("not a readable safetensors file (truncated or corrupt?): {e}")))?;
+        let st = SafeTensors::deserialize(bytes)
+            .map_err(|e| bad(format!("not a readable safetensors file (truncated or corrupt?): {e}")))?;
         let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| bad(format!("unreadable header: {e}")))?;
         let json = header
             .metadata()
@@ -249,7 +271,10 @@ impl Calibration {
         }
         let m = &meta.model;
         if m.n_layers == 0 || m.n_kv_heads == 0 || m.head_dim == 0 {
-            return Err(bad(format!("empty geometry: {} layers, {} kv-heads, head_dim {}", m.n_layers, m.n_kv_heads, m.head_dim)));
+            return Err(bad(format!(
+                "empty geometry: {} layers, {} kv-heads, head_dim {}",
+                m.n_layers, m.n_kv_heads, m.head_dim
+            )));
         }
         let wrap = |e: Error| bad(e.to_string());
         let keys = meta.keys.to_spec().map_err(wrap)?;
@@ -281,7 +306,11 @@ impl Calibration {
                 expected += 1;
                 let (k_, sd) = (spec.shape.centroids(), spec.shape.sub_dim);
                 let data = read_f32(&st, &format!("{p}.codebooks"), &[count, k_, sd]).map_err(bad)?;
-                let books = data.chunks_exact(k_ * sd).map(|c| Codebook::new(sd, c.to_vec())).collect::<Result<Vec<_>>>().map_err(wrap)?;
+                let books = data
+                    .chunks_exact(k_ * sd)
+                    .map(|c| Codebook::new(sd, c.to_vec()))
+                    .collect::<Result<Vec<_>>>()
+                    .map_err(wrap)?;
                 let books = CodebookSet::new(spec.shape, spec.granularity, subspaces, books).map_err(wrap)?;
                 VecInferCodec::new(m.n_kv_heads, m.head_dim, mean, smooth, spec.rotate, books).map_err(wrap)
             };

@@ -8,10 +8,19 @@ pub trait Element: Copy + Send + Sync + 'static {
     const NAME: &'static str;
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
+    /// Widens `src` into `dst` (same length).
+    #[inline]
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
+    }
 }
 
 impl Element for f32 {
     const NAME: &'static str = "f32";
+    #[inline]
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
@@ -24,6 +33,12 @@ impl Element for f32 {
 
 impl Element for f16 {
     const NAME: &'static str = "f16";
+    /// F16C where the CPU has it.
+    #[inline]
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        src.convert_to_f32_slice(dst);
+    }
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f16::to_f32(self)

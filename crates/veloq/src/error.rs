@@ -21,6 +21,9 @@ pub enum Error {
     /// A GPU that is missing, refused a call, or cannot run this configuration.
     #[error("GPU: {0}")]
     Device(String),
+    /// The GPU ran out of memory.
+    #[error("GPU out of memory: {0}")]
+    OutOfMemory(String),
     #[error("I/O on {path}: {source}")]
     Io {
         path: PathBuf,

@@ -11,6 +11,8 @@ static PEAK: AtomicUsize = AtomicUsize::new(0);
 /// The system allocator with live/peak byte counters.
 pub struct CountingAlloc;
 
+// SAFETY: every call forwards to the system allocator with the caller's arguments and returns its
+// result unchanged; the counters only observe sizes.
 unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let p = System.alloc(layout);

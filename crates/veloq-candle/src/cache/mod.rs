@@ -1,84 +1,122 @@
-//! The cache contract: a model layer hands its post-RoPE keys and values to a [`LayerCache`] and
-//! asks it for attention, so a compressed cache can score against codes without rebuilding fp16
-//! keys. Implementations: [`Fp16Cache`] (the reference), [`VecInferCache`] (codes, lookup-table
-//! decode) and [`DecodingCache`] (any other [`BlockCodec`](veloq::codec::block::BlockCodec), for
-//! the scalar baselines); [`SlidingCache`] serves sliding-window layers whatever the method.
-//! On other devices: [`TensorCache`] (f16 in device tensors, candle's attention) and, with the
-//! `cuda` feature, [`CudaVecInferCache`] (codes on the GPU, veloq's fused kernels).
+#![warn(missing_docs)]
+//! The cache contract and its one implementation.
 //!
-//! Shapes: keys/values `[B, n_kv_heads, T, head_dim]`, queries `[B, n_q_heads, T, head_dim]`, f32.
-//! The CPU caches take batch 1; GQA is handled inside (query heads index their kv head, keys are
-//! never copied per query head).
+//! A model layer hands its post-RoPE keys and values to a [`LayerCache`] and asks it for
+//! attention, so a compressed cache scores against codes without rebuilding fp16 keys. Every
+//! call names its [`Step`]: which sequences (slots), at which positions, with how many new tokens,
+//! so sequences at different positions share a forward pass. `attend` reads only; `commit` moves
+//! what the step left in f16 rows into codes.
+//!
+//! Layers of the design, each in its own file:
+//! - [`step`]: what a forward pass runs (ragged sequences, packed tokens);
+//! - [`residency`]: where every position lives (sink, codes, f16 ring, the step's own rows) —
+//!   the storage policy, written once, device-free;
+//! - [`backend`]: what a device provides (put rows, quantize spans, attend over codes, attend over
+//!   rows with a mask, merge partials); [`cpu`] (veloq's CPU kernels), [`tensor`] (candle ops on
+//!   any device) and, with the `cuda` feature, [`cuda`] (veloq's CUDA kernels over the tensor
+//!   backend's storage);
+//! - [`kv`]: [`KvCache`], the one cache type, a residency executed by a backend.
+//!
+//! Shapes: keys and values `[tokens, kv heads, head_dim]`, queries `[tokens, q heads, head_dim]`,
+//! tokens packed sequence after sequence in step order; outputs f32 like the queries. GQA is
+//! handled inside (query heads index their kv head; keys are never copied per query head).
 
-mod decoding;
-mod dense;
-mod fp16;
-mod portable;
-mod sliding;
-mod store;
-mod tensor;
-mod vecinfer;
+pub mod backend;
+pub mod cpu;
 #[cfg(feature = "cuda")]
-mod cuda;
+pub mod cuda;
+pub mod kv;
+pub mod residency;
+pub mod step;
+pub mod tensor;
 
-pub use decoding::DecodingCache;
-pub use fp16::Fp16Cache;
-pub use portable::PortableVecInferCache;
-pub use sliding::SlidingCache;
-pub use store::WindowConfig;
-pub use tensor::{attend_tensors, TensorCache};
+pub use backend::{Backend, Heads};
+pub use cpu::CpuBackend;
 #[cfg(feature = "cuda")]
-pub use cuda::{CudaRuntime, CudaVecInferCache};
-pub use vecinfer::VecInferCache;
+pub use cuda::{CudaBackend, CudaRuntime};
+pub use kv::KvCache;
+pub use residency::{Policy, Residency};
+pub use step::{SeqStep, Step};
+pub use tensor::TensorBackend;
 
 use candle_core::Tensor;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 
+/// One layer's keys and values for one or more sequences (slots), and attention over them. What a
+/// model layer sees; [`KvCache`] over any backend implements it.
 pub trait LayerCache: Send {
-    /// Appends `T` new positions (post-RoPE keys and values).
-    fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()>;
-    /// Causal attention of the last `T` appended positions' queries over everything cached:
-    /// query `i` sees positions `0..=len - T + i`. Returns `[1, n_q_heads, T, head_dim]`.
-    fn attend(&mut self, q: &Tensor, scale: f64) -> Result<Tensor>;
-    /// Positions cached.
-    fn len(&self) -> usize;
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// Bytes really held (allocated storage of codes, windows, codebooks' share), not bit counts.
+    /// Appends the step's new keys and values (`[tokens, kv heads, head_dim]`, packed in step
+    /// order). Every sequence must continue where its slot ends; a refused step changes nothing.
+    fn append(&mut self, k: &Tensor, v: &Tensor, step: &Step) -> Result<()>;
+    /// Causal attention of the step's queries (`[tokens, q heads, head_dim]`) over everything
+    /// their sequences hold: query `i` of a sequence starting at `start` sees positions
+    /// `..=start + i` (on sliding-window layers, only the window's). Changes nothing.
+    fn attend(&self, q: &Tensor, step: &Step, scale: f32) -> Result<Tensor>;
+    /// Settles the appended step: rows beyond the recent window become codes. Call after attend.
+    fn commit(&mut self) -> Result<()>;
+    /// Sequence slots.
+    fn slots(&self) -> usize;
+    /// Positions the sequence in `slot` holds.
+    fn len(&self, slot: usize) -> usize;
+    /// Keeps the first `len` positions of `slot` (0 frees it for a new sequence).
+    fn truncate(&mut self, slot: usize, len: usize) -> Result<()>;
+    /// Bytes really held (rows, codes and the codecs' tables as allocated), not bit counts.
     fn resident_bytes(&self) -> usize;
-    /// Keeps the first `len` positions.
-    fn truncate(&mut self, len: usize) -> Result<()>;
-    /// Moves what appends left pending into long-term storage (codes) as `attend` does after
-    /// attending; for filling a cache without attending (benchmarks, restored sessions).
-    fn commit(&mut self) -> Result<()> {
-        Ok(())
-    }
-    /// Device operations (kernel launches) issued so far; 0 for the CPU caches, whose work is
-    /// not launched.
-    fn launches(&self) -> usize {
-        0
-    }
 }
 
-/// Splits a `[1, H, T, D]` tensor into token-major rows `[T, H, D]` of f32.
-pub(crate) fn token_major(x: &Tensor) -> Result<(usize, usize, usize, Vec<f32>)> {
-    let (b, h, t, d) = x.dims4()?;
-    if b != 1 {
-        return Err(crate::Error::Config(format!("the CPU caches take batch 1, got {b}")));
-    }
-    let v = x.squeeze(0)?.transpose(0, 1)?.contiguous()?.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    Ok((h, t, d, v))
+/// Every layer's cache of one model, for the same sequence slots.
+pub struct ModelCache {
+    layers: Vec<Box<dyn LayerCache>>,
 }
 
-/// Token-major rows of one append's keys and values (`[T, H, D]` f32 each) and `T`, checked
-/// against the `n_kv × head_dim` geometry `what` holds.
-pub(crate) fn kv_rows(k: &Tensor, v: &Tensor, n_kv: usize, head_dim: usize, what: &str) -> Result<(usize, Vec<f32>, Vec<f32>)> {
-    let (h, t, d, kr) = token_major(k)?;
-    let (vh, vt, vd, vr) = token_major(v)?;
-    if (h, d) != (n_kv, head_dim) || (vh, vt, vd) != (h, t, d) {
-        return Err(crate::Error::Config(format!("{what} holds {n_kv}×{head_dim}, got keys {h}×{d} and values {vh}×{vd} ({t} and {vt} positions)")));
+impl ModelCache {
+    /// Every layer's cache, in layer order (all with the same slots).
+    pub fn new(layers: Vec<Box<dyn LayerCache>>) -> Result<Self> {
+        let slots = layers.first().map_or(0, |l| l.slots());
+        if layers.is_empty() || layers.iter().any(|l| l.slots() != slots) {
+            return Err(Error::Shape("a model cache needs layers with the same sequence slots".into()));
+        }
+        Ok(Self { layers })
     }
-    Ok((t, kr, vr))
+
+    /// The layers' caches.
+    pub fn layers(&self) -> &[Box<dyn LayerCache>] {
+        &self.layers
+    }
+
+    /// The layers' caches, to run a step on.
+    pub fn layers_mut(&mut self) -> &mut [Box<dyn LayerCache>] {
+        &mut self.layers
+    }
+
+    /// The layers' caches, to wrap or rebuild.
+    pub fn into_layers(self) -> Vec<Box<dyn LayerCache>> {
+        self.layers
+    }
+
+    /// Sequence slots of every layer.
+    pub fn slots(&self) -> usize {
+        self.layers[0].slots()
+    }
+
+    /// Positions the sequence in `slot` holds (every layer holds the same).
+    pub fn len(&self, slot: usize) -> usize {
+        self.layers[0].len(slot)
+    }
+
+    /// Whether `slot` holds nothing.
+    pub fn is_empty(&self, slot: usize) -> bool {
+        self.len(slot) == 0
+    }
+
+    /// Keeps the first `len` positions of `slot` in every layer.
+    pub fn truncate(&mut self, slot: usize, len: usize) -> Result<()> {
+        self.layers.iter_mut().try_for_each(|l| l.truncate(slot, len))
+    }
+
+    /// Bytes every layer holds.
+    pub fn resident_bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.resident_bytes()).sum()
+    }
 }

@@ -4,7 +4,12 @@
 //! - Gemma 3 (`gemma3`): embeddings × √hidden, per-head q/k RMS norms, norms after attention and
 //!   after the MLP too, GELU (tanh) gated MLP, NeoX RoPE with base 10,000 on sliding-window layers
 //!   and the file's base (and linear scaling) on global ones; every `sliding_window_pattern`-th layer
-//!   (6) is global, the others see the last `sliding_window` positions ([`SlidingCache`]).
+//!   (6) is global, the others see the last `sliding_window` positions (their caches keep only
+//!   those).
+//!
+//! A forward pass runs a [`Step`]: one or more sequences, each at its own position with its own
+//! number of new tokens, packed into one `[tokens, hidden]` activation. RoPE takes each token's
+//! position from the step; the caches check that every sequence continues where its slot ends.
 
 use std::fs::File;
 use std::io::BufReader;
@@ -15,7 +20,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::RmsNorm;
 
 use super::ModelInfo;
-use crate::cache::{Fp16Cache, LayerCache, SlidingCache, TensorCache};
+use crate::cache::{ModelCache, Step};
 use crate::error::{Error, Result};
 use veloq::artifact::ModelIdentity;
 
@@ -67,9 +72,13 @@ impl Model {
         let bad = |reason: String| Error::Model { path: path.to_path_buf(), reason };
         let file = File::open(path).map_err(|e| bad(e.to_string()))?;
         let mut reader = BufReader::new(file);
-        let ct = gguf_file::Content::read(&mut reader).map_err(|e| bad(format!("not a readable GGUF file (truncated or corrupt?): {e}")))?;
+        let ct = gguf_file::Content::read(&mut reader)
+            .map_err(|e| bad(format!("not a readable GGUF file (truncated or corrupt?): {e}")))?;
         let md = |k: &str| ct.metadata.get(k);
-        let arch = md("general.architecture").and_then(|v| v.to_string().ok()).cloned().ok_or_else(|| bad("no general.architecture".into()))?;
+        let arch = md("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .cloned()
+            .ok_or_else(|| bad("no general.architecture".into()))?;
         let neox = match arch.as_str() {
             "llama" | "mistral" => false,
             "qwen2" | "gemma3" => true,
@@ -88,7 +97,8 @@ impl Model {
         let n_layers = get_u("block_count")?;
         let hidden = get_u("embedding_length")?;
         let head_dim = get_u("attention.key_length").unwrap_or(hidden / n_heads);
-        let eps = md(&format!("{arch}.attention.layer_norm_rms_epsilon")).and_then(|v| v.to_f32().ok()).unwrap_or(1e-5) as f64;
+        let eps = md(&format!("{arch}.attention.layer_norm_rms_epsilon")).and_then(|v| v.to_f32().ok()).unwrap_or(1e-5)
+            as f64;
         let rope_base = md(&format!("{arch}.rope.freq_base")).and_then(|v| v.to_f32().ok()).unwrap_or(10000.0);
         let get_f = |k: &str| md(&format!("{arch}.{k}")).and_then(|v| v.to_f32().ok());
         // Gemma 3: linear RoPE scaling on global layers (4B and up), windows on the others.
@@ -99,9 +109,10 @@ impl Model {
         if n_heads == 0 || n_kv == 0 || n_heads % n_kv != 0 {
             return Err(bad(format!("{n_heads} heads and {n_kv} kv-heads do not group")));
         }
-        let name = md("general.name").and_then(|v| v.to_string().ok()).cloned().unwrap_or_else(|| {
-            path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
-        });
+        let name = md("general.name")
+            .and_then(|v| v.to_string().ok())
+            .cloned()
+            .unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default());
         let mut eos_tokens = Vec::new();
         if let Some(v) = md("tokenizer.ggml.eos_token_id").and_then(|v| v.to_u32().ok()) {
             eos_tokens.push(v);
@@ -114,14 +125,17 @@ impl Model {
         if let Some(tokens) = md("tokenizer.ggml.tokens").and_then(|v| v.to_vec().ok()) {
             for (i, t) in tokens.iter().enumerate() {
                 if let Ok(s) = t.to_string() {
-                    if matches!(s.as_str(), "<|im_end|>" | "<|eot_id|>" | "<|endoftext|>" | "<end_of_turn>") && !eos_tokens.contains(&(i as u32)) {
+                    if matches!(s.as_str(), "<|im_end|>" | "<|eot_id|>" | "<|endoftext|>" | "<end_of_turn>")
+                        && !eos_tokens.contains(&(i as u32))
+                    {
                         eos_tokens.push(i as u32);
                     }
                 }
             }
         }
 
-        let mut tensor = |name: &str| ct.tensor(&mut reader, name, device).map_err(|e| bad(format!("tensor {name}: {e}")));
+        let mut tensor =
+            |name: &str| ct.tensor(&mut reader, name, device).map_err(|e| bad(format!("tensor {name}: {e}")));
         let embed_q = tensor("token_embd.weight")?;
         let embed = embed_q.dequantize(device)?;
         // Tied embeddings when the file has no separate output matrix.
@@ -133,12 +147,18 @@ impl Model {
         let mut layers = Vec::with_capacity(n_layers);
         for i in 0..n_layers {
             let p = format!("blk.{i}");
-            let mut q = |n: &str| -> Result<QMatMul> { Ok(QMatMul::from_qtensor(tensor(&format!("{p}.{n}.weight"))?)?) };
+            let mut q =
+                |n: &str| -> Result<QMatMul> { Ok(QMatMul::from_qtensor(tensor(&format!("{p}.{n}.weight"))?)?) };
             let (wq, wk, wv, wo) = (q("attn_q")?, q("attn_k")?, q("attn_v")?, q("attn_output")?);
             let (gate, up, down) = (q("ffn_gate")?, q("ffn_up")?, q("ffn_down")?);
-            let mut norm = |n: &str| -> Result<RmsNorm> { Ok(RmsNorm::new(tensor(&format!("{p}.{n}.weight"))?.dequantize(device)?, eps)) };
+            let mut norm = |n: &str| -> Result<RmsNorm> {
+                Ok(RmsNorm::new(tensor(&format!("{p}.{n}.weight"))?.dequantize(device)?, eps))
+            };
             let (qk_norm, post_norms) = if gemma {
-                (Some((norm("attn_q_norm")?, norm("attn_k_norm")?)), Some((norm("post_attention_norm")?, norm("post_ffw_norm")?)))
+                (
+                    Some((norm("attn_q_norm")?, norm("attn_k_norm")?)),
+                    Some((norm("post_attention_norm")?, norm("post_ffw_norm")?)),
+                )
             } else {
                 (None, None)
             };
@@ -168,7 +188,11 @@ impl Model {
         let (cos, sin) = rope_tables(head_dim, rope_base, rope_scale, max_context, device)?;
         let local_rope = if gemma { Some(rope_tables(head_dim, 10_000.0, 1.0, max_context, device)?) } else { None };
         // Gemma 3 scales queries by 1/√head_dim, except the 27B (62 layers): 1/√(hidden/heads).
-        let attn_scale = if gemma && n_layers == 62 { 1.0 / ((hidden / n_heads) as f64).sqrt() } else { 1.0 / (head_dim as f64).sqrt() };
+        let attn_scale = if gemma && n_layers == 62 {
+            1.0 / ((hidden / n_heads) as f64).sqrt()
+        } else {
+            1.0 / (head_dim as f64).sqrt()
+        };
         let info = ModelInfo {
             identity: ModelIdentity { name, architecture: arch, n_layers, n_kv_heads: n_kv, head_dim },
             n_heads,
@@ -210,66 +234,51 @@ impl Model {
         self.layers.get(layer).and_then(|l| l.window)
     }
 
-    /// The reference cache for `layer`: f16, bounded to the window on sliding-window layers.
-    pub fn fp16_cache(&self, layer: usize) -> Result<Box<dyn LayerCache>> {
-        self.fp16_cache_batch(layer, 1, self.max_context)
-    }
-
-    /// [`fp16_cache`](Self::fp16_cache) for `batch` sequences: on the CPU the block cache (batch
-    /// 1, growing), elsewhere f16 device tensors for `capacity` positions.
-    pub fn fp16_cache_batch(&self, layer: usize, batch: usize, capacity: usize) -> Result<Box<dyn LayerCache>> {
-        let id = &self.info.identity;
-        let on_cpu = matches!(self.device, Device::Cpu);
-        Ok(match self.layer_window(layer) {
-            Some(w) if batch == 1 => Box::new(SlidingCache::new(id.n_kv_heads, id.head_dim, w)?),
-            Some(_) => return Err(Error::Config(format!("sliding-window layers decode one sequence at a time, asked for a batch of {batch}"))),
-            None if on_cpu && batch == 1 => Box::new(Fp16Cache::new(id.n_kv_heads, id.head_dim)),
-            None => Box::new(TensorCache::new(batch, id.n_kv_heads, id.head_dim, capacity, self.info.n_heads, &self.device)?),
-        })
-    }
-
-    /// Runs `tokens` at positions `caches[0].len()..`, appending to the caches. Returns logits
+    /// Runs `tokens` for the sequence in slot 0, continuing where its caches end. Returns logits
     /// `[T, vocab]` for every position when `all_logits`, else `[1, vocab]` for the last.
-    pub fn forward(&self, tokens: &[u32], caches: &mut [Box<dyn LayerCache>], all_logits: bool) -> Result<Tensor> {
-        Ok(self.forward_batch(&[tokens], caches, all_logits)?.squeeze(0)?)
+    pub fn forward(&self, tokens: &[u32], cache: &mut ModelCache, all_logits: bool) -> Result<Tensor> {
+        if tokens.is_empty() {
+            return Err(Error::Config("forward needs at least one token".into()));
+        }
+        let step = Step::single(0, cache.len(0), tokens.len())?;
+        self.forward_step(tokens, &step, cache, if all_logits { Logits::All } else { Logits::Last })
     }
 
-    /// [`forward`](Self::forward) for a batch of sequences at the same position, the same number
-    /// of tokens each (caches built for that batch). Returns logits `[B, T or 1, vocab]`.
-    pub fn forward_batch(&self, tokens: &[&[u32]], caches: &mut [Box<dyn LayerCache>], all_logits: bool) -> Result<Tensor> {
+    /// Runs one step: `tokens` packed in the step's order (each sequence's new tokens after the
+    /// previous sequence's), every sequence at its own position, appending to `cache`'s slots.
+    /// Returns logits `[tokens, vocab]` ([`Logits::All`]) or `[sequences, vocab]` for each
+    /// sequence's last token ([`Logits::Last`]).
+    pub fn forward_step(&self, tokens: &[u32], step: &Step, cache: &mut ModelCache, logits: Logits) -> Result<Tensor> {
+        let caches = cache.layers_mut();
         if caches.len() != self.layers.len() {
             return Err(Error::Config(format!("{} caches for {} layers", caches.len(), self.layers.len())));
         }
-        let pos = caches[0].len();
-        let b = tokens.len();
-        let t = tokens.first().map_or(0, |s| s.len());
-        if t == 0 {
-            return Err(Error::Config("forward needs at least one token".into()));
+        let n = step.tokens();
+        if tokens.len() != n {
+            return Err(Error::Shape(format!("{} tokens for a step of {n}", tokens.len())));
         }
-        if tokens.iter().any(|s| s.len() != t) {
-            return Err(Error::Config("every sequence of a batch takes the same number of tokens".into()));
+        if step.end() > self.max_context {
+            return Err(Error::ContextOverflow { requested: step.end(), max: self.max_context });
         }
-        if pos + t > self.max_context {
-            return Err(Error::ContextOverflow { requested: pos + t, max: self.max_context });
-        }
-        let flat: Vec<u32> = tokens.concat();
-        if let Some(&bad) = flat.iter().find(|&&x| x as usize >= self.embed.dim(0).unwrap_or(0)) {
+        if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= self.embed.dim(0).unwrap_or(0)) {
             return Err(Error::Config(format!("token id {bad} outside the vocabulary")));
         }
         let info = &self.info;
         let (nh, nkv, hd) = (info.n_heads, info.identity.n_kv_heads, info.identity.head_dim);
-        let ids = Tensor::new(flat.as_slice(), &self.device)?;
-        let mut x = self.embed.index_select(&ids, 0)?.to_dtype(DType::F32)?.reshape((b, t, info.hidden))?;
+        let ids = Tensor::new(tokens, &self.device)?;
+        let mut x = self.embed.index_select(&ids, 0)?.to_dtype(DType::F32)?;
         if self.embed_scale != 1.0 {
             x = (x * self.embed_scale)?;
         }
-        let cos = self.cos.narrow(0, pos, t)?;
-        let sin = self.sin.narrow(0, pos, t)?;
+        // Each token's RoPE row, batched per token: [tokens, 1, head_dim / 2].
+        let positions = Tensor::new(step.positions().as_slice(), &self.device)?;
+        let rows = |t: &Tensor| -> Result<Tensor> { Ok(t.index_select(&positions, 0)?.unsqueeze(1)?) };
+        let (cos, sin) = (rows(&self.cos)?, rows(&self.sin)?);
         let local = match &self.local_rope {
-            Some((c, s)) => Some((c.narrow(0, pos, t)?, s.narrow(0, pos, t)?)),
+            Some((c, s)) => Some((rows(c)?, rows(s)?)),
             None => None,
         };
-        let scale = self.attn_scale;
+        let scale = self.attn_scale as f32;
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
             let h = layer.attn_norm.forward(&x)?;
             let (mut q, mut k, mut v) = (layer.wq.forward(&h)?, layer.wk.forward(&h)?, layer.wv.forward(&h)?);
@@ -278,27 +287,31 @@ impl Model {
                 k = k.broadcast_add(bk)?;
                 v = v.broadcast_add(bv)?;
             }
-            let (mut q, mut k) = (q.reshape((b, t, nh, hd))?, k.reshape((b, t, nkv, hd))?);
+            let (mut q, mut k) = (q.reshape((n, nh, hd))?, k.reshape((n, nkv, hd))?);
             if let Some((qn, kn)) = &layer.qk_norm {
                 q = qn.forward(&q)?;
                 k = kn.forward(&k)?;
             }
-            let q = q.transpose(1, 2)?.contiguous()?;
-            let k = k.transpose(1, 2)?.contiguous()?;
-            let v = v.reshape((b, t, nkv, hd))?.transpose(1, 2)?.contiguous()?;
             let (cos, sin) = match (&local, layer.window) {
                 (Some((c, s)), Some(_)) => (c, s),
                 _ => (&cos, &sin),
             };
-            let (q, k) = if self.neox {
-                (candle_nn::rotary_emb::rope(&q, cos, sin)?, candle_nn::rotary_emb::rope(&k, cos, sin)?)
-            } else {
-                (candle_nn::rotary_emb::rope_i(&q, cos, sin)?, candle_nn::rotary_emb::rope_i(&k, cos, sin)?)
+            // Tokens as the batch of candle's RoPE ([tokens, heads, 1, head_dim]), each with its row.
+            let rope = |x: Tensor, heads: usize| -> Result<Tensor> {
+                let x = x.reshape((n, heads, 1, hd))?.contiguous()?;
+                let y = if self.neox {
+                    candle_nn::rotary_emb::rope(&x, cos, sin)?
+                } else {
+                    candle_nn::rotary_emb::rope_i(&x, cos, sin)?
+                };
+                Ok(y.reshape((n, heads, hd))?)
             };
-            cache.append(&k, &v)?;
-            let y = cache.attend(&q, scale)?; // [B, nh, T, hd]
-            let y = y.transpose(1, 2)?.reshape((b, t, nh * hd))?;
-            let mut o = layer.wo.forward(&y)?;
+            let (q, k) = (rope(q, nh)?, rope(k, nkv)?);
+            let v = v.reshape((n, nkv, hd))?.contiguous()?;
+            cache.append(&k, &v, step)?;
+            let y = cache.attend(&q, step, scale)?; // [tokens, nh, hd]
+            cache.commit()?;
+            let mut o = layer.wo.forward(&y.reshape((n, nh * hd))?)?;
             if let Some((post_attn, _)) = &layer.post_norms {
                 o = post_attn.forward(&o)?;
             }
@@ -315,22 +328,42 @@ impl Model {
             }
             x = (x + mlp)?;
         }
-        let x = if all_logits { x } else { x.narrow(1, t - 1, 1)? };
+        let x = match logits {
+            Logits::All => x,
+            Logits::Last => {
+                let last: Vec<u32> = (0..step.seqs().len()).map(|i| (step.rows(i).end - 1) as u32).collect();
+                x.index_select(&Tensor::new(last.as_slice(), &self.device)?, 0)?
+            }
+        };
         let x = self.norm.forward(&x)?;
         Ok(self.output.forward(&x)?.to_dtype(DType::F32)?)
     }
 }
 
+/// Which logits a forward pass returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// Every token's: `[tokens, vocab]`.
+    All,
+    /// Each sequence's last token's: `[sequences, vocab]`.
+    Last,
+}
+
 /// cos/sin tables `[max_context, head_dim/2]` for RoPE; positions divided by `scale` (linear
 /// scaling).
-pub(super) fn rope_tables(head_dim: usize, base: f32, scale: f32, max_context: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+pub(super) fn rope_tables(
+    head_dim: usize,
+    base: f32,
+    scale: f32,
+    max_context: usize,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
     let inv: Vec<f32> = (0..head_dim).step_by(2).map(|i| 1.0 / base.powf(i as f32 / head_dim as f32) / scale).collect();
     let inv = Tensor::new(inv.as_slice(), device)?.reshape((1, head_dim / 2))?;
     let t = Tensor::arange(0u32, max_context as u32, device)?.to_dtype(DType::F32)?.reshape((max_context, 1))?;
     let freqs = t.matmul(&inv)?;
     Ok((freqs.cos()?, freqs.sin()?))
 }
-
 
 impl Model {
     /// Loads a GGUF model and its tokenizer on the CPU.

@@ -5,7 +5,7 @@ mod decoder;
 mod synthetic;
 mod tokenizer;
 
-pub use decoder::Model;
+pub use decoder::{Logits, Model};
 pub use synthetic::Geometry;
 pub use tokenizer::{decode, encode, load_tokenizer, ChatTemplate};
 pub use tokenizers::Tokenizer;

@@ -26,7 +26,16 @@ pub struct Geometry {
 
 impl Geometry {
     /// Llama 3.1 8B: 32 layers, 32 query heads, 8 kv heads of 128, MLP 14,336, vocabulary 128,256.
-    pub const LLAMA_3_1_8B: Self = Self { layers: 32, hidden: 4096, heads: 32, kv_heads: 8, head_dim: 128, ffn: 14336, vocab: 128_256, rope_base: 500_000 };
+    pub const LLAMA_3_1_8B: Self = Self {
+        layers: 32,
+        hidden: 4096,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        ffn: 14336,
+        vocab: 128_256,
+        rope_base: 500_000,
+    };
 
     /// Parameters (embeddings and output head counted once each).
     pub fn parameters(&self) -> usize {
@@ -40,14 +49,19 @@ impl Model {
     /// on GPUs; unseeded on the CPU).
     pub fn synthetic(name: &str, geometry: Geometry, max_context: usize, device: &Device, seed: u64) -> Result<Self> {
         let g = geometry;
-        if g.heads == 0 || g.kv_heads == 0 || g.heads % g.kv_heads != 0 || g.head_dim % 2 != 0 {
-            return Err(Error::Config(format!("{} heads, {} kv heads of {}: heads must group, head_dim even", g.heads, g.kv_heads, g.head_dim)));
+        if g.heads == 0 || g.kv_heads == 0 || !g.heads.is_multiple_of(g.kv_heads) || !g.head_dim.is_multiple_of(2) {
+            return Err(Error::Config(format!(
+                "{} heads, {} kv heads of {}: heads must group, head_dim even",
+                g.heads, g.kv_heads, g.head_dim
+            )));
         }
         // candle's CPU generator cannot be seeded; device generators can.
         if !device.is_cpu() {
             device.set_seed(seed)?;
         }
-        let w = |rows: usize, cols: usize| -> Result<QMatMul> { Ok(QMatMul::TensorF16(Tensor::randn(0f32, 0.02, (rows, cols), device)?.to_dtype(DType::F16)?)) };
+        let w = |rows: usize, cols: usize| -> Result<QMatMul> {
+            Ok(QMatMul::TensorF16(Tensor::randn(0f32, 0.02, (rows, cols), device)?.to_dtype(DType::F16)?))
+        };
         let norm = || -> Result<RmsNorm> { Ok(RmsNorm::new(Tensor::ones(g.hidden, DType::F32, device)?, 1e-5)) };
         let (q, kv) = (g.heads * g.head_dim, g.kv_heads * g.head_dim);
         let layers = (0..g.layers)
@@ -71,7 +85,13 @@ impl Model {
             .collect::<Result<Vec<_>>>()?;
         let (cos, sin) = rope_tables(g.head_dim, g.rope_base as f32, 1.0, max_context, device)?;
         let info = ModelInfo {
-            identity: ModelIdentity { name: name.into(), architecture: "llama".into(), n_layers: g.layers, n_kv_heads: g.kv_heads, head_dim: g.head_dim },
+            identity: ModelIdentity {
+                name: name.into(),
+                architecture: "llama".into(),
+                n_layers: g.layers,
+                n_kv_heads: g.kv_heads,
+                head_dim: g.head_dim,
+            },
             n_heads: g.heads,
             hidden: g.hidden,
             vocab: g.vocab,
@@ -102,29 +122,63 @@ impl Model {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cache::{SeqStep, Step};
     use crate::config::CacheConfig;
+    use crate::model::Logits;
+    use veloq::kernels::select::KernelChoice;
 
-    /// A tiny random model decodes a batch on the CPU through the device-tensor fp16 cache, and
-    /// each sequence of the batch gets the logits it gets alone.
+    /// A tiny random model runs ragged steps — sequences at different positions with different
+    /// token counts, one slot idle — and each sequence gets the logits it gets alone, on the CPU
+    /// kernels and on the portable backend.
     #[test]
-    fn tiny_batch_matches_single_sequences() {
-        let g = Geometry { layers: 2, hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, ffn: 96, vocab: 50, rope_base: 10_000 };
-        let dev = Device::Cpu;
-        let m = Model::synthetic("tiny", g, 32, &dev, crate::testing::fresh_seed()).unwrap();
-        let prompts: [&[u32]; 3] = [&[1, 2, 3], &[7, 8, 9], &[40, 0, 12]];
-        let mut caches = CacheConfig::fp16().build_batch(&m, 3).unwrap();
-        let mut all = vec![m.forward_batch(&prompts, &mut caches, false).unwrap()];
-        all.push(m.forward_batch(&[&[5], &[6], &[49]], &mut caches, false).unwrap());
-        for (s, (p, next)) in prompts.iter().zip([5u32, 6, 49]).enumerate() {
-            let mut one = CacheConfig::fp16().build(&m).unwrap();
-            let a = m.forward(p, &mut one, false).unwrap();
-            let b = m.forward(&[next], &mut one, false).unwrap();
-            for (alone, batched) in [a, b].iter().zip(&all) {
-                let err = (alone - batched.get(s).unwrap()).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-                assert!(err < 1e-3, "sequence {s}: {err}");
+    fn ragged_steps_match_single_sequences() {
+        let g = Geometry {
+            layers: 2,
+            hidden: 64,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            ffn: 96,
+            vocab: 50,
+            rope_base: 10_000,
+        };
+        let m = Model::synthetic("tiny", g, 32, &Device::Cpu, crate::testing::fresh_seed()).unwrap();
+        // (slot, tokens) per step.
+        let steps: [&[(usize, &[u32])]; 3] = [
+            &[(0, &[1, 2, 3]), (2, &[40])],
+            &[(2, &[7, 8]), (0, &[5]), (1, &[9, 10, 11, 12])],
+            &[(1, &[3]), (0, &[4]), (2, &[6])],
+        ];
+        for kernels in [KernelChoice::Auto, KernelChoice::Forbid] {
+            let cfg = CacheConfig { kernels, ..CacheConfig::fp16() };
+            let mut batch = cfg.build_batch(&m, 3).unwrap();
+            let mut alone: Vec<_> = (0..3).map(|_| cfg.build(&m).unwrap()).collect();
+            for (n, seqs) in steps.iter().enumerate() {
+                let step = Step::new(
+                    seqs.iter()
+                        .map(|(slot, t)| SeqStep { slot: *slot, start: batch.len(*slot), len: t.len() })
+                        .collect(),
+                )
+                .unwrap();
+                let tokens: Vec<u32> = seqs.iter().flat_map(|(_, t)| t.iter().copied()).collect();
+                let got = m.forward_step(&tokens, &step, &mut batch, Logits::Last).unwrap();
+                for (i, (slot, t)) in seqs.iter().enumerate() {
+                    let want = m.forward(t, &mut alone[*slot], false).unwrap();
+                    let err = (want - got.narrow(0, i, 1).unwrap())
+                        .unwrap()
+                        .abs()
+                        .unwrap()
+                        .max_all()
+                        .unwrap()
+                        .to_scalar::<f32>()
+                        .unwrap();
+                    assert!(err < 1e-3, "{kernels:?} step {n}, slot {slot}: {err}");
+                }
             }
+            assert_eq!((batch.len(0), batch.len(1), batch.len(2)), (5, 5, 4));
+            let e = m.forward_step(&[1], &Step::single(0, 3, 1).unwrap(), &mut batch, Logits::Last).unwrap_err();
+            assert!(matches!(e, crate::Error::Position { slot: 0, expected: 5, got: 3 }), "{e}");
         }
         assert!(Geometry::LLAMA_3_1_8B.parameters() > 8_000_000_000);
-        assert!(CacheConfig::kivi(2, 32).build_batch(&m, 2).is_err());
     }
 }

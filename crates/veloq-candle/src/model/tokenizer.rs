@@ -99,7 +99,9 @@ pub fn sentencepiece(ct: &gguf_file::Content) -> Result<Tokenizer> {
         None => vec![0.0; pieces.len()],
     };
     let types: Vec<i32> = match md("tokenizer.ggml.token_type").and_then(|v| v.to_vec().ok()) {
-        Some(v) => v.iter().map(|s| s.to_i32().map_err(|_| bad("a token type is not an integer"))).collect::<Result<_>>()?,
+        Some(v) => {
+            v.iter().map(|s| s.to_i32().map_err(|_| bad("a token type is not an integer"))).collect::<Result<_>>()?
+        }
         None => vec![1; pieces.len()],
     };
     if scores.len() != pieces.len() || types.len() != pieces.len() {
@@ -124,7 +126,10 @@ pub fn sentencepiece(ct: &gguf_file::Content) -> Result<Tokenizer> {
     merges.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)));
     let vocab: Vocab = pieces.iter().enumerate().map(|(i, p)| (p.clone(), i as u32)).collect();
     let unk = types.iter().position(|&t| t == 2).map(|i| pieces[i].clone());
-    let mut bpe = BPE::builder().vocab_and_merges(vocab, merges.into_iter().map(|(_, _, a, b)| (a, b)).collect()).byte_fallback(true).fuse_unk(true);
+    let mut bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges.into_iter().map(|(_, _, a, b)| (a, b)).collect())
+        .byte_fallback(true)
+        .fuse_unk(true);
     if let Some(u) = unk {
         bpe = bpe.unk_token(u);
     }
@@ -135,7 +140,8 @@ pub fn sentencepiece(ct: &gguf_file::Content) -> Result<Tokenizer> {
     if prefix {
         norms.insert(0, NormalizerWrapper::Prepend(Prepend::new("▁".into())));
     }
-    tok.with_normalizer(Some(NormalizerWrapper::Sequence(NormalizerSequence::new(norms)))).map_err(|e| bad(&e.to_string()))?;
+    tok.with_normalizer(Some(NormalizerWrapper::Sequence(NormalizerSequence::new(norms))))
+        .map_err(|e| bad(&e.to_string()))?;
     let mut decoders = vec![
         DecoderWrapper::Replace(Replace::new("▁", " ").map_err(|e| bad(&e.to_string()))?),
         DecoderWrapper::ByteFallback(ByteFallback::new()),
@@ -145,8 +151,12 @@ pub fn sentencepiece(ct: &gguf_file::Content) -> Result<Tokenizer> {
         decoders.push(DecoderWrapper::Strip(Strip::new(' ', 1, 0)));
     }
     tok.with_decoder(Some(DecoderWrapper::Sequence(DecoderSequence::new(decoders))));
-    let special: Vec<AddedToken> =
-        pieces.iter().zip(&types).filter(|(_, t)| matches!(t, 3 | 4)).map(|(p, t)| AddedToken::from(p.clone(), *t == 3)).collect();
+    let special: Vec<AddedToken> = pieces
+        .iter()
+        .zip(&types)
+        .filter(|(_, t)| matches!(t, 3 | 4))
+        .map(|(p, t)| AddedToken::from(p.clone(), *t == 3))
+        .collect();
     tok.add_special_tokens(special).map_err(|e| bad(&e.to_string()))?;
     Ok(tok)
 }
@@ -185,9 +195,13 @@ mod tests {
         pieces.extend(bytes.iter().map(|b| (b.as_str(), 0.0, 6)));
         let mut metadata = std::collections::HashMap::new();
         metadata.insert("tokenizer.ggml.model".into(), Value::String("llama".into()));
-        metadata.insert("tokenizer.ggml.tokens".into(), Value::Array(pieces.iter().map(|p| Value::String(p.0.into())).collect()));
+        metadata.insert(
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(pieces.iter().map(|p| Value::String(p.0.into())).collect()),
+        );
         metadata.insert("tokenizer.ggml.scores".into(), Value::Array(pieces.iter().map(|p| Value::F32(p.1)).collect()));
-        metadata.insert("tokenizer.ggml.token_type".into(), Value::Array(pieces.iter().map(|p| Value::I32(p.2)).collect()));
+        metadata
+            .insert("tokenizer.ggml.token_type".into(), Value::Array(pieces.iter().map(|p| Value::I32(p.2)).collect()));
         if let Some(p) = prefix {
             metadata.insert("tokenizer.ggml.add_space_prefix".into(), Value::Bool(p));
         }

@@ -83,7 +83,8 @@ struct Variant {
 
 impl Variant {
     fn build(self, gpu: &Gpu, kc: &VecInferCodec, vc: &VecInferCodec, hq: usize) -> Result<GpuAttention> {
-        let att = GpuAttention::new(GpuCodec::upload(gpu, kc)?, GpuCodec::upload(gpu, vc)?, hq)?.with_split_kernel(self.kernel)?;
+        let att = GpuAttention::new(GpuCodec::upload(gpu, kc)?, GpuCodec::upload(gpu, vc)?, hq)?
+            .with_split_kernel(self.kernel)?;
         Ok(att.with_threads(self.threads)?.with_half_values(self.half)?.with_fused_merge(self.fused))
     }
 
@@ -91,8 +92,12 @@ impl Variant {
     /// on tensor cores (the bound), f32 (or f16 partials) on CUDA cores.
     fn label(self) -> (String, f64) {
         match self.kernel {
-            SplitKernel::TensorCores => (format!("{}{}", self.kernel.name(), if self.fused { "" } else { " +merge" }), 1e-2),
-            SplitKernel::Tables => (format!("{} {} {}", self.kernel.name(), self.threads, if self.half { "f16" } else { "f32" }), 1e-3),
+            SplitKernel::TensorCores => {
+                (format!("{}{}", self.kernel.name(), if self.fused { "" } else { " +merge" }), 1e-2)
+            }
+            SplitKernel::Tables => {
+                (format!("{} {} {}", self.kernel.name(), self.threads, if self.half { "f16" } else { "f32" }), 1e-3)
+            }
         }
     }
 }
@@ -110,13 +115,30 @@ impl Rng {
         ((-2.0 * self.next().ln()).sqrt() * (2.0 * std::f64::consts::PI * self.next()).cos()) as f32
     }
     pub(super) fn rows(&mut self, rows: usize, d: usize) -> Vec<f32> {
-        (0..rows * d).map(|i| self.normal() * if i % d == 3 || i % d == d / 2 { 8.0 } else { 1.0 } + if i % d == 5 { 2.0 } else { 0.0 }).collect()
+        (0..rows * d)
+            .map(|i| {
+                self.normal() * if i % d == 3 || i % d == d / 2 { 8.0 } else { 1.0 }
+                    + if i % d == 5 { 2.0 } else { 0.0 }
+            })
+            .collect()
     }
 }
 
-pub(super) fn codec(rng: &mut Rng, heads: usize, d: usize, sd: usize, bits: u32, granularity: Granularity, keys: bool) -> Result<VecInferCodec> {
+pub(super) fn codec(
+    rng: &mut Rng,
+    heads: usize,
+    d: usize,
+    sd: usize,
+    bits: u32,
+    granularity: Granularity,
+    keys: bool,
+) -> Result<VecInferCodec> {
     let shape = PqShape::new(sd, bits)?;
-    let spec = if keys { CodecSpec { granularity, ..CodecSpec::keys(shape) } } else { CodecSpec { granularity, ..CodecSpec::values(shape) } };
+    let spec = if keys {
+        CodecSpec { granularity, ..CodecSpec::keys(shape) }
+    } else {
+        CodecSpec { granularity, ..CodecSpec::values(shape) }
+    };
     let train = rng.rows(((4 << bits) / heads).max(600) * heads, d);
     Ok(train_codec(&train, heads, d, &spec, &KMeansConfig { max_iter: 8, ..KMeansConfig::new(1 << bits, rng.0) })?.0)
 }
@@ -202,7 +224,11 @@ impl Clear {
             Clear::Write(buf) => dev!(s.memset_zeros(buf)),
             Clear::Read(buf, f, sink) => {
                 let n = (buf.len() / 16) as u64;
-                let cfg = LaunchConfig { grid_dim: (4 * gpu.multiprocessors(), 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
+                let cfg = LaunchConfig {
+                    grid_dim: (4 * gpu.multiprocessors(), 1, 1),
+                    block_dim: (512, 1, 1),
+                    shared_mem_bytes: 0,
+                };
                 let mut l = s.launch_builder(f);
                 l.arg(&*buf).arg(&n).arg(&*sink);
                 // SAFETY: the arguments match read_flush's signature; n uint4s fit in buf.
@@ -239,7 +265,11 @@ fn time_ms(gpu: &Gpu, clear: &mut Clear, reps: usize, mut f: impl FnMut() -> Res
 }
 
 /// GPU codes vs the CPU encoder on one shape: code agreement and reconstruction error.
-fn check_quantize(gpu: &Gpu, rng: &mut Rng, (s, d, h, sd, bits, g): (usize, usize, usize, usize, u32, Granularity)) -> Result<serde_json::Value> {
+fn check_quantize(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    (s, d, h, sd, bits, g): (usize, usize, usize, usize, u32, Granularity),
+) -> Result<serde_json::Value> {
     let c = codec(rng, h, d, sd, bits, g, true)?;
     let gc = GpuCodec::upload(gpu, &c)?;
     let x = rng.rows(s * h, d);
@@ -265,7 +295,9 @@ fn check_quantize(gpu: &Gpu, rng: &mut Rng, (s, d, h, sd, bits, g): (usize, usiz
     if !ok {
         bail!("quantize mismatch beyond near-ties");
     }
-    Ok(json!({"S": s, "D": d, "H": h, "sub_dim": sd, "bits": bits, "granularity": g.name(), "codes": m, "differing": differ, "rel_mse_cpu": ea, "rel_mse_gpu": eb}))
+    Ok(
+        json!({"S": s, "D": d, "H": h, "sub_dim": sd, "bits": bits, "granularity": g.name(), "codes": m, "differing": differ, "rel_mse_cpu": ea, "rel_mse_gpu": eb}),
+    )
 }
 
 /// Codes `[B][S][H][M]` from the CPU encoder, reordered to the kernel's `[B][H][S][M]`.
@@ -306,7 +338,8 @@ const ATTENTION_CHECKS: [AttnCase; 9] = [
 ];
 
 /// Quantize timing: the anchors' shapes (S, D, H, sub_dim), 256 centroids.
-const QUANTIZE_SHAPES: [(usize, usize, usize, usize); 5] = [(2048, 128, 8, 8), (8192, 128, 8, 8), (131072, 128, 8, 8), (4096, 256, 4, 4), (131072, 128, 8, 4)];
+const QUANTIZE_SHAPES: [(usize, usize, usize, usize); 5] =
+    [(2048, 128, 8, 8), (8192, 128, 8, 8), (131072, 128, 8, 8), (4096, 256, 4, 4), (131072, 128, 8, 4)];
 
 #[derive(Clone, Copy)]
 struct AttnCase {
@@ -321,7 +354,10 @@ struct AttnCase {
 /// GPU attention over codes + window vs an f64 reference over the CPU-decoded keys and values.
 fn check_attention(gpu: &Gpu, rng: &mut Rng, c: AttnCase, v: Variant) -> Result<serde_json::Value> {
     let AttnCase { b, hq, hkv, d, s, w } = c;
-    let (kc, vc) = (codec(rng, hkv, d, 4, 8, Granularity::PerLayer, true)?, codec(rng, hkv, d, 4, 8, Granularity::PerLayer, false)?);
+    let (kc, vc) = (
+        codec(rng, hkv, d, 4, 8, Granularity::PerLayer, true)?,
+        codec(rng, hkv, d, 4, 8, Granularity::PerLayer, false)?,
+    );
     let att = v.build(gpu, &kc, &vc, hq)?;
     let (label, bound) = v.label();
     let m = d / 4;
@@ -344,9 +380,23 @@ fn check_attention(gpu: &Gpu, rng: &mut Rng, c: AttnCase, v: Variant) -> Result<
         for qh in 0..hq {
             let h = qh / (hq / hkv);
             let qv = &q[(bi * hq + qh) * d..][..d];
-            let krow = |t: usize| -> &[f32] { if t < s { &kd[((bi * s + t) * hkv + h) * d..][..d] } else { &wk[((bi * hkv + h) * w + t - s) * d..][..d] } };
-            let vrow = |t: usize| -> &[f32] { if t < s { &vd[((bi * s + t) * hkv + h) * d..][..d] } else { &wv[((bi * hkv + h) * w + t - s) * d..][..d] } };
-            let sc: Vec<f64> = (0..s + w).map(|t| krow(t).iter().zip(qv).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64).collect();
+            let krow = |t: usize| -> &[f32] {
+                if t < s {
+                    &kd[((bi * s + t) * hkv + h) * d..][..d]
+                } else {
+                    &wk[((bi * hkv + h) * w + t - s) * d..][..d]
+                }
+            };
+            let vrow = |t: usize| -> &[f32] {
+                if t < s {
+                    &vd[((bi * s + t) * hkv + h) * d..][..d]
+                } else {
+                    &wv[((bi * hkv + h) * w + t - s) * d..][..d]
+                }
+            };
+            let sc: Vec<f64> = (0..s + w)
+                .map(|t| krow(t).iter().zip(qv).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64)
+                .collect();
             let mx = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
             let z: f64 = e.iter().sum();
@@ -373,7 +423,10 @@ fn check_attention(gpu: &Gpu, rng: &mut Rng, c: AttnCase, v: Variant) -> Result<
     let norm: f64 = want.iter().map(|w| w * w).sum::<f64>().sqrt();
     let rel = err / norm;
     let ok = rel.is_finite() && rel < bound;
-    println!("attention B={b} Hq={hq} Hkv={hkv} D={d} S={s:<5} W={w:<2} {label}: rel err {rel:.2e} (bound {bound:.0e}) {}", if ok { "ok" } else { "FAIL" });
+    println!(
+        "attention B={b} Hq={hq} Hkv={hkv} D={d} S={s:<5} W={w:<2} {label}: rel err {rel:.2e} (bound {bound:.0e}) {}",
+        if ok { "ok" } else { "FAIL" }
+    );
     if !ok {
         bail!("attention mismatch");
     }
@@ -407,7 +460,12 @@ pub fn run(a: Args) -> Result<()> {
                         "separate" => false,
                         o => bail!("--merge takes fused or separate, not {o}"),
                     };
-                    variants.push(Variant { kernel: SplitKernel::TensorCores, threads: a.threads[0], half: false, fused });
+                    variants.push(Variant {
+                        kernel: SplitKernel::TensorCores,
+                        threads: a.threads[0],
+                        half: false,
+                        fused,
+                    });
                 }
             }
             "tables" => {
@@ -432,7 +490,8 @@ pub fn run(a: Args) -> Result<()> {
         _ => bail!("--profile takes B,S"),
     }
     let mut checks = Vec::new();
-    let (quantize_checks, attention_checks): (&[_], &[_]) = if a.skip_checks { (&[], &[]) } else { (&QUANTIZE_CHECKS, &ATTENTION_CHECKS) };
+    let (quantize_checks, attention_checks): (&[_], &[_]) =
+        if a.skip_checks { (&[], &[]) } else { (&QUANTIZE_CHECKS, &ATTENTION_CHECKS) };
     for &shape in quantize_checks {
         checks.push(check_quantize(&gpu, &mut rng, shape)?);
     }
@@ -463,8 +522,15 @@ pub fn run(a: Args) -> Result<()> {
         let n = (s * h * d / sd) as f64;
         let flops = n * 256.0 * (2.0 * sd as f64 + 1.0);
         let bytes = (s * h * d * 2) as f64 + gc.code_bytes(s * h) as f64;
-        println!("| {s},{d},{h},{sd} | {ms:.4} | {:.2} | {:.0} | {:.0} |", n / ms / 1e6, flops / ms / 1e6, bytes / ms / 1e6);
-        qt.push(json!({"S": s, "D": d, "H": h, "sub_dim": sd, "ms": ms, "sub_vectors": n, "flops": flops, "bytes": bytes}));
+        println!(
+            "| {s},{d},{h},{sd} | {ms:.4} | {:.2} | {:.0} | {:.0} |",
+            n / ms / 1e6,
+            flops / ms / 1e6,
+            bytes / ms / 1e6
+        );
+        qt.push(
+            json!({"S": s, "D": d, "H": h, "sub_dim": sd, "ms": ms, "sub_vectors": n, "flops": flops, "bytes": bytes}),
+        );
     }
     // Decode attention timing: Llama-3.1-8B geometry, 2-bit codes (256 centroids of 4).
     println!("\n| attention B,S (Hq 32, Hkv 8, D 128) | kernel | ms | code MiB | GB/s | splits |");
@@ -482,12 +548,22 @@ pub fn run(a: Args) -> Result<()> {
         ratios(&base, &qt, &first, a.plot.as_deref())?;
     }
     let timing = a.timing.to_possible_value().map(|v| v.get_name().to_string());
-    write_json(&a.json, &json!({"gpu": gpu.name(), "seed": seed, "timing": timing, "checks": checks, "quantize": qt, "attention": at}))
+    write_json(
+        &a.json,
+        &json!({"gpu": gpu.name(), "seed": seed, "timing": timing, "checks": checks, "quantize": qt, "attention": at}),
+    )
 }
 
 /// Times decode attention over 2-bit codes (256 centroids of 4) in the Llama-3.1-8B geometry for
 /// each (batch, positions), printing a table row each.
-fn time_attention(gpu: &Gpu, rng: &mut Rng, shapes: Vec<(usize, usize)>, clear: &mut Clear, reps: usize, v: Variant) -> Result<Vec<serde_json::Value>> {
+fn time_attention(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    shapes: Vec<(usize, usize)>,
+    clear: &mut Clear,
+    reps: usize,
+    v: Variant,
+) -> Result<Vec<serde_json::Value>> {
     let st = gpu.stream();
     let mut at = Vec::new();
     let (hq, hkv, d, w) = (32, 8, 128, 16);
@@ -513,7 +589,11 @@ fn time_attention(gpu: &Gpu, rng: &mut Rng, shapes: Vec<(usize, usize)>, clear: 
             Ok(())
         })?;
         let bytes = 2.0 * n as f64;
-        println!("| {b},{s} | {label} | {ms:.4} | {:.1} | {:.0} | {splits} |", bytes / (1 << 20) as f64, bytes / ms / 1e6);
+        println!(
+            "| {b},{s} | {label} | {ms:.4} | {:.1} | {:.0} | {splits} |",
+            bytes / (1 << 20) as f64,
+            bytes / ms / 1e6
+        );
         at.push(json!({"B": b, "S": s, "kernel": label, "Hq": hq, "Hkv": hkv, "D": d, "W": w, "ms": ms, "code_bytes": bytes, "splits": splits,
             "fp16_kv_bytes": (2 * b * hkv * s * d * 2) as f64, "launches": launches}));
     }
@@ -527,39 +607,77 @@ fn side_by_side(at: &[serde_json::Value]) {
     if others.is_empty() {
         return;
     }
-    println!("\n| attention B,S | {} ms | other kernel | its ms | speed-up of {} |", first.as_str().unwrap_or("?"), first.as_str().unwrap_or("?"));
+    println!(
+        "\n| attention B,S | {} ms | other kernel | its ms | speed-up of {} |",
+        first.as_str().unwrap_or("?"),
+        first.as_str().unwrap_or("?")
+    );
     println!("|---|---|---|---|---|");
     for o in others {
-        let Some(f) = at.iter().find(|x| x["kernel"] == first && x["B"] == o["B"] && x["S"] == o["S"]) else { continue };
+        let Some(f) = at.iter().find(|x| x["kernel"] == first && x["B"] == o["B"] && x["S"] == o["S"]) else {
+            continue;
+        };
         let (fm, om) = (f["ms"].as_f64().unwrap_or(f64::NAN), o["ms"].as_f64().unwrap_or(f64::NAN));
-        println!("| {},{} | {fm:.4} | {} | {om:.4} | {:.2}× |", o["B"], o["S"], o["kernel"].as_str().unwrap_or("?"), om / fm);
+        println!(
+            "| {},{} | {fm:.4} | {} | {om:.4} | {:.2}× |",
+            o["B"],
+            o["S"],
+            o["kernel"].as_str().unwrap_or("?"),
+            om / fm
+        );
     }
 }
 
 /// Side-by-side tables against the PyTorch/Triton anchors timed in the same device call, and the
 /// attention figure.
-fn ratios(base: &serde_json::Value, qt: &[serde_json::Value], at: &[serde_json::Value], plot: Option<&std::path::Path>) -> Result<()> {
+fn ratios(
+    base: &serde_json::Value,
+    qt: &[serde_json::Value],
+    at: &[serde_json::Value],
+    plot: Option<&std::path::Path>,
+) -> Result<()> {
     let get = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
     let same = |a: &serde_json::Value, b: &serde_json::Value, keys: &[&str]| keys.iter().all(|k| a[*k] == b[*k]);
-    println!("\n| quantize S,D,H,sd | veloq ms | G sub-vec/s | × naive | × GEMM | × Triton argmin | veloq extra memory |");
+    println!(
+        "\n| quantize S,D,H,sd | veloq ms | G sub-vec/s | × naive | × GEMM | × Triton argmin | veloq extra memory |"
+    );
     println!("|---|---|---|---|---|---|---|");
     for q in qt {
-        let Some(b) = base["search"].as_array().and_then(|v| v.iter().find(|b| same(b, q, &["S", "D", "H", "sub_dim"]))) else { continue };
+        let Some(b) =
+            base["search"].as_array().and_then(|v| v.iter().find(|b| same(b, q, &["S", "D", "H", "sub_dim"])))
+        else {
+            continue;
+        };
         let ms = get(q, "ms");
         // The naive anchor is skipped where its difference tensor would not fit.
         let naive = b["naive_ms"].as_f64().map_or("too big".into(), |n| format!("{:.0}×", n / ms));
         println!(
             "| {},{},{},{} | {ms:.4} | {:.2} | {naive} | {:.1}× | {:.1}× | 0 B (output only) |",
-            q["S"], q["D"], q["H"], q["sub_dim"], get(q, "sub_vectors") / ms / 1e6, get(b, "gemm_ms") / ms, get(b, "triton_ms") / ms
+            q["S"],
+            q["D"],
+            q["H"],
+            q["sub_dim"],
+            get(q, "sub_vectors") / ms / 1e6,
+            get(b, "gemm_ms") / ms,
+            get(b, "triton_ms") / ms
         );
     }
     println!("\n| attention B,S | veloq ms | SDPA fp16 ms | veloq speed / SDPA | veloq GB/s on codes (of 4,800) | SDPA TB/s |");
     println!("|---|---|---|---|---|---|");
-    let mut series: Vec<(usize, Vec<(f64, f64)>, Vec<(f64, f64)>)> = Vec::new();
+    let mut series: Vec<crate::plot::AttentionSeries> = Vec::new();
     for x in at {
-        let Some(b) = base["sdpa"].as_array().and_then(|v| v.iter().find(|b| same(b, x, &["B", "S"]))) else { continue };
+        let Some(b) = base["sdpa"].as_array().and_then(|v| v.iter().find(|b| same(b, x, &["B", "S"]))) else {
+            continue;
+        };
         let (ms, sd) = (get(x, "ms"), get(b, "ms"));
-        println!("| {},{} | {ms:.4} | {sd:.4} | {:.2}× | {:.0} | {:.2} |", x["B"], x["S"], sd / ms, get(x, "code_bytes") / ms / 1e6, get(b, "kv_bytes") / sd / 1e9);
+        println!(
+            "| {},{} | {ms:.4} | {sd:.4} | {:.2}× | {:.0} | {:.2} |",
+            x["B"],
+            x["S"],
+            sd / ms,
+            get(x, "code_bytes") / ms / 1e6,
+            get(b, "kv_bytes") / sd / 1e9
+        );
         let bb = x["B"].as_u64().unwrap_or(0) as usize;
         if !series.iter().any(|s| s.0 == bb) {
             series.push((bb, Vec::new(), Vec::new()));

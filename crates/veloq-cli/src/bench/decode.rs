@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
 use serde_json::json;
 
-use veloq_candle::config::{fp16_bytes, resident_bytes, CacheConfig};
+use veloq_candle::config::{fp16_bytes, CacheConfig};
 use veloq_candle::model::{encode, Model};
 
 use super::write_json;
@@ -37,10 +37,18 @@ pub fn run(a: Args) -> Result<()> {
     let max_ctx = a.contexts.iter().max().copied().unwrap_or(256) + a.steps + 1;
     let (model, tok) = Model::open(&model_path, max_ctx)?;
     let cal = a.files.calibration();
-    let methods = [CacheConfig::fp16(), CacheConfig::vecinfer_from_file(&cal, &model).with_context(|| format!("calibration {}", cal.display()))?];
+    let methods = [
+        CacheConfig::fp16(),
+        CacheConfig::vecinfer_from_file(&cal, &model).with_context(|| format!("calibration {}", cal.display()))?,
+    ];
     let text_path = a.text.clone().unwrap_or_else(|| default_text().with_file_name("emma.txt"));
     let ids = encode(&tok, &std::fs::read_to_string(&text_path).with_context(|| text_path.display().to_string())?)?;
-    println!("decode tok/s, {} steps after a prefill of real text; threads: candle {}, rayon {}", a.steps, std::env::var("CANDLE_NUM_THREADS").unwrap_or_else(|_| "default".into()), rayon::current_num_threads());
+    println!(
+        "decode tok/s, {} steps after a prefill of real text; threads: candle {}, rayon {}",
+        a.steps,
+        std::env::var("CANDLE_NUM_THREADS").unwrap_or_else(|_| "default".into()),
+        rayon::current_num_threads()
+    );
     println!("{:>7} | {:>22} {:>9} {:>11} | {:>9}", "context", "method", "tok/s", "KV resident", "vs fp16");
     let mut rows = Vec::new();
     for &ctx in &a.contexts {
@@ -55,7 +63,7 @@ pub fn run(a: Args) -> Result<()> {
                 model.forward(&ids[ctx + i..ctx + i + 1], &mut caches, false)?;
             }
             let tps = a.steps as f64 / start.elapsed().as_secs_f64();
-            let resident = resident_bytes(&caches);
+            let resident = caches.resident_bytes();
             let ratio = base.map_or(1.0, |b: f64| tps / b);
             base.get_or_insert(tps);
             println!("{ctx:>7} | {:>22} {tps:>9.2} {:>11} | {ratio:>8.2}×", m.name(), crate::generate::human(resident));

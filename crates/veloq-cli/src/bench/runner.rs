@@ -1,7 +1,6 @@
 //! `veloq bench runner`: the model runner on a CUDA device, fp16 cache vs VecInfer codes, what a
-//! user sees. In one run:
-//! 1. cache checks: the CUDA VecInfer cache against the CPU one on fresh random inputs (prefill,
-//!    then single tokens across flushes, batch 1 and 3), the device fp16 cache against the CPU one;
+//! user sees. In one run (the caches' correctness on CUDA is the conformance suite's,
+//! `tests/conformance.rs`, which the device smoke script runs):
 //! 2. agreement: greedy SmolLM2 on the CPU and on CUDA (fp16 and VecInfer), and the CUDA logits
 //!    teacher-forced on the CPU's tokens;
 //! 3. decode tok/s, peak allocator memory and launches per layer-step at each context and batch,
@@ -10,7 +9,6 @@
 //! 4. the longest context each cache fits in a fixed memory budget (allocated and measured).
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -23,10 +21,10 @@ use veloq::calibrate::TextFingerprint;
 use veloq::codec::codebook::{Granularity, PqShape};
 use veloq::codec::vecinfer::CodecSpec;
 use veloq::kernels::cuda::Gpu;
-use veloq_candle::cache::{CudaRuntime, CudaVecInferCache, Fp16Cache, LayerCache, TensorCache, VecInferCache, WindowConfig};
-use veloq_candle::config::{resident_bytes, CacheConfig};
+use veloq_candle::cache::{CudaRuntime, ModelCache, SeqStep, Step};
+use veloq_candle::config::CacheConfig;
 use veloq_candle::generate::prompt_ids;
-use veloq_candle::model::{Geometry, Model};
+use veloq_candle::model::{Geometry, Logits, Model};
 
 use super::cuda::{codec, Rng};
 use super::write_json;
@@ -99,65 +97,15 @@ fn sync(dev: &Device) -> Result<()> {
     Ok(())
 }
 
-fn max_rel(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let (a, b) = (a.to_device(&Device::Cpu)?.to_dtype(DType::F32)?, b.to_device(&Device::Cpu)?.to_dtype(DType::F32)?);
-    let num = (&a - &b)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
-    let den = b.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
-    Ok((num / den).sqrt())
-}
-
-fn randn(shape: &[usize], rng: &mut Rng) -> Result<Tensor> {
-    let d = *shape.last().unwrap_or(&1);
-    let n: usize = shape.iter().product();
-    Ok(Tensor::from_vec(rng.rows(n / d, d), shape, &Device::Cpu)?)
-}
-
-/// The CUDA VecInfer cache and the device fp16 cache against their CPU references on one geometry:
-/// worst relative error of the attention outputs over a prefill and 40 single-token steps.
-fn cache_checks(dev: &Device, rt: &Arc<CudaRuntime>, rng: &mut Rng, heads: usize, q_heads: usize, d: usize, batch: usize) -> Result<Value> {
-    let keys = codec(rng, heads, d, 4, 8, Granularity::PerLayer, true)?;
-    let values = codec(rng, heads, d, 4, 8, Granularity::PerLayer, false)?;
-    let cfg = WindowConfig::default();
-    let mut gpu_vq = CudaVecInferCache::new(rt.clone(), &keys, &values, q_heads, batch, 256, cfg)?;
-    let mut gpu_fp = TensorCache::new(batch, heads, d, 256, q_heads, dev)?;
-    let mut cpu_vq: Vec<VecInferCache> = (0..batch).map(|_| VecInferCache::new(Arc::new(keys.clone()), Arc::new(values.clone()), cfg)).collect::<veloq_candle::Result<_>>()?;
-    let mut cpu_fp: Vec<Fp16Cache> = (0..batch).map(|_| Fp16Cache::new(heads, d)).collect();
-    let (mut worst_vq, mut worst_fp) = (0.0f64, 0.0f64);
-    let scale = 1.0 / (d as f64).sqrt();
-    for (step, t) in std::iter::once(37).chain(std::iter::repeat(1).take(40)).enumerate() {
-        let (k, v, q) = (randn(&[batch, heads, t, d], rng)?, randn(&[batch, heads, t, d], rng)?, randn(&[batch, q_heads, t, d], rng)?);
-        let (kg, vg, qg) = (k.to_device(dev)?, v.to_device(dev)?, q.to_device(dev)?);
-        gpu_vq.append(&kg, &vg).with_context(|| format!("CUDA VecInfer append, step {step}"))?;
-        gpu_fp.append(&kg, &vg).with_context(|| format!("device fp16 append, step {step}"))?;
-        let ovq = gpu_vq.attend(&qg, scale).with_context(|| format!("CUDA VecInfer attend, step {step}"))?;
-        let ofp = gpu_fp.attend(&qg, scale).with_context(|| format!("device fp16 attend, step {step}"))?;
-        for s in 0..batch {
-            let (ks, vs, qs) = (k.narrow(0, s, 1)?, v.narrow(0, s, 1)?, q.narrow(0, s, 1)?);
-            cpu_vq[s].append(&ks, &vs)?;
-            cpu_fp[s].append(&ks, &vs)?;
-            let (rvq, rfp) = (cpu_vq[s].attend(&qs, scale)?, cpu_fp[s].attend(&qs, scale)?);
-            let e_vq = max_rel(&ovq.narrow(0, s, 1)?, &rvq)?;
-            let e_fp = max_rel(&ofp.narrow(0, s, 1)?, &rfp)?;
-            if !(e_vq.is_finite() && e_fp.is_finite()) {
-                anyhow::bail!("step {step}, sequence {s}: non-finite error");
-            }
-            worst_vq = worst_vq.max(e_vq);
-            worst_fp = worst_fp.max(e_fp);
-        }
-    }
-    let pass = worst_vq < 1e-2 && worst_fp < 1e-2 && gpu_vq.len() == cpu_vq[0].len();
-    println!(
-        "  kv heads {heads}, q heads {q_heads}, D {d}, batch {batch}: {} positions; VecInfer CUDA vs CPU rel. error {worst_vq:.2e}, fp16 device vs CPU {worst_fp:.2e} — {}",
-        gpu_vq.len(),
-        if pass { "ok" } else { "FAIL" }
-    );
-    Ok(json!({"kv_heads": heads, "q_heads": q_heads, "head_dim": d, "batch": batch, "positions": gpu_vq.len(),
-              "vecinfer_rel_err": worst_vq, "fp16_rel_err": worst_fp, "pass": pass}))
-}
-
 /// Greedy tokens and per-step logits on `model`; with `forced`, those tokens are fed instead of the
 /// model's own choices (teacher forcing).
-fn greedy(model: &Model, cfg: &CacheConfig, prompt: &[u32], n: usize, forced: Option<&[u32]>) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
+fn greedy(
+    model: &Model,
+    cfg: &CacheConfig,
+    prompt: &[u32],
+    n: usize,
+    forced: Option<&[u32]>,
+) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
     let mut caches = cfg.build(model)?;
     let mut logits = model.forward(prompt, &mut caches, false)?.squeeze(0)?;
     let (mut tokens, mut all) = (Vec::new(), Vec::new());
@@ -175,7 +123,8 @@ fn greedy(model: &Model, cfg: &CacheConfig, prompt: &[u32], n: usize, forced: Op
 }
 
 fn argmax(x: &[f32]) -> u32 {
-    x.iter().enumerate().fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) }).0 as u32
+    x.iter().enumerate().fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) }).0
+        as u32
 }
 
 /// Top-1 minus top-2 logit.
@@ -199,34 +148,47 @@ fn agreement(cpu: &Model, gpu: &Model, cfg: &CacheConfig, prompt: &[u32], n: usi
     let (forced_tok, forced_logits) = greedy(gpu, cfg, prompt, n, Some(&cpu_tok))?;
     let first_diff = cpu_tok.iter().zip(&gpu_tok).position(|(a, b)| a != b);
     let top1 = cpu_tok.iter().zip(&forced_tok).filter(|(a, b)| a == b).count();
-    let max_dlogit = cpu_logits.iter().zip(&forced_logits).map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max)).fold(0.0f32, f32::max);
+    let max_dlogit = cpu_logits
+        .iter()
+        .zip(&forced_logits)
+        .map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max))
+        .fold(0.0f32, f32::max);
     let at_diff = first_diff.map(|i| json!({"step": i, "cpu_token": cpu_tok[i], "cuda_token": gpu_tok[i], "cpu_top2_margin": margin(&cpu_logits[i]),
         "max_abs_logit_diff_there": cpu_logits[i].iter().zip(&forced_logits[i]).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max)}));
     println!(
         "  {:<22} greedy tokens equal: {} of {n}{}; teacher-forced top-1 {top1}/{n}, max |Δlogit| {max_dlogit:.3}",
         cfg.name(),
         first_diff.unwrap_or(n),
-        first_diff.map_or(String::new(), |i| format!(" (first difference at token {i}: CPU top-2 margin there {:.3})", margin(&cpu_logits[i]))),
+        first_diff.map_or(String::new(), |i| format!(
+            " (first difference at token {i}: CPU top-2 margin there {:.3})",
+            margin(&cpu_logits[i])
+        )),
     );
     Ok(json!({"method": cfg.name(), "tokens": n, "equal_prefix": first_diff.unwrap_or(n), "first_difference": at_diff,
               "teacher_forced_top1": top1, "max_abs_logit_diff": max_dlogit, "cpu_tokens": cpu_tok, "cuda_tokens": gpu_tok}))
 }
 
-fn is_oom(e: &dyn std::fmt::Display) -> bool {
-    let s = e.to_string();
-    s.contains("OUT_OF_MEMORY") || s.contains("out of memory")
+/// Whether `e` is the device running out of memory (a typed error from the caches or candle).
+fn is_oom(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<veloq_candle::Error>().is_some_and(veloq_candle::Error::is_out_of_memory)
+            || c.downcast_ref::<veloq::Error>().is_some_and(|e| matches!(e, veloq::Error::OutOfMemory(_)))
+    })
 }
 
-/// Appends `ctx` random positions to every layer's cache (chunks of 4096, committed).
-fn fill(model: &Model, caches: &mut [Box<dyn LayerCache>], batch: usize, ctx: usize) -> Result<()> {
+/// Appends `ctx` random positions to every sequence of every layer's cache (chunks of 4096,
+/// committed, never attended: speed does not depend on the values).
+fn fill(model: &Model, caches: &mut ModelCache, batch: usize, ctx: usize) -> Result<()> {
     let id = &model.info.identity;
     let mut done = 0;
     while done < ctx {
         let n = (ctx - done).min(4096);
-        let shape = (batch, id.n_kv_heads, n, id.head_dim);
-        let (k, v) = (Tensor::randn(0f32, 1.0, shape, model.device())?, Tensor::randn(0f32, 1.0, shape, model.device())?);
-        for c in caches.iter_mut() {
-            c.append(&k, &v)?;
+        let shape = (batch * n, id.n_kv_heads, id.head_dim);
+        let (k, v) =
+            (Tensor::randn(0f32, 1.0, shape, model.device())?, Tensor::randn(0f32, 1.0, shape, model.device())?);
+        let step = Step::new((0..batch).map(|slot| SeqStep { slot, start: done, len: n }).collect())?;
+        for c in caches.layers_mut() {
+            c.append(&k, &v, &step)?;
             c.commit()?;
         }
         done += n;
@@ -236,10 +198,10 @@ fn fill(model: &Model, caches: &mut [Box<dyn LayerCache>], batch: usize, ctx: us
 
 /// One greedy decode step for every sequence of the batch (the argmax comes back to the host, as
 /// in generation).
-fn step(model: &Model, caches: &mut [Box<dyn LayerCache>], tokens: &mut Vec<u32>) -> Result<()> {
-    let seqs: Vec<&[u32]> = tokens.iter().map(std::slice::from_ref).collect();
-    let logits = model.forward_batch(&seqs, caches, false)?;
-    *tokens = logits.squeeze(1)?.argmax(D::Minus1)?.to_dtype(DType::U32)?.to_vec1::<u32>()?;
+fn step(model: &Model, caches: &mut ModelCache, tokens: &mut Vec<u32>) -> Result<()> {
+    let starts: Vec<usize> = (0..tokens.len()).map(|s| caches.len(s)).collect();
+    let logits = model.forward_step(tokens, &Step::decode(&starts)?, caches, Logits::Last)?;
+    *tokens = logits.argmax(D::Minus1)?.to_dtype(DType::U32)?.to_vec1::<u32>()?;
     Ok(())
 }
 
@@ -250,10 +212,19 @@ const WARMUP: usize = 4;
 /// only its caches built; then the decode speed of all that fit with their caches side by side,
 /// steps interleaved (method A, method B, A, B, …) so that both see the same host: the steps are
 /// bound by launch overhead, and the host's speed drifts by tens of percent over a run.
-fn cases(model: &Model, methods: &[CacheConfig], batch: usize, ctx: usize, steps: usize, gpu: &Gpu) -> Result<Vec<Value>> {
+fn cases(
+    model: &Model,
+    methods: &[CacheConfig],
+    batch: usize,
+    ctx: usize,
+    steps: usize,
+    gpu: &Gpu,
+    rt: &CudaRuntime,
+) -> Result<Vec<Value>> {
     let dev = model.device();
-    let sized: Vec<CacheConfig> = methods.iter().map(|m| CacheConfig { capacity: Some(ctx + steps + WARMUP + 8), ..m.clone() }).collect();
-    let build = |cfg: &CacheConfig| -> Result<Vec<Box<dyn LayerCache>>> {
+    let sized: Vec<CacheConfig> =
+        methods.iter().map(|m| CacheConfig { capacity: Some(ctx + steps + WARMUP + 8), ..m.clone() }).collect();
+    let build = |cfg: &CacheConfig| -> Result<ModelCache> {
         let mut caches = cfg.build_batch(model, batch)?;
         fill(model, &mut caches, batch, ctx)?;
         Ok(caches)
@@ -272,7 +243,7 @@ fn cases(model: &Model, methods: &[CacheConfig], batch: usize, ctx: usize, steps
                 step(model, &mut caches, &mut tokens)?;
             }
             sync(dev)?;
-            Ok((gpu.pool_memory()?.peak.saturating_sub(used0), resident_bytes(&caches)))
+            Ok((gpu.pool_memory()?.peak.saturating_sub(used0), caches.resident_bytes()))
         })();
         sync(dev)?;
         rows.push(match measured {
@@ -291,21 +262,25 @@ fn cases(model: &Model, methods: &[CacheConfig], batch: usize, ctx: usize, steps
         }
     }
     sync(dev)?;
-    let l0: Vec<usize> = caches.iter().map(|c| c.iter().map(|l| l.launches()).sum()).collect();
+    let mut launches = vec![0usize; fit.len()];
     let mut times = vec![Vec::with_capacity(steps); fit.len()];
     for _ in 0..steps {
-        for ((c, t), times) in caches.iter_mut().zip(tokens.iter_mut()).zip(times.iter_mut()) {
+        for (((c, t), times), l) in
+            caches.iter_mut().zip(tokens.iter_mut()).zip(times.iter_mut()).zip(launches.iter_mut())
+        {
             // Each step ends on the host (the argmax comes back): steps time one by one.
+            let l0 = rt.launches();
             let start = Instant::now();
             step(model, c, t)?;
             times.push(start.elapsed().as_secs_f64());
+            *l += rt.launches() - l0;
         }
     }
     let layers = model.info.identity.n_layers;
     for (k, &i) in fit.iter().enumerate() {
         times[k].sort_by(f64::total_cmp);
         let median = times[k][steps / 2];
-        let launches = caches[k].iter().map(|l| l.launches()).sum::<usize>() - l0[k];
+        let launches = launches[k];
         let row = &mut rows[i];
         row["tok_s"] = json!(batch as f64 / median);
         row["ms_per_step"] = json!(median * 1e3);
@@ -330,7 +305,7 @@ fn allocated(model: &Model, cfg: &CacheConfig, capacity: usize, gpu: &Gpu) -> Re
             sync(model.device())?;
             Ok(Some(bytes))
         }
-        Err(e) if is_oom(&e) => Ok(None),
+        Err(e) if e.is_out_of_memory() => Ok(None),
         Err(e) => Err(e.into()),
     }
 }
@@ -340,7 +315,10 @@ fn allocated(model: &Model, cfg: &CacheConfig, capacity: usize, gpu: &Gpu) -> Re
 /// allocated to confirm.
 fn longest_context(model: &Model, cfg: &CacheConfig, budget: usize, gpu: &Gpu) -> Result<Value> {
     let (c0, c1) = (16 * 1024, 32 * 1024);
-    let (b0, b1) = (allocated(model, cfg, c0, gpu)?.context("16k positions do not fit")?, allocated(model, cfg, c1, gpu)?.context("32k positions do not fit")?);
+    let (b0, b1) = (
+        allocated(model, cfg, c0, gpu)?.context("16k positions do not fit")?,
+        allocated(model, cfg, c1, gpu)?.context("32k positions do not fit")?,
+    );
     let per_pos = (b1 - b0) as f64 / (c1 - c0) as f64;
     let fixed = b0 as f64 - per_pos * c0 as f64;
     let mut best = (((budget as f64 - fixed) / per_pos) as usize) / 1024 * 1024;
@@ -358,7 +336,7 @@ fn longest_context(model: &Model, cfg: &CacheConfig, budget: usize, gpu: &Gpu) -
 
 /// Whether an allocation failed or took more than `budget` bytes.
 fn over(bytes: Option<usize>, budget: usize) -> bool {
-    bytes.map_or(true, |b| b > budget)
+    bytes.is_none_or(|b| b > budget)
 }
 
 /// Random 2-bit VecInfer codebooks (sub_dim 4, 256 centroids, like the real calibration) for
@@ -382,7 +360,8 @@ fn synthetic_calibration(model: &Model, rng: &mut Rng) -> Result<Calibration> {
 
 pub fn run(a: Args) -> Result<()> {
     if let Some(src) = &a.replot {
-        let json: Value = serde_json::from_str(&std::fs::read_to_string(src).with_context(|| src.display().to_string())?)?;
+        let json: Value =
+            serde_json::from_str(&std::fs::read_to_string(src).with_context(|| src.display().to_string())?)?;
         return plot(a.plot.as_deref().context("--replot needs --plot")?, &json);
     }
     let dev = crate::device::parse("cuda")?;
@@ -391,12 +370,6 @@ pub fn run(a: Args) -> Result<()> {
     let rt = CudaRuntime::new(&dev)?;
     println!("{} ({} SMs)", gpu.name(), gpu.multiprocessors());
     let mut rng = Rng(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos() as u64 | 1);
-
-    println!("\n1. cache checks (fresh random inputs; prefill of 37, then 40 single tokens across flushes)");
-    let mut checks = Vec::new();
-    for (h, hq, d, b) in [(8, 32, 128, 1), (3, 9, 64, 3), (4, 8, 256, 1)] {
-        checks.push(cache_checks(&dev, &rt, &mut rng, h, hq, d, b).with_context(|| format!("cache check {h}/{hq}/{d}/{b}"))?);
-    }
 
     let model_path = a.files.model();
     let max_ctx = a.contexts.iter().max().copied().unwrap_or(1024) + a.steps + 64;
@@ -407,13 +380,21 @@ pub fn run(a: Args) -> Result<()> {
     for name in &a.models {
         let (model, cal, label) = match name.as_str() {
             "smollm2" => {
-                let (gpu_model, tok) = Model::open_on(&model_path, max_ctx, &dev).with_context(|| model_path.display().to_string())?;
-                let cal = Calibration::load_for(&cal_path, &gpu_model.info.identity).with_context(|| cal_path.display().to_string())?;
-                println!("\n2. agreement, {}: greedy {} tokens, CPU vs CUDA", gpu_model.info.identity.name, a.agree_tokens);
+                let (gpu_model, tok) =
+                    Model::open_on(&model_path, max_ctx, &dev).with_context(|| model_path.display().to_string())?;
+                let cal = Calibration::load_for(&cal_path, &gpu_model.info.identity)
+                    .with_context(|| cal_path.display().to_string())?;
+                println!(
+                    "\n2. agreement, {}: greedy {} tokens, CPU vs CUDA",
+                    gpu_model.info.identity.name, a.agree_tokens
+                );
                 let (cpu_model, _) = Model::open(&model_path, 4096)?;
                 let prompt = prompt_ids(&gpu_model, &tok, &a.prompt, true)?;
                 for cfg in [CacheConfig::fp16(), CacheConfig::vecinfer(cal.clone())] {
-                    agree.push(agreement(&cpu_model, &gpu_model, &cfg, &prompt, a.agree_tokens).with_context(|| format!("agreement, {}", cfg.name()))?);
+                    agree.push(
+                        agreement(&cpu_model, &gpu_model, &cfg, &prompt, a.agree_tokens)
+                            .with_context(|| format!("agreement, {}", cfg.name()))?,
+                    );
                 }
                 (gpu_model, cal, "SmolLM2-135M (real weights)".to_string())
             }
@@ -421,21 +402,34 @@ pub fn run(a: Args) -> Result<()> {
                 let g = Geometry::LLAMA_3_1_8B;
                 let model = Model::synthetic("llama-3.1-8b-geometry-random", g, max_ctx, &dev, 7)?;
                 let cal = synthetic_calibration(&model, &mut rng)?;
-                (model, cal, format!("Llama-3.1-8B geometry, random f16 weights ({:.1} B parameters)", g.parameters() as f64 / 1e9))
+                (
+                    model,
+                    cal,
+                    format!(
+                        "Llama-3.1-8B geometry, random f16 weights ({:.1} B parameters)",
+                        g.parameters() as f64 / 1e9
+                    ),
+                )
             }
             other => anyhow::bail!("unknown model {other:?} (smollm2, llama8b)"),
         };
         let methods = [CacheConfig::fp16(), CacheConfig::vecinfer(cal)];
         println!("\n3. decode, {label}: median of {} steps after {WARMUP}, methods interleaved step by step, caches filled with random keys/values", a.steps);
-        println!("{:>5} {:>7} | {:>22} {:>9} {:>9} {:>12} {:>8} | {:>8} {:>9}", "batch", "context", "method", "tok/s", "ms/step", "peak alloc", "launch/L", "speed", "memory");
+        println!(
+            "{:>5} {:>7} | {:>22} {:>9} {:>9} {:>12} {:>8} | {:>8} {:>9}",
+            "batch", "context", "method", "tok/s", "ms/step", "peak alloc", "launch/L", "speed", "memory"
+        );
         for &batch in &a.batches {
             for &ctx in &a.contexts {
-                let rows = cases(&model, &methods, batch, ctx, a.steps, &gpu).with_context(|| format!("batch {batch} context {ctx}"))?;
+                let rows = cases(&model, &methods, batch, ctx, a.steps, &gpu, &rt)
+                    .with_context(|| format!("batch {batch} context {ctx}"))?;
                 let base = rows[0]["tok_s"].as_f64().zip(rows[0]["peak_bytes"].as_f64());
                 for (m, mut row) in methods.iter().zip(rows) {
                     match (row["tok_s"].as_f64(), row["peak_bytes"].as_f64()) {
                         (Some(tps), Some(peak)) => {
-                            let vs = |x: Option<f64>, w: usize, p: usize| x.map_or(format!("{:>w$}", "n/a"), |r| format!("{r:>w$.p$}×"));
+                            let vs = |x: Option<f64>, w: usize, p: usize| {
+                                x.map_or(format!("{:>w$}", "n/a"), |r| format!("{r:>w$.p$}×"))
+                            };
                             println!(
                                 "{batch:>5} {ctx:>7} | {:>22} {tps:>9.1} {:>9.2} {:>12} {:>8.2} | {:>8} {:>9}",
                                 m.name(),
@@ -457,9 +451,13 @@ pub fn run(a: Args) -> Result<()> {
             }
         }
         let budget_bytes = (a.budget_gib * (1u64 << 30) as f64) as usize;
-        println!("\n4. longest context in {:.0} GiB of KV cache, {label}, batch 1 (allocated and measured)", a.budget_gib);
+        println!(
+            "\n4. longest context in {:.0} GiB of KV cache, {label}, batch 1 (allocated and measured)",
+            a.budget_gib
+        );
         for m in &methods {
-            let r = longest_context(&model, m, budget_bytes, &gpu).with_context(|| format!("longest context, {}", m.name()))?;
+            let r = longest_context(&model, m, budget_bytes, &gpu)
+                .with_context(|| format!("longest context, {}", m.name()))?;
             println!(
                 "  {:>22}: {:>9} positions ({:.0} B/position measured; {} allocated there, the next 1024 {})",
                 m.name(),
@@ -473,7 +471,7 @@ pub fn run(a: Args) -> Result<()> {
             budget.push(r);
         }
     }
-    let out = json!({"bench": "runner", "device": gpu.name(), "steps": a.steps, "checks": checks, "agreement": agree, "runs": runs, "budget": budget});
+    let out = json!({"bench": "runner", "device": gpu.name(), "steps": a.steps, "agreement": agree, "runs": runs, "budget": budget});
     write_json(&a.json, &out)?;
     if let Some(p) = &a.plot {
         // The figure is a convenience: a missing font must not lose the measurements (--replot).

@@ -35,7 +35,8 @@ pub struct Args {
 }
 
 fn parse_shape(s: &str) -> Result<(usize, usize, usize, usize), String> {
-    let v: Vec<usize> = s.split(',').map(|x| x.trim().parse().map_err(|e| format!("{s}: {e}"))).collect::<Result<_, _>>()?;
+    let v: Vec<usize> =
+        s.split(',').map(|x| x.trim().parse().map_err(|e| format!("{s}: {e}"))).collect::<Result<_, _>>()?;
     match v[..] {
         [a, b, c, d] => Ok((a, b, c, d)),
         _ => Err(format!("{s}: want S,D,H,sub_dim")),
@@ -50,7 +51,9 @@ fn cpu_peak_gflops() -> (f64, usize, f64) {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let mhz = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("cpu MHz")).and_then(|l| l.split(':').nth(1)?.trim().parse::<f64>().ok()))
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("cpu MHz")).and_then(|l| l.split(':').nth(1)?.trim().parse::<f64>().ok())
+        })
         .unwrap_or(3000.0);
     (cores as f64 * 32.0 * mhz / 1000.0, cores, mhz)
 }
@@ -64,7 +67,21 @@ pub fn run(a: Args) -> Result<()> {
     );
     println!(
         "{:>6} {:>4} {:>2} {:>2} {:>9} | {:>10} {:>10} | {:>9} {:>9} {:>9} {:>9} | {:>7} {:>7} | {:>8} {:>6}",
-        "S", "D", "H", "sd", "N", "naive ms", "naive MiB", "exact ms", "expand ms", "out KiB", "extra KiB", "×exact", "×expand", "Msub/s", "%peak"
+        "S",
+        "D",
+        "H",
+        "sd",
+        "N",
+        "naive ms",
+        "naive MiB",
+        "exact ms",
+        "expand ms",
+        "out KiB",
+        "extra KiB",
+        "×exact",
+        "×expand",
+        "Msub/s",
+        "%peak"
     );
     let mut rows = Vec::new();
     let mut rng_state = 0x9E3779B97F4A7C15u64;
@@ -122,7 +139,9 @@ pub fn run(a: Args) -> Result<()> {
         };
         let best = t_exact.min(t_exp);
         let rate = n as f64 / best;
-        let flops = n as f64 * shape.centroids() as f64 * if t_exp <= t_exact { Metric::Expanded } else { Metric::Exact }.flops_per_pair(sd) as f64;
+        let flops = n as f64
+            * shape.centroids() as f64
+            * if t_exp <= t_exact { Metric::Expanded } else { Metric::Exact }.flops_per_pair(sd) as f64;
         let gflops = flops / best / 1e9;
         let fmt = |v: Option<f64>, k: f64| v.map_or("-".to_string(), |v| format!("{:.1}", v * k));
         println!(
@@ -162,5 +181,8 @@ pub fn run(a: Args) -> Result<()> {
         rep.final_mse()
     );
     let km = json!({ "points": rep.points, "seconds": t_km, "iterations": rep.iterations, "converged": rep.converged, "mse": rep.mse });
-    write_json(&a.json, &json!({ "bench": "search", "bits": a.bits, "cpu_threads": cores, "cpu_mhz": mhz, "rows": rows, "kmeans": km }))
+    write_json(
+        &a.json,
+        &json!({ "bench": "search", "bits": a.bits, "cpu_threads": cores, "cpu_mhz": mhz, "rows": rows, "kmeans": km }),
+    )
 }

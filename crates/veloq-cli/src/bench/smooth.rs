@@ -57,10 +57,18 @@ pub fn run(a: Args) -> Result<()> {
         let mut c = CacheConfig::fp16().build(&model)?;
         model.forward(&span[..a.prefill], &mut c, false)?;
         (0..a.steps)
-            .map(|i| Ok(model.forward(&span[a.prefill + i..a.prefill + i + 1], &mut c, false)?.flatten_all()?.to_vec1::<f32>()?))
+            .map(|i| {
+                Ok(model
+                    .forward(&span[a.prefill + i..a.prefill + i + 1], &mut c, false)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?)
+            })
             .collect::<Result<Vec<_>>>()?
     };
-    println!("key smoothing on {} calibration tokens (Persuasion), {} decode steps after {} tokens of Emma, {}-bit/{} codes", a.calib_tokens, a.steps, a.prefill, a.bits, a.sub_dim);
+    println!(
+        "key smoothing on {} calibration tokens (Persuasion), {} decode steps after {} tokens of Emma, {}-bit/{} codes",
+        a.calib_tokens, a.steps, a.prefill, a.bits, a.sub_dim
+    );
     println!("{:>14} | {:>9} {:>8}", "rule", "KL", "top-1");
     let mut rows = Vec::new();
     for rule in [None, Some(SmoothRule::MaxAbs), Some(SmoothRule::SqrtMaxAbs)] {
@@ -70,7 +78,10 @@ pub fn run(a: Args) -> Result<()> {
         model.forward(&span[..a.prefill], &mut c, false)?;
         let (mut kl, mut agree) = (0.0, 0);
         for (i, r) in reference.iter().enumerate() {
-            let l = model.forward(&span[a.prefill + i..a.prefill + i + 1], &mut c, false)?.flatten_all()?.to_vec1::<f32>()?;
+            let l = model
+                .forward(&span[a.prefill + i..a.prefill + i + 1], &mut c, false)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
             let (p, q) = (log_softmax(r), log_softmax(&l));
             kl += p.iter().zip(&q).map(|(a, b)| a.exp() * (a - b)).sum::<f64>();
             let am = |x: &[f64]| x.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
@@ -82,5 +93,8 @@ pub fn run(a: Args) -> Result<()> {
         println!("{name:>14} | {kl:>9.4} {top1:>8.3}");
         rows.push(json!({"rule": name, "kl": kl, "top1": top1}));
     }
-    write_json(&a.json, &json!({"bench": "smooth", "calib_tokens": a.calib_tokens, "prefill": a.prefill, "steps": a.steps, "sub_dim": a.sub_dim, "bits": a.bits, "rows": rows}))
+    write_json(
+        &a.json,
+        &json!({"bench": "smooth", "calib_tokens": a.calib_tokens, "prefill": a.prefill, "steps": a.steps, "sub_dim": a.sub_dim, "bits": a.bits, "rows": rows}),
+    )
 }

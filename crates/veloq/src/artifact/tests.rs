@@ -31,7 +31,11 @@ fn tmp(name: &str) -> PathBuf {
 
 /// Re-serializes `bytes` with `edit` applied to each tensor (name, dtype, shape, data) and the
 /// metadata JSON passed through `meta`.
-fn rewrite(bytes: &[u8], edit: impl Fn(&str, &mut Dtype, &mut Vec<usize>, &mut Vec<u8>) -> bool, meta: impl Fn(String) -> String) -> Vec<u8> {
+fn rewrite(
+    bytes: &[u8],
+    edit: impl Fn(&str, &mut Dtype, &mut Vec<usize>, &mut Vec<u8>) -> bool,
+    meta: impl Fn(String) -> String,
+) -> Vec<u8> {
     let st = SafeTensors::deserialize(bytes).unwrap();
     let (_, header) = SafeTensors::read_metadata(bytes).unwrap();
     let json = meta(header.metadata().as_ref().unwrap()["veloq"].clone());
@@ -42,7 +46,8 @@ fn rewrite(bytes: &[u8], edit: impl Fn(&str, &mut Dtype, &mut Vec<usize>, &mut V
             owned.push((name, dt, shape, data));
         }
     }
-    let views: Vec<_> = owned.iter().map(|(n, dt, s, d)| (n.clone(), TensorView::new(*dt, s.clone(), d).unwrap())).collect();
+    let views: Vec<_> =
+        owned.iter().map(|(n, dt, s, d)| (n.clone(), TensorView::new(*dt, s.clone(), d).unwrap())).collect();
     safetensors::serialize(views, Some(HashMap::from([("veloq".to_string(), json)]))).unwrap()
 }
 
@@ -91,7 +96,11 @@ fn rejects_wrong_geometry() {
 #[test]
 fn rejects_non_finite_values() {
     let bytes = calibration().to_bytes().unwrap();
-    for (target, value) in [("layers.1.keys.codebooks", f32::NAN), ("layers.0.values.codebooks", f32::INFINITY), ("layers.0.keys.smooth", f32::NAN)] {
+    for (target, value) in [
+        ("layers.1.keys.codebooks", f32::NAN),
+        ("layers.0.values.codebooks", f32::INFINITY),
+        ("layers.0.keys.smooth", f32::NAN),
+    ] {
         let poisoned = rewrite(
             &bytes,
             |name, _, _, data| {
@@ -140,7 +149,10 @@ fn rejects_wrong_dtype_missing_and_extra_tensors() {
         |name, dt, _, data| {
             if name == "layers.0.keys.codebooks" {
                 *dt = Dtype::F16;
-                let halves: Vec<u8> = data.chunks_exact(4).flat_map(|b| half::f16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]])).to_le_bytes()).collect();
+                let halves: Vec<u8> = data
+                    .chunks_exact(4)
+                    .flat_map(|b| half::f16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]])).to_le_bytes())
+                    .collect();
                 *data = halves;
             }
             true

@@ -53,8 +53,13 @@ impl KMeansReport {
 
 /// Clusters `points` (`[n, dim]`, dim ∈ {2, 4, 8}) and returns the codebook and the report.
 /// `on_iter(iteration, mse)` is called after each assignment (for progress bars).
-pub fn kmeans(points: &[f32], dim: usize, cfg: &KMeansConfig, on_iter: &(dyn Fn(usize, f64) + Sync)) -> Result<(Codebook, KMeansReport)> {
-    if dim == 0 || points.len() % dim != 0 {
+pub fn kmeans(
+    points: &[f32],
+    dim: usize,
+    cfg: &KMeansConfig,
+    on_iter: &(dyn Fn(usize, f64) + Sync),
+) -> Result<(Codebook, KMeansReport)> {
+    if dim == 0 || !points.len().is_multiple_of(dim) {
         return Err(Error::Shape(format!("k-means: {} values are not whole points of {dim}", points.len())));
     }
     let n_all = points.len() / dim;
@@ -128,7 +133,10 @@ fn update(points: &[f32], dim: usize, codes: &[u16], dist: &[f32], centroids: &m
         worst.truncate(empty.len());
         worst.sort_by(|&a, &b| dist[b].total_cmp(&dist[a]).then(a.cmp(&b)));
         for (&c, &p) in empty.iter().zip(&worst) {
-            sums[c * dim..(c + 1) * dim].iter_mut().zip(&points[p * dim..(p + 1) * dim]).for_each(|(s, &v)| *s = v as f64);
+            sums[c * dim..(c + 1) * dim]
+                .iter_mut()
+                .zip(&points[p * dim..(p + 1) * dim])
+                .for_each(|(s, &v)| *s = v as f64);
             counts[c] = 1;
         }
     }
@@ -143,7 +151,13 @@ fn update(points: &[f32], dim: usize, codes: &[u16], dist: &[f32], centroids: &m
 /// Greedy k-means++ on a random sample of the points: each step draws `2 + ln k` candidates by D²
 /// sampling and keeps the one that lowers the total D² most. Plain k-means++ often misses a small
 /// cluster sitting next to a big one (its D² mass is tiny); greedy seeding rarely does.
-fn seed_plus_plus(points: &[f32], dim: usize, k: usize, sample: usize, rng: &mut Xoshiro256PlusPlus) -> Result<Vec<f32>> {
+fn seed_plus_plus(
+    points: &[f32],
+    dim: usize,
+    k: usize,
+    sample: usize,
+    rng: &mut Xoshiro256PlusPlus,
+) -> Result<Vec<f32>> {
     let n = points.len() / dim;
     let sample = gather(points, dim, &sample_indices(rng, n, sample.max(k).min(n)));
     let m = sample.len() / dim;
@@ -163,7 +177,8 @@ fn seed_plus_plus(points: &[f32], dim: usize, k: usize, sample: usize, rng: &mut
             let mut best = (f64::INFINITY, candidates[0]);
             for &c in &candidates {
                 let cand = &sample[c * dim..(c + 1) * dim];
-                let cost: f64 = d2.par_iter().zip(sample.par_chunks_exact(dim)).map(|(&d, p)| d.min(sq_dist(p, cand)) as f64).sum();
+                let cost: f64 =
+                    d2.par_iter().zip(sample.par_chunks_exact(dim)).map(|(&d, p)| d.min(sq_dist(p, cand)) as f64).sum();
                 if cost < best.0 {
                     best = (cost, c);
                 }
@@ -228,7 +243,8 @@ mod tests {
         let mut r = rng(seed);
         let c = loop {
             let c = normal(&mut r, centers * dim, 10.0);
-            let close = (0..centers).any(|a| (0..a).any(|b| sq_dist(&c[a * dim..][..dim], &c[b * dim..][..dim]) < 16.0));
+            let close =
+                (0..centers).any(|a| (0..a).any(|b| sq_dist(&c[a * dim..][..dim], &c[b * dim..][..dim]) < 16.0));
             if !close {
                 break c;
             }

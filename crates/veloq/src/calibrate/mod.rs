@@ -15,7 +15,13 @@ use crate::error::{Error, Result};
 /// Trains a codec for one layer's keys or values from `samples` (`[tokens, n_heads, head_dim]`):
 /// smoothing scales from the samples, then k-means on the smoothed, rotated sub-vectors (pooled
 /// for a per-layer codebook, one run per sub-space otherwise; sub-space `j` uses seed + j).
-pub fn train_codec(samples: &[f32], n_heads: usize, head_dim: usize, spec: &CodecSpec, kmeans_cfg: &KMeansConfig) -> Result<(VecInferCodec, Vec<KMeansReport>)> {
+pub fn train_codec(
+    samples: &[f32],
+    n_heads: usize,
+    head_dim: usize,
+    spec: &CodecSpec,
+    kmeans_cfg: &KMeansConfig,
+) -> Result<(VecInferCodec, Vec<KMeansReport>)> {
     train_codec_with_progress(samples, n_heads, head_dim, spec, kmeans_cfg, &|_, _, _| {})
 }
 
@@ -29,11 +35,18 @@ pub fn train_codec_with_progress(
     progress: &(dyn Fn(usize, usize, f64) + Sync),
 ) -> Result<(VecInferCodec, Vec<KMeansReport>)> {
     if kmeans_cfg.k != spec.shape.centroids() {
-        return Err(Error::Config(format!("k-means k = {} but codebook has {} centroids", kmeans_cfg.k, spec.shape.centroids())));
+        return Err(Error::Config(format!(
+            "k-means k = {} but codebook has {} centroids",
+            kmeans_cfg.k,
+            spec.shape.centroids()
+        )));
     }
     let row = n_heads * head_dim;
-    if row == 0 || samples.len() % row != 0 || samples.is_empty() {
-        return Err(Error::Shape(format!("calibration samples: {} values are not whole [tokens, {n_heads}, {head_dim}] rows", samples.len())));
+    if row == 0 || !samples.len().is_multiple_of(row) || samples.is_empty() {
+        return Err(Error::Shape(format!(
+            "calibration samples: {} values are not whole [tokens, {n_heads}, {head_dim}] rows",
+            samples.len()
+        )));
     }
     let mean = spec.center.then(|| channel_means(samples, row));
     let smooth = match spec.smooth {
@@ -62,7 +75,10 @@ pub fn train_codec_with_progress(
             let mut books = Vec::with_capacity(m);
             let mut reports = Vec::with_capacity(m);
             for j in 0..m {
-                let sub: Vec<f32> = transformed.chunks_exact(head_dim).flat_map(|row| row[j * sd..(j + 1) * sd].iter().copied()).collect();
+                let sub: Vec<f32> = transformed
+                    .chunks_exact(head_dim)
+                    .flat_map(|row| row[j * sd..(j + 1) * sd].iter().copied())
+                    .collect();
                 let cfg = KMeansConfig { seed: kmeans_cfg.seed.wrapping_add(j as u64), ..kmeans_cfg.clone() };
                 let (b, r) = kmeans(&sub, sd, &cfg, &|i, e| progress(j, i, e))?;
                 books.push(b);

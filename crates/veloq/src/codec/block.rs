@@ -41,7 +41,7 @@ pub trait BlockCodec: Send + Sync + std::fmt::Debug {
 /// Tokens in a buffer of `len` values, or a shape error naming `what`.
 pub fn whole_rows(len: usize, n_heads: usize, head_dim: usize, what: &str) -> Result<usize> {
     let row = n_heads * head_dim;
-    if row == 0 || len % row != 0 {
+    if row == 0 || !len.is_multiple_of(row) {
         return Err(Error::Shape(format!("{what}: {len} values are not whole [tokens, {n_heads}, {head_dim}] rows")));
     }
     Ok(len / row)
@@ -52,7 +52,11 @@ pub fn check_encoded(codec: &dyn BlockCodec, bytes: &[u8], out_len: usize) -> Re
     let tokens = whole_rows(out_len, codec.n_heads(), codec.head_dim(), "decode")?;
     let want = codec.encoded_len(tokens);
     if bytes.len() != want {
-        return Err(Error::Shape(format!("decode: {tokens} tokens of {} need {want} bytes, got {}", codec.name(), bytes.len())));
+        return Err(Error::Shape(format!(
+            "decode: {tokens} tokens of {} need {want} bytes, got {}",
+            codec.name(),
+            bytes.len()
+        )));
     }
     Ok(tokens)
 }

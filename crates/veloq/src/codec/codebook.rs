@@ -33,7 +33,7 @@ impl PqShape {
     }
     /// Sub-vectors per head vector, checking that `head_dim` splits evenly.
     pub fn subspaces(&self, head_dim: usize) -> Result<usize> {
-        if head_dim == 0 || head_dim % self.sub_dim != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(self.sub_dim) {
             return Err(Error::Shape(format!("head_dim {head_dim} is not a multiple of sub_dim {}", self.sub_dim)));
         }
         Ok(head_dim / self.sub_dim)
@@ -75,7 +75,7 @@ pub struct Codebook {
 impl Codebook {
     /// Wraps `k × sub_dim` centroids (row-major), rejecting empty, ragged or non-finite input.
     pub fn new(sub_dim: usize, centroids: Vec<f32>) -> Result<Self> {
-        if sub_dim == 0 || centroids.is_empty() || centroids.len() % sub_dim != 0 {
+        if sub_dim == 0 || centroids.is_empty() || !centroids.len().is_multiple_of(sub_dim) {
             return Err(Error::Shape(format!(
                 "codebook: {} values are not whole centroids of {sub_dim}",
                 centroids.len()

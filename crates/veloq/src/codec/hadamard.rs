@@ -27,9 +27,7 @@ impl Hadamard {
             return Err(Error::Config(format!("Hadamard: head_dim {dim} outside 1..={MAX_HEAD_DIM}")));
         }
         if dim % 2 == 1 {
-            return Err(Error::Config(format!(
-                "Hadamard: odd head_dim {dim} would leave a channel unrotated"
-            )));
+            return Err(Error::Config(format!("Hadamard: odd head_dim {dim} would leave a channel unrotated")));
         }
         let mut blocks = Vec::new();
         let mut offset = 0;

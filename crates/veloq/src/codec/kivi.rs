@@ -31,10 +31,10 @@ impl KiviCodec {
         if !(1..=8).contains(&bits) {
             return Err(Error::Config(format!("KIVI: {bits} bits outside 1..=8")));
         }
-        if group == 0 || group % 8 != 0 {
+        if group == 0 || !group.is_multiple_of(8) {
             return Err(Error::Config(format!("KIVI: group {group} must be a positive multiple of 8")));
         }
-        if axis == KiviAxis::PerToken && head_dim % group != 0 {
+        if axis == KiviAxis::PerToken && !head_dim.is_multiple_of(group) {
             return Err(Error::Config(format!("KIVI: value group {group} does not divide head_dim {head_dim}")));
         }
         if n_heads == 0 || head_dim == 0 {
@@ -85,10 +85,17 @@ impl BlockCodec for KiviCodec {
     fn encode(&self, rows: &[f32], out: &mut [u8]) -> Result<()> {
         let tokens = whole_rows(rows.len(), self.n_heads, self.head_dim, "KIVI encode")?;
         if tokens % self.block_tokens() != 0 {
-            return Err(Error::Shape(format!("KIVI encode: {tokens} tokens, not a multiple of {}", self.block_tokens())));
+            return Err(Error::Shape(format!(
+                "KIVI encode: {tokens} tokens, not a multiple of {}",
+                self.block_tokens()
+            )));
         }
         if out.len() != self.encoded_len(tokens) {
-            return Err(Error::Shape(format!("KIVI encode: output of {} bytes, need {}", out.len(), self.encoded_len(tokens))));
+            return Err(Error::Shape(format!(
+                "KIVI encode: output of {} bytes, need {}",
+                out.len(),
+                self.encoded_len(tokens)
+            )));
         }
         check_finite("KIVI input", rows)?;
         let levels = ((1u32 << self.bits) - 1) as f32;

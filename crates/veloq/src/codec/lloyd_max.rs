@@ -63,7 +63,12 @@ fn erfc(x: f64) -> f64 {
     let z = x.abs();
     let t = 1.0 / (1.0 + 0.5 * z);
     let poly = -z * z - 1.26551223
-        + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277))))))));
+        + t * (1.00002368
+            + t * (0.37409196
+                + t * (0.09678418
+                    + t * (-0.18628806
+                        + t * (0.27886807
+                            + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277))))))));
     let r = t * poly.exp();
     if x >= 0.0 {
         r
@@ -126,7 +131,11 @@ impl BlockCodec for LloydMaxCodec {
     fn encode(&self, rows: &[f32], out: &mut [u8]) -> Result<()> {
         let tokens = whole_rows(rows.len(), self.n_heads, self.head_dim, "Lloyd–Max encode")?;
         if out.len() != self.encoded_len(tokens) {
-            return Err(Error::Shape(format!("Lloyd–Max encode: output of {} bytes, need {}", out.len(), self.encoded_len(tokens))));
+            return Err(Error::Shape(format!(
+                "Lloyd–Max encode: output of {} bytes, need {}",
+                out.len(),
+                self.encoded_len(tokens)
+            )));
         }
         check_finite("Lloyd–Max input", rows)?;
         let d = self.head_dim;

@@ -84,7 +84,7 @@ impl SmoothScales {
     /// Computes scales from calibration keys laid out `[tokens, n_heads, head_dim]`.
     pub fn calibrate(keys: &[f32], n_heads: usize, head_dim: usize, rule: SmoothRule) -> Result<Self> {
         let row = n_heads * head_dim;
-        if row == 0 || keys.is_empty() || keys.len() % row != 0 {
+        if row == 0 || keys.is_empty() || !keys.len().is_multiple_of(row) {
             return Err(Error::Shape(format!(
                 "smooth calibration: {} values are not whole [tokens, {n_heads}, {head_dim}] rows",
                 keys.len()

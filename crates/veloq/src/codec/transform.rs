@@ -18,10 +18,19 @@ pub struct RowTransform {
 }
 
 impl RowTransform {
-    pub fn new(n_heads: usize, head_dim: usize, mean: Option<Vec<f32>>, smooth: Option<SmoothScales>, rotate: bool) -> Result<Self> {
+    pub fn new(
+        n_heads: usize,
+        head_dim: usize,
+        mean: Option<Vec<f32>>,
+        smooth: Option<SmoothScales>,
+        rotate: bool,
+    ) -> Result<Self> {
         if let Some(m) = &mean {
             if m.len() != n_heads * head_dim {
-                return Err(Error::Shape(format!("channel means: {} values for {n_heads} heads × {head_dim}", m.len())));
+                return Err(Error::Shape(format!(
+                    "channel means: {} values for {n_heads} heads × {head_dim}",
+                    m.len()
+                )));
             }
             crate::error::check_finite("channel means", m)?;
         }

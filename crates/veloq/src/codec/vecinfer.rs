@@ -32,7 +32,13 @@ impl CodecSpec {
     /// Keys: smooth by √max|k| (measured better than the paper's max|k| on SmolLM2, see
     /// `veloq bench smooth`), rotate, one codebook per layer.
     pub fn keys(shape: PqShape) -> Self {
-        Self { shape, granularity: Granularity::PerLayer, center: true, smooth: Some(SmoothRule::SqrtMaxAbs), rotate: true }
+        Self {
+            shape,
+            granularity: Granularity::PerLayer,
+            center: true,
+            smooth: Some(SmoothRule::SqrtMaxAbs),
+            rotate: true,
+        }
     }
     /// Values: rotated, not smoothed (no outlier channels to tame).
     pub fn values(shape: PqShape) -> Self {
@@ -52,9 +58,18 @@ pub struct VecInferCodec {
 
 impl VecInferCodec {
     /// Assembles a codec, checking that scales and codebooks fit the geometry.
-    pub fn new(n_heads: usize, head_dim: usize, mean: Option<Vec<f32>>, smooth: Option<SmoothScales>, rotate: bool, books: CodebookSet) -> Result<Self> {
+    pub fn new(
+        n_heads: usize,
+        head_dim: usize,
+        mean: Option<Vec<f32>>,
+        smooth: Option<SmoothScales>,
+        rotate: bool,
+        books: CodebookSet,
+    ) -> Result<Self> {
         if n_heads == 0 || head_dim == 0 || head_dim > MAX_HEAD_DIM {
-            return Err(Error::Shape(format!("codec geometry {n_heads} heads × {head_dim} (head_dim ≤ {MAX_HEAD_DIM})")));
+            return Err(Error::Shape(format!(
+                "codec geometry {n_heads} heads × {head_dim} (head_dim ≤ {MAX_HEAD_DIM})"
+            )));
         }
         books.shape().subspaces(head_dim)?;
         let transform = RowTransform::new(n_heads, head_dim, mean, smooth, rotate)?;
@@ -109,7 +124,7 @@ impl VecInferCodec {
 
     fn check_tokens(&self, len: usize, what: &str) -> Result<usize> {
         let row = self.n_heads * self.head_dim;
-        if len % row != 0 {
+        if !len.is_multiple_of(row) {
             return Err(Error::Shape(format!(
                 "{what}: {len} values are not whole [tokens, {}, {}] rows",
                 self.n_heads, self.head_dim
@@ -193,7 +208,9 @@ impl BlockCodec for VecInferCodec {
         VecInferCodec::decode(self, bytes, out)
     }
     fn resident_bytes(&self) -> usize {
-        self.books.resident_bytes() + self.smooth().map_or(0, |s| s.as_slice().len() * 4) + self.mean().map_or(0, |m| m.len() * 4)
+        self.books.resident_bytes()
+            + self.smooth().map_or(0, |s| s.as_slice().len() * 4)
+            + self.mean().map_or(0, |m| m.len() * 4)
     }
 }
 
@@ -221,9 +238,18 @@ mod tests {
         let mut prev = f64::INFINITY;
         for bits in [4u32, 6, 8] {
             for granularity in [Granularity::PerLayer, Granularity::PerSubspace] {
-                for (smooth, rotate) in [(None, false), (Some(SmoothRule::MaxAbs), true), (Some(SmoothRule::SqrtMaxAbs), true)] {
-                    let spec = CodecSpec { shape: PqShape::new(4, bits).unwrap(), granularity, center: smooth.is_some(), smooth, rotate };
-                    let (codec, reports) = train_codec(&train, heads, dim, &spec, &KMeansConfig::new(1 << bits, seed)).unwrap();
+                for (smooth, rotate) in
+                    [(None, false), (Some(SmoothRule::MaxAbs), true), (Some(SmoothRule::SqrtMaxAbs), true)]
+                {
+                    let spec = CodecSpec {
+                        shape: PqShape::new(4, bits).unwrap(),
+                        granularity,
+                        center: smooth.is_some(),
+                        smooth,
+                        rotate,
+                    };
+                    let (codec, reports) =
+                        train_codec(&train, heads, dim, &spec, &KMeansConfig::new(1 << bits, seed)).unwrap();
                     let codes = codec.encode_vec(&test).unwrap();
                     assert_eq!(codes.len(), 101 * heads * 16 * bits as usize / 8);
                     let mut back = vec![f32::NAN; test.len()];

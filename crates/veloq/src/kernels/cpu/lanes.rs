@@ -133,6 +133,7 @@ mod avx2 {
     }
 
     #[inline(always)]
+    // SAFETY (callers): AVX2 is available (only `select`'s checked entry point calls in).
     unsafe fn load<const SD: usize>(xt: &[[f32; LANES]]) -> [__m256; SD] {
         let mut x = [_mm256_setzero_ps(); SD];
         for d in 0..SD {
@@ -142,6 +143,7 @@ mod avx2 {
     }
 
     #[inline(always)]
+    // SAFETY (callers): AVX2 is available.
     unsafe fn finish(best: __m256, best_idx: __m256) -> LaneResult {
         let (mut b, mut i) = ([0.0f32; LANES], [0.0f32; LANES]);
         _mm256_storeu_ps(b.as_mut_ptr(), best);
@@ -151,6 +153,10 @@ mod avx2 {
 
     /// Two centroids per iteration, each with its own running minimum, so the compare/select
     /// chains of neighbouring centroids overlap; merged at the end with ties to the lower index.
+    // Coordinate d indexes the lanes' registers and the centroid together: a range loop says so.
+    // SAFETY (callers): AVX2 and FMA are available; the book holds `len` centroids of SD, read
+    // through raw pointers within those bounds.
+    #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn expanded<const SD: usize>(xt: &[[f32; LANES]], book: &Codebook) -> LaneResult {
         let x = load::<SD>(xt);
@@ -188,6 +194,8 @@ mod avx2 {
 
     /// Σ (x − c)² with separate multiply and add in coordinate order: bit-identical to the
     /// reference.
+    // SAFETY (callers): as for `expanded`.
+    #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn exact<const SD: usize>(xt: &[[f32; LANES]], book: &Codebook) -> LaneResult {
         let x = load::<SD>(xt);

@@ -25,7 +25,14 @@ const MAX_BLOCK_CODES: usize = LANES * MAX_HEAD_DIM / 2;
 /// Quantizes `rows` head vectors of `dim` floats into `out` (`packed_len(rows × dim/sub_dim, bits)`
 /// bytes). `load_row(r, buf)` writes row `r`, transformed, into `buf`; it is called once per row.
 /// Fails when a row produced no finite distance (NaN or infinite input).
-pub fn quantize_rows<F>(rows: usize, dim: usize, books: &CodebookSet, metric: Metric, load_row: F, out: &mut [u8]) -> Result<()>
+pub fn quantize_rows<F>(
+    rows: usize,
+    dim: usize,
+    books: &CodebookSet,
+    metric: Metric,
+    load_row: F,
+    out: &mut [u8],
+) -> Result<()>
 where
     F: Fn(usize, &mut [f32]) + Sync,
 {
@@ -96,7 +103,7 @@ where
 /// Fused nearest-centroid search on raw rows of any element type, no transform: the kernel the
 /// benchmarks compare with the materialising reference.
 pub fn search_rows<T: Element>(x: &[T], dim: usize, books: &CodebookSet, metric: Metric, out: &mut [u8]) -> Result<()> {
-    if dim == 0 || x.len() % dim != 0 {
+    if dim == 0 || !x.len().is_multiple_of(dim) {
         return Err(Error::Shape(format!("search: {} values are not whole rows of {dim}", x.len())));
     }
     quantize_rows(
@@ -122,34 +129,30 @@ pub fn assign_points(points: &[f32], book: &Codebook, metric: Metric, codes: &mu
     assert!(codes.len() == n && dist.len() == n && points.len() == n * sd);
     let search = lanes::select();
     const CHUNK: usize = 1024;
-    codes
-        .par_chunks_mut(CHUNK)
-        .zip(dist.par_chunks_mut(CHUNK))
-        .enumerate()
-        .for_each(|(t, (codes, dist))| {
-            let base = t * CHUNK;
-            let mut xt = [[0.0f32; LANES]; 8];
-            for block in (0..codes.len()).step_by(LANES) {
-                let n = (codes.len() - block).min(LANES);
-                for d in 0..sd {
-                    for l in 0..LANES {
-                        let p = base + block + if l < n { l } else { 0 };
-                        xt[d][l] = points[p * sd + d];
-                    }
-                }
-                let (idx, best) = search(&xt[..sd], book, metric);
-                for l in 0..n {
-                    codes[block + l] = idx[l];
-                    dist[block + l] = match metric {
-                        Metric::Exact => best[l],
-                        Metric::Expanded => {
-                            let norm: f32 = (0..sd).map(|d| xt[d][l] * xt[d][l]).sum();
-                            (best[l] + norm).max(0.0)
-                        }
-                    };
+    codes.par_chunks_mut(CHUNK).zip(dist.par_chunks_mut(CHUNK)).enumerate().for_each(|(t, (codes, dist))| {
+        let base = t * CHUNK;
+        let mut xt = [[0.0f32; LANES]; 8];
+        for block in (0..codes.len()).step_by(LANES) {
+            let n = (codes.len() - block).min(LANES);
+            for (d, lanes) in xt.iter_mut().enumerate().take(sd) {
+                for (l, x) in lanes.iter_mut().enumerate() {
+                    let p = base + block + if l < n { l } else { 0 };
+                    *x = points[p * sd + d];
                 }
             }
-        });
+            let (idx, best) = search(&xt[..sd], book, metric);
+            for l in 0..n {
+                codes[block + l] = idx[l];
+                dist[block + l] = match metric {
+                    Metric::Exact => best[l],
+                    Metric::Expanded => {
+                        let norm: f32 = (0..sd).map(|d| xt[d][l] * xt[d][l]).sum();
+                        (best[l] + norm).max(0.0)
+                    }
+                };
+            }
+        }
+    });
 }
 
 #[cfg(test)]

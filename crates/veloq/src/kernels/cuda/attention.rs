@@ -5,12 +5,12 @@
 
 use std::sync::OnceLock;
 
-use cudarc::driver::{CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::quantize::GpuCodec;
+use super::{dev_err, Gpu};
 use crate::codec::codebook::Granularity;
 use crate::codec::vecinfer::VecInferCodec;
-use super::{dev_err, Gpu};
 use crate::error::{Error, Result};
 
 const MERGE: &str = include_str!("merge.cu");
@@ -86,8 +86,18 @@ fn mma_geometry(k: &Geometry, v: &Geometry, q_heads: usize) -> bool {
 }
 
 fn check_geometry(k: Geometry, v: Geometry, q_heads: usize) -> std::result::Result<(), String> {
-    let ok = k.bits == 8 && v.bits == 8 && k.per_layer && v.per_layer && (k.head_dim / k.sub_dim) % 4 == 0 && k.sub_dim % 2 == 0;
-    if !ok || k.heads != v.heads || k.head_dim != v.head_dim || q_heads % k.heads != 0 || q_heads / k.heads > 16 {
+    let ok = k.bits == 8
+        && v.bits == 8
+        && k.per_layer
+        && v.per_layer
+        && (k.head_dim / k.sub_dim).is_multiple_of(4)
+        && k.sub_dim.is_multiple_of(2);
+    if !ok
+        || k.heads != v.heads
+        || k.head_dim != v.head_dim
+        || !q_heads.is_multiple_of(k.heads)
+        || q_heads / k.heads > 16
+    {
         return Err("CUDA attention takes 8-bit per-layer codebooks for keys and values of one geometry (key sub-spaces a multiple of 4, even key sub_dim), q_heads a multiple of kv heads, at most 16 query heads per kv head (a warp each in the merge)".into());
     }
     Ok(())
@@ -102,13 +112,25 @@ pub struct AttentionScratch {
 }
 
 impl AttentionScratch {
+    /// For `batch` sequences of `q_heads` query heads split up to `max_splits` ways.
     pub fn new(gpu: &Gpu, batch: usize, q_heads: usize, head_dim: usize, max_splits: usize) -> Result<Self> {
-        let n = batch * q_heads * max_splits;
+        Self::sized(gpu, batch * q_heads * max_splits, batch * q_heads, head_dim)
+    }
+
+    /// Room for `partials` (query head × split) partials of `head_dim` and `streams` counters
+    /// (at least one each, so that a call with nothing coded still finds its counters).
+    pub fn sized(gpu: &Gpu, partials: usize, streams: usize, head_dim: usize) -> Result<Self> {
+        let n = partials.max(1);
         Ok(Self {
             part_o: gpu.stream().alloc_zeros(n * head_dim).map_err(dev_err)?,
             part_ml: gpu.stream().alloc_zeros(n * 2).map_err(dev_err)?,
-            done: gpu.stream().alloc_zeros(batch * q_heads).map_err(dev_err)?,
+            done: gpu.stream().alloc_zeros(streams.max(1)).map_err(dev_err)?,
         })
+    }
+
+    /// Whether it holds `partials` partials of `head_dim` and `streams` counters.
+    pub fn fits(&self, partials: usize, streams: usize, head_dim: usize) -> bool {
+        self.part_o.len() >= partials * head_dim && self.part_ml.len() >= partials * 2 && self.done.len() >= streams
     }
 }
 
@@ -117,13 +139,24 @@ impl GpuAttention {
         let (kg, vg) = (Geometry::of(&keys), Geometry::of(&values));
         let kernel = if mma_geometry(&kg, &vg, q_heads) { SplitKernel::TensorCores } else { SplitKernel::Tables };
         check_geometry(kg, vg, q_heads).map_err(Error::Device)?;
-        Ok(Self { keys, values, q_heads, threads: DEFAULT_THREADS, half_values: false, kernel, fuse_merge: true, prepared: OnceLock::new() })
+        Ok(Self {
+            keys,
+            values,
+            q_heads,
+            threads: DEFAULT_THREADS,
+            half_values: false,
+            kernel,
+            fuse_merge: true,
+            prepared: OnceLock::new(),
+        })
     }
 
     /// Chooses the split kernel (for comparisons: the default is the tensor-core kernel wherever it
     /// applies). Tensor cores for a geometry they do not take → [`Error::Device`].
     pub fn with_split_kernel(mut self, kernel: SplitKernel) -> Result<Self> {
-        if kernel == SplitKernel::TensorCores && !mma_geometry(&Geometry::of(&self.keys), &Geometry::of(&self.values), self.q_heads) {
+        if kernel == SplitKernel::TensorCores
+            && !mma_geometry(&Geometry::of(&self.keys), &Geometry::of(&self.values), self.q_heads)
+        {
             return Err(Error::Device("the tensor-core attention kernel takes sub-vectors of 4, head_dim 64/128/256 and at most 8 query heads per kv head".into()));
         }
         self.kernel = kernel;
@@ -156,7 +189,7 @@ impl GpuAttention {
     /// Threads per block of the table kernel (a multiple of 32, at most 1024; more threads get
     /// fewer registers each). For tuning: the default is the measured best.
     pub fn with_threads(mut self, threads: u32) -> Result<Self> {
-        if threads % 32 != 0 || !(64..=1024).contains(&threads) {
+        if !threads.is_multiple_of(32) || !(64..=1024).contains(&threads) {
             return Err(Error::Device(format!("{threads} threads per block: need a multiple of 32 in 64..=1024")));
         }
         self.threads = threads;
@@ -168,7 +201,7 @@ impl GpuAttention {
     /// f32): half the value-pass instructions for about 1e-3 relative error. Needs an even value
     /// sub_dim.
     pub fn with_half_values(mut self, on: bool) -> Result<Self> {
-        if on && self.values.sub_dim % 2 != 0 {
+        if on && !self.values.sub_dim.is_multiple_of(2) {
             return Err(Error::Device("f16 value accumulation needs an even value sub_dim".into()));
         }
         self.half_values = on;
@@ -202,7 +235,12 @@ impl GpuAttention {
     /// in shared memory: each kv head's codes are then read once per block of heads.
     fn best_plan(&self, gpu: &Gpu) -> Plan {
         let g = self.group();
-        (1..=g.min(4)).rev().filter(|gb| g % gb == 0).map(|gb| self.plan(gb)).find(|p| p.smem() <= gpu.max_smem).unwrap_or_else(|| self.plan(1))
+        (1..=g.min(4))
+            .rev()
+            .filter(|gb| g.is_multiple_of(*gb))
+            .map(|gb| self.plan(gb))
+            .find(|p| p.smem() <= gpu.max_smem)
+            .unwrap_or_else(|| self.plan(1))
     }
 
     /// Compiles the kernels for this geometry now (they are otherwise compiled at the first call).
@@ -216,7 +254,9 @@ impl GpuAttention {
         }
         let plan = self.best_plan(gpu);
         let split = match plan.kernel {
-            SplitKernel::TensorCores => gpu.kernel(MMA_SOURCES, "vq_attend_mma", &plan.mma_defines(), plan.split_smem())?,
+            SplitKernel::TensorCores => {
+                gpu.kernel(MMA_SOURCES, "vq_attend_mma", &plan.mma_defines(), plan.split_smem())?
+            }
             SplitKernel::Tables => gpu.kernel(SOURCES, "vq_attend_split", &plan.defines(), plan.split_smem())?,
         };
         let merge = gpu.kernel(MERGE_SOURCES, "vq_attend_merge", &plan.merge_defines(), gpu.max_smem)?;
@@ -233,7 +273,9 @@ impl GpuAttention {
         let sms = gpu.multiprocessors() as usize;
         let (blocks, most, per_sm) = match self.kernel {
             // Two blocks per SM; one at head_dim 256 (its registers: `MIN_BLOCKS` in the kernel).
-            SplitKernel::TensorCores => (batch * self.keys.heads, MMA_MAX_SPLIT, if self.keys.head_dim == 256 { 1 } else { 2 }),
+            SplitKernel::TensorCores => {
+                (batch * self.keys.heads, MMA_MAX_SPLIT, if self.keys.head_dim == 256 { 1 } else { 2 })
+            }
             SplitKernel::Tables => (batch * self.keys.heads * (self.group() / gb), MAX_SPLIT, 1),
         };
         let slots = sms * per_sm;
@@ -265,9 +307,9 @@ impl GpuAttention {
         scratch: &mut AttentionScratch,
         out: &mut CudaSlice<f32>,
     ) -> Result<usize> {
-        let codes = Coded { keys: kcodes, values: vcodes, len: s, stride: s };
+        let codes = Coded { keys: kcodes.as_view(), values: vcodes.as_view(), len: s, stride: s };
         let window = Window { keys: window_k.as_view(), values: window_v.as_view(), rows: w, map: WindowMap::all(w) };
-        self.attend_cache(gpu, &q.as_view(), batch, &codes, &window, scale, scratch, out)
+        self.attend_cache(gpu, &q.as_view(), batch, &codes, &window, scale, scratch, &mut out.as_view_mut())
     }
 
     /// Decode attention of `q` (`[batch, q_heads, D]` f32) over a cache's codes and f16 rows, into
@@ -283,7 +325,7 @@ impl GpuAttention {
         window: &Window,
         scale: f32,
         scratch: &mut AttentionScratch,
-        out: &mut CudaSlice<f32>,
+        out: &mut CudaViewMut<f32>,
     ) -> Result<usize> {
         let (k, v) = (&self.keys, &self.values);
         if k.rotate != v.rotate {
@@ -300,8 +342,8 @@ impl GpuAttention {
         let nsplit = if s == 0 { 0 } else { self.splits(gpu, batch, s) };
         let split = s.div_ceil(nsplit.max(1)).max(1);
         let streams = batch * hkv;
-        if scratch.part_ml.len() < batch * self.q_heads * nsplit * 2 || scratch.part_o.len() < batch * self.q_heads * nsplit * d || scratch.done.len() < streams {
-            return Err(Error::Device(format!("attention scratch too small for {nsplit} splits")));
+        if !scratch.fits(batch * self.q_heads * nsplit, streams, d) {
+            return Err(Error::Device(format!("attention scratch too small for {nsplit} splits of {batch} sequences")));
         }
         let sizes_ok = q.len() >= batch * self.q_heads * d
             && codes.keys.len() >= streams * codes.stride * k.subspaces()
@@ -324,14 +366,22 @@ impl GpuAttention {
         if nsplit > 0 {
             let (s_i, stride, split_i) = (s as i32, codes.stride as i64, split as i32);
             let cfg = match plan.kernel {
-                SplitKernel::TensorCores => LaunchConfig { grid_dim: (nsplit as u32, streams as u32, 1), block_dim: (MMA_THREADS, 1, 1), shared_mem_bytes: smem },
+                SplitKernel::TensorCores => LaunchConfig {
+                    grid_dim: (nsplit as u32, streams as u32, 1),
+                    block_dim: (MMA_THREADS, 1, 1),
+                    shared_mem_bytes: smem,
+                },
                 SplitKernel::Tables => {
                     let g = (self.group() / plan.gb) as u32;
-                    LaunchConfig { grid_dim: (g, nsplit as u32, streams as u32), block_dim: (plan.threads, 1, 1), shared_mem_bytes: smem }
+                    LaunchConfig {
+                        grid_dim: (g, nsplit as u32, streams as u32),
+                        block_dim: (plan.threads, 1, 1),
+                        shared_mem_bytes: smem,
+                    }
                 }
             };
             let mut l = gpu.stream().launch_builder(split_fn);
-            l.arg(q).arg(codes.keys).arg(codes.values);
+            l.arg(q).arg(&codes.keys).arg(&codes.values);
             match plan.kernel {
                 SplitKernel::TensorCores => l.arg(&k.centroids_f16).arg(&v.centroids_f16),
                 SplitKernel::Tables => l.arg(&k.centroids).arg(&v.centroids),
@@ -340,18 +390,45 @@ impl GpuAttention {
             l.arg(&mut scratch.part_o).arg(&mut scratch.part_ml).arg(&s_i).arg(&stride).arg(&split_i).arg(&scale);
             let fuse = fused as i32;
             if plan.kernel == SplitKernel::TensorCores {
-                l.arg(&window.keys).arg(&window.values).arg(&v.mean).arg(&v.scale).arg(&mut *out).arg(&w_i).arg(&window.map).arg(&mut scratch.done).arg(&fuse);
+                l.arg(&window.keys)
+                    .arg(&window.values)
+                    .arg(&v.mean)
+                    .arg(&v.scale)
+                    .arg(&mut *out)
+                    .arg(&w_i)
+                    .arg(&window.map)
+                    .arg(&mut scratch.done)
+                    .arg(&fuse);
             }
+            // SAFETY: the arguments follow the split kernel's signature in order (vq_attend_mma:
+            // q, key and value codes, f16 books, key mean and scale, partials, S, stride, split,
+            // scale, then window rows, value mean and scale, out, W, map, counters, fuse;
+            // vq_attend_split stops after scale); the size checks above keep every stream's codes,
+            // rows, partials and outputs inside their buffers, and `WindowMap` is `repr(C)`.
             unsafe { l.launch(cfg) }.map_err(dev_err)?;
             if fused {
                 return Ok(1);
             }
         }
         let nsplit_i = nsplit as i32;
-        let cfg = LaunchConfig { grid_dim: (streams as u32, 1, 1), block_dim: (Plan::merge_threads(self.group()), 1, 1), shared_mem_bytes: merge_smem as u32 };
+        let cfg = LaunchConfig {
+            grid_dim: (streams as u32, 1, 1),
+            block_dim: (Plan::merge_threads(self.group()), 1, 1),
+            shared_mem_bytes: merge_smem as u32,
+        };
         let mut l = gpu.stream().launch_builder(merge_fn);
-        l.arg(q).arg(&scratch.part_o).arg(&scratch.part_ml).arg(&window.keys).arg(&window.values).arg(&v.mean).arg(&v.scale).arg(out);
+        l.arg(q)
+            .arg(&scratch.part_o)
+            .arg(&scratch.part_ml)
+            .arg(&window.keys)
+            .arg(&window.values)
+            .arg(&v.mean)
+            .arg(&v.scale)
+            .arg(out);
         l.arg(&nsplit_i).arg(&w_i).arg(&window.map).arg(&scale);
+        // SAFETY: the arguments follow vq_attend_merge's signature (q, part_o, part_ml, window
+        // keys and values, value mean and scale, out, nsplit, W, map, scale); one block per
+        // stream reads `nsplit` partials per query head, all inside the checked scratch.
         unsafe { l.launch(cfg) }.map_err(dev_err)?;
         Ok(1 + usize::from(nsplit > 0))
     }
@@ -373,8 +450,8 @@ fn fewest_with_steps(s: usize, n: usize, fewest: usize) -> usize {
 /// A cache's codes: `[streams, stride, subspaces]` bytes each (stream = sequence × kv head), the
 /// first `len` positions of every stream filled.
 pub struct Coded<'a> {
-    pub keys: &'a CudaSlice<u8>,
-    pub values: &'a CudaSlice<u8>,
+    pub keys: CudaView<'a, u8>,
+    pub values: CudaView<'a, u8>,
     pub len: usize,
     pub stride: usize,
 }
@@ -467,7 +544,11 @@ impl Plan {
 
     /// Floats of one table entry (the heads of a block, padded to a vector load).
     fn entry(&self) -> usize {
-        if self.gb == 3 { 4 } else { self.gb }
+        if self.gb == 3 {
+            4
+        } else {
+            self.gb
+        }
     }
 
     /// Sub-spaces interleaved per code in the table: as many as the lanes of one shared-memory
@@ -475,7 +556,7 @@ impl Plan {
     fn interleave(&self) -> usize {
         let m = self.m_k();
         let mut pj = (32 / self.entry()).min(m).next_power_of_two();
-        while pj > 1 && (m % pj != 0 || pj > m) {
+        while pj > 1 && (!m.is_multiple_of(pj) || pj > m) {
             pj /= 2;
         }
         pj
@@ -483,7 +564,11 @@ impl Plan {
 
     /// 32-bit words per value centroid in shared memory (f32, or f16 pairs).
     fn value_words(&self) -> usize {
-        if self.half_values { self.sd_v / 2 } else { self.sd_v }
+        if self.half_values {
+            self.sd_v / 2
+        } else {
+            self.sd_v
+        }
     }
 
     /// Copies of the value codebook (one per lane of a 128-byte phase).
@@ -495,7 +580,9 @@ impl Plan {
     /// per-warp partials.
     fn table(&self) -> usize {
         let slots = (self.threads as usize / 32) * (32 / self.m_v().min(32));
-        (self.entry() * self.m_k() * Self::CENTROIDS).max((self.m_v() * MIN_CHUNK).div_ceil(4)).max(slots * self.gb * self.d)
+        (self.entry() * self.m_k() * Self::CENTROIDS)
+            .max((self.m_v() * MIN_CHUNK).div_ceil(4))
+            .max(slots * self.gb * self.d)
     }
 
     /// Value-code tokens staged per step: as many as fill the table space.
@@ -507,7 +594,9 @@ impl Plan {
     fn split_smem(&self) -> usize {
         match self.kernel {
             // Two f16 codebooks × 16 replicas, the queries, offsets, warp maxima and sums.
-            SplitKernel::TensorCores => Self::MMA_BOOKS + (self.group() * self.d + 8 + (MMA_THREADS as usize / 32) * 16) * 4,
+            SplitKernel::TensorCores => {
+                Self::MMA_BOOKS + (self.group() * self.d + 8 + (MMA_THREADS as usize / 32) * 16) * 4
+            }
             SplitKernel::Tables => self.smem(),
         }
     }
@@ -556,7 +645,12 @@ impl Plan {
 
     /// Shared memory of the table kernel.
     fn smem(&self) -> usize {
-        (self.table() + self.entry() * MAX_SPLIT + Self::CENTROIDS * self.replicas() * self.value_words() + self.gb * self.d + self.gb * 32) * 4
+        (self.table()
+            + self.entry() * MAX_SPLIT
+            + Self::CENTROIDS * self.replicas() * self.value_words()
+            + self.gb * self.d
+            + self.gb * 32)
+            * 4
     }
 
     fn defines(&self) -> Vec<(&'static str, i64)> {

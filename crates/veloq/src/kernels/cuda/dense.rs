@@ -4,7 +4,7 @@
 
 use std::sync::OnceLock;
 
-use cudarc::driver::{CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
 use super::attention::AttentionScratch;
 use super::{dev_err, Gpu};
@@ -29,7 +29,7 @@ pub struct GpuDenseAttention {
 impl GpuDenseAttention {
     /// head_dim a multiple of 64 up to 512; q_heads a multiple of kv_heads.
     pub fn new(q_heads: usize, kv_heads: usize, head_dim: usize) -> Result<Self> {
-        if head_dim % 64 != 0 || head_dim > 512 || kv_heads == 0 || q_heads % kv_heads != 0 {
+        if !head_dim.is_multiple_of(64) || head_dim > 512 || kv_heads == 0 || !q_heads.is_multiple_of(kv_heads) {
             return Err(Error::Device(format!("f16 decode attention takes head_dim a multiple of 64 up to 512 and grouped heads; got {q_heads}/{kv_heads}×{head_dim}")));
         }
         Ok(Self { q_heads, kv_heads, head_dim, prepared: OnceLock::new() })
@@ -65,7 +65,13 @@ impl GpuDenseAttention {
     }
 
     fn defines(&self) -> Vec<(&'static str, i64)> {
-        vec![("D", self.head_dim as i64), ("G", self.group() as i64), ("HKV", self.kv_heads as i64), ("HQ", self.q_heads as i64), ("THREADS", THREADS as i64)]
+        vec![
+            ("D", self.head_dim as i64),
+            ("G", self.group() as i64),
+            ("HKV", self.kv_heads as i64),
+            ("HQ", self.q_heads as i64),
+            ("THREADS", THREADS as i64),
+        ]
     }
 
     /// `q` (`[batch, q_heads, D]` f32) over the first `s` positions of `k`/`v` (f16 bits,
@@ -82,7 +88,7 @@ impl GpuDenseAttention {
         stride: usize,
         scale: f32,
         scratch: &mut AttentionScratch,
-        out: &mut CudaSlice<f32>,
+        out: &mut CudaViewMut<f32>,
     ) -> Result<()> {
         let (d, g) = (self.head_dim, self.group());
         let streams = batch * self.kv_heads;
@@ -105,14 +111,34 @@ impl GpuDenseAttention {
         let smem = (g * split).max(ngrp * g * d) * 4;
         let (split_fn, merge_fn) = self.kernels(gpu)?;
         let (s_i, stride_i, split_i) = (s as i32, stride as i64, split as i32);
-        let cfg = LaunchConfig { grid_dim: (nsplit as u32, streams as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: smem as u32 };
+        let cfg = LaunchConfig {
+            grid_dim: (nsplit as u32, streams as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
         let mut l = gpu.stream().launch_builder(split_fn);
-        l.arg(q).arg(k).arg(v).arg(&mut scratch.part_o).arg(&mut scratch.part_ml).arg(&s_i).arg(&stride_i).arg(&split_i).arg(&scale);
+        l.arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(&mut scratch.part_o)
+            .arg(&mut scratch.part_ml)
+            .arg(&s_i)
+            .arg(&stride_i)
+            .arg(&split_i)
+            .arg(&scale);
+        // SAFETY: arguments in f16_attend_split's order (q, k, v, part_o, part_ml, S, stride,
+        // split, scale); the checks above bound every stream's rows and every partial.
         unsafe { l.launch(cfg) }.map_err(dev_err)?;
-        let cfg = LaunchConfig { grid_dim: (self.q_heads as u32, batch as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: (nsplit * 4) as u32 };
+        let cfg = LaunchConfig {
+            grid_dim: (self.q_heads as u32, batch as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: (nsplit * 4) as u32,
+        };
         let nsplit_i = nsplit as i32;
         let mut l = gpu.stream().launch_builder(merge_fn);
         l.arg(&scratch.part_o).arg(&scratch.part_ml).arg(out).arg(&nsplit_i);
+        // SAFETY: arguments in f16_attend_merge's order (part_o, part_ml, out, nsplit); one
+        // block per (query head, sequence) reads its `nsplit` partials and writes its output row.
         unsafe { l.launch(cfg) }.map_err(dev_err)?;
         Ok(())
     }
@@ -120,5 +146,8 @@ impl GpuDenseAttention {
 
 /// Defines of a few geometries, for the NVRTC compile check.
 pub(super) fn example_defines() -> Vec<Vec<(&'static str, i64)>> {
-    [(32, 8, 128), (9, 3, 64), (8, 4, 256)].iter().map(|&(hq, hkv, d)| GpuDenseAttention::new(hq, hkv, d).expect("valid").defines()).collect()
+    [(32, 8, 128), (9, 3, 64), (8, 4, 256)]
+        .iter()
+        .map(|&(hq, hkv, d)| GpuDenseAttention::new(hq, hkv, d).expect("valid").defines())
+        .collect()
 }

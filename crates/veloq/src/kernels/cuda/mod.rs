@@ -8,7 +8,9 @@ mod dense;
 mod quantize;
 mod window;
 
-pub use attention::{AttentionScratch, Coded, GpuAttention, SplitKernel, Window, WindowMap, DEFAULT_THREADS, MAX_WINDOW};
+pub use attention::{
+    AttentionScratch, Coded, GpuAttention, SplitKernel, Window, WindowMap, DEFAULT_THREADS, MAX_WINDOW,
+};
 pub use dense::GpuDenseAttention;
 pub use quantize::{GpuCodec, RowMap};
 pub use window::{PutMap, PutRows};
@@ -24,8 +26,20 @@ use crate::error::{Error, Result};
 
 const COMMON: &str = include_str!("common.cuh");
 
-pub(crate) fn dev_err(e: impl std::fmt::Debug) -> Error {
-    Error::Device(format!("{e:?}"))
+/// A driver error as ours: out of memory gets its own variant (callers react to it, e.g. by
+/// reporting that a context does not fit), everything else is a device error.
+pub(crate) fn dev_err(e: cudarc::driver::DriverError) -> Error {
+    if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        Error::OutOfMemory(format!("{e:?}"))
+    } else {
+        Error::Device(format!("{e:?}"))
+    }
+}
+
+impl From<cudarc::driver::DriverError> for Error {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        dev_err(e)
+    }
 }
 
 /// Runs `f`, turning a panic (cudarc's answer to a missing library) into `Err` without printing it.
@@ -63,7 +77,9 @@ impl Gpu {
         let ctx = stream.context().clone();
         let (major, minor) = ctx.compute_capability().map_err(dev_err)?;
         let sms = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(dev_err)? as u32;
-        let max_smem = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(dev_err)? as usize;
+        let max_smem = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(dev_err)? as usize;
         let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
         Ok(Self { ctx, stream, arch, sms, max_smem, kernels: Mutex::new(HashMap::new()) })
     }
@@ -75,7 +91,11 @@ impl Gpu {
         let pool = self.default_pool()?;
         let get = |attr| -> Result<usize> {
             let mut v: u64 = 0;
-            unsafe { cudarc::driver::sys::cuMemPoolGetAttribute(pool, attr, &mut v as *mut u64 as *mut _) }.result().map_err(dev_err)?;
+            // SAFETY: `pool` is the device's default pool (checked by the call that returned it)
+            // and the memory attributes read here are 64-bit, written into `v`.
+            unsafe { cudarc::driver::sys::cuMemPoolGetAttribute(pool, attr, &mut v as *mut u64 as *mut _) }
+                .result()
+                .map_err(dev_err)?;
             Ok(v as usize)
         };
         use cudarc::driver::sys::CUmemPool_attribute::*;
@@ -87,13 +107,20 @@ impl Gpu {
         let pool = self.default_pool()?;
         let mut zero: u64 = 0;
         let attr = cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
-        unsafe { cudarc::driver::sys::cuMemPoolSetAttribute(pool, attr, &mut zero as *mut u64 as *mut _) }.result().map_err(dev_err)
+        // SAFETY: a valid pool, and the high-water attribute takes a 64-bit value (0 resets it).
+        unsafe { cudarc::driver::sys::cuMemPoolSetAttribute(pool, attr, &mut zero as *mut u64 as *mut _) }
+            .result()
+            .map_err(dev_err)
     }
 
     fn default_pool(&self) -> Result<cudarc::driver::sys::CUmemoryPool> {
         self.ctx.bind_to_thread().map_err(dev_err)?;
         let mut pool = std::ptr::null_mut();
-        unsafe { cudarc::driver::sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) }.result().map_err(dev_err)?;
+        // SAFETY: the context is bound to this thread and `cu_device` is its device; the driver
+        // writes the pool handle into `pool`.
+        unsafe { cudarc::driver::sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) }
+            .result()
+            .map_err(dev_err)?;
         Ok(pool)
     }
 
@@ -117,9 +144,18 @@ impl Gpu {
 
     /// Kernel `name` from `sources` with `defines`, compiled on first request; `smem` is the dynamic
     /// shared memory it will be launched with (raised past 48 KiB where the device allows).
-    pub(crate) fn kernel(&self, sources: &[&str], name: &str, defines: &[(&str, i64)], smem: usize) -> Result<CudaFunction> {
+    pub(crate) fn kernel(
+        &self,
+        sources: &[&str],
+        name: &str,
+        defines: &[(&str, i64)],
+        smem: usize,
+    ) -> Result<CudaFunction> {
         if smem > self.max_smem {
-            return Err(Error::Device(format!("{name} needs {smem} B of shared memory, the device allows {}", self.max_smem)));
+            return Err(Error::Device(format!(
+                "{name} needs {smem} B of shared memory, the device allows {}",
+                self.max_smem
+            )));
         }
         let key = format!("{name}\n{defines:?}");
         let mut cache = self.kernels.lock().expect("kernel cache lock");
@@ -130,7 +166,8 @@ impl Gpu {
         let module = self.ctx.load_module(ptx).map_err(dev_err)?;
         let f = module.load_function(name).map_err(dev_err)?;
         if smem > 48 * 1024 {
-            f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(dev_err)?;
+            f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+                .map_err(dev_err)?;
         }
         cache.insert(key, f.clone());
         Ok(f)

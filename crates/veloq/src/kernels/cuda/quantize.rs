@@ -2,7 +2,7 @@
 
 use std::sync::OnceLock;
 
-use cudarc::driver::{CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::{dev_err, Gpu};
 use crate::codec::codebook::Granularity;
@@ -59,7 +59,9 @@ impl GpuCodec {
             mean: up(&mean)?,
             scale: up(&scale)?,
             inv_scale: up(&inv)?,
-            centroids_f16: s.clone_htod(&centroids.iter().map(|&c| half::f16::from_f32(c).to_bits()).collect::<Vec<u16>>()).map_err(dev_err)?,
+            centroids_f16: s
+                .clone_htod(&centroids.iter().map(|&c| half::f16::from_f32(c).to_bits()).collect::<Vec<u16>>())
+                .map_err(dev_err)?,
             centroids: up(&centroids)?,
             norms: up(&norms)?,
             function: OnceLock::new(),
@@ -134,27 +136,58 @@ impl GpuCodec {
     /// Encodes `rows` f16 head vectors (`x`: f16 bits, `[rows, head_dim]`, row = token·heads + head)
     /// into `out` ([`code_bytes`](Self::code_bytes)), byte-identical in layout to the CPU encoder.
     pub fn quantize(&self, gpu: &Gpu, x: &CudaSlice<u16>, rows: usize, out: &mut CudaSlice<u8>) -> Result<()> {
-        if rows % self.heads != 0 {
+        if !rows.is_multiple_of(self.heads) {
             return Err(Error::Shape(format!("quantize: {rows} rows are not whole tokens of {} heads", self.heads)));
         }
         let tokens = rows / self.heads;
-        let map = RowMap { t: tokens as i32, in_hs: 1, in_ts: self.heads as i32, in_base: 0, out_hs: 1, out_ts: self.heads as i32, out_base: 0, in_wrap: 0, in_off: 0 };
-        self.quantize_mapped(gpu, &x.as_view(), self.heads, map, out)
+        let map = RowMap {
+            t: tokens as i32,
+            in_hs: 1,
+            in_ts: self.heads as i32,
+            in_base: 0,
+            out_hs: 1,
+            out_ts: self.heads as i32,
+            out_base: 0,
+            in_wrap: 0,
+            in_off: 0,
+        };
+        self.quantize_mapped(gpu, &x.as_view(), self.heads, map, &mut out.as_view_mut())
     }
 
     /// Encodes `t` vectors of each of `streams` streams (a stream: one kv head of one sequence)
     /// where `map` says: the layouts of `x` and `out` (see `quantize.cu`). One launch.
-    pub fn quantize_mapped(&self, gpu: &Gpu, x: &CudaView<u16>, streams: usize, map: RowMap, out: &mut CudaSlice<u8>) -> Result<()> {
+    pub fn quantize_mapped(
+        &self,
+        gpu: &Gpu,
+        x: &CudaView<u16>,
+        streams: usize,
+        map: RowMap,
+        out: &mut CudaViewMut<u8>,
+    ) -> Result<()> {
         let t = map.t.max(0) as usize;
         let rows = streams * t;
         if rows == 0 {
             return Ok(());
         }
         let last = |hs: i64, ts: i32, base: i32| (streams as i64 - 1) * hs + (base as i64 + t as i64 - 1) * ts as i64;
-        let last_in = if map.in_wrap > 0 { last(map.in_hs, map.in_ts, map.in_off + map.in_wrap - t as i32) } else { last(map.in_hs, map.in_ts, map.in_base) };
+        let last_in = if map.in_wrap > 0 {
+            last(map.in_hs, map.in_ts, map.in_off + map.in_wrap - t as i32)
+        } else {
+            last(map.in_hs, map.in_ts, map.in_base)
+        };
         let last_out = last(map.out_hs, map.out_ts, map.out_base);
-        let negative = map.in_hs < 0 || map.out_hs < 0 || map.in_ts < 0 || map.out_ts < 0 || map.in_base < 0 || map.out_base < 0 || map.in_wrap < 0 || map.in_off < 0;
-        if negative || (last_in as usize + 1) * self.head_dim > x.len() || (last_out as usize + 1) * self.row_bytes() > out.len() {
+        let negative = map.in_hs < 0
+            || map.out_hs < 0
+            || map.in_ts < 0
+            || map.out_ts < 0
+            || map.in_base < 0
+            || map.out_base < 0
+            || map.in_wrap < 0
+            || map.in_off < 0;
+        if negative
+            || (last_in as usize + 1) * self.head_dim > x.len()
+            || (last_out as usize + 1) * self.row_bytes() > out.len()
+        {
             return Err(Error::Shape(format!(
                 "quantize: {streams}×{t} rows reach input row {last_in} and output row {last_out}; buffers hold {} and {}",
                 x.len() / self.head_dim,
@@ -168,7 +201,18 @@ impl GpuCodec {
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: smem as u32 };
         let n = rows as i32;
         let mut launch = gpu.stream().launch_builder(f);
-        launch.arg(x).arg(&self.mean).arg(&self.inv_scale).arg(&self.centroids).arg(&self.norms).arg(out).arg(&n).arg(&map);
+        launch
+            .arg(x)
+            .arg(&self.mean)
+            .arg(&self.inv_scale)
+            .arg(&self.centroids)
+            .arg(&self.norms)
+            .arg(out)
+            .arg(&n)
+            .arg(&map);
+        // SAFETY: arguments in vq_quantize's order (x, mean, inv_scale, books, norms, out, n_rows,
+        // map); `RowMap` is `repr(C)` as the kernel declares it, and the checks above keep the
+        // last input and output row of every stream inside `x` and `out`.
         unsafe { launch.launch(cfg) }.map_err(dev_err)?;
         Ok(())
     }
@@ -197,7 +241,17 @@ impl RowMap {
     /// `t` vectors per stream from rows `in_base..` of `[streams, in_hs]` rows to rows
     /// `out_base..` of `[streams, out_hs]` rows (both head-major).
     pub fn streams(t: usize, in_hs: usize, in_base: usize, out_hs: usize, out_base: usize) -> Self {
-        Self { t: t as i32, in_hs: in_hs as i64, in_ts: 1, in_base: in_base as i32, out_hs: out_hs as i64, out_ts: 1, out_base: out_base as i32, in_wrap: 0, in_off: 0 }
+        Self {
+            t: t as i32,
+            in_hs: in_hs as i64,
+            in_ts: 1,
+            in_base: in_base as i32,
+            out_hs: out_hs as i64,
+            out_ts: 1,
+            out_base: out_base as i32,
+            in_wrap: 0,
+            in_off: 0,
+        }
     }
 }
 
@@ -205,5 +259,18 @@ impl RowMap {
 unsafe impl DeviceRepr for RowMap {}
 
 pub(super) fn example_defines() -> Vec<(&'static str, i64)> {
-    [("D", 128), ("SD", 4), ("K", 256), ("BITS", 12), ("M", 32), ("BOOKS", 1), ("HEADS", 8), ("ROWS", 32), ("CENTER", 1), ("SMOOTH", 1), ("ROTATE", 1)].to_vec()
+    [
+        ("D", 128),
+        ("SD", 4),
+        ("K", 256),
+        ("BITS", 12),
+        ("M", 32),
+        ("BOOKS", 1),
+        ("HEADS", 8),
+        ("ROWS", 32),
+        ("CENTER", 1),
+        ("SMOOTH", 1),
+        ("ROTATE", 1),
+    ]
+    .to_vec()
 }

@@ -8,15 +8,16 @@ use crate::error::{Error, Result};
 
 pub(super) const SOURCES: &[&str] = &[include_str!("window.cu")];
 
-/// Which source rows go where (mirrors `PutMap` in `window.cu`): rows `src0..src0 + t` of each
-/// stream's `src_t`; the first `n_sink` to sink rows `sink0..`, the rest to ring rows
-/// `sink_cap + (ring0 + i) mod ring_cap`.
+/// Which source rows go where (mirrors `PutMap` in `window.cu`): `t` rows per sequence from a
+/// token-major `[tokens, heads, D]` source, sequence `b`'s from token `src0 + b·src_t`; the first
+/// `n_sink` to sink rows `sink0..`, the rest to ring rows `sink_cap + (ring0 + i) mod ring_cap`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PutMap {
     pub t: i32,
     pub src_t: i32,
     pub src0: i32,
+    pub heads: i32,
     pub n_sink: i32,
     pub sink0: i32,
     pub sink_cap: i32,
@@ -39,10 +40,21 @@ impl PutRows {
         Ok(Self { head_dim, function: gpu.kernel(SOURCES, "vq_window_put", &[("D", head_dim as i64)], 0)? })
     }
 
-    /// Writes rows of `k`/`v` (f32 `[streams, src_t, head_dim]`) as f16 into `w` (keys
-    /// `[streams, rows, head_dim]`, then values the same). One launch.
+    /// Writes rows of `k`/`v` (f32 `[tokens, heads, head_dim]`, see [`PutMap`]) as f16 into `w`
+    /// (keys `[streams, rows, head_dim]`, values the same `plane` elements further), `streams` a
+    /// multiple of `map.heads`. One launch.
     #[allow(clippy::too_many_arguments)]
-    pub fn launch(&self, gpu: &Gpu, k: &CudaView<f32>, v: &CudaView<f32>, streams: usize, w: &mut CudaViewMut<u16>, rows: usize, map: PutMap) -> Result<()> {
+    pub fn launch(
+        &self,
+        gpu: &Gpu,
+        k: &CudaView<f32>,
+        v: &CudaView<f32>,
+        streams: usize,
+        w: &mut CudaViewMut<u16>,
+        rows: usize,
+        plane: usize,
+        map: PutMap,
+    ) -> Result<()> {
         let (t, head_dim) = (map.t.max(0) as usize, self.head_dim);
         if t == 0 {
             return Ok(());
@@ -55,17 +67,32 @@ impl PutRows {
             && (map.n_sink as usize >= t || map.sink_cap + map.ring_cap <= rows as i32)
             && (map.n_sink == 0 || map.sink0 + map.n_sink <= map.sink_cap)
             && map.src0 >= 0
-            && map.src0 as usize + t <= map.src_t as usize
-            && k.len() >= streams * map.src_t as usize * head_dim
-            && v.len() >= streams * map.src_t as usize * head_dim
-            && w.len() >= 2 * streams * rows * head_dim;
+            && map.heads > 0
+            && streams.is_multiple_of(map.heads as usize)
+            && t <= map.src_t as usize
+            && k.len()
+                >= (map.src0 as usize + (streams / map.heads as usize - 1) * map.src_t as usize + t)
+                    * map.heads as usize
+                    * head_dim
+            && v.len() >= k.len()
+            && plane >= streams * rows * head_dim
+            && w.len() >= plane + streams * rows * head_dim;
         if !ok || last_row < 0 {
-            return Err(Error::Shape(format!("window put: {map:?} does not fit {streams} streams of {rows} rows × {head_dim}")));
+            return Err(Error::Shape(format!(
+                "window put: {map:?} does not fit {streams} streams of {rows} rows × {head_dim}"
+            )));
         }
-        let cfg = LaunchConfig { grid_dim: (streams as u32, t as u32, 1), block_dim: (head_dim.min(256) as u32, 1, 1), shared_mem_bytes: 0 };
-        let (plane, rows_i) = ((streams * rows * head_dim) as i64, rows as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (streams as u32, t as u32, 1),
+            block_dim: (head_dim.min(256) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (plane, rows_i) = (plane as i64, rows as i32);
         let mut l = gpu.stream().launch_builder(&self.function);
         l.arg(k).arg(v).arg(w).arg(&plane).arg(&rows_i).arg(&map);
+        // SAFETY: the arguments follow `vq_window_put`'s signature (k, v, w, plane, W, map) and
+        // `PutMap`'s C layout; the checks above keep every source row and destination row of the
+        // grid inside `k`, `v` and `w`.
         unsafe { l.launch(cfg) }.map_err(dev_err)?;
         Ok(())
     }

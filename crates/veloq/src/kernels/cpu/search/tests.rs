@@ -105,7 +105,10 @@ fn expanded_metric_differs_only_on_near_ties() {
         for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
             if g != w {
                 let xi = &x[i * sd..(i + 1) * sd];
-                let (dg, dw) = (dist(xi, books.book(i % m).centroid(g as usize)), dist(xi, books.book(i % m).centroid(w as usize)));
+                let (dg, dw) = (
+                    dist(xi, books.book(i % m).centroid(g as usize)),
+                    dist(xi, books.book(i % m).centroid(w as usize)),
+                );
                 let scale: f64 = xi.iter().map(|v| (v * v) as f64).sum::<f64>() + 1.0;
                 assert!((dg - dw).abs() <= 1e-5 * scale, "seed {seed}: not a near-tie: {dg} vs {dw}");
             }
@@ -136,7 +139,8 @@ fn f16_inputs_agree_up_to_rounding() {
                     let book = books.book(i % m);
                     let (cg, cw) = (book.centroid(g as usize), book.centroid(w as usize));
                     // |d(x,cg) − d(x,cw)| ≤ 2 |x − x_h| · |cg − cw| bounds what rounding x can flip.
-                    let err: f64 = xi.iter().map(|&v| ((v - f16::from_f32(v).to_f32()) as f64).powi(2)).sum::<f64>().sqrt();
+                    let err: f64 =
+                        xi.iter().map(|&v| ((v - f16::from_f32(v).to_f32()) as f64).powi(2)).sum::<f64>().sqrt();
                     let gap = dist(cg, cw).sqrt();
                     let slack = 2.0 * err * gap + 1e-5 * (1.0 + xi.iter().map(|v| (v * v) as f64).sum::<f64>());
                     assert!((dist(xi, cg) - dist(xi, cw)).abs() <= slack, "seed {seed}");

@@ -3,7 +3,9 @@
 //! nearest-centroid search is ‖c‖² − 2x·c through a matmul over chunks of rows, never an
 //! [N, centroids, sub_dim] difference tensor.
 
-use candle_core::{DType, Device, Tensor, D};
+use std::sync::Mutex;
+
+use candle_core::{DType, Device, DeviceLocation, Tensor, D};
 
 use veloq::codec::codebook::Granularity;
 use veloq::codec::hadamard::Hadamard;
@@ -14,14 +16,38 @@ use crate::error::Result;
 /// Bytes of distance matrix one search chunk may hold.
 const CHUNK_BYTES: usize = 64 << 20;
 
+/// The (block-diagonal) Hadamard of size `d` as a symmetric `[d, d]` matrix on `dev`, made once
+/// per device and size: every layer's codec shares it.
+fn hadamard(d: usize, dev: &Device) -> Result<Tensor> {
+    static MATRICES: Mutex<Vec<(DeviceLocation, usize, Tensor)>> = Mutex::new(Vec::new());
+    let mut all = MATRICES.lock().expect("hadamard registry lock");
+    if let Some((_, _, t)) = all.iter().find(|(l, n, _)| *l == dev.location() && *n == d) {
+        return Ok(t.clone());
+    }
+    let had = Hadamard::new(d)?;
+    let mut m = vec![0.0f32; d * d];
+    for (i, row) in m.chunks_exact_mut(d).enumerate() {
+        row[i] = 1.0;
+        had.apply(row);
+    }
+    let t = Tensor::from_vec(m, (d, d), dev)?;
+    all.push((dev.location(), d, t.clone()));
+    Ok(t)
+}
+
 /// A VecInfer codec's tables as tensors on one device.
-pub struct PortableCodec {
+pub struct TensorCodec {
+    /// Kv heads.
     pub heads: usize,
+    /// Head dimension.
     pub head_dim: usize,
+    /// Dimensions per sub-vector.
     pub sub_dim: usize,
+    /// Centroids per codebook.
     pub centroids: usize,
     /// `[H, D]`, when the codec centers / smooths.
     pub mean: Option<Tensor>,
+    /// `[H, D]` smoothing scales, when the codec smooths.
     pub scale: Option<Tensor>,
     inv_scale: Option<Tensor>,
     /// The (block-diagonal) Hadamard as a symmetric `[D, D]` matrix.
@@ -33,24 +59,15 @@ pub struct PortableCodec {
     norms: Tensor,
 }
 
-impl PortableCodec {
+impl TensorCodec {
+    /// The tables of `codec` on `dev`.
     pub fn new(codec: &VecInferCodec, dev: &Device) -> Result<Self> {
         let (h, d) = (codec.n_heads(), codec.head_dim());
         let shape = codec.shape();
         let (k, sd) = (shape.centroids(), shape.sub_dim);
         let b = if codec.books().granularity() == Granularity::PerLayer { 1 } else { d / sd };
         let hd = |v: &[f32]| Tensor::from_slice(v, (h, d), dev);
-        let rot = if codec.rotates() {
-            let had = Hadamard::new(d)?;
-            let mut m = vec![0.0f32; d * d];
-            for (i, row) in m.chunks_exact_mut(d).enumerate() {
-                row[i] = 1.0;
-                had.apply(row);
-            }
-            Some(Tensor::from_vec(m, (d, d), dev)?)
-        } else {
-            None
-        };
+        let rot = if codec.rotates() { Some(hadamard(d, dev)?) } else { None };
         let flat: Vec<f32> = codec.books().books().iter().flat_map(|bk| bk.centroids().iter().copied()).collect();
         let norms: Vec<f32> = codec.books().books().iter().flat_map(|bk| bk.norms().iter().copied()).collect();
         let books = Tensor::from_vec(flat, (b, k, sd), dev)?;
@@ -61,7 +78,10 @@ impl PortableCodec {
             centroids: k,
             mean: codec.mean().map(hd).transpose()?,
             scale: codec.smooth().map(|s| hd(s.as_slice())).transpose()?,
-            inv_scale: codec.smooth().map(|s| hd(&s.as_slice().iter().map(|x| 1.0 / x).collect::<Vec<_>>())).transpose()?,
+            inv_scale: codec
+                .smooth()
+                .map(|s| hd(&s.as_slice().iter().map(|x| 1.0 / x).collect::<Vec<_>>()))
+                .transpose()?,
             rot,
             books_t: books.transpose(1, 2)?.contiguous()?,
             books,
@@ -69,6 +89,7 @@ impl PortableCodec {
         })
     }
 
+    /// Sub-vectors per head vector.
     pub fn subspaces(&self) -> usize {
         self.head_dim / self.sub_dim
     }
@@ -171,7 +192,11 @@ impl PortableCodec {
     /// Bytes of the tables on the device.
     pub fn resident_bytes(&self) -> usize {
         let n = |t: &Option<Tensor>| t.as_ref().map_or(0, |t| t.elem_count() * 4);
-        n(&self.mean) + n(&self.scale) + n(&self.inv_scale) + n(&self.rot) + (2 * self.books.elem_count() + self.norms.elem_count()) * 4
+        // The rotation matrix is shared by every codec of its size on the device: not counted here.
+        n(&self.mean)
+            + n(&self.scale)
+            + n(&self.inv_scale)
+            + (2 * self.books.elem_count() + self.norms.elem_count()) * 4
     }
 
     /// The Hadamard rotation (its own inverse) applied to rows `[R, D]`.

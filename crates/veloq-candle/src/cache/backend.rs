@@ -1,0 +1,72 @@
+//! The seam between the caches and the devices: what a backend provides so that one cache type
+//! serves every device. A backend owns one layer's storage (f16 rows and, for coded methods,
+//! codes) for every sequence slot; it executes the moves a [`Residency`](super::Residency) plans
+//! and attends over the views it describes, and never decides where a position lives.
+//!
+//! Attention is three pieces — codes (no mask: they are older than every query), f16 rows (causal
+//! or sliding mask), and the merge of their softmax partials — composed by [`Backend::attend`].
+//! Backends with a fused path (the CPU's one pass per head, CUDA's one-launch decode kernel)
+//! override `attend` and keep the pieces for everything else.
+
+use candle_core::Tensor;
+
+use super::residency::{Put, Quantize, Restore, SeqView};
+use crate::error::Result;
+
+/// Query heads, kv heads and head_dim of one layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Heads {
+    /// Query heads.
+    pub q: usize,
+    /// Key/value heads.
+    pub kv: usize,
+    /// Head dimension.
+    pub dim: usize,
+}
+
+impl Heads {
+    /// Query heads per kv head.
+    pub fn group(&self) -> usize {
+        self.q / self.kv
+    }
+}
+
+/// Storage and attention kernels of one layer's cache on one kind of device.
+pub trait Backend: Send + Sync {
+    /// A step's keys and values as this backend holds them from append to commit.
+    type Input: Send + Sync;
+    /// Softmax partials of a step's queries: per query head its maximum score, the sum of its
+    /// weights and its weighted value sum.
+    type Partial;
+
+    /// The step's keys and values, `[tokens, kv heads, head_dim]` packed in step order.
+    fn input(&self, k: &Tensor, v: &Tensor) -> Result<Self::Input>;
+    /// Copies input rows into f16 rows, in order.
+    fn put_rows(&mut self, input: &Self::Input, puts: &[Put]) -> Result<()>;
+    /// Codes spans of ring rows (then input rows), in order.
+    fn quantize(&mut self, input: Option<&Self::Input>, spans: &[Quantize]) -> Result<()>;
+    /// Decodes codes back into rows and drops codes (a truncation into the coded span).
+    fn restore(&mut self, restore: &Restore) -> Result<()>;
+
+    /// Partials of the queries (`[tokens, q heads, head_dim]`, packed) over each view's codes.
+    fn attend_codes(&self, q: &Tensor, views: &[SeqView], scale: f32) -> Result<Self::Partial>;
+    /// Partials of the queries over each view's f16 rows and the step's own rows, masked.
+    fn attend_rows(&self, q: &Tensor, views: &[SeqView], input: &Self::Input, scale: f32) -> Result<Self::Partial>;
+    /// The partial of the union of what `a` and `b` attended (log-sum-exp rule).
+    fn merge(&self, a: Self::Partial, b: Self::Partial) -> Result<Self::Partial>;
+    /// Normalised outputs `[tokens, q heads, head_dim]` f32.
+    fn finish(&self, p: Self::Partial) -> Result<Tensor>;
+
+    /// Causal attention of the step's queries over everything their sequences hold.
+    fn attend(&self, q: &Tensor, views: &[SeqView], input: &Self::Input, scale: f32) -> Result<Tensor> {
+        let rows = self.attend_rows(q, views, input, scale)?;
+        if views.iter().all(|v| v.coded == 0) {
+            return self.finish(rows);
+        }
+        let codes = self.attend_codes(q, views, scale)?;
+        self.finish(self.merge(codes, rows)?)
+    }
+
+    /// Bytes really held: rows and codes as allocated, and the codecs' tables.
+    fn resident_bytes(&self) -> usize;
+}

@@ -1,0 +1,510 @@
+//! The CPU backend: f16 rows and codes in host memory, attention by veloq's CPU kernels
+//! (`veloq::kernels::cpu::attention`). VecInfer codes are scored through lookup tables and their
+//! values summed per centroid (no key or value is rebuilt); other codecs (KIVI, Lloyd–Max) are
+//! decoded a block at a time into scratch. Work runs in parallel over (sequence, query head,
+//! tile of queries), one pass over codes and rows each.
+//!
+//! Tensors on other devices work too (the step's keys, values and queries are copied to the host
+//! and the output back): the scalar baselines run this way everywhere.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use half::f16;
+use rayon::prelude::*;
+
+use veloq::codec::block::BlockCodec;
+use veloq::codec::vecinfer::VecInferCodec;
+use veloq::kernels::cpu::attention::{codes, rows, CodeBlocks, CodesScratch, LutCodec, RowsScratch, Segment, Softmax};
+
+use super::backend::{Backend, Heads};
+use super::residency::{Put, Quantize, Restore, SeqView};
+use crate::error::{Error, Result};
+
+/// Rows per allocation: a dense cache grows 256 positions at a time.
+const ROW_BLOCK: usize = 256;
+/// Queries per task.
+const QUERY_TILE: usize = 16;
+
+/// Key and value codecs of a coded cache on the CPU.
+enum Codecs {
+    /// VecInfer: attention through lookup tables.
+    Lut { keys: LutCodec, values: LutCodec },
+    /// Any other codec: attention over rows decoded a block at a time.
+    Decode { keys: Arc<dyn BlockCodec>, values: Arc<dyn BlockCodec> },
+}
+
+impl Codecs {
+    fn keys(&self) -> &dyn BlockCodec {
+        match self {
+            Codecs::Lut { keys, .. } => &**keys.codec(),
+            Codecs::Decode { keys, .. } => &**keys,
+        }
+    }
+    fn values(&self) -> &dyn BlockCodec {
+        match self {
+            Codecs::Lut { values, .. } => &**values.codec(),
+            Codecs::Decode { values, .. } => &**values,
+        }
+    }
+}
+
+/// One sequence's f16 rows, token-major `[rows, kv heads, head_dim]`, allocated a block at a time
+/// as rows are first written.
+#[derive(Default)]
+struct SlotRows {
+    keys: Vec<Box<[f16]>>,
+    values: Vec<Box<[f16]>>,
+}
+
+/// One sequence's codes: blocks of `block` positions, keys and values.
+#[derive(Default)]
+struct SlotCodes {
+    keys: Vec<Box<[u8]>>,
+    values: Vec<Box<[u8]>>,
+}
+
+/// A step's keys and values as f16 rows `[tokens, kv heads, head_dim]`.
+pub struct CpuInput {
+    keys: Vec<f16>,
+    values: Vec<f16>,
+}
+
+/// Softmax partials `[tokens, q heads]` with their weighted sums `[tokens, q heads, head_dim]`.
+pub struct CpuPartial {
+    stats: Vec<Softmax>,
+    acc: Vec<f32>,
+    device: Device,
+}
+
+/// Host-memory storage of one layer and the CPU attention kernels over it.
+pub struct CpuBackend {
+    heads: Heads,
+    /// Rows per block of storage (at most the rows a sequence holds).
+    block_rows: usize,
+    rows: Vec<SlotRows>,
+    codecs: Option<(Codecs, usize)>,
+    codes: Vec<SlotCodes>,
+}
+
+/// Which pieces a pass over the tasks computes.
+#[derive(Clone, Copy)]
+struct Pieces {
+    codes: bool,
+    rows: bool,
+}
+
+impl CpuBackend {
+    /// f16 rows only (fp16 and sliding-window layers): `rows` per sequence at most.
+    pub fn dense(heads: Heads, slots: usize, rows: usize) -> Self {
+        Self {
+            heads,
+            block_rows: ROW_BLOCK.min(rows.max(1)),
+            rows: (0..slots).map(|_| SlotRows::default()).collect(),
+            codecs: None,
+            codes: Vec::new(),
+        }
+    }
+
+    /// VecInfer codes written `block` positions at a time, attended through lookup tables.
+    pub fn vecinfer(
+        heads: Heads,
+        slots: usize,
+        rows: usize,
+        keys: Arc<VecInferCodec>,
+        values: Arc<VecInferCodec>,
+        block: usize,
+    ) -> Result<Self> {
+        Self::check(heads, &*keys, &*values)?;
+        Ok(Self::with_codecs(
+            heads,
+            slots,
+            rows,
+            Codecs::Lut { keys: LutCodec::new(keys), values: LutCodec::new(values) },
+            block,
+        ))
+    }
+
+    /// Codes of any [`BlockCodec`] (`block` a multiple of its block tokens), attended over rows
+    /// decoded a block at a time.
+    pub fn decoding(
+        heads: Heads,
+        slots: usize,
+        rows: usize,
+        keys: Arc<dyn BlockCodec>,
+        values: Arc<dyn BlockCodec>,
+        block: usize,
+    ) -> Result<Self> {
+        Self::check(heads, &*keys, &*values)?;
+        if !block.is_multiple_of(keys.block_tokens()) || !block.is_multiple_of(values.block_tokens()) {
+            return Err(Error::Config(format!(
+                "code block {block} is not a multiple of the codecs' blocks ({}, {})",
+                keys.block_tokens(),
+                values.block_tokens()
+            )));
+        }
+        Ok(Self::with_codecs(heads, slots, rows, Codecs::Decode { keys, values }, block))
+    }
+
+    fn check(heads: Heads, keys: &dyn BlockCodec, values: &dyn BlockCodec) -> Result<()> {
+        for c in [keys, values] {
+            if (c.n_heads(), c.head_dim()) != (heads.kv, heads.dim) {
+                return Err(Error::Shape(format!(
+                    "codec {} is for {}×{}, the layer has {}×{}",
+                    c.name(),
+                    c.n_heads(),
+                    c.head_dim(),
+                    heads.kv,
+                    heads.dim
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn with_codecs(heads: Heads, slots: usize, rows: usize, codecs: Codecs, block: usize) -> Self {
+        let mut b = Self::dense(heads, slots, rows);
+        b.codes = (0..slots).map(|_| SlotCodes::default()).collect();
+        b.codecs = Some((codecs, block));
+        b
+    }
+
+    fn row_len(&self) -> usize {
+        self.heads.kv * self.heads.dim
+    }
+
+    /// Keys and values of row `r` of `slot`, allocating its block on first use.
+    fn row_mut(&mut self, slot: usize, r: usize) -> (&mut [f16], &mut [f16]) {
+        let (n, len) = (self.block_rows, self.row_len());
+        let s = &mut self.rows[slot];
+        while s.keys.len() <= r / n {
+            s.keys.push(vec![f16::ZERO; n * len].into_boxed_slice());
+            s.values.push(vec![f16::ZERO; n * len].into_boxed_slice());
+        }
+        let o = (r % n) * len;
+        (&mut s.keys[r / n][o..o + len], &mut s.values[r / n][o..o + len])
+    }
+
+    fn row(&self, slot: usize, r: usize) -> (&[f16], &[f16]) {
+        let (n, len) = (self.block_rows, self.row_len());
+        let s = &self.rows[slot];
+        let o = (r % n) * len;
+        (&s.keys[r / n][o..o + len], &s.values[r / n][o..o + len])
+    }
+
+    /// Rows `first..first + n` of `slot` as segments that do not cross storage blocks, holding
+    /// positions from `pos0`.
+    fn segments<'a>(&'a self, slot: usize, first: usize, n: usize, pos0: usize, out: &mut Vec<Segment<'a, f16>>) {
+        let (b, len) = (self.block_rows, self.row_len());
+        let s = &self.rows[slot];
+        let mut done = 0;
+        while done < n {
+            let r = first + done;
+            let take = (b - r % b).min(n - done);
+            let o = (r % b) * len;
+            out.push(Segment {
+                keys: &s.keys[r / b][o..o + take * len],
+                values: &s.values[r / b][o..o + take * len],
+                pos0: pos0 + done,
+            });
+            done += take;
+        }
+    }
+
+    /// Everything a view's queries may see in f16: sink rows, ring rows, the step's own rows.
+    fn row_segments<'a>(&'a self, v: &SeqView, input: &'a CpuInput) -> Vec<Segment<'a, f16>> {
+        let mut segs = Vec::new();
+        self.segments(v.slot, 0, v.n_sink, 0, &mut segs);
+        let mut pos = v.ring_pos0;
+        for (first, n) in v.ring.parts(v.ring_len) {
+            self.segments(v.slot, first, n, pos, &mut segs);
+            pos += n;
+        }
+        if let Some(s) = v.staged {
+            let len = self.row_len();
+            let r = s.src * len..(s.src + s.n) * len;
+            segs.push(Segment { keys: &input.keys[r.clone()], values: &input.values[r], pos0: s.pos0 });
+        }
+        segs
+    }
+
+    /// Runs every (view, query head, query tile) task, each folding the chosen pieces into its
+    /// queries' partials.
+    fn pass(
+        &self,
+        q: &Tensor,
+        views: &[SeqView],
+        input: Option<&CpuInput>,
+        scale: f32,
+        pieces: Pieces,
+    ) -> Result<CpuPartial> {
+        let Heads { q: hq, kv, dim: d } = self.heads;
+        let g = hq / kv;
+        let qv = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let n = q.dim(0)?;
+        let tasks: Vec<(usize, usize, usize)> = views
+            .iter()
+            .enumerate()
+            .flat_map(|(vi, v)| {
+                (0..hq).flat_map(move |h| (0..v.queries.len()).step_by(QUERY_TILE).map(move |t0| (vi, h, t0)))
+            })
+            .collect();
+        let results: Vec<(Vec<Softmax>, Vec<f32>)> = tasks
+            .par_iter()
+            .map(|&(vi, qh, t0)| {
+                let v = &views[vi];
+                let t1 = (t0 + QUERY_TILE).min(v.queries.len());
+                let nq = t1 - t0;
+                let kvh = qh / g;
+                let qs: Vec<f32> = (t0..t1)
+                    .flat_map(|i| qv[((v.queries.start + i) * hq + qh) * d..][..d].iter().map(|x| x * scale))
+                    .collect();
+                let q_pos: Vec<usize> = (t0..t1).map(|i| v.query_pos(i)).collect();
+                let mut stats = vec![Softmax::EMPTY; nq];
+                let mut acc = vec![0.0f32; nq * d];
+                if pieces.rows {
+                    if let Some(input) = input {
+                        let segs = self.row_segments(v, input);
+                        rows::attend(
+                            &qs,
+                            &q_pos,
+                            kvh,
+                            kv,
+                            &segs,
+                            v.window,
+                            &mut stats,
+                            &mut acc,
+                            &mut RowsScratch::new(d, nq),
+                        );
+                    }
+                }
+                if pieces.codes && v.coded > 0 {
+                    self.codes_task(v, kvh, &qs, &q_pos, &mut stats, &mut acc);
+                }
+                (stats, acc)
+            })
+            .collect();
+        let mut out =
+            CpuPartial { stats: vec![Softmax::EMPTY; n * hq], acc: vec![0.0; n * hq * d], device: q.device().clone() };
+        for (&(vi, qh, t0), (stats, acc)) in tasks.iter().zip(results) {
+            let v = &views[vi];
+            for (i, st) in stats.into_iter().enumerate() {
+                let row = (v.queries.start + t0 + i) * hq + qh;
+                out.stats[row] = st;
+                out.acc[row * d..(row + 1) * d].copy_from_slice(&acc[i * d..(i + 1) * d]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Folds a view's codes into the partials of its queries `qs` (one query head over kv head `h`).
+    fn codes_task(&self, v: &SeqView, h: usize, qs: &[f32], q_pos: &[usize], stats: &mut [Softmax], acc: &mut [f32]) {
+        let Some((codecs, block)) = &self.codecs else { return };
+        let d = self.heads.dim;
+        let sc = &self.codes[v.slot];
+        match codecs {
+            Codecs::Lut { keys, values } => {
+                let blocks = CodeBlocks {
+                    keys: &sc.keys,
+                    values: &sc.values,
+                    block: *block,
+                    heads: self.heads.kv,
+                    len: v.coded,
+                };
+                let (mut scratch, mut out) = (CodesScratch::default(), vec![0.0f32; d]);
+                for (i, st) in stats.iter_mut().enumerate() {
+                    let c = codes::attend(keys, values, &blocks, h, &qs[i * d..(i + 1) * d], &mut out, &mut scratch);
+                    st.merge(&mut acc[i * d..(i + 1) * d], c, &out);
+                }
+            }
+            Codecs::Decode { keys, values } => {
+                // Codes are unmasked (older than every query); positions only order them.
+                let n = block * self.row_len();
+                let (mut kb, mut vb) = (vec![0.0f32; n], vec![0.0f32; n]);
+                let mut scratch = RowsScratch::new(d, qs.len() / d);
+                let (mut cs, mut ca) = (vec![Softmax::EMPTY; stats.len()], vec![0.0f32; acc.len()]);
+                for (i, (kc, vc)) in sc.keys.iter().zip(&sc.values).enumerate().take(v.coded / block) {
+                    // A decode error cannot happen on blocks this backend encoded; skip it if it does.
+                    if keys.decode(kc, &mut kb).is_err() || values.decode(vc, &mut vb).is_err() {
+                        continue;
+                    }
+                    let seg = [Segment { keys: &kb[..], values: &vb[..], pos0: v.n_sink + i * block }];
+                    rows::attend(qs, q_pos, h, self.heads.kv, &seg, None, &mut cs, &mut ca, &mut scratch);
+                }
+                for (i, st) in stats.iter_mut().enumerate() {
+                    st.merge(&mut acc[i * d..(i + 1) * d], cs[i], &ca[i * d..(i + 1) * d]);
+                }
+            }
+        }
+    }
+
+    /// Rows for a quantize span: the oldest ring rows, then input rows, f16 `[n, kv, D]`.
+    fn gather(&self, input: Option<&CpuInput>, q: &Quantize) -> Result<Vec<f16>> {
+        let len = self.row_len();
+        let mut buf = Vec::with_capacity(q.len() * len);
+        for i in 0..q.ring.1 {
+            buf.extend_from_slice(self.row(q.slot, q.ring.0.row(i)).0);
+        }
+        let mut vals = Vec::with_capacity(q.len() * len);
+        for i in 0..q.ring.1 {
+            vals.extend_from_slice(self.row(q.slot, q.ring.0.row(i)).1);
+        }
+        if q.input.1 > 0 {
+            let input = input.ok_or_else(|| Error::Config("codes from a step's rows, but no step input".into()))?;
+            let r = q.input.0 * len..(q.input.0 + q.input.1) * len;
+            buf.extend_from_slice(&input.keys[r.clone()]);
+            vals.extend_from_slice(&input.values[r]);
+        }
+        buf.extend(vals);
+        Ok(buf)
+    }
+}
+
+/// Encodes f16 rows with `codec` (VecInfer reads f16 directly; others take f32).
+fn encode(codec: &dyn BlockCodec, lut: Option<&VecInferCodec>, rows: &[f16]) -> Result<Box<[u8]>> {
+    Ok(match lut {
+        Some(c) => c.encode_vec(rows)?,
+        None => codec.encode_vec(&rows.iter().map(|x| x.to_f32()).collect::<Vec<_>>())?,
+    }
+    .into_boxed_slice())
+}
+
+impl Backend for CpuBackend {
+    type Input = CpuInput;
+    type Partial = CpuPartial;
+
+    fn input(&self, k: &Tensor, v: &Tensor) -> Result<CpuInput> {
+        let rows = |x: &Tensor| -> Result<Vec<f16>> { Ok(x.to_dtype(DType::F16)?.flatten_all()?.to_vec1::<f16>()?) };
+        Ok(CpuInput { keys: rows(k)?, values: rows(v)? })
+    }
+
+    fn put_rows(&mut self, input: &CpuInput, puts: &[Put]) -> Result<()> {
+        let len = self.row_len();
+        for p in puts {
+            for i in 0..p.n {
+                let src = (p.src + i) * len..(p.src + i + 1) * len;
+                let (k, v) = self.row_mut(p.slot, p.to.row(i));
+                k.copy_from_slice(&input.keys[src.clone()]);
+                v.copy_from_slice(&input.values[src]);
+            }
+        }
+        Ok(())
+    }
+
+    fn quantize(&mut self, input: Option<&CpuInput>, spans: &[Quantize]) -> Result<()> {
+        let Some((codecs, block)) = &self.codecs else {
+            return Err(Error::Config("a dense cache holds no codes".into()));
+        };
+        let block = *block;
+        let len = self.row_len();
+        let luts = match codecs {
+            Codecs::Lut { keys, values } => (Some(&**keys.codec()), Some(&**values.codec())),
+            Codecs::Decode { .. } => (None, None),
+        };
+        let mut new = Vec::with_capacity(spans.len());
+        for q in spans {
+            let sc = &self.codes[q.slot];
+            if q.at != sc.keys.len() * block || q.len() % block != 0 {
+                return Err(Error::Config(format!(
+                    "codes at {} ({} positions) do not continue {} whole blocks of {block}",
+                    q.at,
+                    q.len(),
+                    sc.keys.len()
+                )));
+            }
+            let rows = self.gather(input, q)?;
+            let (keys, values) = rows.split_at(q.len() * len);
+            let mut blocks = Vec::new();
+            for (kb, vb) in keys.chunks(block * len).zip(values.chunks(block * len)) {
+                blocks.push((encode(codecs.keys(), luts.0, kb)?, encode(codecs.values(), luts.1, vb)?));
+            }
+            new.push((q.slot, blocks));
+        }
+        for (slot, blocks) in new {
+            let sc = &mut self.codes[slot];
+            for (k, v) in blocks {
+                sc.keys.push(k);
+                sc.values.push(v);
+            }
+        }
+        Ok(())
+    }
+
+    fn restore(&mut self, r: &Restore) -> Result<()> {
+        let Some((codecs, block)) = &self.codecs else {
+            return Err(Error::Config("a dense cache holds no codes".into()));
+        };
+        let (block, len) = (*block, self.row_len());
+        if !r.keep.is_multiple_of(block) {
+            return Err(Error::Config(format!("restore keeps {} positions, not whole blocks of {block}", r.keep)));
+        }
+        let b = r.keep / block;
+        let mut decoded = Vec::new();
+        if r.n > 0 {
+            let sc = &self.codes[r.slot];
+            let (mut kb, mut vb) = (vec![0.0f32; block * len], vec![0.0f32; block * len]);
+            codecs.keys().decode(&sc.keys[b], &mut kb)?;
+            codecs.values().decode(&sc.values[b], &mut vb)?;
+            decoded =
+                (0..r.n).map(|i| (kb[i * len..(i + 1) * len].to_vec(), vb[i * len..(i + 1) * len].to_vec())).collect();
+        }
+        for (i, (k, v)) in decoded.into_iter().enumerate() {
+            let (dk, dv) = self.row_mut(r.slot, r.to.row(i));
+            dk.iter_mut().zip(&k).for_each(|(a, &x)| *a = f16::from_f32(x));
+            dv.iter_mut().zip(&v).for_each(|(a, &x)| *a = f16::from_f32(x));
+        }
+        let sc = &mut self.codes[r.slot];
+        sc.keys.truncate(b);
+        sc.values.truncate(b);
+        Ok(())
+    }
+
+    fn attend_codes(&self, q: &Tensor, views: &[SeqView], scale: f32) -> Result<CpuPartial> {
+        self.pass(q, views, None, scale, Pieces { codes: true, rows: false })
+    }
+
+    fn attend_rows(&self, q: &Tensor, views: &[SeqView], input: &CpuInput, scale: f32) -> Result<CpuPartial> {
+        self.pass(q, views, Some(input), scale, Pieces { codes: false, rows: true })
+    }
+
+    fn merge(&self, mut a: CpuPartial, b: CpuPartial) -> Result<CpuPartial> {
+        let d = self.heads.dim;
+        for (i, (st, other)) in a.stats.iter_mut().zip(b.stats).enumerate() {
+            st.merge(&mut a.acc[i * d..(i + 1) * d], other, &b.acc[i * d..(i + 1) * d]);
+        }
+        Ok(a)
+    }
+
+    fn finish(&self, mut p: CpuPartial) -> Result<Tensor> {
+        let Heads { q: hq, dim: d, .. } = self.heads;
+        for (i, st) in p.stats.iter().enumerate() {
+            st.finish(&mut p.acc[i * d..(i + 1) * d]);
+        }
+        let n = p.stats.len() / hq;
+        Ok(Tensor::from_vec(p.acc, (n, hq, d), &p.device)?)
+    }
+
+    /// One pass: each task folds codes and rows together.
+    fn attend(&self, q: &Tensor, views: &[SeqView], input: &CpuInput, scale: f32) -> Result<Tensor> {
+        let p = self.pass(q, views, Some(input), scale, Pieces { codes: true, rows: true })?;
+        self.finish(p)
+    }
+
+    fn resident_bytes(&self) -> usize {
+        let rows: usize =
+            self.rows.iter().map(|s| s.keys.iter().chain(&s.values).map(|b| b.len() * 2).sum::<usize>()).sum();
+        let codes: usize =
+            self.codes.iter().map(|s| s.keys.iter().chain(&s.values).map(|b| b.len()).sum::<usize>()).sum();
+        let tables = match &self.codecs {
+            Some((Codecs::Lut { keys, values }, _)) => {
+                keys.codec().resident_bytes()
+                    + values.codec().resident_bytes()
+                    + keys.resident_bytes()
+                    + values.resident_bytes()
+            }
+            Some((Codecs::Decode { keys, values }, _)) => keys.resident_bytes() + values.resident_bytes(),
+            None => 0,
+        };
+        rows + codes + tables
+    }
+}

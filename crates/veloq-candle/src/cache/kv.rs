@@ -1,0 +1,124 @@
+//! The one cache type: a layer's keys and values for several sequences, kept where the
+//! [`Residency`] policy says and stored and attended by a [`Backend`]. Coded methods (VecInfer,
+//! KIVI, Lloyd–Max) and dense ones (fp16, sliding windows) differ only in their policy and in
+//! whether the backend holds codecs.
+
+use candle_core::Tensor;
+
+use super::backend::{Backend, Heads};
+use super::residency::{Move, Policy, Residency};
+use super::step::Step;
+use super::LayerCache;
+use crate::error::{Error, Result};
+
+/// One layer's keys and values for `slots` sequences: a [`Residency`] executed by backend `B`.
+pub struct KvCache<B: Backend> {
+    residency: Residency,
+    backend: B,
+    heads: Heads,
+    /// The appended step's keys and values, until its commit.
+    input: Option<B::Input>,
+}
+
+impl<B: Backend> KvCache<B> {
+    /// A cache kept by `policy` for `slots` sequences of `heads`, stored by `backend`.
+    pub fn new(policy: Policy, slots: usize, heads: Heads, backend: B) -> Result<Self> {
+        if heads.kv == 0 || !heads.q.is_multiple_of(heads.kv) || heads.dim == 0 {
+            return Err(Error::Shape(format!("{} query heads over {} kv heads of {}", heads.q, heads.kv, heads.dim)));
+        }
+        Ok(Self { residency: Residency::new(policy, slots)?, backend, heads, input: None })
+    }
+
+    /// The backend (its storage, for inspection and benchmarks).
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Where each sequence's positions live.
+    pub fn residency(&self) -> &Residency {
+        &self.residency
+    }
+
+    fn check(&self, what: &str, x: &Tensor, rows: usize, heads: usize) -> Result<()> {
+        match x.dims3() {
+            Ok(d) if d == (rows, heads, self.heads.dim) => Ok(()),
+            _ => Err(Error::Shape(format!(
+                "{what} {:?}: the step needs [{rows}, {heads}, {}]",
+                x.dims(),
+                self.heads.dim
+            ))),
+        }
+    }
+
+    fn run(&mut self, moves: Vec<Move>) -> Result<()> {
+        // Consecutive moves of one kind go to the backend together (it may batch them).
+        let mut i = 0;
+        while i < moves.len() {
+            let j = i + moves[i..]
+                .iter()
+                .take_while(|m| std::mem::discriminant(*m) == std::mem::discriminant(&moves[i]))
+                .count();
+            match moves[i] {
+                Move::Put(_) => {
+                    let puts: Vec<_> =
+                        moves[i..j].iter().filter_map(|m| if let Move::Put(p) = m { Some(*p) } else { None }).collect();
+                    let input =
+                        self.input.as_ref().ok_or_else(|| Error::Config("rows to put but no step input".into()))?;
+                    self.backend.put_rows(input, &puts)?;
+                }
+                Move::Quantize(_) => {
+                    let spans: Vec<_> = moves[i..j]
+                        .iter()
+                        .filter_map(|m| if let Move::Quantize(q) = m { Some(*q) } else { None })
+                        .collect();
+                    self.backend.quantize(self.input.as_ref(), &spans)?;
+                }
+                Move::Restore(r) => self.backend.restore(&r)?,
+            }
+            i = if matches!(moves[i], Move::Restore(_)) { i + 1 } else { j };
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> LayerCache for KvCache<B> {
+    fn append(&mut self, k: &Tensor, v: &Tensor, step: &Step) -> Result<()> {
+        self.check("keys", k, step.tokens(), self.heads.kv)?;
+        self.check("values", v, step.tokens(), self.heads.kv)?;
+        let input = self.backend.input(k, v)?;
+        let puts = self.residency.append(step)?;
+        self.input = Some(input);
+        self.backend.put_rows(self.input.as_ref().expect("just set"), &puts)
+    }
+
+    fn attend(&self, q: &Tensor, step: &Step, scale: f32) -> Result<Tensor> {
+        self.check("queries", q, step.tokens(), self.heads.q)?;
+        let views = self.residency.views(step)?;
+        let input = self.input.as_ref().ok_or_else(|| Error::Config("attend before append".into()))?;
+        self.backend.attend(q, &views, input, scale)
+    }
+
+    fn commit(&mut self) -> Result<()> {
+        let moves = self.residency.commit();
+        let r = self.run(moves);
+        self.input = None;
+        r
+    }
+
+    fn slots(&self) -> usize {
+        self.residency.slots()
+    }
+
+    fn len(&self, slot: usize) -> usize {
+        self.residency.len(slot)
+    }
+
+    fn truncate(&mut self, slot: usize, len: usize) -> Result<()> {
+        let moves = self.residency.truncate(slot, len)?;
+        self.run(moves)
+    }
+
+    fn resident_bytes(&self) -> usize {
+        self.backend.resident_bytes()
+    }
+}

@@ -1,0 +1,694 @@
+//! The storage policy of every cache, written once and device-free: where each sequence's
+//! positions live (f16 sink rows, codes, an f16 ring of recent rows, or rows a step brought that
+//! wait for its commit), which rows a step's new keys and values go to, when rows are coded, and
+//! what a truncation undoes. Backends execute the [`Move`]s it plans and attend over the
+//! [`SeqView`]s it describes; they never decide.
+//!
+//! Per sequence, positions in order: the sink (the first `sink` positions, f16 for good), the coded
+//! span (or, on sliding-window layers, positions dropped for good), the ring (recent rows, f16),
+//! then the rows of the current step that did not fit the ring ("staged": the backend keeps the
+//! step's input until [`Residency::commit`]). Codes are written only at a commit, from rows every
+//! query has already attended, so codes are always older than every query: attention over them
+//! needs no mask.
+
+use std::ops::Range;
+
+use super::step::Step;
+use crate::error::{Error, Result};
+
+/// How a layer keeps positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Policy {
+    /// First positions kept as f16 rows for good (attention sinks); 0 for dense caches.
+    pub sink: usize,
+    /// f16 rows after the sink, used as a ring.
+    pub ring: usize,
+    /// Coded caches: ring rows beyond `keep` are coded `block` at a time.
+    pub coding: Option<Coding>,
+    /// Sliding-window layers: a query sees the `window` most recent positions, itself included.
+    pub window: Option<usize>,
+    /// Positions one sequence may reach.
+    pub capacity: usize,
+}
+
+/// When rows become codes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Coding {
+    /// Recent positions that stay f16 after a commit.
+    pub keep: usize,
+    /// Positions coded at a time (codes are written in whole blocks, aligned after the sink).
+    pub block: usize,
+}
+
+impl Policy {
+    /// A coded cache: `sink` f16 positions, then codes, then `keep`–`keep + block − 1` recent f16
+    /// positions.
+    pub fn coded(sink: usize, keep: usize, block: usize, capacity: usize) -> Self {
+        Self { sink, ring: keep + block, coding: Some(Coding { keep, block }), window: None, capacity }
+    }
+
+    /// Every position in f16 rows (the fp16 baseline).
+    pub fn dense(capacity: usize) -> Self {
+        Self { sink: 0, ring: capacity, coding: None, window: None, capacity }
+    }
+
+    /// A sliding-window layer: only the `window` most recent positions are ever attended, so only
+    /// the last `window − 1` are kept between steps.
+    pub fn sliding(window: usize, capacity: usize) -> Self {
+        Self { sink: 0, ring: window.min(capacity), coding: None, window: Some(window), capacity }
+    }
+
+    /// f16 rows each sequence holds (sink then ring).
+    pub fn rows(&self) -> usize {
+        self.sink + self.ring
+    }
+
+    fn check(&self) -> Result<()> {
+        let bad = |why: String| Err(Error::Config(format!("cache policy {self:?}: {why}")));
+        if self.ring == 0 || self.capacity == 0 {
+            return bad("the ring and the capacity must be positive".into());
+        }
+        if let Some(c) = self.coding {
+            if c.block == 0 || self.ring < c.keep + c.block {
+                return bad("a coded cache needs a positive block and a ring of keep + block rows".into());
+            }
+            if self.window.is_some() {
+                return bad("sliding-window layers are not coded".into());
+            }
+        }
+        if let Some(w) = self.window {
+            if w == 0 || (self.ring < w && self.ring < self.capacity) || self.sink > 0 {
+                return bad(
+                    "a sliding window needs a positive window, a ring of at least the window and no sink".into()
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Rows of one sequence addressed as a ring: the `i`-th is row `base + (start + i) mod wrap`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowRun {
+    /// First row of the run's region (0 for the sink, the sink size for the ring).
+    pub base: usize,
+    /// Offset of the run's first row within its region.
+    pub start: usize,
+    /// Rows of the region (indices wrap at it).
+    pub wrap: usize,
+}
+
+impl RowRun {
+    /// Row of the `i`-th position of the run.
+    pub fn row(&self, i: usize) -> usize {
+        self.base + (self.start + i) % self.wrap
+    }
+
+    /// `n` rows from the start as at most two runs of consecutive rows: (first row, count).
+    pub fn parts(&self, n: usize) -> impl Iterator<Item = (usize, usize)> {
+        let first = n.min(self.wrap - self.start % self.wrap);
+        [(self.row(0), first), (self.base, n - first)].into_iter().filter(|p| p.1 > 0)
+    }
+}
+
+/// Rows `src..src + n` of the step's input (packed) into the sequence's rows `to`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Put {
+    /// Sequence slot.
+    pub slot: usize,
+    /// First input row (packed, of the step).
+    pub src: usize,
+    /// Rows.
+    pub n: usize,
+    /// Where they go.
+    pub to: RowRun,
+}
+
+/// Codes positions `at..at + ring.1 + input.1` of the coded span: the oldest `ring.1` ring rows
+/// (from `ring.0`), then input rows `input.0..`. `at` and the length are multiples of the block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Quantize {
+    /// Sequence slot.
+    pub slot: usize,
+    /// First coded position written (after the sink).
+    pub at: usize,
+    /// Ring rows coded first: their run, from the oldest, and how many.
+    pub ring: (RowRun, usize),
+    /// Input rows coded after them: first packed row, how many.
+    pub input: (usize, usize),
+}
+
+impl Quantize {
+    /// Positions coded.
+    pub fn len(&self) -> usize {
+        self.ring.1 + self.input.1
+    }
+    /// Whether nothing is coded.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Decodes coded positions `keep..keep + n` back into rows `to`, then drops every code from
+/// `keep` on (a truncation that cuts into the codes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Restore {
+    /// Sequence slot.
+    pub slot: usize,
+    /// Coded positions kept.
+    pub keep: usize,
+    /// Positions after them decoded back into rows.
+    pub n: usize,
+    /// Rows they go to.
+    pub to: RowRun,
+}
+
+/// One change to a backend's storage, in the order it must happen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Move {
+    /// Rows from the step's input.
+    Put(Put),
+    /// Rows into codes.
+    Quantize(Quantize),
+    /// Codes back into rows.
+    Restore(Restore),
+}
+
+/// What one sequence's queries of a step attend: its sink rows (row `i` holds position `i`), its
+/// coded span (positions `n_sink..n_sink + coded`), its ring rows, and the step's own rows still
+/// in the input.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SeqView {
+    /// Sequence slot.
+    pub slot: usize,
+    /// Packed rows of the step (queries, and the input's keys and values).
+    pub queries: Range<usize>,
+    /// Position of the first query.
+    pub start: usize,
+    /// Sink rows holding positions (row `i` holds position `i`).
+    pub n_sink: usize,
+    /// Coded positions, `n_sink..n_sink + coded`.
+    pub coded: usize,
+    /// Ring rows from the oldest, `ring_len` of them, at positions `ring_pos0..`.
+    pub ring: RowRun,
+    /// Ring rows holding positions.
+    pub ring_len: usize,
+    /// Position of the oldest ring row.
+    pub ring_pos0: usize,
+    /// Input rows `src..src + n` at positions `pos0..`.
+    pub staged: Option<Staged>,
+    /// Sliding-window layers: positions a query sees, itself included.
+    pub window: Option<usize>,
+}
+
+impl SeqView {
+    /// Position of query `i`.
+    pub fn query_pos(&self, i: usize) -> usize {
+        self.start + i
+    }
+}
+
+/// A step's rows that wait in the input for the commit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Staged {
+    /// First packed input row.
+    pub src: usize,
+    /// Rows.
+    pub n: usize,
+    /// Position of the first.
+    pub pos0: usize,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct SeqState {
+    n_sink: usize,
+    /// Coded positions (coded caches) or positions dropped for good (sliding windows).
+    past: usize,
+    ring_head: usize,
+    ring_len: usize,
+    staged: usize,
+    staged_src: usize,
+}
+
+impl SeqState {
+    fn len(&self) -> usize {
+        self.n_sink + self.past + self.ring_len + self.staged
+    }
+}
+
+/// The positions of every sequence of one layer, and the plans that keep them.
+#[derive(Clone, Debug)]
+pub struct Residency {
+    policy: Policy,
+    seqs: Vec<SeqState>,
+    /// The step appended and not yet committed.
+    pending: Option<Step>,
+}
+
+impl Residency {
+    /// Bookkeeping for `slots` empty sequences under `policy` (checked).
+    pub fn new(policy: Policy, slots: usize) -> Result<Self> {
+        policy.check()?;
+        if slots == 0 {
+            return Err(Error::Config("a cache needs at least one sequence slot".into()));
+        }
+        Ok(Self { policy, seqs: vec![SeqState::default(); slots], pending: None })
+    }
+
+    /// How positions are kept.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+    /// Sequence slots.
+    pub fn slots(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// Positions the sequence in `slot` holds.
+    pub fn len(&self, slot: usize) -> usize {
+        self.seqs.get(slot).map_or(0, SeqState::len)
+    }
+
+    /// Coded positions of `slot` (0 for dense caches).
+    pub fn coded(&self, slot: usize) -> usize {
+        match (self.policy.coding, self.seqs.get(slot)) {
+            (Some(_), Some(s)) => s.past,
+            _ => 0,
+        }
+    }
+
+    fn ring_run(&self, s: &SeqState, from: usize) -> RowRun {
+        RowRun { base: self.policy.sink, start: (s.ring_head + from) % self.policy.ring, wrap: self.policy.ring }
+    }
+
+    fn sink_run(&self, at: usize) -> RowRun {
+        RowRun { base: 0, start: at, wrap: self.policy.sink.max(1) }
+    }
+
+    /// Checks `step` against the sequences (slots, positions, capacity) without changing anything.
+    fn check_step(&self, step: &Step) -> Result<()> {
+        if self.pending.is_some() {
+            return Err(Error::Config(
+                "a step was appended and not committed: call commit before the next append".into(),
+            ));
+        }
+        for s in step.seqs() {
+            let Some(state) = self.seqs.get(s.slot) else {
+                return Err(Error::Shape(format!(
+                    "slot {} of a cache with {} sequence slots",
+                    s.slot,
+                    self.seqs.len()
+                )));
+            };
+            if s.start != state.len() {
+                return Err(Error::Position { slot: s.slot, expected: state.len(), got: s.start });
+            }
+            if s.start + s.len > self.policy.capacity {
+                return Err(Error::ContextOverflow { requested: s.start + s.len, max: self.policy.capacity });
+            }
+        }
+        Ok(())
+    }
+
+    /// Plans a step's append: its rows go to the sink while it fills, then to the ring where they
+    /// fit; the rest wait in the input (staged) until [`commit`](Self::commit). Nothing changes
+    /// when the step is refused.
+    pub fn append(&mut self, step: &Step) -> Result<Vec<Put>> {
+        self.check_step(step)?;
+        let p = self.policy;
+        let mut puts = Vec::new();
+        for (i, s) in step.seqs().iter().enumerate() {
+            let src = step.rows(i).start;
+            let mut st = self.seqs[s.slot];
+            let to_sink = if st.len() < p.sink { (p.sink - st.n_sink).min(s.len) } else { 0 };
+            if to_sink > 0 {
+                puts.push(Put { slot: s.slot, src, n: to_sink, to: self.sink_run(st.n_sink) });
+                st.n_sink += to_sink;
+            }
+            if let Some(w) = p.window {
+                // The step's first query sees from s.start + 1 − w on: older rows go for good.
+                let drop = (s.start + 1).saturating_sub(w).saturating_sub(st.n_sink + st.past).min(st.ring_len);
+                st.past += drop;
+                st.ring_head = (st.ring_head + drop) % p.ring;
+                st.ring_len -= drop;
+            }
+            let rest = s.len - to_sink;
+            if rest > 0 && st.ring_len + rest <= p.ring {
+                puts.push(Put { slot: s.slot, src: src + to_sink, n: rest, to: self.ring_run(&st, st.ring_len) });
+                st.ring_len += rest;
+            } else if rest > 0 {
+                (st.staged, st.staged_src) = (rest, src + to_sink);
+            }
+            self.seqs[s.slot] = st;
+        }
+        self.pending = Some(step.clone());
+        Ok(puts)
+    }
+
+    /// What each sequence of the appended `step` attends.
+    pub fn views(&self, step: &Step) -> Result<Vec<SeqView>> {
+        if self.pending.as_ref() != Some(step) {
+            return Err(Error::Config("attend takes the step that was just appended".into()));
+        }
+        Ok(step
+            .seqs()
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let st = &self.seqs[s.slot];
+                let ring_pos0 = st.n_sink + st.past;
+                SeqView {
+                    slot: s.slot,
+                    queries: step.rows(i),
+                    start: s.start,
+                    n_sink: st.n_sink,
+                    coded: if self.policy.coding.is_some() { st.past } else { 0 },
+                    ring: self.ring_run(st, 0),
+                    ring_len: st.ring_len,
+                    ring_pos0,
+                    staged: (st.staged > 0).then_some(Staged {
+                        src: st.staged_src,
+                        n: st.staged,
+                        pos0: ring_pos0 + st.ring_len,
+                    }),
+                    window: self.policy.window,
+                }
+            })
+            .collect())
+    }
+
+    /// Whether a step is appended and not committed.
+    pub fn has_pending(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    /// Settles the appended step (its staged rows into codes and the ring) and codes what the ring
+    /// holds beyond the policy's recent rows; sliding windows drop what no later query sees.
+    pub fn commit(&mut self) -> Vec<Move> {
+        let p = self.policy;
+        let Some(step) = self.pending.take() else { return Vec::new() };
+        let mut moves = Vec::new();
+        for s in step.seqs() {
+            let mut st = self.seqs[s.slot];
+            let slot = s.slot;
+            match (p.coding, p.window) {
+                (Some(c), _) => {
+                    let total = st.ring_len + st.staged;
+                    let n_code = if total >= c.keep + c.block { (total - c.keep) / c.block * c.block } else { 0 };
+                    if n_code > 0 {
+                        let from_ring = n_code.min(st.ring_len);
+                        let from_new = n_code - from_ring;
+                        moves.push(Move::Quantize(Quantize {
+                            slot,
+                            at: st.past,
+                            ring: (self.ring_run(&st, 0), from_ring),
+                            input: (st.staged_src, from_new),
+                        }));
+                        st.ring_head = (st.ring_head + from_ring) % p.ring;
+                        st.ring_len -= from_ring;
+                        st.past += n_code;
+                        st.staged -= from_new;
+                        st.staged_src += from_new;
+                    }
+                }
+                (None, Some(w)) => {
+                    let keep = w - 1;
+                    if st.staged >= keep {
+                        // The step's last `keep` rows are all a later query sees.
+                        let skip = st.staged - keep;
+                        st.past += st.ring_len + skip;
+                        (st.ring_head, st.ring_len) = (0, 0);
+                        st.staged -= skip;
+                        st.staged_src += skip;
+                    } else {
+                        let drop = (st.ring_len + st.staged).saturating_sub(keep).min(st.ring_len);
+                        st.past += drop;
+                        st.ring_head = (st.ring_head + drop) % p.ring;
+                        st.ring_len -= drop;
+                    }
+                }
+                (None, None) => {}
+            }
+            if st.staged > 0 {
+                moves.push(Move::Put(Put {
+                    slot,
+                    src: st.staged_src,
+                    n: st.staged,
+                    to: self.ring_run(&st, st.ring_len),
+                }));
+                st.ring_len += st.staged;
+                st.staged = 0;
+            }
+            self.seqs[s.slot] = st;
+        }
+        moves
+    }
+
+    /// Plans keeping the first `len` positions of `slot`. A cut inside the codes keeps whole
+    /// blocks and decodes the rest of the cut block back into the ring (those positions were
+    /// quantized, so they come back approximately); a sliding window cannot bring back rows it
+    /// dropped. Nothing changes when refused.
+    pub fn truncate(&mut self, slot: usize, len: usize) -> Result<Vec<Move>> {
+        if self.pending.is_some() {
+            return Err(Error::Config("truncate after commit, not between append and commit".into()));
+        }
+        let p = self.policy;
+        let Some(&st) = self.seqs.get(slot) else {
+            return Err(Error::Shape(format!("slot {slot} of a cache with {} sequence slots", self.seqs.len())));
+        };
+        let now = st.len();
+        if len > now {
+            return Err(Error::Config(format!("truncate slot {slot} to {len} positions: it holds {now}")));
+        }
+        if len == now {
+            return Ok(Vec::new());
+        }
+        let mut moves = Vec::new();
+        let mut st = st;
+        if len == 0 {
+            if p.coding.is_some() && st.past > 0 {
+                moves.push(Move::Restore(Restore { slot, keep: 0, n: 0, to: self.ring_run(&st, 0) }));
+            }
+            st = SeqState::default();
+        } else if len >= st.n_sink + st.past {
+            if let Some(w) = p.window {
+                // The next query, at `len`, must find its window − 1 predecessors.
+                if (len + 1).saturating_sub(w) < st.past {
+                    return Err(Error::Config(format!(
+                        "cannot truncate a sliding-window layer from {now} to {len} positions: it no longer holds them"
+                    )));
+                }
+            }
+            st.ring_len = len - st.n_sink - st.past;
+        } else if len <= st.n_sink {
+            if st.past > 0 {
+                moves.push(Move::Restore(Restore { slot, keep: 0, n: 0, to: self.ring_run(&st, 0) }));
+            }
+            st = SeqState { n_sink: len, ..SeqState::default() };
+        } else {
+            let Some(c) = p.coding else {
+                return Err(Error::Config(format!(
+                    "cannot truncate slot {slot} to {len}: positions before {} are gone",
+                    st.n_sink + st.past
+                )));
+            };
+            let into = len - st.n_sink;
+            let keep = into / c.block * c.block;
+            st.ring_head = 0;
+            st.ring_len = into - keep;
+            moves.push(Move::Restore(Restore { slot, keep, n: into - keep, to: self.ring_run(&st, 0) }));
+            st.past = keep;
+        }
+        self.seqs[slot] = st;
+        Ok(moves)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::step::SeqStep;
+
+    /// A stand-in backend that stores positions instead of keys: rows and codes hold the position
+    /// they were given, so every view can be checked against the truth.
+    struct Shadow {
+        rows: Vec<Vec<Option<usize>>>,
+        codes: Vec<Vec<usize>>,
+        input: Vec<usize>,
+    }
+
+    impl Shadow {
+        fn apply_put(&mut self, p: &Put) {
+            for i in 0..p.n {
+                self.rows[p.slot][p.to.row(i)] = Some(self.input[p.src + i]);
+            }
+        }
+        fn apply(&mut self, m: &Move, block: usize) {
+            match m {
+                Move::Put(p) => self.apply_put(p),
+                Move::Quantize(q) => {
+                    assert_eq!(q.at, self.codes[q.slot].len(), "codes are written in order");
+                    assert_eq!((q.at % block, q.len() % block), (0, 0), "whole, aligned blocks");
+                    for i in 0..q.ring.1 {
+                        let r = q.ring.0.row(i);
+                        self.codes[q.slot].push(self.rows[q.slot][r].take().expect("coding an empty ring row"));
+                    }
+                    for i in 0..q.input.1 {
+                        self.codes[q.slot].push(self.input[q.input.0 + i]);
+                    }
+                }
+                Move::Restore(r) => {
+                    for i in 0..r.n {
+                        self.rows[r.slot][r.to.row(i)] = Some(self.codes[r.slot][r.keep + i]);
+                    }
+                    self.codes[r.slot].truncate(r.keep);
+                }
+            }
+        }
+        /// Every position a view says is reachable, with where it is.
+        fn visible(&self, v: &SeqView) -> Vec<usize> {
+            let mut out: Vec<usize> = (0..v.n_sink).map(|r| self.rows[v.slot][r].expect("sink row")).collect();
+            out.extend(&self.codes[v.slot][..v.coded]);
+            for i in 0..v.ring_len {
+                let pos = self.rows[v.slot][v.ring.row(i)].expect("ring row");
+                assert_eq!(pos, v.ring_pos0 + i, "ring rows in position order");
+                out.push(pos);
+            }
+            if let Some(s) = v.staged {
+                out.extend((0..s.n).map(|i| self.input[s.src + i]));
+                assert_eq!(self.input[s.src], s.pos0);
+            }
+            out
+        }
+    }
+
+    fn xorshift(s: &mut u64) -> u64 {
+        *s ^= *s << 13;
+        *s ^= *s >> 7;
+        *s ^= *s << 17;
+        *s
+    }
+
+    /// Random ragged steps, commits and truncations on three slots: every view reaches exactly the
+    /// positions its queries need (all before them, or the window), codes stay older than every
+    /// query, coded caches keep `keep..keep + block` recent rows, and rows never hold stale data.
+    #[test]
+    fn views_reach_exactly_what_queries_need() {
+        let mut seed = crate::testing::fresh_seed() | 1;
+        let start_seed = seed;
+        for policy in [
+            Policy::coded(4, 16, 8, 8000),
+            Policy::coded(0, 5, 3, 8000),
+            Policy::dense(8000),
+            Policy::sliding(7, 8000),
+            Policy::coded(2, 8, 8, 8000),
+        ] {
+            let mut r = Residency::new(policy, 3).unwrap();
+            let block = policy.coding.map_or(1, |c| c.block);
+            let mut sh =
+                Shadow { rows: vec![vec![None; policy.rows()]; 3], codes: vec![Vec::new(); 3], input: Vec::new() };
+            let (mut restores, mut staged, mut most_coded) = (0, 0, 0);
+            for round in 0..300 {
+                let roll = xorshift(&mut seed);
+                if roll.is_multiple_of(13) {
+                    let slot = (roll as usize >> 8) % 3;
+                    let len = r.len(slot);
+                    let to = if len == 0 { 0 } else { (roll as usize >> 16) % (len + 1) };
+                    match r.truncate(slot, to) {
+                        Ok(moves) => {
+                            restores += moves.iter().filter(|m| matches!(m, Move::Restore(x) if x.n > 0)).count();
+                            moves.iter().for_each(|m| sh.apply(m, block))
+                        }
+                        Err(_) => assert!(
+                            policy.window.is_some(),
+                            "seed {start_seed}: only sliding windows refuse truncations"
+                        ),
+                    }
+                    continue;
+                }
+                let n_seqs = 1 + (roll as usize >> 4) % 3;
+                let seqs: Vec<SeqStep> = (0..n_seqs)
+                    .map(|i| {
+                        let slot = (i + (roll as usize >> 10)) % 3;
+                        let len = if (roll >> (20 + i)) & 1 == 0 { 1 } else { 1 + (xorshift(&mut seed) as usize) % 40 };
+                        SeqStep { slot, start: r.len(slot), len: len.min(policy.capacity - r.len(slot)).max(1) }
+                    })
+                    .collect();
+                if seqs.iter().any(|s| s.start + s.len > policy.capacity) {
+                    break;
+                }
+                let step = Step::new(seqs).unwrap();
+                sh.input = step.positions().iter().map(|&p| p as usize).collect();
+                let puts = r.append(&step).unwrap();
+                puts.iter().for_each(|p| sh.apply_put(p));
+                for v in r.views(&step).unwrap() {
+                    staged += usize::from(v.staged.is_some());
+                    most_coded = most_coded.max(v.coded);
+                    let mut seen = sh.visible(&v);
+                    assert!(
+                        seen.windows(2).all(|w| w[0] < w[1]),
+                        "seed {start_seed} round {round}: out of order {seen:?}"
+                    );
+                    seen.sort_unstable();
+                    let last = v.query_pos(v.queries.len() - 1);
+                    let first_needed = policy.window.map_or(0, |w| (v.start + 1).saturating_sub(w));
+                    let want: Vec<usize> = (first_needed..=last).collect();
+                    let from = seen.partition_point(|&p| p < first_needed);
+                    assert_eq!(
+                        &seen[from..],
+                        &want[..],
+                        "seed {start_seed} round {round} policy {policy:?}: view {v:?}"
+                    );
+                    assert!(policy.window.is_some() || from == 0, "non-sliding caches keep everything");
+                    let coded = &sh.codes[v.slot][..v.coded];
+                    assert!(coded.iter().all(|&p| p < v.start), "codes older than every query");
+                }
+                for m in r.commit() {
+                    sh.apply(&m, block);
+                }
+                for s in step.seqs() {
+                    let st = r.seqs[s.slot];
+                    if let Some(c) = policy.coding {
+                        assert!(st.ring_len < c.keep + c.block, "ring after a commit: {st:?}");
+                        assert_eq!(sh.codes[s.slot].len(), st.past);
+                    }
+                    if let Some(w) = policy.window {
+                        assert!(st.ring_len < w, "sliding ring after a commit: {st:?}");
+                    }
+                    assert_eq!(st.staged, 0);
+                }
+            }
+            // The run reached what it tests: steps too long for the ring, codes, cuts into codes.
+            assert!(
+                staged > 0 || policy.coding.is_none() && policy.window.is_none(),
+                "seed {start_seed}: no staged rows under {policy:?}"
+            );
+            if policy.coding.is_some() {
+                assert!(
+                    most_coded > 100 && restores > 0,
+                    "seed {start_seed}: {most_coded} coded, {restores} restores under {policy:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn refuses_wrong_positions_capacity_and_order() {
+        let mut r = Residency::new(Policy::coded(4, 16, 8, 50), 2).unwrap();
+        let e = r.append(&Step::single(0, 3, 1).unwrap()).unwrap_err();
+        assert!(matches!(e, Error::Position { slot: 0, expected: 0, got: 3 }), "{e}");
+        let e = r.append(&Step::single(1, 0, 51).unwrap()).unwrap_err();
+        assert!(matches!(e, Error::ContextOverflow { requested: 51, max: 50 }), "{e}");
+        assert!(r.append(&Step::single(2, 0, 1).unwrap()).is_err());
+        assert_eq!((r.len(0), r.len(1)), (0, 0), "refused steps change nothing");
+        let step = Step::single(0, 0, 30).unwrap();
+        r.append(&step).unwrap();
+        assert!(r.append(&Step::single(1, 0, 1).unwrap()).is_err(), "append before commit");
+        assert!(r.views(&Step::single(0, 0, 29).unwrap()).is_err(), "views of another step");
+        assert!(r.truncate(0, 3).is_err(), "truncate before commit");
+        r.commit();
+        assert_eq!((r.len(0), r.coded(0)), (30, 8));
+        assert!(Residency::new(Policy { ring: 3, ..Policy::coded(0, 4, 4, 10) }, 1).is_err());
+        assert!(Residency::new(Policy::dense(10), 0).is_err());
+    }
+}

@@ -1,0 +1,192 @@
+//! Attention partials in candle tensor ops, tiled so that scratch never grows with the context:
+//! f16 rows a chunk at a time (matmul scores, masks only where a chunk crosses a query's
+//! position or window), VecInfer codes a chunk at a time through per-query lookup tables (`gather`
+//! for scores, `scatter_add` per centroid for values, decoded once at the end). Both keep an
+//! online softmax per query head: `m` (running maximum), `l` (sum of weights), `o` (weighted sum).
+
+use candle_core::{DType, Device, Tensor, D};
+
+use super::codec::TensorCodec;
+use crate::error::Result;
+
+/// Rows of f16 keys one chunk scores.
+pub const ROW_CHUNK: usize = 1024;
+/// Bytes one gather/scatter chunk may expand code indices to.
+const CODE_CHUNK_BYTES: usize = 32 << 20;
+/// A maximum below every real score, so that `exp(m_old − m_new)` is never `exp(−∞ + ∞)`.
+const FLOOR: f64 = -1e30;
+
+/// Online softmax state of `r` rows (query heads × queries) for `d`-vectors: `o [.., r, d]`,
+/// `m` and `l` `[.., r, 1]`.
+#[derive(Clone, Debug)]
+pub struct State {
+    /// Weighted value sums.
+    pub o: Tensor,
+    /// Running maxima.
+    pub m: Tensor,
+    /// Sums of weights.
+    pub l: Tensor,
+}
+
+impl State {
+    /// Nothing attended, shaped `lead × r` rows.
+    pub fn empty(lead: usize, r: usize, d: usize, dev: &Device) -> Result<Self> {
+        Ok(Self {
+            o: Tensor::zeros((lead, r, d), DType::F32, dev)?,
+            m: Tensor::full(FLOOR as f32, (lead, r, 1), dev)?,
+            l: Tensor::zeros((lead, r, 1), DType::F32, dev)?,
+        })
+    }
+
+    /// Folds scores `s` (`[lead, r, n]`, −∞ where masked) and their values `v` (`[lead, n, d]`).
+    pub fn fold(&mut self, s: &Tensor, v: &Tensor) -> Result<()> {
+        let m = self.m.maximum(&s.max_keepdim(D::Minus1)?)?;
+        let alpha = (&self.m - &m)?.exp()?;
+        let p = s.broadcast_sub(&m)?.exp()?;
+        self.l = ((&self.l * &alpha)? + p.sum_keepdim(D::Minus1)?)?;
+        self.o = (self.o.broadcast_mul(&alpha)? + p.matmul(v)?)?;
+        self.m = m;
+        Ok(())
+    }
+
+    /// The state of what `self` and `other` attended together.
+    pub fn merge(&self, other: &State) -> Result<State> {
+        let m = self.m.maximum(&other.m)?;
+        let (a, b) = ((&self.m - &m)?.exp()?, (&other.m - &m)?.exp()?);
+        Ok(State {
+            o: (self.o.broadcast_mul(&a)? + other.o.broadcast_mul(&b)?)?,
+            l: ((&self.l * &a)? + (&other.l * &b)?)?,
+            m,
+        })
+    }
+
+    /// `o / l` (0 where nothing was attended).
+    pub fn finish(&self) -> Result<Tensor> {
+        Ok(self.o.broadcast_div(&self.l.maximum(1e-30)?)?)
+    }
+}
+
+/// A chunk of f16 rows (`[kv, n, D]` each) holding consecutive positions from `pos0`.
+pub struct RowChunk {
+    /// Keys `[kv, n, D]`.
+    pub keys: Tensor,
+    /// Values `[kv, n, D]`.
+    pub values: Tensor,
+    /// Position of the first row.
+    pub pos0: usize,
+}
+
+/// Folds row chunks into the state of queries `qh` (`[kv, G·t, D]` f32, scaled; row `g·t + i` is
+/// query `i` of group head `g`) at positions `q_pos` (length `t`).
+pub fn fold_rows(
+    state: &mut State,
+    qh: &Tensor,
+    q_pos: &[usize],
+    chunks: &[RowChunk],
+    window: Option<usize>,
+) -> Result<()> {
+    let (kv, gt, _) = qh.dims3()?;
+    let t = q_pos.len();
+    let g = gt / t;
+    let (first_q, last_q) = (q_pos[0], q_pos[t - 1]);
+    for c in chunks {
+        let n = c.keys.dim(1)?;
+        let (lo, hi) = (c.pos0, c.pos0 + n - 1);
+        // Nothing visible: all rows after the last query, or all before every window.
+        if lo > last_q || window.is_some_and(|w| hi + w <= first_q) {
+            continue;
+        }
+        let k = c.keys.to_dtype(DType::F32)?;
+        let mut s = qh.matmul(&k.t()?)?; // [kv, G·t, n]
+        let partial = hi > first_q || window.is_some_and(|w| lo + w <= last_q);
+        if partial {
+            let mask: Vec<f32> = q_pos
+                .iter()
+                .flat_map(|&qp| {
+                    (lo..=hi).map(
+                        move |p| if p <= qp && window.is_none_or(|w| qp - p < w) { 0.0 } else { f32::NEG_INFINITY },
+                    )
+                })
+                .collect();
+            let mask = Tensor::from_vec(mask, (1, 1, t, n), qh.device())?;
+            s = s.reshape((kv, g, t, n))?.broadcast_add(&mask)?.reshape((kv, gt, n))?;
+        }
+        state.fold(&s, &c.values.to_dtype(DType::F32)?)?;
+    }
+    Ok(())
+}
+
+/// Indices of code chunk `c` (`[kv, n, M]`) for a gather over `[Hq, t, M, K]` tables:
+/// `[Hq, t, M, n]` u32 (query heads grouped `g` per kv head).
+fn gather_index(c: &Tensor, g: usize, t: usize) -> Result<Tensor> {
+    let (kv, n, m) = c.dims3()?;
+    let c = c.to_dtype(DType::U32)?.permute((0, 2, 1))?; // [kv, M, n]
+    let c = c.unsqueeze(1)?.broadcast_as((kv, g, m, n))?.reshape((kv * g, m, n))?; // [Hq, M, n]
+    Ok(c.unsqueeze(1)?.broadcast_as((kv * g, t, m, n))?.contiguous()?)
+}
+
+/// Partial of queries `qs` (`[Hq, t, D]` f32, scaled) over `len` coded positions of one sequence
+/// (`codes`: key and value codes `[kv, ≥len, M]`), in value space. `[Hq, t, ·]` state.
+pub fn codes_state(
+    qs: &Tensor,
+    keys: (&TensorCodec, &Tensor),
+    values: (&TensorCodec, &Tensor),
+    len: usize,
+) -> Result<State> {
+    let (hq, t, d) = qs.dims3()?;
+    let (kc, vc) = (keys.0, values.0);
+    let g = hq / kc.heads;
+    let dev = qs.device();
+    let mut state = State::empty(hq, t, d, dev)?;
+    // Query in code space: q̃ = H(s ⊙ q); the centering adds q·μ to every score.
+    let mut qt = qs.clone();
+    if let Some(sc) = &kc.scale {
+        qt = qt.broadcast_mul(&per_q_head(sc, g)?.unsqueeze(1)?)?;
+    }
+    let qt = kc.rotate(&qt.reshape((hq * t, d))?)?;
+    let (m, kk) = (kc.subspaces(), kc.centroids);
+    let lut = kc.lookup_tables(&qt)?.reshape((hq, t, m, kk))?;
+    let offset = match &kc.mean {
+        Some(mu) => Some(qs.broadcast_mul(&per_q_head(mu, g)?.unsqueeze(1)?)?.sum_keepdim(D::Minus1)?), // [Hq, t, 1]
+        None => None,
+    };
+    let (mv, kv_c) = (vc.subspaces(), vc.centroids);
+    let mut w = Tensor::zeros((hq, t, mv, kv_c), DType::F32, dev)?;
+    let chunk = (CODE_CHUNK_BYTES / (hq * t * m.max(mv) * 4)).max(16);
+    for s0 in (0..len).step_by(chunk) {
+        let n = chunk.min(len - s0);
+        let mut s = lut.gather(&gather_index(&keys.1.narrow(1, s0, n)?, g, t)?, 3)?.sum(2)?; // [Hq, t, n]
+        if let Some(off) = &offset {
+            s = s.broadcast_add(off)?;
+        }
+        let mx = state.m.maximum(&s.max_keepdim(D::Minus1)?)?;
+        let alpha = (&state.m - &mx)?.exp()?;
+        let p = s.broadcast_sub(&mx)?.exp()?;
+        state.l = ((&state.l * &alpha)? + p.sum_keepdim(D::Minus1)?)?;
+        state.m = mx;
+        let idx = gather_index(&values.1.narrow(1, s0, n)?, g, t)?;
+        let src = p.unsqueeze(2)?.broadcast_as((hq, t, mv, n))?.contiguous()?;
+        w = w.broadcast_mul(&alpha.unsqueeze(3)?)?.scatter_add(&idx, &src, 3)?;
+    }
+    // Per-centroid weights back to vectors: decode, rotate back, scale, add μ times the mass.
+    let mut o = vc.rotate(&vc.decode_sums(&w.reshape((hq * t, mv, kv_c))?)?)?.reshape((hq, t, d))?;
+    if let Some(sc) = &vc.scale {
+        o = o.broadcast_mul(&per_q_head(sc, g)?.unsqueeze(1)?)?;
+    }
+    if let Some(mu) = &vc.mean {
+        o = o.broadcast_add(&state.l.broadcast_mul(&per_q_head(mu, g)?.unsqueeze(1)?)?)?;
+    }
+    state.o = o;
+    Ok(state)
+}
+
+/// `[kv, ...]` rows repeated for the `g` query heads of each kv head: `[kv·g, ...]`.
+pub fn per_q_head(t: &Tensor, g: usize) -> Result<Tensor> {
+    let kv = t.dim(0)?;
+    let rest: Vec<usize> = t.dims()[1..].to_vec();
+    let mut shape = vec![kv, g];
+    shape.extend(&rest);
+    let mut out = vec![kv * g];
+    out.extend(&rest);
+    Ok(t.unsqueeze(1)?.broadcast_as(shape)?.contiguous()?.reshape(out)?)
+}

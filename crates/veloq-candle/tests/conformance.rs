@@ -1,0 +1,613 @@
+//! The cache conformance suite: every property is one test body, run on every (cache, backend)
+//! pair by the `conformance!` macro (in the manner of candle's `test_device!`): coded VecInfer
+//! and dense fp16 and sliding-window caches on the CPU, portable (candle ops) and, built with
+//! `--features cuda` on a GPU, CUDA backends; the scalar baselines (KIVI, Lloyd–Max) on the CPU.
+//!
+//! Every output is checked against an f64 reference over what the cache should hold: an
+//! independent model of the storage policy (sink, coded span, recent rows) keeps each position's
+//! value as the cache stores it — f16-rounded, or decoded from the CPU codec's codes once coded —
+//! and attends over it with the causal (or sliding) mask. Inputs are fresh random draws each run
+//! (the seed is printed on failure), keys with outlier channels like real ones.
+//!
+//! Without a GPU the CUDA tests print that they were skipped and pass, unless
+//! `VELOQ_REQUIRE_GPU=1` (the device smoke script sets it), which makes a missing GPU a failure.
+
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+use half::f16;
+
+use veloq::calibrate::{train_codec, KMeansConfig};
+use veloq::codec::block::BlockCodec;
+use veloq::codec::codebook::PqShape;
+use veloq::codec::kivi::{KiviAxis, KiviCodec};
+use veloq::codec::lloyd_max::LloydMaxCodec;
+use veloq::codec::vecinfer::{CodecSpec, VecInferCodec};
+use veloq_candle::cache::{CpuBackend, Heads, KvCache, LayerCache, Policy, SeqStep, Step, TensorBackend};
+use veloq_candle::Error;
+
+/// Where a cache runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Cpu,
+    Portable,
+    #[allow(dead_code)]
+    Cuda,
+}
+
+/// Which cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Method {
+    VecInfer,
+    Fp16,
+    /// Dense, attending the last `w` positions.
+    Sliding(usize),
+    Kivi,
+    LloydMax,
+}
+
+/// The storage policy knobs of a coded cache.
+#[derive(Clone, Copy, Debug)]
+struct Window {
+    sink: usize,
+    keep: usize,
+    block: usize,
+}
+
+const DEFAULT_WINDOW: Window = Window { sink: 4, keep: 16, block: 8 };
+
+fn seed() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+        ^ (std::process::id() as u64) << 40
+}
+
+/// Gaussian draws from a xorshift stream; `outliers` scales every 7th channel by 6 and shifts
+/// every 5th by 1.5, like real keys.
+struct Rng(u64);
+
+impl Rng {
+    fn uniform(&mut self) -> f64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+    fn normal(&mut self, n: usize, outliers: bool) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let g =
+                    ((-2.0 * self.uniform().ln()).sqrt() * (2.0 * std::f64::consts::PI * self.uniform()).cos()) as f32;
+                if outliers {
+                    g * if i % 7 == 3 { 6.0 } else { 1.0 } + if i % 5 == 1 { 1.5 } else { 0.0 }
+                } else {
+                    g
+                }
+            })
+            .collect()
+    }
+}
+
+/// A coded method's key and value codecs, and the VecInfer ones again as themselves (the
+/// VecInfer backends take them typed).
+type Codecs = (Arc<dyn BlockCodec>, Arc<dyn BlockCodec>, Option<(VecInferCodec, VecInferCodec)>);
+
+/// Key and value codecs of a coded method, trained (VecInfer: 2-bit, 256 centroids of 4) on
+/// draws like the test's.
+fn codecs(method: Method, heads: Heads, rng: &mut Rng) -> Option<Codecs> {
+    let (kv, d) = (heads.kv, heads.dim);
+    match method {
+        Method::VecInfer => {
+            let shape = PqShape::new(4, 8).unwrap();
+            let train = rng.normal(300 * kv * d, true);
+            let k = train_codec(&train, kv, d, &CodecSpec::keys(shape), &KMeansConfig::new(256, rng.0)).unwrap().0;
+            let train = rng.normal(300 * kv * d, false);
+            let v =
+                train_codec(&train, kv, d, &CodecSpec::values(shape), &KMeansConfig::new(256, rng.0 ^ 1)).unwrap().0;
+            Some((Arc::new(k.clone()), Arc::new(v.clone()), Some((k, v))))
+        }
+        Method::Kivi => Some((
+            Arc::new(KiviCodec::new(kv, d, 2, 32, KiviAxis::PerChannel).unwrap()),
+            Arc::new(KiviCodec::new(kv, d, 2, 32, KiviAxis::PerToken).unwrap()),
+            None,
+        )),
+        Method::LloydMax => Some((
+            Arc::new(LloydMaxCodec::new(kv, d, 3, rng.0).unwrap()),
+            Arc::new(LloydMaxCodec::new(kv, d, 3, rng.0 ^ 7).unwrap()),
+            None,
+        )),
+        Method::Fp16 | Method::Sliding(_) => None,
+    }
+}
+
+/// The GPU, when the build has CUDA and the machine a GPU; `None` (after saying so) otherwise.
+fn device(kind: Kind) -> Option<Device> {
+    match kind {
+        Kind::Cpu | Kind::Portable => Some(Device::Cpu),
+        Kind::Cuda => match Device::new_cuda(0) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                assert!(std::env::var("VELOQ_REQUIRE_GPU").is_err(), "VELOQ_REQUIRE_GPU is set but no GPU: {e}");
+                eprintln!("skipped: no CUDA device ({e})");
+                None
+            }
+        },
+    }
+}
+
+/// The cache under test and the reference model of what it holds.
+struct Case {
+    cache: Box<dyn LayerCache>,
+    shadow: Shadow,
+    heads: Heads,
+    device: Device,
+    kind: Kind,
+    method: Method,
+}
+
+/// What each position of each sequence should hold: its value (f32 of the stored f16, or decoded
+/// from codes) and whether it is coded. An independent statement of the storage policy.
+struct Shadow {
+    window: Window,
+    sliding: Option<usize>,
+    codecs: Option<(Arc<dyn BlockCodec>, Arc<dyn BlockCodec>)>,
+    /// Per slot: keys and values `[positions][kv·D]`, and the coded count after the sink.
+    keys: Vec<Vec<Vec<f32>>>,
+    values: Vec<Vec<Vec<f32>>>,
+    coded: Vec<usize>,
+}
+
+fn round_f16(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| f16::from_f32(v).to_f32()).collect()
+}
+
+impl Shadow {
+    fn sink(&self, slot: usize) -> usize {
+        self.window.sink.min(self.keys[slot].len())
+    }
+
+    /// After a commit: code whole blocks until `keep`–`keep + block − 1` recent positions remain.
+    fn commit(&mut self, slot: usize) {
+        let Some((kc, vc)) = self.codecs.clone() else { return };
+        let (w, len, sink) = (self.window, self.keys[slot].len(), self.sink(slot));
+        if len < w.sink {
+            return;
+        }
+        let recent = len - sink - self.coded[slot];
+        if recent < w.keep + w.block {
+            return;
+        }
+        let n = (recent - w.keep) / w.block * w.block;
+        for b0 in (self.coded[slot]..self.coded[slot] + n).step_by(w.block) {
+            let p0 = sink + b0;
+            for (rows, codec) in [(&mut self.keys[slot], &kc), (&mut self.values[slot], &vc)] {
+                let flat: Vec<f32> = rows[p0..p0 + w.block].concat();
+                let mut out = vec![0.0f32; flat.len()];
+                codec.decode(&codec.encode_vec(&flat).unwrap(), &mut out).unwrap();
+                let row = flat.len() / w.block;
+                for i in 0..w.block {
+                    rows[p0 + i] = out[i * row..(i + 1) * row].to_vec();
+                }
+            }
+        }
+        self.coded[slot] += n;
+    }
+
+    /// A truncation: positions cut out of the codes come back as f16 rows.
+    fn truncate(&mut self, slot: usize, len: usize) {
+        self.keys[slot].truncate(len);
+        self.values[slot].truncate(len);
+        let sink = self.sink(slot);
+        if len < sink + self.coded[slot] {
+            let into = len.saturating_sub(sink);
+            let keep = into / self.window.block * self.window.block;
+            for p in sink + keep..len {
+                self.keys[slot][p] = round_f16(&self.keys[slot][p]);
+                self.values[slot][p] = round_f16(&self.values[slot][p]);
+            }
+            self.coded[slot] = keep;
+        }
+    }
+}
+
+impl Case {
+    fn new(kind: Kind, method: Method, heads: Heads, slots: usize, window: Window, rng: &mut Rng) -> Option<Case> {
+        let device = device(kind)?;
+        let capacity = 4096;
+        let codecs = codecs(method, heads, rng);
+        let block = match &codecs {
+            Some((k, v, _)) => lcm(lcm(window.block, k.block_tokens()), v.block_tokens()),
+            None => window.block,
+        };
+        let window = Window { block, ..window };
+        let policy = match method {
+            Method::Fp16 => Policy::dense(capacity),
+            Method::Sliding(w) => Policy::sliding(w, capacity),
+            _ => Policy::coded(window.sink, window.keep, block, capacity),
+        };
+        let rows = policy.rows();
+        let cache: Box<dyn LayerCache> = match (kind, &codecs) {
+            (Kind::Cpu, None) => {
+                Box::new(KvCache::new(policy, slots, heads, CpuBackend::dense(heads, slots, rows)).unwrap())
+            }
+            (Kind::Cpu, Some((_, _, Some((k, v))))) => Box::new(
+                KvCache::new(
+                    policy,
+                    slots,
+                    heads,
+                    CpuBackend::vecinfer(heads, slots, rows, Arc::new(k.clone()), Arc::new(v.clone()), block).unwrap(),
+                )
+                .unwrap(),
+            ),
+            (Kind::Cpu, Some((k, v, None))) => Box::new(
+                KvCache::new(
+                    policy,
+                    slots,
+                    heads,
+                    CpuBackend::decoding(heads, slots, rows, k.clone(), v.clone(), block).unwrap(),
+                )
+                .unwrap(),
+            ),
+            (Kind::Portable, None) => Box::new(
+                KvCache::new(policy, slots, heads, TensorBackend::dense(heads, slots, rows, &device).unwrap()).unwrap(),
+            ),
+            (Kind::Portable, Some((_, _, Some((k, v))))) => Box::new(
+                KvCache::new(
+                    policy,
+                    slots,
+                    heads,
+                    TensorBackend::vecinfer(heads, slots, rows, capacity, k, v, &device).unwrap(),
+                )
+                .unwrap(),
+            ),
+            (Kind::Cuda, c) => cuda_cache(
+                policy,
+                slots,
+                heads,
+                c.as_ref().map(|c| c.2.as_ref().expect("CUDA codes VecInfer only")),
+                &device,
+            ),
+            _ => panic!("{method:?} has no {kind:?} cache"),
+        };
+        let shadow = Shadow {
+            window,
+            sliding: if let Method::Sliding(w) = method { Some(w) } else { None },
+            codecs: codecs.map(|c| (c.0, c.1)),
+            keys: vec![Vec::new(); slots],
+            values: vec![Vec::new(); slots],
+            coded: vec![0; slots],
+        };
+        Some(Case { cache, shadow, heads, device, kind, method })
+    }
+
+    /// Relative error the backend is held to: the CPU and portable paths compute in f32 (the
+    /// portable search may flip a near-tie code the reference's CPU search did not), the CUDA
+    /// decode kernel scores with f16 centroids on tensor cores.
+    fn bound(&self) -> f64 {
+        match (self.kind, self.method) {
+            (Kind::Cuda, Method::VecInfer) => 1e-2,
+            (Kind::Cuda, _) => 2e-3,
+            (Kind::Portable, Method::VecInfer) => 2e-3,
+            _ => 1e-4,
+        }
+    }
+
+    /// Runs one step: `seqs` as (slot, new tokens); appends random keys and values, attends random
+    /// queries, checks the output against the reference, commits. Returns the worst relative error
+    /// over the step's sequences.
+    fn step(&mut self, seqs: &[(usize, usize)], rng: &mut Rng) -> f64 {
+        self.run(seqs, rng, true)
+    }
+
+    /// [`step`](Self::step), checking the output against the reference when `check`.
+    fn run(&mut self, seqs: &[(usize, usize)], rng: &mut Rng, check: bool) -> f64 {
+        let Heads { q: hq, kv, dim: d } = self.heads;
+        let step =
+            Step::new(seqs.iter().map(|&(slot, len)| SeqStep { slot, start: self.cache.len(slot), len }).collect())
+                .unwrap();
+        let n = step.tokens();
+        let (k, v, q) = (rng.normal(n * kv * d, true), rng.normal(n * kv * d, false), rng.normal(n * hq * d, false));
+        let t = |x: &[f32], h: usize| Tensor::from_slice(x, (n, h, d), &self.device).unwrap();
+        self.cache.append(&t(&k, kv), &t(&v, kv), &step).unwrap();
+        let out = self.cache.attend(&t(&q, hq), &step, 0.125).unwrap().to_device(&Device::Cpu).unwrap();
+        let out: Vec<f32> = out.flatten_all().unwrap().to_vec1().unwrap();
+        let row = kv * d;
+        let mut worst = 0.0f64;
+        for (i, s) in step.seqs().iter().enumerate() {
+            let r = step.rows(i);
+            for j in r.clone() {
+                self.shadow.keys[s.slot].push(round_f16(&k[j * row..(j + 1) * row]));
+                self.shadow.values[s.slot].push(round_f16(&v[j * row..(j + 1) * row]));
+            }
+            if !check {
+                continue;
+            }
+            let want = self.reference(s.slot, s.start, &q[r.start * hq * d..r.end * hq * d]);
+            let got = &out[r.start * hq * d..r.end * hq * d];
+            let (e, nrm) =
+                got.iter().zip(&want).fold((0.0, 0.0), |(e, nrm), (&a, &b)| (e + (a as f64 - b).powi(2), nrm + b * b));
+            assert!(got.iter().all(|x| x.is_finite()), "non-finite output");
+            worst = worst.max((e / nrm).sqrt());
+        }
+        self.cache.commit().unwrap();
+        for s in step.seqs() {
+            self.shadow.commit(s.slot);
+            assert_eq!(self.cache.len(s.slot), self.shadow.keys[s.slot].len());
+        }
+        worst
+    }
+
+    /// f64 attention of `q` (`[t, hq, D]`, queries at positions `start..`) over what `slot` holds.
+    fn reference(&self, slot: usize, start: usize, q: &[f32]) -> Vec<f64> {
+        let Heads { q: hq, kv, dim: d } = self.heads;
+        let g = hq / kv;
+        let t = q.len() / (hq * d);
+        let (keys, values) = (&self.shadow.keys[slot], &self.shadow.values[slot]);
+        let mut out = vec![0.0f64; q.len()];
+        for i in 0..t {
+            let p = start + i;
+            let lo = self.shadow.sliding.map_or(0, |w| (p + 1).saturating_sub(w));
+            for qh in 0..hq {
+                let h = qh / g;
+                let qv = &q[(i * hq + qh) * d..][..d];
+                let scores: Vec<f64> = (lo..=p)
+                    .map(|pos| 0.125 * (0..d).map(|e| qv[e] as f64 * keys[pos][h * d + e] as f64).sum::<f64>())
+                    .collect();
+                let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let total: f64 = w.iter().sum();
+                for e in 0..d {
+                    out[(i * hq + qh) * d + e] =
+                        (lo..=p).zip(&w).map(|(pos, wi)| wi * values[pos][h * d + e] as f64).sum::<f64>() / total;
+                }
+            }
+        }
+        out
+    }
+
+    fn check(&mut self, what: &str, seqs: &[(usize, usize)], rng: &mut Rng, seed: u64) {
+        let e = self.step(seqs, rng);
+        if std::env::var("CONFORMANCE_VERBOSE").is_ok() {
+            eprintln!("{:?} {:?} {what}: {e:.2e}", self.kind, self.method);
+        }
+        assert!(
+            e <= self.bound(),
+            "seed {seed}, {:?} {:?} {:?}, {what}: relative error {e:.2e} > {:.0e}",
+            self.kind,
+            self.method,
+            self.heads,
+            self.bound()
+        );
+    }
+
+    fn truncate(&mut self, slot: usize, len: usize) {
+        self.cache.truncate(slot, len).unwrap();
+        self.shadow.truncate(slot, len);
+        assert_eq!(self.cache.len(slot), len);
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_cache(
+    policy: Policy,
+    slots: usize,
+    heads: Heads,
+    codecs: Option<&(VecInferCodec, VecInferCodec)>,
+    device: &Device,
+) -> Box<dyn LayerCache> {
+    use veloq_candle::cache::{CudaBackend, CudaRuntime};
+    let rt = CudaRuntime::new(device).unwrap();
+    let backend = match codecs {
+        Some((k, v)) => CudaBackend::vecinfer(rt, heads, slots, policy.rows(), policy.capacity, k, v, device).unwrap(),
+        None => CudaBackend::dense(rt, heads, slots, policy.rows(), device).unwrap(),
+    };
+    Box::new(KvCache::new(policy, slots, heads, backend).unwrap())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_cache(
+    _: Policy,
+    _: usize,
+    _: Heads,
+    _: Option<&(VecInferCodec, VecInferCodec)>,
+    _: &Device,
+) -> Box<dyn LayerCache> {
+    unreachable!("no CUDA device in a build without the cuda feature")
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    a / gcd(a, b) * b
+}
+
+/// The geometries every property runs on: GQA groups 1–8, head_dim 64/128/256.
+const GEOMETRIES: [Heads; 4] = [
+    Heads { q: 6, kv: 2, dim: 64 },
+    Heads { q: 8, kv: 1, dim: 128 },
+    Heads { q: 2, kv: 2, dim: 256 },
+    Heads { q: 12, kv: 3, dim: 64 },
+];
+
+// ---- the properties ----
+
+/// A prompt of odd length, then single tokens across several flushes: every output equals the
+/// reference (codes, sink and recent rows merged), at every geometry.
+fn prefill_then_decode(kind: Kind, method: Method) {
+    let seed = seed();
+    let mut rng = Rng(seed | 1);
+    for heads in GEOMETRIES {
+        let Some(mut c) = Case::new(kind, method, heads, 1, DEFAULT_WINDOW, &mut rng) else { return };
+        c.check("prefill of 37", &[(0, 37)], &mut rng, seed);
+        for i in 0..30 {
+            c.check(&format!("decode step {i}"), &[(0, 1)], &mut rng, seed);
+        }
+    }
+}
+
+/// Sinks and windows of several sizes (no sink, a window of 8, blocks of 16), lengths landing
+/// just before, on and after each flush boundary.
+fn sinks_windows_and_flush_boundaries(kind: Kind, method: Method) {
+    let seed = seed();
+    let mut rng = Rng(seed | 1);
+    let heads = Heads { q: 4, kv: 2, dim: 64 };
+    for window in [
+        Window { sink: 0, keep: 8, block: 8 },
+        Window { sink: 4, keep: 16, block: 16 },
+        Window { sink: 1, keep: 5, block: 8 },
+    ] {
+        let Some(mut c) = Case::new(kind, method, heads, 1, window, &mut rng) else { return };
+        let w = c.shadow.window;
+        // Up to one short of the first flush, exactly onto it, then past it in odd steps.
+        c.check("to one short of a flush", &[(0, w.sink + w.keep + w.block - 1)], &mut rng, seed);
+        c.check("onto the flush", &[(0, 1)], &mut rng, seed);
+        for n in [1, w.block - 1, 1, w.block, 2 * w.block + 3, 1] {
+            c.check(&format!("{n} more"), &[(0, n)], &mut rng, seed);
+        }
+    }
+}
+
+/// Truncations: inside the recent rows, into the codes (the cut block comes back decoded), into
+/// the sink, to zero; decoding continues correctly after each.
+fn truncation(kind: Kind, method: Method) {
+    let seed = seed();
+    let mut rng = Rng(seed | 1);
+    let heads = Heads { q: 6, kv: 3, dim: 64 };
+    let Some(mut c) = Case::new(kind, method, heads, 1, DEFAULT_WINDOW, &mut rng) else { return };
+    c.check("prompt", &[(0, 90)], &mut rng, seed);
+    // A sliding layer keeps only what later queries see, so it can only start over.
+    let cuts: &[usize] = if let Method::Sliding(_) = method { &[0] } else { &[88, 61, 29, 3, 0] };
+    for &cut in cuts {
+        let len = c.cache.len(0);
+        c.truncate(0, cut.min(len));
+        c.check(&format!("after truncating to {cut}"), &[(0, 1)], &mut rng, seed);
+        for i in 0..12 {
+            c.check(&format!("decode {i} after {cut}"), &[(0, 1)], &mut rng, seed);
+        }
+        c.check(&format!("a turn after {cut}"), &[(0, 21)], &mut rng, seed);
+    }
+    if let Method::Sliding(_) = method {
+        let len = c.cache.len(0);
+        let e = c.cache.truncate(0, len - 1).unwrap_err();
+        assert!(e.to_string().contains("no longer holds"), "{e}");
+        assert_eq!(c.cache.len(0), len, "a refused truncation changes nothing");
+    }
+}
+
+/// Several sequences at different positions in one step, some with many tokens (a new prompt
+/// beside decode steps), some idle: each attends only its own positions.
+fn ragged_batches(kind: Kind, method: Method) {
+    let seed = seed();
+    let mut rng = Rng(seed | 1);
+    for heads in [Heads { q: 6, kv: 2, dim: 64 }, Heads { q: 8, kv: 1, dim: 128 }] {
+        let Some(mut c) = Case::new(kind, method, heads, 4, DEFAULT_WINDOW, &mut rng) else { return };
+        c.check("two prompts", &[(0, 30), (2, 7)], &mut rng, seed);
+        c.check("a prompt beside decodes", &[(2, 1), (1, 45), (0, 1)], &mut rng, seed);
+        for i in 0..20 {
+            c.check(&format!("ragged decode {i}"), &[(0, 1), (1, 1), (2, 1)], &mut rng, seed);
+        }
+        c.check("a late prompt and a turn", &[(3, 33), (1, 1), (0, 9)], &mut rng, seed);
+        c.truncate(1, 0);
+        c.check("a freed slot reused", &[(1, 5), (3, 1), (2, 1), (0, 1)], &mut rng, seed);
+        for i in 0..12 {
+            c.check(&format!("all four {i}"), &[(3, 1), (2, 1), (1, 1), (0, 1)], &mut rng, seed);
+        }
+    }
+}
+
+/// Follow-up turns: many queries at once after codes exist (longer than the recent rows, so
+/// they attend the step's own rows from its input), then decoding on.
+fn turns_after_codes(kind: Kind, method: Method) {
+    let seed = seed();
+    let mut rng = Rng(seed | 1);
+    for heads in GEOMETRIES {
+        let Some(mut c) = Case::new(kind, method, heads, 1, DEFAULT_WINDOW, &mut rng) else { return };
+        c.check("first turn", &[(0, 120)], &mut rng, seed);
+        for (n, turn) in [5usize, 64, 2, 300, 17].into_iter().enumerate() {
+            c.check(&format!("turn {n} of {turn}"), &[(0, turn)], &mut rng, seed);
+            c.check(&format!("decode after turn {n}"), &[(0, 1)], &mut rng, seed);
+        }
+    }
+}
+
+/// Bad input is a clear error and changes nothing: a step at the wrong position, keys of the
+/// wrong shape, values out of step with keys (their own shape checked), attend without append,
+/// a context over capacity.
+fn bad_input(kind: Kind, method: Method) {
+    let mut rng = Rng(seed() | 1);
+    let heads = Heads { q: 4, kv: 2, dim: 64 };
+    let Some(mut c) = Case::new(kind, method, heads, 2, DEFAULT_WINDOW, &mut rng) else { return };
+    let dev = c.device.clone();
+    let z = |n: usize, h: usize, d: usize| Tensor::zeros((n, h, d), candle_core::DType::F32, &dev).unwrap();
+    let e = c.cache.append(&z(3, 2, 64), &z(3, 2, 64), &Step::single(0, 5, 3).unwrap()).unwrap_err();
+    assert!(matches!(e, Error::Position { slot: 0, expected: 0, got: 5 }), "{e}");
+    let e = c.cache.append(&z(3, 3, 64), &z(3, 2, 64), &Step::single(0, 0, 3).unwrap()).unwrap_err();
+    assert!(matches!(e, Error::Shape(_)), "{e}");
+    let e = c.cache.append(&z(3, 2, 64), &z(2, 2, 64), &Step::single(0, 0, 3).unwrap()).unwrap_err();
+    assert!(matches!(e, Error::Shape(_)) && e.to_string().contains("values"), "mis-shaped values: {e}");
+    let e = c.cache.append(&z(3, 2, 64), &z(3, 2, 32), &Step::single(0, 0, 3).unwrap()).unwrap_err();
+    assert!(matches!(e, Error::Shape(_)), "{e}");
+    assert!(c.cache.attend(&z(1, 4, 64), &Step::single(0, 0, 1).unwrap(), 0.1).is_err());
+    let e = c.cache.append(&z(1, 2, 64), &z(1, 2, 64), &Step::single(1, 0, 5000).unwrap());
+    assert!(e.is_err(), "a step past the capacity must be refused");
+    assert_eq!((c.cache.len(0), c.cache.len(1)), (0, 0), "refused steps change nothing");
+    // The cache still works after the refusals.
+    c.check("after refusals", &[(0, 9), (1, 2)], &mut rng, 0);
+}
+
+/// Resident bytes are what the storage holds, and a coded cache holds fewer than a dense one.
+fn resident_bytes(kind: Kind, method: Method) {
+    let mut rng = Rng(seed() | 1);
+    let heads = Heads { q: 4, kv: 2, dim: 64 };
+    let Some(mut c) = Case::new(kind, method, heads, 1, DEFAULT_WINDOW, &mut rng) else { return };
+    let before = c.cache.resident_bytes();
+    c.run(&[(0, 2000)], &mut rng, false);
+    let after = c.cache.resident_bytes();
+    assert!(after > 0 && after >= before);
+    let f16_bytes = 2000 * heads.kv * heads.dim * 2 * 2;
+    match (kind, method) {
+        // Host memory grows with what is written; 2-bit codes are an eighth of f16, plus the
+        // codecs' tables, the sink and the recent rows.
+        (Kind::Cpu, Method::VecInfer) => assert!(after * 6 < f16_bytes, "{after} B vs {f16_bytes} B of f16"),
+        (Kind::Cpu, Method::Fp16) => {
+            assert!(after >= f16_bytes && after < 2 * f16_bytes, "{after} B vs {f16_bytes} B of f16")
+        }
+        _ => {}
+    }
+}
+
+/// Instantiates every property for one (cache, backend) pair: a module, a test per property.
+macro_rules! conformance {
+    ($pair:ident, $kind:expr, $method:expr) => {
+        mod $pair {
+            use super::*;
+            conformance!(@tests $kind, $method; prefill_then_decode, sinks_windows_and_flush_boundaries, truncation, ragged_batches, turns_after_codes, bad_input, resident_bytes);
+        }
+    };
+    (@tests $kind:expr, $method:expr; $($property:ident),*) => {
+        $(
+            #[test]
+            fn $property() {
+                super::$property($kind, $method)
+            }
+        )*
+    };
+}
+
+conformance!(vecinfer_cpu, Kind::Cpu, Method::VecInfer);
+conformance!(vecinfer_portable, Kind::Portable, Method::VecInfer);
+conformance!(fp16_cpu, Kind::Cpu, Method::Fp16);
+conformance!(fp16_portable, Kind::Portable, Method::Fp16);
+conformance!(sliding_cpu, Kind::Cpu, Method::Sliding(13));
+conformance!(sliding_portable, Kind::Portable, Method::Sliding(13));
+conformance!(kivi_cpu, Kind::Cpu, Method::Kivi);
+conformance!(lloyd_max_cpu, Kind::Cpu, Method::LloydMax);
+#[cfg(feature = "cuda")]
+conformance!(vecinfer_cuda, Kind::Cuda, Method::VecInfer);
+#[cfg(feature = "cuda")]
+conformance!(fp16_cuda, Kind::Cuda, Method::Fp16);
+#[cfg(feature = "cuda")]
+conformance!(sliding_cuda, Kind::Cuda, Method::Sliding(13));

@@ -1,0 +1,247 @@
+//! Attention over VecInfer codes without rebuilding keys or values. The query moves into code
+//! space once (q̃ = H(s ⊙ q)); a lookup table LUT[j][c] = q̃_j · C_j[c] (plus q·μ for the keys'
+//! centering) scores each position as Σ_j LUT[j][code_j]; values are summed per centroid
+//! (W[j][c] += p) and decoded once at the end, then rotated back. Positions are scored a tile at a
+//! time with an online softmax, so scratch does not grow with the context.
+
+use std::sync::Arc;
+
+use crate::codec::pack;
+use crate::codec::vecinfer::VecInferCodec;
+
+use super::dot;
+use super::softmax::Softmax;
+
+/// Positions scored per tile.
+const TILE: usize = 512;
+
+/// A VecInfer codec with its codebooks transposed to `[books][sub_dim][centroids]`, so that building
+/// a lookup table and decoding per-centroid sums run along contiguous centroid rows.
+#[derive(Debug)]
+pub struct LutCodec {
+    codec: Arc<VecInferCodec>,
+    books_t: Vec<f32>,
+}
+
+impl LutCodec {
+    /// Transposes `codec`'s books.
+    pub fn new(codec: Arc<VecInferCodec>) -> Self {
+        let (k, sd) = (codec.shape().centroids(), codec.shape().sub_dim);
+        let mut books_t = Vec::with_capacity(codec.books().books().len() * k * sd);
+        for b in codec.books().books() {
+            for d in 0..sd {
+                books_t.extend((0..k).map(|c| b.centroid(c)[d]));
+            }
+        }
+        Self { codec, books_t }
+    }
+
+    /// The codec itself.
+    pub fn codec(&self) -> &Arc<VecInferCodec> {
+        &self.codec
+    }
+
+    /// The transposed codebook sub-space `j` uses.
+    #[inline]
+    fn book_t(&self, j: usize) -> &[f32] {
+        let size = self.codec.shape().centroids() * self.codec.shape().sub_dim;
+        let b = self.codec.books().book_index(j);
+        &self.books_t[b * size..(b + 1) * size]
+    }
+
+    /// Bytes of the transposed books (held beside the codec's own tables).
+    pub fn resident_bytes(&self) -> usize {
+        self.books_t.len() * 4
+    }
+}
+
+/// One sequence's coded positions: blocks of `block` tokens, each the packed codes of
+/// `[block, heads, subspaces]` as the codec encodes them; `len` positions in all.
+#[derive(Clone, Copy, Debug)]
+pub struct CodeBlocks<'a> {
+    /// Key code blocks.
+    pub keys: &'a [Box<[u8]>],
+    /// Value code blocks.
+    pub values: &'a [Box<[u8]>],
+    /// Positions per block.
+    pub block: usize,
+    /// Kv heads per position.
+    pub heads: usize,
+    /// Coded positions.
+    pub len: usize,
+}
+
+/// Packed codes of one side (keys or values) of [`CodeBlocks`], `m` codes of `bits` per head vector.
+struct Packed<'a> {
+    blocks: &'a [Box<[u8]>],
+    block: usize,
+    heads: usize,
+    bits: u32,
+    m: usize,
+}
+
+impl Packed<'_> {
+    /// Code `j` of head `h` at position `t`.
+    #[inline]
+    fn get(&self, t: usize, h: usize, j: usize) -> usize {
+        let idx = ((t % self.block) * self.heads + h) * self.m + j;
+        pack::get(&self.blocks[t / self.block], self.bits, idx) as usize
+    }
+}
+
+/// Caller-owned scratch of [`attend`].
+#[derive(Default)]
+pub struct CodesScratch {
+    qt: Vec<f32>,
+    lut: Vec<f32>,
+    p: Vec<f32>,
+    w: Vec<f32>,
+    rot: Vec<f32>,
+}
+
+/// Attention of query `q` (one query head over kv head `h`, scaled) over every coded position of
+/// `codes`: the softmax partial, with the weighted value sum written to `out` (head_dim, value
+/// space: rotated back, scaled, plus the mean times the weight). Codes need no mask: they are
+/// older than every query.
+pub fn attend(
+    keys: &LutCodec,
+    values: &LutCodec,
+    codes: &CodeBlocks,
+    h: usize,
+    q: &[f32],
+    out: &mut [f32],
+    s: &mut CodesScratch,
+) -> Softmax {
+    out.fill(0.0);
+    let mut stat = Softmax::EMPTY;
+    if codes.len == 0 {
+        return stat;
+    }
+    let (kc, vc) = (&*keys.codec, &*values.codec);
+    let d = kc.head_dim();
+    let (m, sd, kk, kbits) = (kc.subspaces(), kc.shape().sub_dim, kc.shape().centroids(), kc.shape().bits);
+    let (mv, sdv, vk, vbits) = (vc.subspaces(), vc.shape().sub_dim, vc.shape().centroids(), vc.shape().bits);
+    let (block, heads) = (codes.block, codes.heads);
+    s.qt.resize(d, 0.0);
+    s.lut.clear();
+    s.lut.resize(m * kk, 0.0);
+    s.p.resize(TILE, 0.0);
+    s.w.clear();
+    s.w.resize(mv * vk, 0.0);
+    s.rot.resize(d, 0.0);
+    kc.transform_query(h, q, &mut s.qt);
+    for (j, row) in s.lut.chunks_exact_mut(kk).enumerate() {
+        let bt = keys.book_t(j);
+        for e in 0..sd {
+            let qd = s.qt[j * sd + e];
+            row.iter_mut().zip(&bt[e * kk..(e + 1) * kk]).for_each(|(l, c)| *l += c * qd);
+        }
+    }
+    // Centering: q·k = q·μ + q̃·x̂, the same offset for every coded position.
+    let offset = kc.transform().query_offset(h, q);
+    s.lut[..kk].iter_mut().for_each(|l| *l += offset);
+    for t0 in (0..codes.len).step_by(TILE) {
+        let t1 = (t0 + TILE).min(codes.len);
+        let p = &mut s.p[..t1 - t0];
+        if kbits == 8 {
+            // One byte per code: a position's codes for head h are one contiguous row.
+            for (t, pv) in (t0..t1).zip(p.iter_mut()) {
+                let row = &codes.keys[t / block][((t % block) * heads + h) * m..][..m];
+                *pv = row.iter().enumerate().map(|(j, &c)| s.lut[j * kk + c as usize]).sum();
+            }
+        } else {
+            let packed = Packed { blocks: codes.keys, block, heads, bits: kbits, m };
+            for (t, pv) in (t0..t1).zip(p.iter_mut()) {
+                *pv = (0..m).map(|j| s.lut[j * kk + packed.get(t, h, j)]).sum();
+            }
+        }
+        stat.fold(p, &mut s.w);
+        if vbits == 8 {
+            for (t, &pv) in (t0..t1).zip(p.iter()) {
+                let row = &codes.values[t / block][((t % block) * heads + h) * mv..][..mv];
+                for (j, &c) in row.iter().enumerate() {
+                    s.w[j * vk + c as usize] += pv;
+                }
+            }
+        } else {
+            let packed = Packed { blocks: codes.values, block, heads, bits: vbits, m: mv };
+            for (t, &pv) in (t0..t1).zip(p.iter()) {
+                for j in 0..mv {
+                    s.w[j * vk + packed.get(t, h, j)] += pv;
+                }
+            }
+        }
+    }
+    for j in 0..mv {
+        let bt = values.book_t(j);
+        for e in 0..sdv {
+            s.rot[j * sdv + e] = dot(&s.w[j * vk..(j + 1) * vk], &bt[e * vk..(e + 1) * vk]);
+        }
+    }
+    vc.transform().inverse_weighted(h, &mut s.rot, stat.l);
+    out.copy_from_slice(&s.rot);
+    stat
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::calibrate::{train_codec, KMeansConfig};
+    use crate::codec::codebook::PqShape;
+    use crate::codec::vecinfer::CodecSpec;
+    use crate::testing::{fresh_seed, normal, outlier_rows, rng};
+
+    /// The lookup-table partial equals an f64 softmax over the decoded keys and values, for 8-bit
+    /// and packed 6-bit codes, blocks of 8 and 16 tokens, and more positions than one tile.
+    #[test]
+    fn matches_attention_over_decoded_rows() {
+        let seed = fresh_seed();
+        let mut r = rng(seed);
+        let (heads, d) = (2, 64);
+        for (bits, sd, block, len) in [(8u32, 4usize, 8usize, 1000usize), (6, 2, 16, 80), (8, 8, 8, 40)] {
+            let shape = PqShape::new(sd, bits).unwrap();
+            let train = outlier_rows(&mut r, 400 * heads, d);
+            let kc = Arc::new(
+                train_codec(&train, heads, d, &CodecSpec::keys(shape), &KMeansConfig::new(1 << bits, 1)).unwrap().0,
+            );
+            let vc = Arc::new(
+                train_codec(&train, heads, d, &CodecSpec::values(shape), &KMeansConfig::new(1 << bits, 2)).unwrap().0,
+            );
+            let (kx, vx) = (outlier_rows(&mut r, len * heads, d), normal(&mut r, len * heads * d, 1.0));
+            let n = heads * d * block;
+            let kb: Vec<Box<[u8]>> = kx.chunks(n).map(|c| kc.encode_vec(c).unwrap().into_boxed_slice()).collect();
+            let vb: Vec<Box<[u8]>> = vx.chunks(n).map(|c| vc.encode_vec(c).unwrap().into_boxed_slice()).collect();
+            let (mut kd, mut vd) = (vec![0.0f32; kx.len()], vec![0.0f32; vx.len()]);
+            for (i, (a, b)) in kb.iter().zip(&vb).enumerate() {
+                kc.decode(a, &mut kd[i * n..(i + 1) * n]).unwrap();
+                vc.decode(b, &mut vd[i * n..(i + 1) * n]).unwrap();
+            }
+            let codes = CodeBlocks { keys: &kb, values: &vb, block, heads, len };
+            let (kl, vl) = (LutCodec::new(kc.clone()), LutCodec::new(vc.clone()));
+            let mut scratch = CodesScratch::default();
+            for h in 0..heads {
+                let q = normal(&mut r, d, 0.2);
+                let mut out = vec![0.0f32; d];
+                let stat = attend(&kl, &vl, &codes, h, &q, &mut out, &mut scratch);
+                stat.finish(&mut out);
+                let score = |t: usize| (0..d).map(|e| q[e] as f64 * kd[(t * heads + h) * d + e] as f64).sum::<f64>();
+                let mx = (0..len).map(score).fold(f64::NEG_INFINITY, f64::max);
+                let total: f64 = (0..len).map(|t| (score(t) - mx).exp()).sum();
+                assert!(((stat.l as f64) - total).abs() <= 1e-3 * total, "seed {seed}: weight {} vs {total}", stat.l);
+                let (mut err, mut norm) = (0.0f64, 0.0f64);
+                for e in 0..d {
+                    let want =
+                        (0..len).map(|t| (score(t) - mx).exp() * vd[(t * heads + h) * d + e] as f64).sum::<f64>()
+                            / total;
+                    err += (out[e] as f64 - want).powi(2);
+                    norm += want * want;
+                }
+                assert!(
+                    err.sqrt() <= 1e-4 * norm.sqrt().max(1e-3),
+                    "seed {seed} bits {bits} head {h}: rel err {}",
+                    (err / norm).sqrt()
+                );
+            }
+        }
+    }
+}

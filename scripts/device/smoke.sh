@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The CUDA smoke check, in one device call: what a user types (`veloq generate --device cuda`) for
+# fp16 and VecInfer, kernels auto and forbid, with a short prompt and a ~5k-token one, on the real
+# SmolLM2; then the cache conformance suite's CUDA pairs (tests/conformance.rs, built with
+# `--features cuda`), which must find the GPU. Run it before resolving anything that touches CUDA.
+#
+#   scripts/device/smoke.sh VELOQ CONFORMANCE_TESTS MODEL.gguf CALIBRATION TEXT [OUT_DIR]
+#
+# VELOQ and CONFORMANCE_TESTS are binaries built here with --features cuda (see ../shared/DEVICE.md):
+#   cargo build --release -p veloq-cli --features cuda --target-dir target-cuda
+#   cargo test --release -p veloq-candle --features cuda --target-dir target-cuda --test conformance --no-run
+# TEXT is a plain-text novel (scripts/fetch-data); its first ~21,000 characters make the long
+# prompt. Every run's output goes to OUT_DIR (default $OUT, else /tmp/veloq-smoke); the script
+# exits non-zero if any run fails, produces no tokens, or a conformance test fails.
+set -uo pipefail
+veloq=$1 conformance=$2 model=$3 calibration=$4 text=$5
+out=${6:-${OUT:-/tmp/veloq-smoke}}
+mkdir -p "$out"
+export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+short="Explain in two sentences why the sky is blue."
+long="$(head -c 21000 "$text")
+
+Summarise the passage above in one sentence."
+failed=0
+summary="$out/smoke-summary.txt"
+: > "$summary"
+for method in fp16 vecinfer; do
+  for kernels in auto forbid; do
+    for which in short long; do
+      prompt=$short
+      [ "$which" = long ] && prompt=$long
+      log="$out/generate-$method-$kernels-$which.txt"
+      start=$(date +%s.%N)
+      "$veloq" generate --device cuda --model "$model" --calibration "$calibration" --method "$method" \
+        --kernels "$kernels" --max-tokens 48 --max-context 8192 --prompt "$prompt" > "$log" 2>&1
+      rc=$?
+      secs=$(awk "BEGIN { printf \"%.1f\", $(date +%s.%N) - $start }")
+      stats=$(grep -E '^\[' "$log" | tail -1)
+      tokens=$(echo "$stats" | sed -nE 's/.*generated ([0-9]+) tok.*/\1/p')
+      if [ $rc -ne 0 ] || [ -z "$tokens" ] || [ "$tokens" -lt 1 ]; then
+        echo "FAIL  $method $kernels $which (rc $rc): $(tail -3 "$log" | tr '\n' ' ')" | tee -a "$summary"
+        failed=1
+      else
+        echo "ok    $method $kernels $which (${secs}s): $stats" | tee -a "$summary"
+        echo "      $(head -c 300 "$log" | tr '\n' ' ')" | tee -a "$summary"
+      fi
+    done
+  done
+done
+echo "== conformance suite, CUDA pairs" | tee -a "$summary"
+if VELOQ_REQUIRE_GPU=1 "$conformance" --test-threads 1 cuda > "$out/conformance-cuda.txt" 2>&1; then
+  grep -E "test result" "$out/conformance-cuda.txt" | tee -a "$summary"
+else
+  grep -E "FAILED|panicked|test result" "$out/conformance-cuda.txt" | head -20 | tee -a "$summary"
+  failed=1
+fi
+[ $failed -eq 0 ] && echo "smoke: all passed" | tee -a "$summary" || echo "smoke: FAILED" | tee -a "$summary"
+exit $failed
