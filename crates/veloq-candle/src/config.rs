@@ -20,7 +20,7 @@ use veloq::codec::kivi::{KiviAxis, KiviCodec};
 use veloq::codec::lloyd_max::LloydMaxCodec;
 use veloq::kernels::select::KernelChoice;
 
-use crate::cache::{CpuBackend, Heads, KvCache, LayerCache, ModelCache, Policy, TensorBackend};
+use crate::cache::{Backend, CpuBackend, Heads, KvCache, LayerCache, ModelCache, Policy, TensorBackend};
 use crate::error::{Error, Result};
 use crate::model::Model;
 
@@ -194,96 +194,94 @@ impl CacheConfig {
         let dev = model.device();
         let capacity = self.capacity.unwrap_or(model.max_context());
         let dense_fused = self.kernels.resolve(dense_kernels(dev))?;
-        let pairs = self.codecs(model)?;
         let vecinfer_fused = match &self.method {
-            Method::VecInfer(cal) => Some(self.kernels.resolve(fused_available(dev, cal, heads.q))?),
+            Method::VecInfer(cal) => {
+                check_calibration(cal, model)?;
+                Some(self.kernels.resolve(fused_available(dev, cal, heads.q))?)
+            }
             _ => None,
         };
+        // The scalar baselines' codecs (VecInfer's come from the calibration, layer by layer).
+        let baselines = if vecinfer_fused.is_none() { self.codecs(model)? } else { None };
         #[cfg(feature = "cuda")]
         let runtime = match (dev, dense_fused || vecinfer_fused == Some(true)) {
             (Device::Cuda(_), true) => Some(crate::cache::CudaRuntime::new(dev)?),
             _ => None,
         };
+        fn layer<B: Backend + 'static>(
+            policy: Policy,
+            slots: usize,
+            heads: Heads,
+            b: B,
+        ) -> Result<Box<dyn LayerCache>> {
+            Ok(Box::new(KvCache::new(policy, slots, heads, b)?))
+        }
+        let dense = |policy: Policy| -> Result<Box<dyn LayerCache>> {
+            let rows = policy.rows();
+            #[cfg(feature = "cuda")]
+            if let (Some(rt), true) = (&runtime, dense_fused) {
+                return layer(
+                    policy,
+                    slots,
+                    heads,
+                    crate::cache::CudaBackend::dense(rt.clone(), heads, slots, rows, dev)?,
+                );
+            }
+            match (dev, dense_fused) {
+                (Device::Cpu, true) => layer(policy, slots, heads, CpuBackend::dense(heads, slots, rows)),
+                _ => layer(policy, slots, heads, TensorBackend::dense(heads, slots, rows, dev)?),
+            }
+        };
+        let w = self.window;
         let mut layers: Vec<Box<dyn LayerCache>> = Vec::with_capacity(id.n_layers);
         for i in 0..id.n_layers {
-            let dense = |policy: Policy| -> Result<Box<dyn LayerCache>> {
-                #[cfg(feature = "cuda")]
-                if let (Some(rt), true) = (&runtime, dense_fused) {
-                    return Ok(Box::new(KvCache::new(
-                        policy,
-                        slots,
-                        heads,
-                        crate::cache::CudaBackend::dense(rt.clone(), heads, slots, policy.rows(), dev)?,
-                    )?));
-                }
-                Ok(match (dev, dense_fused) {
-                    (Device::Cpu, true) => {
-                        Box::new(KvCache::new(policy, slots, heads, CpuBackend::dense(heads, slots, policy.rows()))?)
+            if let Some(window) = model.layer_window(i) {
+                layers.push(dense(Policy::sliding(window, capacity))?);
+                continue;
+            }
+            layers.push(match (&self.method, &baselines) {
+                (Method::Fp16, _) => dense(Policy::dense(capacity))?,
+                (Method::VecInfer(cal), _) => {
+                    let l = &cal.layers[i];
+                    let block = lcm(lcm(w.flush_block, l.keys.block_tokens()), l.values.block_tokens());
+                    let policy = Policy::coded(w.sink, w.window, block, capacity);
+                    let rows = policy.rows();
+                    let fused = vecinfer_fused == Some(true);
+                    #[cfg(feature = "cuda")]
+                    if let (Some(rt), true) = (&runtime, fused) {
+                        let b = crate::cache::CudaBackend::vecinfer(
+                            rt.clone(),
+                            heads,
+                            slots,
+                            rows,
+                            capacity,
+                            &l.keys,
+                            &l.values,
+                            dev,
+                        )?;
+                        layers.push(layer(policy, slots, heads, b)?);
+                        continue;
                     }
-                    _ => Box::new(KvCache::new(
-                        policy,
-                        slots,
-                        heads,
-                        TensorBackend::dense(heads, slots, policy.rows(), dev)?,
-                    )?),
-                })
-            };
-            if let Some(w) = model.layer_window(i) {
-                layers.push(dense(Policy::sliding(w, capacity))?);
-                continue;
-            }
-            let Some(pairs) = &pairs else {
-                layers.push(dense(Policy::dense(capacity))?);
-                continue;
-            };
-            let (k, v) = pairs[i].clone();
-            let block = lcm(lcm(self.window.flush_block, k.block_tokens()), v.block_tokens());
-            let w = self.window;
-            let policy = Policy::coded(w.sink, w.window, block, capacity);
-            let Method::VecInfer(cal) = &self.method else {
-                layers.push(Box::new(KvCache::new(
-                    policy,
-                    slots,
-                    heads,
-                    CpuBackend::decoding(heads, slots, policy.rows(), k, v, block)?,
-                )?));
-                continue;
-            };
-            let l = &cal.layers[i];
-            let fused = vecinfer_fused == Some(true);
-            #[cfg(feature = "cuda")]
-            if let (Some(rt), true) = (&runtime, fused) {
-                let b = crate::cache::CudaBackend::vecinfer(
-                    rt.clone(),
-                    heads,
-                    slots,
-                    policy.rows(),
-                    capacity,
-                    &l.keys,
-                    &l.values,
-                    dev,
-                )?;
-                layers.push(Box::new(KvCache::new(policy, slots, heads, b)?));
-                continue;
-            }
-            layers.push(match (dev, fused) {
-                (Device::Cpu, true) => {
-                    let b = CpuBackend::vecinfer(
-                        heads,
-                        slots,
-                        policy.rows(),
-                        Arc::new(l.keys.clone()),
-                        Arc::new(l.values.clone()),
-                        block,
-                    )?;
-                    Box::new(KvCache::new(policy, slots, heads, b)?)
+                    match (dev, fused) {
+                        (Device::Cpu, true) => {
+                            let (k, v) = (Arc::new(l.keys.clone()), Arc::new(l.values.clone()));
+                            layer(policy, slots, heads, CpuBackend::vecinfer(heads, slots, rows, k, v, block)?)?
+                        }
+                        _ => layer(
+                            policy,
+                            slots,
+                            heads,
+                            TensorBackend::vecinfer(heads, slots, rows, capacity, &l.keys, &l.values, dev)?,
+                        )?,
+                    }
                 }
-                _ => Box::new(KvCache::new(
-                    policy,
-                    slots,
-                    heads,
-                    TensorBackend::vecinfer(heads, slots, policy.rows(), capacity, &l.keys, &l.values, dev)?,
-                )?),
+                (_, Some(pairs)) => {
+                    let (k, v) = pairs[i].clone();
+                    let block = lcm(lcm(w.flush_block, k.block_tokens()), v.block_tokens());
+                    let policy = Policy::coded(w.sink, w.window, block, capacity);
+                    layer(policy, slots, heads, CpuBackend::decoding(heads, slots, policy.rows(), k, v, block)?)?
+                }
+                (_, None) => return Err(Error::Config(format!("{} has no codecs", self.name()))),
             });
         }
         ModelCache::new(layers)

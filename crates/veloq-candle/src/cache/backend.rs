@@ -10,8 +10,10 @@
 
 use candle_core::Tensor;
 
+use veloq::codec::block::BlockCodec;
+
 use super::residency::{Put, Quantize, Restore, SeqView};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// Query heads, kv heads and head_dim of one layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,6 +31,21 @@ impl Heads {
     pub fn group(&self) -> usize {
         self.q / self.kv
     }
+
+    /// Checks that `codec` codes head vectors of this layer (its kv heads and head_dim).
+    pub fn check_codec(&self, codec: &dyn BlockCodec) -> Result<()> {
+        if (codec.n_heads(), codec.head_dim()) != (self.kv, self.dim) {
+            return Err(Error::Shape(format!(
+                "codec {} is for {}×{}, the layer has {}×{}",
+                codec.name(),
+                codec.n_heads(),
+                codec.head_dim(),
+                self.kv,
+                self.dim
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// Storage and attention kernels of one layer's cache on one kind of device.
@@ -43,8 +60,8 @@ pub trait Backend: Send + Sync {
     fn input(&self, k: &Tensor, v: &Tensor) -> Result<Self::Input>;
     /// Copies input rows into f16 rows, in order.
     fn put_rows(&mut self, input: &Self::Input, puts: &[Put]) -> Result<()>;
-    /// Codes spans of ring rows (then input rows), in order.
-    fn quantize(&mut self, input: Option<&Self::Input>, spans: &[Quantize]) -> Result<()>;
+    /// Codes spans of ring rows (then rows of the step's input), in order.
+    fn quantize(&mut self, input: &Self::Input, spans: &[Quantize]) -> Result<()>;
     /// Decodes codes back into rows and drops codes (a truncation into the coded span).
     fn restore(&mut self, restore: &Restore) -> Result<()>;
 

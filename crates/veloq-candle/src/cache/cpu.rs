@@ -18,7 +18,7 @@ use veloq::codec::vecinfer::VecInferCodec;
 use veloq::kernels::cpu::attention::{codes, rows, CodeBlocks, CodesScratch, LutCodec, RowsScratch, Segment, Softmax};
 
 use super::backend::{Backend, Heads};
-use super::residency::{Put, Quantize, Restore, SeqView};
+use super::residency::{Put, Quantize, Restore, RowSource, SeqView};
 use crate::error::{Error, Result};
 
 /// Rows per allocation: a dense cache grows 256 positions at a time.
@@ -35,17 +35,26 @@ enum Codecs {
 }
 
 impl Codecs {
-    fn keys(&self) -> &dyn BlockCodec {
-        match self {
-            Codecs::Lut { keys, .. } => &**keys.codec(),
-            Codecs::Decode { keys, .. } => &**keys,
+    /// The key (`keys`) or value codec.
+    fn codec(&self, keys: bool) -> &dyn BlockCodec {
+        match (self, keys) {
+            (Codecs::Lut { keys, .. }, true) => &**keys.codec(),
+            (Codecs::Lut { values, .. }, false) => &**values.codec(),
+            (Codecs::Decode { keys, .. }, true) => &**keys,
+            (Codecs::Decode { values, .. }, false) => &**values,
         }
     }
-    fn values(&self) -> &dyn BlockCodec {
-        match self {
-            Codecs::Lut { values, .. } => &**values.codec(),
-            Codecs::Decode { values, .. } => &**values,
+
+    /// Encodes f16 rows with the key or value codec (VecInfer reads f16 directly; others f32).
+    fn encode(&self, keys: bool, rows: &[f16]) -> Result<Box<[u8]>> {
+        Ok(match (self, keys) {
+            (Codecs::Lut { keys, .. }, true) => keys.codec().encode_vec(rows)?,
+            (Codecs::Lut { values, .. }, false) => values.codec().encode_vec(rows)?,
+            (Codecs::Decode { .. }, _) => {
+                self.codec(keys).encode_vec(&rows.iter().map(|x| x.to_f32()).collect::<Vec<_>>())?
+            }
         }
+        .into_boxed_slice())
     }
 }
 
@@ -115,7 +124,8 @@ impl CpuBackend {
         values: Arc<VecInferCodec>,
         block: usize,
     ) -> Result<Self> {
-        Self::check(heads, &*keys, &*values)?;
+        heads.check_codec(&*keys)?;
+        heads.check_codec(&*values)?;
         Ok(Self::with_codecs(
             heads,
             slots,
@@ -135,7 +145,8 @@ impl CpuBackend {
         values: Arc<dyn BlockCodec>,
         block: usize,
     ) -> Result<Self> {
-        Self::check(heads, &*keys, &*values)?;
+        heads.check_codec(&*keys)?;
+        heads.check_codec(&*values)?;
         if !block.is_multiple_of(keys.block_tokens()) || !block.is_multiple_of(values.block_tokens()) {
             return Err(Error::Config(format!(
                 "code block {block} is not a multiple of the codecs' blocks ({}, {})",
@@ -144,22 +155,6 @@ impl CpuBackend {
             )));
         }
         Ok(Self::with_codecs(heads, slots, rows, Codecs::Decode { keys, values }, block))
-    }
-
-    fn check(heads: Heads, keys: &dyn BlockCodec, values: &dyn BlockCodec) -> Result<()> {
-        for c in [keys, values] {
-            if (c.n_heads(), c.head_dim()) != (heads.kv, heads.dim) {
-                return Err(Error::Shape(format!(
-                    "codec {} is for {}×{}, the layer has {}×{}",
-                    c.name(),
-                    c.n_heads(),
-                    c.head_dim(),
-                    heads.kv,
-                    heads.dim
-                )));
-            }
-        }
-        Ok(())
     }
 
     fn with_codecs(heads: Heads, slots: usize, rows: usize, codecs: Codecs, block: usize) -> Self {
@@ -211,19 +206,18 @@ impl CpuBackend {
         }
     }
 
-    /// Everything a view's queries may see in f16: sink rows, ring rows, the step's own rows.
+    /// Everything a view's queries may see in f16 (sink, ring, the step's own rows), as segments.
     fn row_segments<'a>(&'a self, v: &SeqView, input: &'a CpuInput) -> Vec<Segment<'a, f16>> {
+        let len = self.row_len();
         let mut segs = Vec::new();
-        self.segments(v.slot, 0, v.n_sink, 0, &mut segs);
-        let mut pos = v.ring_pos0;
-        for (first, n) in v.ring.parts(v.ring_len) {
-            self.segments(v.slot, first, n, pos, &mut segs);
-            pos += n;
-        }
-        if let Some(s) = v.staged {
-            let len = self.row_len();
-            let r = s.src * len..(s.src + s.n) * len;
-            segs.push(Segment { keys: &input.keys[r.clone()], values: &input.values[r], pos0: s.pos0 });
+        for span in v.row_spans() {
+            match span.from {
+                RowSource::Stored(first) => self.segments(v.slot, first, span.n, span.pos0, &mut segs),
+                RowSource::Input(src) => {
+                    let r = src * len..(src + span.n) * len;
+                    segs.push(Segment { keys: &input.keys[r.clone()], values: &input.values[r], pos0: span.pos0 });
+                }
+            }
         }
         segs
     }
@@ -251,7 +245,7 @@ impl CpuBackend {
             .collect();
         let results: Vec<(Vec<Softmax>, Vec<f32>)> = tasks
             .par_iter()
-            .map(|&(vi, qh, t0)| {
+            .map(|&(vi, qh, t0)| -> Result<(Vec<Softmax>, Vec<f32>)> {
                 let v = &views[vi];
                 let t1 = (t0 + QUERY_TILE).min(v.queries.len());
                 let nq = t1 - t0;
@@ -279,11 +273,11 @@ impl CpuBackend {
                     }
                 }
                 if pieces.codes && v.coded > 0 {
-                    self.codes_task(v, kvh, &qs, &q_pos, &mut stats, &mut acc);
+                    self.codes_task(v, kvh, &qs, &q_pos, &mut stats, &mut acc)?;
                 }
-                (stats, acc)
+                Ok((stats, acc))
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let mut out =
             CpuPartial { stats: vec![Softmax::EMPTY; n * hq], acc: vec![0.0; n * hq * d], device: q.device().clone() };
         for (&(vi, qh, t0), (stats, acc)) in tasks.iter().zip(results) {
@@ -298,8 +292,16 @@ impl CpuBackend {
     }
 
     /// Folds a view's codes into the partials of its queries `qs` (one query head over kv head `h`).
-    fn codes_task(&self, v: &SeqView, h: usize, qs: &[f32], q_pos: &[usize], stats: &mut [Softmax], acc: &mut [f32]) {
-        let Some((codecs, block)) = &self.codecs else { return };
+    fn codes_task(
+        &self,
+        v: &SeqView,
+        h: usize,
+        qs: &[f32],
+        q_pos: &[usize],
+        stats: &mut [Softmax],
+        acc: &mut [f32],
+    ) -> Result<()> {
+        let Some((codecs, block)) = &self.codecs else { return Ok(()) };
         let d = self.heads.dim;
         let sc = &self.codes[v.slot];
         match codecs {
@@ -324,10 +326,8 @@ impl CpuBackend {
                 let mut scratch = RowsScratch::new(d, qs.len() / d);
                 let (mut cs, mut ca) = (vec![Softmax::EMPTY; stats.len()], vec![0.0f32; acc.len()]);
                 for (i, (kc, vc)) in sc.keys.iter().zip(&sc.values).enumerate().take(v.coded / block) {
-                    // A decode error cannot happen on blocks this backend encoded; skip it if it does.
-                    if keys.decode(kc, &mut kb).is_err() || values.decode(vc, &mut vb).is_err() {
-                        continue;
-                    }
+                    keys.decode(kc, &mut kb)?;
+                    values.decode(vc, &mut vb)?;
                     let seg = [Segment { keys: &kb[..], values: &vb[..], pos0: v.n_sink + i * block }];
                     rows::attend(qs, q_pos, h, self.heads.kv, &seg, None, &mut cs, &mut ca, &mut scratch);
                 }
@@ -336,37 +336,26 @@ impl CpuBackend {
                 }
             }
         }
+        Ok(())
     }
 
-    /// Rows for a quantize span: the oldest ring rows, then input rows, f16 `[n, kv, D]`.
-    fn gather(&self, input: Option<&CpuInput>, q: &Quantize) -> Result<Vec<f16>> {
+    /// Keys and values of a quantize span in position order (the oldest ring rows, then the
+    /// input's), f16 `[n, kv, D]` each.
+    fn gather(&self, input: &CpuInput, q: &Quantize) -> (Vec<f16>, Vec<f16>) {
         let len = self.row_len();
-        let mut buf = Vec::with_capacity(q.len() * len);
+        let (mut keys, mut values) = (Vec::with_capacity(q.len() * len), Vec::with_capacity(q.len() * len));
         for i in 0..q.ring.1 {
-            buf.extend_from_slice(self.row(q.slot, q.ring.0.row(i)).0);
-        }
-        let mut vals = Vec::with_capacity(q.len() * len);
-        for i in 0..q.ring.1 {
-            vals.extend_from_slice(self.row(q.slot, q.ring.0.row(i)).1);
+            let (k, v) = self.row(q.slot, q.ring.0.row(i));
+            keys.extend_from_slice(k);
+            values.extend_from_slice(v);
         }
         if q.input.1 > 0 {
-            let input = input.ok_or_else(|| Error::Config("codes from a step's rows, but no step input".into()))?;
             let r = q.input.0 * len..(q.input.0 + q.input.1) * len;
-            buf.extend_from_slice(&input.keys[r.clone()]);
-            vals.extend_from_slice(&input.values[r]);
+            keys.extend_from_slice(&input.keys[r.clone()]);
+            values.extend_from_slice(&input.values[r]);
         }
-        buf.extend(vals);
-        Ok(buf)
+        (keys, values)
     }
-}
-
-/// Encodes f16 rows with `codec` (VecInfer reads f16 directly; others take f32).
-fn encode(codec: &dyn BlockCodec, lut: Option<&VecInferCodec>, rows: &[f16]) -> Result<Box<[u8]>> {
-    Ok(match lut {
-        Some(c) => c.encode_vec(rows)?,
-        None => codec.encode_vec(&rows.iter().map(|x| x.to_f32()).collect::<Vec<_>>())?,
-    }
-    .into_boxed_slice())
 }
 
 impl Backend for CpuBackend {
@@ -391,16 +380,11 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn quantize(&mut self, input: Option<&CpuInput>, spans: &[Quantize]) -> Result<()> {
+    fn quantize(&mut self, input: &CpuInput, spans: &[Quantize]) -> Result<()> {
         let Some((codecs, block)) = &self.codecs else {
             return Err(Error::Config("a dense cache holds no codes".into()));
         };
-        let block = *block;
-        let len = self.row_len();
-        let luts = match codecs {
-            Codecs::Lut { keys, values } => (Some(&**keys.codec()), Some(&**values.codec())),
-            Codecs::Decode { .. } => (None, None),
-        };
+        let n = *block * self.row_len();
         let mut new = Vec::with_capacity(spans.len());
         for q in spans {
             let sc = &self.codes[q.slot];
@@ -412,12 +396,12 @@ impl Backend for CpuBackend {
                     sc.keys.len()
                 )));
             }
-            let rows = self.gather(input, q)?;
-            let (keys, values) = rows.split_at(q.len() * len);
-            let mut blocks = Vec::new();
-            for (kb, vb) in keys.chunks(block * len).zip(values.chunks(block * len)) {
-                blocks.push((encode(codecs.keys(), luts.0, kb)?, encode(codecs.values(), luts.1, vb)?));
-            }
+            let (keys, values) = self.gather(input, q);
+            let blocks = keys
+                .chunks(n)
+                .zip(values.chunks(n))
+                .map(|(kb, vb)| Ok((codecs.encode(true, kb)?, codecs.encode(false, vb)?)))
+                .collect::<Result<Vec<_>>>()?;
             new.push((q.slot, blocks));
         }
         for (slot, blocks) in new {
@@ -439,19 +423,16 @@ impl Backend for CpuBackend {
             return Err(Error::Config(format!("restore keeps {} positions, not whole blocks of {block}", r.keep)));
         }
         let b = r.keep / block;
-        let mut decoded = Vec::new();
         if r.n > 0 {
             let sc = &self.codes[r.slot];
             let (mut kb, mut vb) = (vec![0.0f32; block * len], vec![0.0f32; block * len]);
-            codecs.keys().decode(&sc.keys[b], &mut kb)?;
-            codecs.values().decode(&sc.values[b], &mut vb)?;
-            decoded =
-                (0..r.n).map(|i| (kb[i * len..(i + 1) * len].to_vec(), vb[i * len..(i + 1) * len].to_vec())).collect();
-        }
-        for (i, (k, v)) in decoded.into_iter().enumerate() {
-            let (dk, dv) = self.row_mut(r.slot, r.to.row(i));
-            dk.iter_mut().zip(&k).for_each(|(a, &x)| *a = f16::from_f32(x));
-            dv.iter_mut().zip(&v).for_each(|(a, &x)| *a = f16::from_f32(x));
+            codecs.codec(true).decode(&sc.keys[b], &mut kb)?;
+            codecs.codec(false).decode(&sc.values[b], &mut vb)?;
+            for i in 0..r.n {
+                let (dk, dv) = self.row_mut(r.slot, r.to.row(i));
+                dk.iter_mut().zip(&kb[i * len..(i + 1) * len]).for_each(|(a, &x)| *a = f16::from_f32(x));
+                dv.iter_mut().zip(&vb[i * len..(i + 1) * len]).for_each(|(a, &x)| *a = f16::from_f32(x));
+            }
         }
         let sc = &mut self.codes[r.slot];
         sc.keys.truncate(b);
@@ -496,13 +477,13 @@ impl Backend for CpuBackend {
         let codes: usize =
             self.codes.iter().map(|s| s.keys.iter().chain(&s.values).map(|b| b.len()).sum::<usize>()).sum();
         let tables = match &self.codecs {
-            Some((Codecs::Lut { keys, values }, _)) => {
-                keys.codec().resident_bytes()
-                    + values.codec().resident_bytes()
-                    + keys.resident_bytes()
-                    + values.resident_bytes()
+            Some((c, _)) => {
+                let transposed = match c {
+                    Codecs::Lut { keys, values } => keys.resident_bytes() + values.resident_bytes(),
+                    Codecs::Decode { .. } => 0,
+                };
+                c.codec(true).resident_bytes() + c.codec(false).resident_bytes() + transposed
             }
-            Some((Codecs::Decode { keys, values }, _)) => keys.resident_bytes() + values.resident_bytes(),
             None => 0,
         };
         rows + codes + tables

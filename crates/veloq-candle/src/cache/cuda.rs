@@ -333,7 +333,7 @@ impl Backend for CudaBackend {
 
     /// Ring spans of sequences laid out alike code in one launch per codec; rows from the step's
     /// input one sequence at a time.
-    fn quantize(&mut self, input: Option<&TensorInput>, spans: &[Quantize]) -> Result<()> {
+    fn quantize(&mut self, input: &TensorInput, spans: &[Quantize]) -> Result<()> {
         let Attention::Coded(attn) = &self.attention else {
             return Err(Error::Config("a dense cache holds no codes".into()));
         };
@@ -375,7 +375,6 @@ impl Backend for CudaBackend {
                 self.rt.count(2);
             }
             if q.input.1 > 0 {
-                let input = input.ok_or_else(|| Error::Config("codes from a step's rows, but no step input".into()))?;
                 // Token-major input: vector t of head h is row (src + t)·kv + h.
                 let map = RowMap {
                     t: q.input.1 as i32,
@@ -433,16 +432,8 @@ impl Backend for CudaBackend {
     /// their storage is alike); the rest to the portable pieces; outputs land in step order.
     fn attend(&self, q: &Tensor, views: &[SeqView], input: &TensorInput, scale: f32) -> Result<Tensor> {
         let (fast, slow): (Vec<SeqView>, Vec<SeqView>) = views.iter().cloned().partition(|v| self.decodable(v));
-        let default = |vs: &[SeqView]| -> Result<Tensor> {
-            let rows = self.base.attend_rows(q, vs, input, scale)?;
-            if vs.iter().all(|v| v.coded == 0) {
-                return self.base.finish(rows);
-            }
-            let codes = self.base.attend_codes(q, vs, scale)?;
-            self.base.finish(self.base.merge(codes, rows)?)
-        };
         if fast.is_empty() {
-            return default(views);
+            return self.base.attend(q, views, input, scale);
         }
         let Heads { q: hq, dim: d, .. } = self.base.heads;
         let n = q.dim(0)?;
@@ -460,7 +451,7 @@ impl Backend for CudaBackend {
             Ok(())
         })?;
         for v in &slow {
-            let part = default(std::slice::from_ref(v))?.contiguous()?;
+            let part = self.base.attend(q, std::slice::from_ref(v), input, scale)?.contiguous()?;
             let r = v.queries.start * hq * d..v.queries.end * hq * d;
             with_view::<f32, _>(&part, |src| {
                 let mut dst = out.slice_mut(r.clone());

@@ -52,30 +52,33 @@ impl<B: Backend> KvCache<B> {
 
     fn run(&mut self, moves: Vec<Move>) -> Result<()> {
         // Consecutive moves of one kind go to the backend together (it may batch them).
-        let mut i = 0;
-        while i < moves.len() {
-            let j = i + moves[i..]
-                .iter()
-                .take_while(|m| std::mem::discriminant(*m) == std::mem::discriminant(&moves[i]))
-                .count();
-            match moves[i] {
+        let mut rest = &moves[..];
+        while let Some(first) = rest.first() {
+            let n = rest.iter().take_while(|m| std::mem::discriminant(*m) == std::mem::discriminant(first)).count();
+            let (run, tail) = rest.split_at(n);
+            rest = tail;
+            if let Move::Restore(_) = first {
+                for m in run {
+                    if let Move::Restore(r) = m {
+                        self.backend.restore(r)?;
+                    }
+                }
+                continue;
+            }
+            // Puts and codes come only from a commit, which the step's input outlives.
+            let input = self.input.as_ref().ok_or_else(|| Error::Config("rows to store but no step input".into()))?;
+            match first {
                 Move::Put(_) => {
                     let puts: Vec<_> =
-                        moves[i..j].iter().filter_map(|m| if let Move::Put(p) = m { Some(*p) } else { None }).collect();
-                    let input =
-                        self.input.as_ref().ok_or_else(|| Error::Config("rows to put but no step input".into()))?;
+                        run.iter().filter_map(|m| if let Move::Put(p) = m { Some(*p) } else { None }).collect();
                     self.backend.put_rows(input, &puts)?;
                 }
-                Move::Quantize(_) => {
-                    let spans: Vec<_> = moves[i..j]
-                        .iter()
-                        .filter_map(|m| if let Move::Quantize(q) = m { Some(*q) } else { None })
-                        .collect();
-                    self.backend.quantize(self.input.as_ref(), &spans)?;
+                _ => {
+                    let spans: Vec<_> =
+                        run.iter().filter_map(|m| if let Move::Quantize(q) = m { Some(*q) } else { None }).collect();
+                    self.backend.quantize(input, &spans)?;
                 }
-                Move::Restore(r) => self.backend.restore(&r)?,
             }
-            i = if matches!(moves[i], Move::Restore(_)) { i + 1 } else { j };
         }
         Ok(())
     }

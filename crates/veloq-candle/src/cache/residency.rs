@@ -206,6 +206,45 @@ impl SeqView {
     pub fn query_pos(&self, i: usize) -> usize {
         self.start + i
     }
+
+    /// Every f16 row the queries may see, as runs of consecutive rows holding consecutive
+    /// positions, oldest first: the sink, the ring (in at most two runs where it wraps), then the
+    /// step's own rows still in the input. Codes are not rows: see `coded`.
+    pub fn row_spans(&self) -> Vec<RowSpan> {
+        let mut out = Vec::with_capacity(4);
+        if self.n_sink > 0 {
+            out.push(RowSpan { from: RowSource::Stored(0), n: self.n_sink, pos0: 0 });
+        }
+        let mut pos = self.ring_pos0;
+        for (first, n) in self.ring.parts(self.ring_len) {
+            out.push(RowSpan { from: RowSource::Stored(first), n, pos0: pos });
+            pos += n;
+        }
+        if let Some(s) = self.staged {
+            out.push(RowSpan { from: RowSource::Input(s.src), n: s.n, pos0: s.pos0 });
+        }
+        out
+    }
+}
+
+/// Where a run of rows is read from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowSource {
+    /// The sequence's stored rows, from this row.
+    Stored(usize),
+    /// The step's input, from this packed row.
+    Input(usize),
+}
+
+/// `n` consecutive rows holding positions `pos0..pos0 + n`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowSpan {
+    /// Where the rows are.
+    pub from: RowSource,
+    /// Rows.
+    pub n: usize,
+    /// Position of the first.
+    pub pos0: usize,
 }
 
 /// A step's rows that wait in the input for the commit.

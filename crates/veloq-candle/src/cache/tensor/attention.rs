@@ -38,14 +38,22 @@ impl State {
         })
     }
 
-    /// Folds scores `s` (`[lead, r, n]`, −∞ where masked) and their values `v` (`[lead, n, d]`).
-    pub fn fold(&mut self, s: &Tensor, v: &Tensor) -> Result<()> {
+    /// Moves the maximum and the sum over scores `s` (`[lead, r, n]`, −∞ where masked): returns
+    /// their weights `p` and the factor `alpha` (`[lead, r, 1]`) by which what was accumulated
+    /// before must be rescaled. The caller accumulates the weighted values.
+    pub fn step(&mut self, s: &Tensor) -> Result<(Tensor, Tensor)> {
         let m = self.m.maximum(&s.max_keepdim(D::Minus1)?)?;
         let alpha = (&self.m - &m)?.exp()?;
         let p = s.broadcast_sub(&m)?.exp()?;
         self.l = ((&self.l * &alpha)? + p.sum_keepdim(D::Minus1)?)?;
-        self.o = (self.o.broadcast_mul(&alpha)? + p.matmul(v)?)?;
         self.m = m;
+        Ok((p, alpha))
+    }
+
+    /// Folds scores `s` (`[lead, r, n]`, −∞ where masked) and their values `v` (`[lead, n, d]`).
+    pub fn fold(&mut self, s: &Tensor, v: &Tensor) -> Result<()> {
+        let (p, alpha) = self.step(s)?;
+        self.o = (self.o.broadcast_mul(&alpha)? + p.matmul(v)?)?;
         Ok(())
     }
 
@@ -159,11 +167,7 @@ pub fn codes_state(
         if let Some(off) = &offset {
             s = s.broadcast_add(off)?;
         }
-        let mx = state.m.maximum(&s.max_keepdim(D::Minus1)?)?;
-        let alpha = (&state.m - &mx)?.exp()?;
-        let p = s.broadcast_sub(&mx)?.exp()?;
-        state.l = ((&state.l * &alpha)? + p.sum_keepdim(D::Minus1)?)?;
-        state.m = mx;
+        let (p, alpha) = state.step(&s)?;
         let idx = gather_index(&values.1.narrow(1, s0, n)?, g, t)?;
         let src = p.unsqueeze(2)?.broadcast_as((hq, t, mv, n))?.contiguous()?;
         w = w.broadcast_mul(&alpha.unsqueeze(3)?)?.scatter_add(&idx, &src, 3)?;

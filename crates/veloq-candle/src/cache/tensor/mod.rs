@@ -20,7 +20,7 @@ use veloq::codec::vecinfer::VecInferCodec;
 use self::attention::{codes_state, fold_rows, RowChunk, State, ROW_CHUNK};
 use self::codec::TensorCodec;
 use super::backend::{Backend, Heads};
-use super::residency::{Put, Quantize, Restore, RowRun, SeqView};
+use super::residency::{Put, Quantize, Restore, RowRun, RowSource, SeqView};
 use crate::error::{Error, Result};
 
 /// Queries per tile of the partials (bounds the scratch with the chunks).
@@ -91,17 +91,8 @@ impl TensorBackend {
         values: &VecInferCodec,
         device: &Device,
     ) -> Result<Self> {
-        for c in [keys, values] {
-            if (c.n_heads(), c.head_dim()) != (heads.kv, heads.dim) {
-                return Err(Error::Shape(format!(
-                    "codec for {}×{}, the layer has {}×{}",
-                    c.n_heads(),
-                    c.head_dim(),
-                    heads.kv,
-                    heads.dim
-                )));
-            }
-        }
+        heads.check_codec(keys)?;
+        heads.check_codec(values)?;
         let mut b = Self::dense(heads, slots, rows, device)?;
         let (kc, vc) = (TensorCodec::new(keys, device)?, TensorCodec::new(values, device)?);
         let codes = |c: &TensorCodec| Tensor::zeros((slots, heads.kv, capacity, c.subspaces()), c.code_dtype(), device);
@@ -131,36 +122,23 @@ impl TensorBackend {
         Ok(())
     }
 
-    /// Rows `first..first + n` of `slot` as chunks (views, `[kv, ≤ROW_CHUNK, D]`) from `pos0`.
-    fn chunks(&self, slot: usize, first: usize, n: usize, pos0: usize, out: &mut Vec<RowChunk>) -> Result<()> {
-        for c0 in (0..n).step_by(ROW_CHUNK) {
-            let len = ROW_CHUNK.min(n - c0);
-            out.push(RowChunk {
-                keys: self.rows_of(0, slot, first + c0, len)?,
-                values: self.rows_of(1, slot, first + c0, len)?,
-                pos0: pos0 + c0,
-            });
-        }
-        Ok(())
-    }
-
-    /// Every f16 row a view's queries may see: sink, ring, the step's own rows.
+    /// Every f16 row a view's queries may see (sink, ring, the step's own rows), as chunks.
     fn row_chunks(&self, v: &SeqView, input: &TensorInput) -> Result<Vec<RowChunk>> {
         let mut out = Vec::new();
-        if v.n_sink > 0 {
-            self.chunks(v.slot, 0, v.n_sink, 0, &mut out)?;
-        }
-        let mut pos = v.ring_pos0;
-        for (first, n) in v.ring.parts(v.ring_len) {
-            self.chunks(v.slot, first, n, pos, &mut out)?;
-            pos += n;
-        }
-        if let Some(s) = v.staged {
-            for c0 in (0..s.n).step_by(ROW_CHUNK) {
-                let len = ROW_CHUNK.min(s.n - c0);
-                let rows = |t: &Tensor| -> Result<Tensor> { Ok(t.narrow(0, s.src + c0, len)?.transpose(0, 1)?) };
-                let (k16, v16) = input.half()?;
-                out.push(RowChunk { keys: rows(k16)?, values: rows(v16)?, pos0: s.pos0 + c0 });
+        for span in v.row_spans() {
+            for c0 in (0..span.n).step_by(ROW_CHUNK) {
+                let len = ROW_CHUNK.min(span.n - c0);
+                let (keys, values) = match span.from {
+                    RowSource::Stored(first) => {
+                        (self.rows_of(0, v.slot, first + c0, len)?, self.rows_of(1, v.slot, first + c0, len)?)
+                    }
+                    RowSource::Input(src) => {
+                        let (k16, v16) = input.half()?;
+                        let rows = |t: &Tensor| -> Result<Tensor> { Ok(t.narrow(0, src + c0, len)?.transpose(0, 1)?) };
+                        (rows(k16)?, rows(v16)?)
+                    }
+                };
+                out.push(RowChunk { keys, values, pos0: span.pos0 + c0 });
             }
         }
         Ok(out)
@@ -220,7 +198,7 @@ impl Backend for TensorBackend {
         Ok(())
     }
 
-    fn quantize(&mut self, input: Option<&TensorInput>, spans: &[Quantize]) -> Result<()> {
+    fn quantize(&mut self, input: &TensorInput, spans: &[Quantize]) -> Result<()> {
         let c = self.codes()?;
         for q in spans {
             // Rows in position order, [n, kv, D] f16: the oldest ring rows, then the input's.
@@ -231,7 +209,6 @@ impl Backend for TensorBackend {
                 parts.push((rows(0)?, rows(1)?));
             }
             if q.input.1 > 0 {
-                let input = input.ok_or_else(|| Error::Config("codes from a step's rows, but no step input".into()))?;
                 let (k16, v16) = input.half()?;
                 parts.push((k16.narrow(0, q.input.0, q.input.1)?, v16.narrow(0, q.input.0, q.input.1)?));
             }
