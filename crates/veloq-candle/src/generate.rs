@@ -1,4 +1,4 @@
-//! Generation: prefill the prompt in one forward pass, then decode token by token with greedy or
+//! Generation: prefill the prompt in chunks, then decode token by token with greedy or
 //! temperature / top-p sampling, streaming text as it comes.
 
 use std::time::Instant;
@@ -8,8 +8,9 @@ use tokenizers::Tokenizer;
 
 use crate::cache::ModelCache;
 use crate::config::fp16_bytes;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::model::{decode, encode, ChatTemplate, Model};
+use crate::prefill::{prefill, DEFAULT_CHUNK};
 
 #[derive(Clone, Debug)]
 pub struct GenerateOptions {
@@ -20,12 +21,63 @@ pub struct GenerateOptions {
     pub seed: u64,
     /// Wrap the prompt in the model's chat template when it has one.
     pub chat: bool,
+    /// Prompt tokens per forward pass (see [`crate::prefill`]).
+    pub prefill_chunk: usize,
 }
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        Self { max_tokens: 128, temperature: 0.0, top_p: None, seed: 299792458, chat: true }
+        Self {
+            max_tokens: 128,
+            temperature: 0.0,
+            top_p: None,
+            seed: 299792458,
+            chat: true,
+            prefill_chunk: DEFAULT_CHUNK,
+        }
     }
+}
+
+impl GenerateOptions {
+    /// Refuses sampling settings that would silently mean something else (a top-p of 7, a NaN
+    /// temperature) before any work is done.
+    pub fn validate(&self) -> Result<()> {
+        if self.max_tokens == 0 {
+            return Err(Error::Config("max_tokens must be at least 1".into()));
+        }
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return Err(Error::Config(format!("temperature must be a finite number ≥ 0, got {}", self.temperature)));
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(Error::Config(format!("top_p must be in (0, 1], got {p}")));
+            }
+        }
+        if self.prefill_chunk == 0 {
+            return Err(Error::Config("the prefill chunk must be at least one token".into()));
+        }
+        Ok(())
+    }
+}
+
+/// What generation reports as it goes.
+#[derive(Clone, Copy, Debug)]
+pub enum Event<'a> {
+    /// `done` of `total` prompt tokens are in the caches.
+    Prefilled { done: usize, total: usize },
+    /// New text of the completion.
+    Text(&'a str),
+}
+
+/// Why generation stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// The model produced an end-of-sequence token.
+    Stop,
+    /// `max_tokens` were generated.
+    Length,
+    /// The caches reached the model's context.
+    Context,
 }
 
 #[derive(Clone, Debug)]
@@ -33,6 +85,7 @@ pub struct GenerateOutput {
     pub prompt_tokens: usize,
     pub tokens: Vec<u32>,
     pub text: String,
+    pub finish: Finish,
     pub prefill_s: f64,
     pub decode_s: f64,
     /// Bytes the caches hold at the end.
@@ -59,7 +112,11 @@ pub fn generate(
     on_text: &mut dyn FnMut(&str),
 ) -> Result<GenerateOutput> {
     let prompt_ids = prompt_ids(model, tok, prompt, opts.chat)?;
-    generate_ids(model, tok, caches, &prompt_ids, opts, on_text)
+    generate_ids(model, tok, caches, &prompt_ids, opts, &mut |e| {
+        if let Event::Text(s) = e {
+            on_text(s)
+        }
+    })
 }
 
 /// The token ids `generate` feeds for `prompt`: in the chat template when `chat`, after a BOS when
@@ -75,14 +132,18 @@ pub fn prompt_ids(model: &Model, tok: &Tokenizer, prompt: &str, chat: bool) -> R
     Ok(ids)
 }
 
+/// Continues the sequence in slot 0 with `prompt_ids` (prefilled in chunks) and generates after
+/// them. The last generated token is not fed back (nothing attends to it yet): a follow-up turn
+/// starts with it, see [`crate::chat::Chat`].
 pub fn generate_ids(
     model: &Model,
     tok: &Tokenizer,
     caches: &mut ModelCache,
     prompt_ids: &[u32],
     opts: &GenerateOptions,
-    on_text: &mut dyn FnMut(&str),
+    on_event: &mut dyn FnMut(Event<'_>),
 ) -> Result<GenerateOutput> {
+    opts.validate()?;
     let sampling = if opts.temperature <= 0.0 {
         Sampling::ArgMax
     } else {
@@ -93,34 +154,67 @@ pub fn generate_ids(
     };
     let mut proc = LogitsProcessor::from_sampling(opts.seed, sampling);
     let start = Instant::now();
-    let logits = model.forward(prompt_ids, caches, false)?.squeeze(0)?;
+    let logits = prefill(model, caches, 0, prompt_ids, opts.prefill_chunk, &mut |done, total| {
+        on_event(Event::Prefilled { done, total })
+    })?;
     let mut next = proc.sample(&logits)?;
     let prefill_s = start.elapsed().as_secs_f64();
     let start = Instant::now();
     let mut tokens = Vec::new();
     let mut shown = String::new();
-    while tokens.len() < opts.max_tokens {
+    let finish = loop {
         tokens.push(next);
         let text = decode(tok, &tokens)?;
         if text.len() > shown.len() && text.is_char_boundary(shown.len()) {
-            on_text(&text[shown.len()..]);
+            on_event(Event::Text(&text[shown.len()..]));
             shown = text;
         }
-        if model.info.eos_tokens.contains(&next) || tokens.len() == opts.max_tokens {
-            break;
+        if model.info.eos_tokens.contains(&next) {
+            break Finish::Stop;
+        }
+        if tokens.len() >= opts.max_tokens {
+            break Finish::Length;
+        }
+        if caches.len(0) >= model.max_context() {
+            break Finish::Context;
         }
         let logits = model.forward(&[next], caches, false)?.squeeze(0)?;
         next = proc.sample(&logits)?;
-    }
+    };
     let decode_s = start.elapsed().as_secs_f64();
     let len = caches.len(0);
     Ok(GenerateOutput {
         prompt_tokens: prompt_ids.len(),
         text: decode(tok, &tokens)?,
         tokens,
+        finish,
         prefill_s,
         decode_s,
         kv_resident_bytes: caches.resident_bytes(),
         kv_fp16_bytes: fp16_bytes(model, len),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampling_settings_are_validated() {
+        let ok = GenerateOptions::default();
+        assert!(ok.validate().is_ok());
+        assert!(GenerateOptions { top_p: Some(1.0), temperature: 0.7, ..ok.clone() }.validate().is_ok());
+        for bad in [
+            GenerateOptions { top_p: Some(7.0), ..ok.clone() },
+            GenerateOptions { top_p: Some(0.0), ..ok.clone() },
+            GenerateOptions { top_p: Some(f64::NAN), ..ok.clone() },
+            GenerateOptions { temperature: f64::NAN, ..ok.clone() },
+            GenerateOptions { temperature: -1.0, ..ok.clone() },
+            GenerateOptions { max_tokens: 0, ..ok.clone() },
+            GenerateOptions { prefill_chunk: 0, ..ok.clone() },
+        ] {
+            let e = bad.validate().unwrap_err().to_string();
+            assert!(e.contains("must"), "{bad:?}: {e}");
+        }
+    }
 }

@@ -2,12 +2,14 @@
 //! weights, generation, and activation collection for calibration.
 
 pub mod cache;
+pub mod chat;
 pub mod collect;
 pub mod config;
 pub mod error;
 pub mod eval;
 pub mod generate;
 pub mod model;
+pub mod prefill;
 
 #[cfg(test)]
 mod testing;

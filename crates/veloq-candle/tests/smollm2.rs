@@ -9,10 +9,12 @@ use veloq::codec::codebook::PqShape;
 use veloq::codec::vecinfer::CodecSpec;
 use veloq::kernels::select::KernelChoice;
 use veloq_candle::cache::{ModelCache, SeqStep, Step};
+use veloq_candle::chat::Chat;
 use veloq_candle::collect::{calibrate, collect_activations};
 use veloq_candle::config::CacheConfig;
 use veloq_candle::generate::{generate, GenerateOptions};
 use veloq_candle::model::{encode, Logits, Model};
+use veloq_candle::prefill::prefill as chunked;
 use veloq_candle::Error;
 
 fn cache_dir() -> PathBuf {
@@ -234,5 +236,96 @@ fn ragged_batches_match_single_sequences() {
                 }
             }
         }
+    }
+}
+
+fn last_logits(t: candle_core::Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
+
+fn argmax(l: &[f32]) -> usize {
+    l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0
+}
+
+/// A 900-token prompt fed in chunks of 128 (the earlier chunks already codes while the later run)
+/// gives the one-shot prefill's next-token logits: fp16 to rounding, VecInfer within the 2-bit
+/// codec's bound (one-shot attends its own rows exactly; chunked attends the earlier chunks'
+/// codes). Progress is reported after every chunk.
+#[test]
+fn chunked_prefill_equals_one_shot() {
+    let f = fixture();
+    let ids = encode(&f.tok, &text("emma.txt")).unwrap();
+    let ids = &ids[5000..5900];
+    for (config, bound) in [(CacheConfig::fp16(), 0.9999), (CacheConfig::vecinfer(f.calibration.clone()), 0.99)] {
+        let mut one = config.build(&f.model).unwrap();
+        let a = last_logits(chunked(&f.model, &mut one, 0, ids, ids.len(), &mut |_, _| {}).unwrap());
+        let mut parts = config.build(&f.model).unwrap();
+        let mut seen = Vec::new();
+        let b = last_logits(chunked(&f.model, &mut parts, 0, ids, 128, &mut |d, t| seen.push((d, t))).unwrap());
+        let want: Vec<(usize, usize)> = (1..=7).map(|i| (i * 128, 900)).chain([(900, 900)]).collect();
+        assert_eq!(seen, want);
+        assert_eq!((one.len(0), parts.len(0)), (900, 900));
+        let c = cosine(&a, &b);
+        println!("{}: chunked vs one-shot logit cosine {c:.6}, argmax {} vs {}", config.name(), argmax(&a), argmax(&b));
+        assert!(c >= bound, "{}: cosine {c} < {bound}", config.name());
+        assert_eq!(argmax(&a), argmax(&b), "{}", config.name());
+    }
+}
+
+/// A follow-up turn appended after positions are codes (a 300-token first turn, a 10-token reply
+/// fed token by token, a 40-token second turn in one step) gives the logits of feeding the whole
+/// conversation at once: fp16 to rounding, VecInfer within the codec's bound.
+#[test]
+fn follow_up_turn_after_codes_equals_a_single_feed() {
+    let f = fixture();
+    let ids = encode(&f.tok, &text("emma.txt")).unwrap();
+    let ids = &ids[9000..9350];
+    for (config, bound) in [(CacheConfig::fp16(), 0.9999), (CacheConfig::vecinfer(f.calibration.clone()), 0.99)] {
+        let mut turns = config.build(&f.model).unwrap();
+        chunked(&f.model, &mut turns, 0, &ids[..300], 512, &mut |_, _| {}).unwrap();
+        for &t in &ids[300..310] {
+            f.model.forward(&[t], &mut turns, false).unwrap();
+        }
+        let a = last_logits(chunked(&f.model, &mut turns, 0, &ids[310..], 512, &mut |_, _| {}).unwrap());
+        let mut single = config.build(&f.model).unwrap();
+        let b = last_logits(chunked(&f.model, &mut single, 0, ids, 512, &mut |_, _| {}).unwrap());
+        let c = cosine(&a, &b);
+        println!("{}: turn-wise vs single feed logit cosine {c:.6}", config.name());
+        assert!(c >= bound, "{}: cosine {c} < {bound}", config.name());
+        assert_eq!(argmax(&a), argmax(&b), "{}", config.name());
+    }
+}
+
+/// `Chat` keeps the conversation in the caches: the second turn feeds only its own tokens, the
+/// history it reports is what a single feed would see (its greedy reply starts with the same
+/// token), a refused turn (over the context) changes nothing, and a reset frees every position.
+#[test]
+fn chat_keeps_history_in_the_caches() {
+    let f = fixture();
+    let passage: String = text("emma.txt").chars().skip(20_000).take(1200).collect();
+    for config in [CacheConfig::fp16(), CacheConfig::vecinfer(f.calibration.clone())] {
+        let mut chat = Chat::new(&f.model, &f.tok, config.build(&f.model).unwrap());
+        let first = chat.say(&format!("{passage}\n\nWho is mentioned above?"), &greedy(12), &mut |_| {}).unwrap();
+        let after_first = chat.caches().len(0);
+        assert!(after_first > 250, "{after_first} positions: codes should exist");
+        assert_eq!(after_first, first.prompt_tokens + first.tokens.len() - 1);
+        let second = chat.say("Answer in one word.", &greedy(4), &mut |_| {}).unwrap();
+        // Only the new turn (and the carried end of the first reply) went in.
+        assert!(second.prompt_tokens < 30, "{} tokens fed for a short turn", second.prompt_tokens);
+        let hist = chat.history().to_vec();
+        // Positions fed before the second reply: the first turn, the first reply but its last
+        // token, then the second feed (that token, the turn's end, the new turn).
+        let second_prompt_end = after_first + second.prompt_tokens;
+        let mut fresh = config.build(&f.model).unwrap();
+        let l = last_logits(chunked(&f.model, &mut fresh, 0, &hist[..second_prompt_end], 512, &mut |_, _| {}).unwrap());
+        if matches!(config.method, veloq_candle::config::Method::Fp16) {
+            assert_eq!(argmax(&l) as u32, second.tokens[0], "fp16: single feed of the history disagrees");
+        }
+        let over = "word ".repeat(3000);
+        let len = chat.caches().len(0);
+        assert!(matches!(chat.say(&over, &greedy(4), &mut |_| {}), Err(Error::ContextOverflow { .. })));
+        assert_eq!(chat.caches().len(0), len, "a refused turn must change nothing");
+        chat.reset().unwrap();
+        assert_eq!((chat.caches().len(0), chat.history().len()), (0, 0));
     }
 }

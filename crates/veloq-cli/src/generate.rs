@@ -1,14 +1,14 @@
 //! `veloq generate`: stream a completion and report speed and KV memory.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Args as ClapArgs, ValueEnum};
 
 use veloq::kernels::select::KernelChoice;
 use veloq_candle::config::CacheConfig;
-use veloq_candle::generate::{generate, GenerateOptions};
+use veloq_candle::generate::{generate_ids, prompt_ids, Event, GenerateOptions};
 use veloq_candle::model::Model;
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -40,27 +40,14 @@ impl ModelFiles {
     }
 }
 
-#[derive(ClapArgs)]
-pub struct Args {
+/// How a model and its caches are set up: shared by `generate` and `chat`.
+#[derive(ClapArgs, Clone)]
+pub struct Runtime {
     #[command(flatten)]
     pub files: ModelFiles,
-    #[arg(long)]
-    pub prompt: String,
     #[arg(long, value_enum, default_value = "vecinfer")]
     pub method: MethodArg,
-    #[arg(long, default_value_t = 128)]
-    pub max_tokens: usize,
-    /// Sampling temperature; 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f64,
-    #[arg(long)]
-    pub top_p: Option<f64>,
-    #[arg(long, default_value_t = 299792458)]
-    pub seed: u64,
-    /// Feed the prompt as is, without the chat template.
-    #[arg(long)]
-    pub raw: bool,
-    /// Longest context (prompt + generated) the caches accept (GPU caches reserve it up front).
+    /// Longest context (prompts + generated) the caches accept (GPU caches reserve it up front).
     #[arg(long, default_value_t = 8192)]
     pub max_context: usize,
     /// cpu, cuda or cuda:N (CUDA needs a build with --features cuda).
@@ -77,6 +64,158 @@ pub struct Args {
     pub dequantize: bool,
 }
 
+/// Sampling and prefill settings: shared by `generate` and `chat`.
+#[derive(ClapArgs, Clone)]
+pub struct Sampling {
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Nucleus sampling: keep the most likely tokens up to this probability mass, in (0, 1].
+    #[arg(long)]
+    pub top_p: Option<f64>,
+    #[arg(long, default_value_t = 299792458)]
+    pub seed: u64,
+    /// Prompt tokens per forward pass (chunked prefill; llama.cpp's micro-batch is 512 too).
+    #[arg(long, default_value_t = veloq_candle::prefill::DEFAULT_CHUNK)]
+    pub prefill_chunk: usize,
+}
+
+impl Sampling {
+    pub fn options(&self, chat: bool) -> Result<GenerateOptions> {
+        let opts = GenerateOptions {
+            max_tokens: self.max_tokens,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            seed: self.seed,
+            chat,
+            prefill_chunk: self.prefill_chunk,
+        };
+        opts.validate()?;
+        Ok(opts)
+    }
+}
+
+#[derive(ClapArgs)]
+pub struct Args {
+    #[command(flatten)]
+    pub runtime: Runtime,
+    #[command(flatten)]
+    pub sampling: Sampling,
+    /// The prompt text.
+    #[arg(long, required_unless_present = "prompt_file", conflicts_with = "prompt_file")]
+    pub prompt: Option<String>,
+    /// Read the prompt from a file (`-`: standard input).
+    #[arg(long)]
+    pub prompt_file: Option<PathBuf>,
+    /// Feed the prompt as is, without the chat template.
+    #[arg(long)]
+    pub raw: bool,
+}
+
+/// A loaded model with its caches, as `--method`, `--device` and `--kernels` ask.
+pub struct Loaded {
+    pub model: Model,
+    pub tok: veloq_candle::model::Tokenizer,
+    pub config: CacheConfig,
+    pub device: candle_core::Device,
+}
+
+impl Runtime {
+    pub fn load(&self) -> Result<Loaded> {
+        let model_path = self.files.model();
+        if self.dequantize {
+            // Read by candle when the weights are loaded, below; nothing else runs yet.
+            std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
+        }
+        let device = crate::device::parse(&self.device)?;
+        let kernels = KernelChoice::parse(&self.kernels)?;
+        let (model, tok) = Model::open_on(&model_path, self.max_context, &device)
+            .with_context(|| format!("loading {}", model_path.display()))?;
+        let config = match self.method {
+            MethodArg::Fp16 => CacheConfig::fp16(),
+            MethodArg::Vecinfer => {
+                let cal = self.files.calibration();
+                CacheConfig::vecinfer_from_file(&cal, &model).with_context(|| {
+                    format!(
+                        "loading calibration {} (make one with `veloq calibrate --model {}`)",
+                        cal.display(),
+                        model_path.display()
+                    )
+                })?
+            }
+        };
+        Ok(Loaded { model, tok, config: CacheConfig { kernels, ..config }, device })
+    }
+}
+
+/// The KV line of a report: bytes held, and against fp16 at the same length (CPU) or reservation
+/// (GPU caches reserve `max_context` up front).
+pub fn kv_report(l: &Loaded, resident: usize, positions: usize) -> String {
+    let (fp16, what) = if l.device.is_cpu() {
+        (veloq_candle::config::fp16_bytes(&l.model, positions), "resident".to_string())
+    } else {
+        let max = l.model.max_context();
+        (veloq_candle::config::fp16_bytes(&l.model, max), format!("reserved for {max} positions"))
+    };
+    if matches!(l.config.method, veloq_candle::config::Method::Fp16) {
+        format!("KV cache {} {what}", human(resident))
+    } else {
+        format!(
+            "KV cache {} {what} vs {} for fp16 ({:.2}×)",
+            human(resident),
+            human(fp16),
+            fp16 as f64 / resident.max(1) as f64
+        )
+    }
+}
+
+/// Streams generation events: text to stdout, a prefill bar on stderr for prompts longer than a
+/// chunk.
+pub struct Printer {
+    bar: Option<indicatif::ProgressBar>,
+    chunk: usize,
+}
+
+impl Printer {
+    pub fn new(chunk: usize) -> Self {
+        Self { bar: None, chunk }
+    }
+
+    pub fn event(&mut self, e: Event<'_>) {
+        match e {
+            Event::Prefilled { done, total } if total > self.chunk => {
+                let bar = self.bar.get_or_insert_with(|| crate::calibrate::bar(total as u64, "prefill"));
+                bar.set_position(done as u64);
+                if done == total {
+                    bar.finish_and_clear();
+                    self.bar = None;
+                }
+            }
+            Event::Prefilled { .. } => {}
+            Event::Text(s) => {
+                print!("{s}");
+                let _ = std::io::stdout().flush();
+            }
+        }
+    }
+}
+
+/// The prompt from `--prompt` or `--prompt-file` (`-` = stdin).
+fn read_prompt(a: &Args) -> Result<String> {
+    match (&a.prompt, &a.prompt_file) {
+        (Some(p), _) => Ok(p.clone()),
+        (None, Some(path)) if path.as_os_str() == "-" => {
+            let mut s = String::new();
+            std::io::stdin().read_to_string(&mut s).context("reading the prompt from standard input")?;
+            Ok(s)
+        }
+        (None, Some(path)) => std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display())),
+        (None, None) => bail!("give --prompt or --prompt-file"),
+    }
+}
+
 pub fn default_model() -> PathBuf {
     veloq::artifact::default_dir().join("smollm2-135m-instruct.q4_1.gguf")
 }
@@ -87,66 +226,23 @@ pub fn default_calibration(model: &std::path::Path) -> PathBuf {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let model_path = a.files.model();
-    if a.dequantize {
-        // Read by candle when the weights are loaded, below; nothing else runs yet.
-        std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
-    }
-    let device = crate::device::parse(&a.device)?;
-    let kernels = KernelChoice::parse(&a.kernels)?;
-    let (model, tok) = Model::open_on(&model_path, a.max_context, &device)
-        .with_context(|| format!("loading {}", model_path.display()))?;
-    let config = match a.method {
-        MethodArg::Fp16 => CacheConfig::fp16(),
-        MethodArg::Vecinfer => {
-            let cal = a.files.calibration();
-            CacheConfig::vecinfer_from_file(&cal, &model).with_context(|| {
-                format!(
-                    "loading calibration {} (make one with `veloq calibrate --model {}`)",
-                    cal.display(),
-                    model_path.display()
-                )
-            })?
-        }
-    };
-    let config = CacheConfig { kernels, ..config };
-    let mut caches = config.build(&model)?;
-    let opts = GenerateOptions {
-        max_tokens: a.max_tokens,
-        temperature: a.temperature,
-        top_p: a.top_p,
-        seed: a.seed,
-        chat: !a.raw,
-    };
-    let out = generate(&model, &tok, &mut caches, &a.prompt, &opts, &mut |s| {
-        print!("{s}");
-        let _ = std::io::stdout().flush();
-    })?;
+    let prompt = read_prompt(&a)?;
+    let opts = a.sampling.options(!a.raw)?;
+    let l = a.runtime.load()?;
+    let mut caches = l.config.build(&l.model)?;
+    let ids = prompt_ids(&l.model, &l.tok, &prompt, opts.chat)?;
+    let mut printer = Printer::new(opts.prefill_chunk);
+    let out = generate_ids(&l.model, &l.tok, &mut caches, &ids, &opts, &mut |e| printer.event(e))?;
     println!();
     std::io::stdout().flush()?;
-    // Caches on a GPU reserve --max-context positions up front: compare reservations there.
-    let (fp16, what) = if device.is_cpu() {
-        (out.kv_fp16_bytes, "resident".to_string())
-    } else {
-        (veloq_candle::config::fp16_bytes(&model, a.max_context), format!("reserved for {} positions", a.max_context))
-    };
-    let kv = if matches!(config.method, veloq_candle::config::Method::Fp16) {
-        format!("KV cache {} {what}", human(out.kv_resident_bytes))
-    } else {
-        format!(
-            "KV cache {} {what} vs {} for fp16 ({:.2}×)",
-            human(out.kv_resident_bytes),
-            human(fp16),
-            fp16 as f64 / out.kv_resident_bytes.max(1) as f64
-        )
-    };
     eprintln!(
-        "[{}] prompt {} tok, prefill {:.1} tok/s | generated {} tok, decode {:.1} tok/s | {kv}",
-        config.name(),
+        "[{}] prompt {} tok, prefill {:.1} tok/s | generated {} tok, decode {:.1} tok/s | {}",
+        l.config.name(),
         out.prompt_tokens,
         out.prefill_tok_s(),
         out.tokens.len(),
         out.decode_tok_s(),
+        kv_report(&l, out.kv_resident_bytes, caches.len(0)),
     );
     Ok(())
 }

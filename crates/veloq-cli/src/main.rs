@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod calibrate;
+mod chat;
 mod device;
 mod eval;
 mod generate;
@@ -24,6 +25,8 @@ struct Cli {
 enum Command {
     /// Generate text with a compressed (or fp16) KV cache.
     Generate(generate::Args),
+    /// Chat with the model: multi-turn, the history kept in the (compressed) caches.
+    Chat(chat::Args),
     /// Calibrate VecInfer codebooks on the model's own keys and values over real text.
     Calibrate(calibrate::Args),
     /// Quality on real text: perplexity, KL and top-1 agreement vs fp16 for every method.
@@ -37,6 +40,7 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Bench(b) => bench::run(b),
         Command::Generate(a) => generate::run(a),
+        Command::Chat(a) => chat::run(a),
         Command::Calibrate(a) => calibrate::run(a),
         Command::Eval(a) => eval::run(a),
     }

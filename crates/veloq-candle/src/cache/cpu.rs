@@ -15,7 +15,9 @@ use rayon::prelude::*;
 
 use veloq::codec::block::BlockCodec;
 use veloq::codec::vecinfer::VecInferCodec;
-use veloq::kernels::cpu::attention::{codes, rows, CodeBlocks, CodesScratch, LutCodec, RowsScratch, Segment, Softmax};
+use veloq::kernels::cpu::attention::{
+    codes, rows, CodeBlocks, CodesScratch, LutCodec, RowsScratch, Segment, Softmax, GEMM_QUERIES,
+};
 
 use super::backend::{Backend, Heads};
 use super::residency::{Put, Quantize, Restore, RowSource, SeqView};
@@ -23,7 +25,7 @@ use crate::error::{Error, Result};
 
 /// Rows per allocation: a dense cache grows 256 positions at a time.
 const ROW_BLOCK: usize = 256;
-/// Queries per task.
+/// Queries per task (each with every query head of its kv group).
 const QUERY_TILE: usize = 16;
 
 /// Key and value codecs of a coded cache on the CPU.
@@ -222,8 +224,9 @@ impl CpuBackend {
         segs
     }
 
-    /// Runs every (view, query head, query tile) task, each folding the chosen pieces into its
-    /// queries' partials.
+    /// Runs every (view, kv head, query tile) task, each folding the chosen pieces into the
+    /// partials of its queries: every query head of the kv head's group for each query of the
+    /// tile, so a tile of rows or codes is widened once for the whole group (GQA).
     fn pass(
         &self,
         q: &Tensor,
@@ -240,20 +243,23 @@ impl CpuBackend {
             .iter()
             .enumerate()
             .flat_map(|(vi, v)| {
-                (0..hq).flat_map(move |h| (0..v.queries.len()).step_by(QUERY_TILE).map(move |t0| (vi, h, t0)))
+                (0..kv).flat_map(move |h| (0..v.queries.len()).step_by(QUERY_TILE).map(move |t0| (vi, h, t0)))
             })
             .collect();
+        // Query i of the tile, head gh of the group, is the task's query i·g + gh.
+        let rows_of = move |start: usize, kvh: usize, t0: usize, t1: usize| {
+            (t0..t1).flat_map(move |i| (0..g).map(move |gh| (start + i) * hq + kvh * g + gh))
+        };
         let results: Vec<(Vec<Softmax>, Vec<f32>)> = tasks
             .par_iter()
-            .map(|&(vi, qh, t0)| -> Result<(Vec<Softmax>, Vec<f32>)> {
+            .map(|&(vi, kvh, t0)| -> Result<(Vec<Softmax>, Vec<f32>)> {
                 let v = &views[vi];
                 let t1 = (t0 + QUERY_TILE).min(v.queries.len());
-                let nq = t1 - t0;
-                let kvh = qh / g;
-                let qs: Vec<f32> = (t0..t1)
-                    .flat_map(|i| qv[((v.queries.start + i) * hq + qh) * d..][..d].iter().map(|x| x * scale))
+                let nq = (t1 - t0) * g;
+                let qs: Vec<f32> = rows_of(v.queries.start, kvh, t0, t1)
+                    .flat_map(|row| qv[row * d..(row + 1) * d].iter().map(|x| x * scale))
                     .collect();
-                let q_pos: Vec<usize> = (t0..t1).map(|i| v.query_pos(i)).collect();
+                let q_pos: Vec<usize> = (t0..t1).flat_map(|i| std::iter::repeat_n(v.query_pos(i), g)).collect();
                 let mut stats = vec![Softmax::EMPTY; nq];
                 let mut acc = vec![0.0f32; nq * d];
                 if pieces.rows {
@@ -280,10 +286,10 @@ impl CpuBackend {
             .collect::<Result<_>>()?;
         let mut out =
             CpuPartial { stats: vec![Softmax::EMPTY; n * hq], acc: vec![0.0; n * hq * d], device: q.device().clone() };
-        for (&(vi, qh, t0), (stats, acc)) in tasks.iter().zip(results) {
+        for (&(vi, kvh, t0), (stats, acc)) in tasks.iter().zip(results) {
             let v = &views[vi];
-            for (i, st) in stats.into_iter().enumerate() {
-                let row = (v.queries.start + t0 + i) * hq + qh;
+            let t1 = (t0 + QUERY_TILE).min(v.queries.len());
+            for (i, (row, st)) in rows_of(v.queries.start, kvh, t0, t1).zip(stats).enumerate() {
                 out.stats[row] = st;
                 out.acc[row * d..(row + 1) * d].copy_from_slice(&acc[i * d..(i + 1) * d]);
             }
@@ -313,10 +319,20 @@ impl CpuBackend {
                     heads: self.heads.kv,
                     len: v.coded,
                 };
-                let (mut scratch, mut out) = (CodesScratch::default(), vec![0.0f32; d]);
-                for (i, st) in stats.iter_mut().enumerate() {
-                    let c = codes::attend(keys, values, &blocks, h, &qs[i * d..(i + 1) * d], &mut out, &mut scratch);
-                    st.merge(&mut acc[i * d..(i + 1) * d], c, &out);
+                let mut scratch = CodesScratch::default();
+                if stats.len() >= GEMM_QUERIES {
+                    let (mut cs, mut ca) = (vec![Softmax::EMPTY; stats.len()], vec![0.0f32; acc.len()]);
+                    codes::attend_many(keys, values, &blocks, h, qs, &mut cs, &mut ca, &mut scratch);
+                    for (i, st) in stats.iter_mut().enumerate() {
+                        st.merge(&mut acc[i * d..(i + 1) * d], cs[i], &ca[i * d..(i + 1) * d]);
+                    }
+                } else {
+                    let mut out = vec![0.0f32; d];
+                    for (i, st) in stats.iter_mut().enumerate() {
+                        let c =
+                            codes::attend(keys, values, &blocks, h, &qs[i * d..(i + 1) * d], &mut out, &mut scratch);
+                        st.merge(&mut acc[i * d..(i + 1) * d], c, &out);
+                    }
                 }
             }
             Codecs::Decode { keys, values } => {

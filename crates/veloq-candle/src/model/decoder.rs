@@ -15,10 +15,11 @@ use std::fs::File;
 use std::io::BufReader;
 use std::path::Path;
 
-use candle_core::quantized::{gguf_file, QMatMul};
+use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::RmsNorm;
 
+use super::linear::Linear;
 use super::ModelInfo;
 use crate::cache::{ModelCache, Step};
 use crate::error::{Error, Result};
@@ -26,15 +27,15 @@ use veloq::artifact::ModelIdentity;
 
 pub(super) struct Layer {
     pub(super) attn_norm: RmsNorm,
-    pub(super) wq: QMatMul,
-    pub(super) wk: QMatMul,
-    pub(super) wv: QMatMul,
-    pub(super) wo: QMatMul,
+    pub(super) wq: Linear,
+    pub(super) wk: Linear,
+    pub(super) wv: Linear,
+    pub(super) wo: Linear,
     pub(super) bias: Option<(Tensor, Tensor, Tensor)>,
     pub(super) ffn_norm: RmsNorm,
-    pub(super) gate: QMatMul,
-    pub(super) up: QMatMul,
-    pub(super) down: QMatMul,
+    pub(super) gate: Linear,
+    pub(super) up: Linear,
+    pub(super) down: Linear,
     /// Gemma 3: per-head q/k norms, norms on the attention and MLP outputs.
     pub(super) qk_norm: Option<(RmsNorm, RmsNorm)>,
     pub(super) post_norms: Option<(RmsNorm, RmsNorm)>,
@@ -53,7 +54,7 @@ pub struct Model {
     pub(super) embed: Tensor,
     pub(super) layers: Vec<Layer>,
     pub(super) norm: RmsNorm,
-    pub(super) output: QMatMul,
+    pub(super) output: Linear,
     pub(super) neox: bool,
     pub(super) cos: Tensor,
     pub(super) sin: Tensor,
@@ -139,7 +140,7 @@ impl Model {
         let embed_q = tensor("token_embd.weight")?;
         let embed = embed_q.dequantize(device)?;
         // Tied embeddings when the file has no separate output matrix.
-        let output = QMatMul::from_qtensor(match tensor("output.weight") {
+        let output = Linear::new(match tensor("output.weight") {
             Ok(t) => t,
             Err(_) => embed_q,
         })?;
@@ -147,8 +148,7 @@ impl Model {
         let mut layers = Vec::with_capacity(n_layers);
         for i in 0..n_layers {
             let p = format!("blk.{i}");
-            let mut q =
-                |n: &str| -> Result<QMatMul> { Ok(QMatMul::from_qtensor(tensor(&format!("{p}.{n}.weight"))?)?) };
+            let mut q = |n: &str| -> Result<Linear> { Linear::new(tensor(&format!("{p}.{n}.weight"))?) };
             let (wq, wk, wv, wo) = (q("attn_q")?, q("attn_k")?, q("attn_v")?, q("attn_output")?);
             let (gate, up, down) = (q("ffn_gate")?, q("ffn_up")?, q("ffn_down")?);
             let mut norm = |n: &str| -> Result<RmsNorm> {

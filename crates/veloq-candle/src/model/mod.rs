@@ -1,7 +1,8 @@
 //! Models over GGUF weights: geometry from the file's metadata, our own forward pass (so the
-//! cache contract is the only place keys and values live), candle's quantized matmul.
+//! cache contract is the only place keys and values live), candle's quantized matmul (veloq's kernel for Q4_1 weights on the CPU).
 
 mod decoder;
+mod linear;
 mod synthetic;
 mod tokenizer;
 

@@ -3,6 +3,8 @@
 //! weights (candle's f16 matmul), f32 activations, the Llama forward pass.
 
 use candle_core::quantized::QMatMul;
+
+use super::linear::Linear;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::RmsNorm;
 
@@ -59,8 +61,8 @@ impl Model {
         if !device.is_cpu() {
             device.set_seed(seed)?;
         }
-        let w = |rows: usize, cols: usize| -> Result<QMatMul> {
-            Ok(QMatMul::TensorF16(Tensor::randn(0f32, 0.02, (rows, cols), device)?.to_dtype(DType::F16)?))
+        let w = |rows: usize, cols: usize| -> Result<Linear> {
+            Ok(QMatMul::TensorF16(Tensor::randn(0f32, 0.02, (rows, cols), device)?.to_dtype(DType::F16)?).into())
         };
         let norm = || -> Result<RmsNorm> { Ok(RmsNorm::new(Tensor::ones(g.hidden, DType::F32, device)?, 1e-5)) };
         let (q, kv) = (g.heads * g.head_dim, g.kv_heads * g.head_dim);

@@ -54,11 +54,31 @@ impl ChatTemplate {
         }
     }
 
+    /// A conversation's first user turn, up to where the model's reply begins.
     pub fn apply(self, prompt: &str) -> String {
         match self {
+            ChatTemplate::Gemma => format!("<bos>{}", self.turn(prompt)),
+            _ => self.turn(prompt),
+        }
+    }
+
+    /// A user turn (first or later), up to where the model's reply begins.
+    pub fn turn(self, prompt: &str) -> String {
+        match self {
             ChatTemplate::ChatMl => format!("<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"),
-            ChatTemplate::Gemma => format!("<bos><start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n"),
+            ChatTemplate::Gemma => format!("<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n"),
             ChatTemplate::Raw => prompt.to_string(),
+        }
+    }
+
+    /// What closes a reply before the next turn: the end-of-turn marker when the reply did not
+    /// produce one itself (`ended` false: cut by a token limit), then the newline between turns.
+    pub fn close_reply(self, ended: bool) -> &'static str {
+        match (self, ended) {
+            (ChatTemplate::ChatMl, false) => "<|im_end|>\n",
+            (ChatTemplate::Gemma, false) => "<end_of_turn>\n",
+            (ChatTemplate::Raw, _) => "",
+            (_, true) => "\n",
         }
     }
 }

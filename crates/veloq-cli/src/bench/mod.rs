@@ -6,6 +6,7 @@ use clap::Subcommand;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod decode;
+pub mod prefill;
 #[cfg(feature = "cuda")]
 pub mod runner;
 pub mod search;
@@ -17,6 +18,9 @@ pub enum BenchCommand {
     Search(search::Args),
     /// Decode tok/s of the fp16 and VecInfer caches at several contexts on the real model.
     Decode(decode::Args),
+    /// Long prompts on the CPU: chunked prefill and decode after it, fp16 and VecInfer next to
+    /// llama.cpp's llama-bench, at several thread counts, with the memory the prefill adds.
+    Prefill(prefill::Args),
     /// Key smoothing rules compared on real activations (KL and top-1 vs fp16).
     Smooth(smooth::Args),
     /// CUDA kernels: correctness against the CPU path, then timings (build with --features cuda).
@@ -32,6 +36,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Search(a) => search::run(a),
         BenchCommand::Decode(a) => decode::run(a),
+        BenchCommand::Prefill(a) => prefill::run(a),
         BenchCommand::Smooth(a) => smooth::run(a),
         #[cfg(feature = "cuda")]
         BenchCommand::Cuda(a) => cuda::run(a),

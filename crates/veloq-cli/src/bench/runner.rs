@@ -87,7 +87,7 @@ fn figure(runs: &[Value]) -> crate::plot::Panels {
 
 fn plot(path: &std::path::Path, json: &Value) -> Result<()> {
     let runs = json["runs"].as_array().cloned().unwrap_or_default();
-    crate::plot::decode_speed(path, json["device"].as_str().unwrap_or("GPU"), &figure(&runs))?;
+    crate::plot::speed(path, json["device"].as_str().unwrap_or("GPU"), "decode tokens/s", &figure(&runs))?;
     eprintln!("wrote {}", path.display());
     Ok(())
 }

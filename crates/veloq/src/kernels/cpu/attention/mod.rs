@@ -12,9 +12,57 @@ pub mod codes;
 pub mod rows;
 pub mod softmax;
 
-pub use codes::{CodeBlocks, CodesScratch, LutCodec};
+use super::gemm::matmul;
+
+pub use codes::{attend_many, CodeBlocks, CodesScratch, LutCodec};
 pub use rows::{RowsScratch, Segment};
 pub use softmax::Softmax;
+
+/// From this many queries on, a tile of rows is scored and summed by matrix products ([`Tile`]);
+/// below it, by dot products per query.
+pub const GEMM_QUERIES: usize = 4;
+
+/// A tile of `n` widened keys and values (`n × d` each, row-major) that several queries attend.
+pub(crate) struct Tile<'a> {
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub n: usize,
+    pub d: usize,
+}
+
+impl Tile<'_> {
+    /// Folds the tile into `t` queries' partials (`q` and `acc` `t × d`) by two matrix products,
+    /// `S = Q·Kᵀ` and `O += P·V`, run by the `gemm` crate's register-blocked kernel. `w` is scratch
+    /// of at least `t × n`; `prepare(i, scores)` edits query `i`'s scores before its softmax (−∞
+    /// masks a row, an offset shifts them) and returns false when the query sees none of them.
+    pub fn fold_into(
+        &self,
+        q: &[f32],
+        stats: &mut [Softmax],
+        acc: &mut [f32],
+        w: &mut [f32],
+        prepare: &mut dyn FnMut(usize, &mut [f32]) -> bool,
+    ) {
+        let (t, n, d) = (stats.len(), self.n, self.d);
+        assert!(q.len() >= t * d && acc.len() >= t * d && w.len() >= t * n && self.k.len() >= n * d);
+        assert!(self.v.len() >= n * d);
+        let w = &mut w[..t * n];
+        // SAFETY: S (t × n, row stride n) lies in `w`; Q (t × d, row stride d) in `q`; the keys
+        // (n × d, row stride d) in `self.k`, read transposed (row stride 1, column stride d) — all
+        // sizes asserted above.
+        unsafe { matmul((t, n, d), w.as_mut_ptr(), n, false, q.as_ptr(), d, self.k.as_ptr(), (1, d)) };
+        for (i, row) in w.chunks_exact_mut(n).enumerate() {
+            if prepare(i, row) {
+                stats[i].fold(row, &mut acc[i * d..(i + 1) * d]);
+            } else {
+                row.fill(0.0);
+            }
+        }
+        // SAFETY: O (t × d, row stride d) lies in `acc`; P (t × n, row stride n) in `w`; the values
+        // (n × d, row stride d) in `self.v` (asserted above). O += P·V.
+        unsafe { matmul((t, d, n), acc.as_mut_ptr(), d, true, w.as_ptr(), n, self.v.as_ptr(), (d, 1)) };
+    }
+}
 
 /// Dot product with 8 independent accumulators (vectorises without reassociation flags).
 #[inline]

@@ -1,11 +1,16 @@
 //! Attention over rows a cache holds exactly (f16 sink and ring rows, a step's own new rows, or
 //! rows decoded from codes), with the causal and sliding-window masks. Rows are widened a tile at a
 //! time into caller-owned scratch, and each tile is shared by all the queries of the call.
+//!
+//! With many queries (a prefill chunk, a follow-up turn) a tile's scores and its weighted values
+//! are real matrix products, `S = Q·Kᵀ` and `O += P·V`, run by the `gemm` crate's register-blocked
+//! kernel; a masked-out score is −∞ (weight 0). With a few (decode) each query runs dot products
+//! and axpys over the rows it sees.
 
 use crate::element::Element;
 
 use super::softmax::Softmax;
-use super::{axpy, dot};
+use super::{axpy, dot, Tile, GEMM_QUERIES};
 
 /// Rows per tile.
 pub const TILE: usize = 64;
@@ -34,6 +39,7 @@ pub struct RowsScratch {
 impl RowsScratch {
     /// Scratch for `queries` queries of `head_dim`.
     pub fn new(head_dim: usize, queries: usize) -> Self {
+        // `w` is queries × TILE: per query its tile's scores, then its weights.
         Self {
             k: vec![0.0; TILE * head_dim],
             v: vec![0.0; TILE * head_dim],
@@ -77,44 +83,49 @@ pub fn attend<E: Element>(
         for r0 in (0..rows).step_by(TILE) {
             let n = TILE.min(rows - r0);
             let p0 = seg.pos0 + r0;
-            let mut widened = false;
             let mut any = false;
-            for i in 0..t {
-                let lo = window.map_or(0, |w| (q_pos[i] + 1).saturating_sub(w)).max(p0);
-                let hi = (q_pos[i] + 1).min(p0 + n);
-                if lo >= hi {
-                    scratch.ranges[i] = (0, 0);
-                    continue;
-                }
-                if !widened {
-                    for j in 0..n {
-                        let src = ((r0 + j) * heads + h) * d;
-                        E::widen(&seg.keys[src..src + d], &mut scratch.k[j * d..(j + 1) * d]);
-                    }
-                    widened = true;
-                }
-                let (a, b) = (lo - p0, hi - p0);
-                let qi = &q[i * d..(i + 1) * d];
-                let w = &mut scratch.w[i * TILE..i * TILE + (b - a)];
-                for (j, wj) in (a..b).zip(w.iter_mut()) {
-                    *wj = dot(qi, &scratch.k[j * d..(j + 1) * d]);
-                }
-                stats[i].fold(w, &mut acc[i * d..(i + 1) * d]);
-                scratch.ranges[i] = (a, b);
-                any = true;
+            for (&p, range) in q_pos.iter().zip(scratch.ranges.iter_mut()) {
+                let lo = window.map_or(0, |w| (p + 1).saturating_sub(w)).max(p0);
+                let hi = (p + 1).min(p0 + n);
+                *range = if lo < hi { (lo - p0, hi - p0) } else { (0, 0) };
+                any |= lo < hi;
             }
             if !any {
                 continue;
             }
             for j in 0..n {
                 let src = ((r0 + j) * heads + h) * d;
+                E::widen(&seg.keys[src..src + d], &mut scratch.k[j * d..(j + 1) * d]);
                 E::widen(&seg.values[src..src + d], &mut scratch.v[j * d..(j + 1) * d]);
             }
-            for i in 0..t {
-                let (a, b) = scratch.ranges[i];
-                let o = &mut acc[i * d..(i + 1) * d];
-                for (j, &wj) in (a..b).zip(&scratch.w[i * TILE..i * TILE + (b - a)]) {
-                    axpy(wj, &scratch.v[j * d..(j + 1) * d], o);
+            if t >= GEMM_QUERIES {
+                let ranges = &scratch.ranges;
+                let tile = Tile { k: &scratch.k, v: &scratch.v, n, d };
+                tile.fold_into(q, stats, acc, &mut scratch.w, &mut |i, row| {
+                    let (a, b) = ranges[i];
+                    if a == b {
+                        return false;
+                    }
+                    row[..a].fill(f32::NEG_INFINITY);
+                    row[b..].fill(f32::NEG_INFINITY);
+                    true
+                });
+            } else {
+                for i in 0..t {
+                    let (a, b) = scratch.ranges[i];
+                    if a == b {
+                        continue;
+                    }
+                    let qi = &q[i * d..(i + 1) * d];
+                    let w = &mut scratch.w[i * TILE..i * TILE + (b - a)];
+                    for (j, wj) in (a..b).zip(w.iter_mut()) {
+                        *wj = dot(qi, &scratch.k[j * d..(j + 1) * d]);
+                    }
+                    let o = &mut acc[i * d..(i + 1) * d];
+                    stats[i].fold(w, o);
+                    for (j, &wj) in (a..b).zip(w.iter()) {
+                        axpy(wj, &scratch.v[j * d..(j + 1) * d], o);
+                    }
                 }
             }
         }
@@ -146,10 +157,14 @@ mod tests {
         ];
         let q_pos = [0usize, 39, 40, 100, 149];
         let q = normal(&mut r, q_pos.len() * d, 0.5);
-        for (h, window) in [(0, None), (2, Some(7)), (1, Some(64)), (1, Some(1))] {
+        // 5 queries take the matrix-product path, 3 the per-query one.
+        for (nq, h, window) in
+            [(5, 0, None), (5, 2, Some(7)), (5, 1, Some(64)), (5, 1, Some(1)), (3, 0, None), (3, 2, Some(7))]
+        {
+            let (q_pos, q) = (&q_pos[..nq], &q[..nq * d]);
             let mut stats = vec![Softmax::EMPTY; q_pos.len()];
             let mut acc = vec![0.0f32; q.len()];
-            attend(&q, &q_pos, h, heads, &segs, window, &mut stats, &mut acc, &mut RowsScratch::new(d, 2));
+            attend(q, q_pos, h, heads, &segs, window, &mut stats, &mut acc, &mut RowsScratch::new(d, 2));
             for (i, &p) in q_pos.iter().enumerate() {
                 stats[i].finish(&mut acc[i * d..(i + 1) * d]);
                 let lo = window.map_or(0, |w| (p + 1).saturating_sub(w));

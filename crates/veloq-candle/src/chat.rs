@@ -1,0 +1,86 @@
+//! A multi-turn conversation whose history lives in the caches: each turn feeds only its own new
+//! tokens (a follow-up turn appended after positions are already codes), never the whole
+//! conversation again.
+
+use tokenizers::Tokenizer;
+
+use crate::cache::ModelCache;
+use crate::error::{Error, Result};
+use crate::generate::{generate_ids, Event, Finish, GenerateOptions, GenerateOutput};
+use crate::model::{encode, ChatTemplate, Model};
+
+/// A conversation with a model, in slot 0 of its caches.
+pub struct Chat<'m> {
+    model: &'m Model,
+    tok: &'m Tokenizer,
+    caches: ModelCache,
+    template: ChatTemplate,
+    /// Tokens of the conversation not yet in the caches: the reply's last token (generation does
+    /// not feed it) and whatever closes the reply.
+    unfed: Vec<u32>,
+    /// Every token of the conversation, fed or not (what a single feed would see).
+    history: Vec<u32>,
+}
+
+impl<'m> Chat<'m> {
+    /// A new conversation in the model's chat template (raw text when it has none).
+    pub fn new(model: &'m Model, tok: &'m Tokenizer, caches: ModelCache) -> Self {
+        let template = ChatTemplate::detect(tok);
+        Self { model, tok, caches, template, unfed: Vec::new(), history: Vec::new() }
+    }
+
+    /// Adds the user's turn and generates the model's reply. A turn that fails (over the
+    /// context, bad settings) leaves the conversation as it was.
+    pub fn say(
+        &mut self,
+        user: &str,
+        opts: &GenerateOptions,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<GenerateOutput> {
+        let fed = self.caches.len(0);
+        let mut ids = self.unfed.clone();
+        if self.history.is_empty() {
+            ids.extend(encode(self.tok, &self.template.apply(user))?);
+            if let Some(bos) = self.model.info.bos {
+                if ids.first() != Some(&bos) {
+                    ids.insert(0, bos);
+                }
+            }
+        } else {
+            ids.extend(encode(self.tok, &self.template.turn(user))?);
+        }
+        let need = fed + ids.len() + 1;
+        if need > self.model.max_context() {
+            return Err(Error::ContextOverflow { requested: need, max: self.model.max_context() });
+        }
+        let out = generate_ids(self.model, self.tok, &mut self.caches, &ids, opts, on_event).inspect_err(|_| {
+            let _ = self.caches.truncate(0, fed);
+        })?;
+        // The carried tokens (the last reply's end) are in the history already.
+        self.history.extend(&ids[self.unfed.len()..]);
+        self.history.extend(&out.tokens);
+        let last = *out.tokens.last().expect("generation yields at least one token");
+        self.unfed = vec![last];
+        self.unfed.extend(encode(self.tok, self.template.close_reply(out.finish == Finish::Stop))?);
+        self.history.extend(&self.unfed[1..]);
+        Ok(out)
+    }
+
+    /// Forgets the conversation (frees the caches' positions).
+    pub fn reset(&mut self) -> Result<()> {
+        self.caches.truncate(0, 0)?;
+        self.unfed.clear();
+        self.history.clear();
+        Ok(())
+    }
+
+    /// Every token of the conversation so far, in order, including those not yet fed.
+    pub fn history(&self) -> &[u32] {
+        &self.history
+    }
+
+    /// The caches holding the conversation.
+    pub fn caches(&self) -> &ModelCache {
+        &self.caches
+    }
+}
