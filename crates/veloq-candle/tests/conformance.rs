@@ -279,14 +279,17 @@ impl Case {
         Some(Case { cache, shadow, heads, device, kind, method })
     }
 
-    /// Relative error the backend is held to: the CPU and portable paths compute in f32 (the
-    /// portable search may flip a near-tie code the reference's CPU search did not), the CUDA
-    /// decode kernel scores with f16 centroids on tensor cores.
+    /// Relative error the backend is held to: the CPU and portable paths compute in f32, the CUDA
+    /// decode kernel scores with f16 centroids on tensor cores. The portable VecInfer search may
+    /// flip a near-tie code the reference's CPU search did not: one sub-vector of one position
+    /// then moves to the neighbouring centroid, measured up to 3.2e-3 (seed 1792623086453115781;
+    /// 2e-3 failed about one run in several), so it shares the CUDA bound; a wrong code path or
+    /// mask errs by O(1).
     fn bound(&self) -> f64 {
         match (self.kind, self.method) {
             (Kind::Cuda, Method::VecInfer) => 1e-2,
             (Kind::Cuda, _) => 2e-3,
-            (Kind::Portable, Method::VecInfer) => 2e-3,
+            (Kind::Portable, Method::VecInfer) => 1e-2,
             _ => 1e-4,
         }
     }
