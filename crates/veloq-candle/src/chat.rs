@@ -6,7 +6,7 @@ use tokenizers::Tokenizer;
 
 use crate::cache::ModelCache;
 use crate::error::{Error, Result};
-use crate::generate::{generate_ids, Event, Finish, GenerateOptions, GenerateOutput};
+use crate::generate::{generate_ids, prompt_ids, Event, Finish, GenerateOptions, GenerateOutput};
 use crate::model::{encode, ChatTemplate, Model};
 
 /// A conversation with a model, in slot 0 of its caches.
@@ -40,12 +40,7 @@ impl<'m> Chat<'m> {
         let fed = self.caches.len(0);
         let mut ids = self.unfed.clone();
         if self.history.is_empty() {
-            ids.extend(encode(self.tok, &self.template.apply(user))?);
-            if let Some(bos) = self.model.info.bos {
-                if ids.first() != Some(&bos) {
-                    ids.insert(0, bos);
-                }
-            }
+            ids.extend(prompt_ids(self.model, self.tok, user, true)?);
         } else {
             ids.extend(encode(self.tok, &self.template.turn(user))?);
         }

@@ -45,7 +45,7 @@ pub fn prefill(
         for (i, part) in tokens.chunks(chunk).enumerate() {
             let step = Step::single(slot, start + i * chunk, part.len())?;
             logits = Some(model.forward_step(part, &step, caches, Logits::Last)?);
-            progress((i * chunk + part.len()).min(tokens.len()), tokens.len());
+            progress(i * chunk + part.len(), tokens.len());
         }
         Ok(logits.expect("at least one chunk").squeeze(0)?)
     };
