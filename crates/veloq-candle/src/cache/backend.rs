@@ -76,14 +76,27 @@ pub trait Backend: Send + Sync {
 
     /// Causal attention of the step's queries over everything their sequences hold.
     fn attend(&self, q: &Tensor, views: &[SeqView], input: &Self::Input, scale: f32) -> Result<Tensor> {
-        let rows = self.attend_rows(q, views, input, scale)?;
-        if views.iter().all(|v| v.coded == 0) {
-            return self.finish(rows);
-        }
-        let codes = self.attend_codes(q, views, scale)?;
-        self.finish(self.merge(codes, rows)?)
+        compose(self, q, views, input, scale)
     }
 
     /// Bytes really held: rows and codes as allocated, and the codecs' tables.
     fn resident_bytes(&self) -> usize;
+}
+
+/// Attention from the pieces: rows, codes where there are any, merged and normalised. The default
+/// [`Backend::attend`], callable by a backend that overrides it for the views it has a faster
+/// path for.
+pub fn compose<B: Backend + ?Sized>(
+    b: &B,
+    q: &Tensor,
+    views: &[SeqView],
+    input: &B::Input,
+    scale: f32,
+) -> Result<Tensor> {
+    let rows = b.attend_rows(q, views, input, scale)?;
+    if views.iter().all(|v| v.coded == 0) {
+        return b.finish(rows);
+    }
+    let codes = b.attend_codes(q, views, scale)?;
+    b.finish(b.merge(codes, rows)?)
 }

@@ -27,12 +27,13 @@ use half::f16;
 
 use veloq::codec::vecinfer::VecInferCodec;
 use veloq::kernels::cuda::{
-    AttentionScratch, Coded, Gpu, GpuAttention, GpuCodec, GpuDenseAttention, PutMap, PutRows, RowMap, Window,
-    WindowMap, MAX_WINDOW,
+    AttentionScratch, Coded, Gpu, GpuAttention, GpuCodec, GpuDenseAttention, GpuPrefill, PrefillOut, PutMap, PutRows,
+    RowMap, Source, Split, Window, WindowMap, MAX_WINDOW,
 };
 
-use super::backend::{Backend, Heads};
-use super::residency::{Put, Quantize, Restore, RowRun, SeqView};
+use super::backend::{compose, Backend, Heads};
+use super::residency::{Put, Quantize, Restore, RowRun, RowSource, SeqView};
+use super::tensor::attention::{code_space_queries, value_space, State};
 use super::tensor::{TensorBackend, TensorInput, TensorPartial};
 use crate::error::{Error, Result};
 
@@ -142,10 +143,15 @@ fn write<T: CudaDType>(t: &Tensor, f: impl Fn(&mut CudaViewMut<T>) -> Result<()>
     Ok(t.inplace_op1(&Write { f: &f, _elem: PhantomData })?)
 }
 
-/// The attention kernel of the layer's method.
+/// Queries per prefill launch: a whole 512-token chunk in one (the tensor ops around a launch
+/// cost more than the kernel at short contexts); the partials stay a few MiB.
+const KERNEL_QUERY_TILE: usize = 1024;
+
+/// The attention kernels of the layer's method: decode, and for VecInfer blocks of queries over
+/// codes (prefill, follow-up turns).
 enum Attention {
-    Dense(GpuDenseAttention),
-    Coded(Box<GpuAttention>),
+    Dense(GpuDenseAttention, GpuPrefill),
+    Coded(Box<GpuAttention>, GpuPrefill),
 }
 
 /// The portable backend's storage on a CUDA device, with veloq's kernels for the hot operations.
@@ -176,7 +182,9 @@ impl CudaBackend {
         let base = TensorBackend::dense(heads, slots, rows, device)?;
         let attn = GpuDenseAttention::new(heads.q, heads.kv, heads.dim)?;
         attn.prepare(rt.gpu())?;
-        Ok(Self { put: PutRows::new(rt.gpu(), heads.dim)?, base, rt, attention: Attention::Dense(attn), capacity: 0 })
+        let prefill = GpuPrefill::rows(rt.gpu(), heads.kv, heads.dim, heads.q)?;
+        let attention = Attention::Dense(attn, prefill);
+        Ok(Self { put: PutRows::new(rt.gpu(), heads.dim)?, base, rt, attention, capacity: 0 })
     }
 
     /// A VecInfer layer: codes for `capacity` positions per sequence beside `rows` f16 rows (sink
@@ -202,7 +210,9 @@ impl CudaBackend {
         attn.prepare(gpu)?;
         attn.keys.prepare(gpu)?;
         attn.values.prepare(gpu)?;
-        Ok(Self { put: PutRows::new(gpu, heads.dim)?, base, rt, attention: Attention::Coded(Box::new(attn)), capacity })
+        let prefill = GpuPrefill::codes(gpu, &attn.keys, &attn.values, heads.q)?;
+        let attention = Attention::Coded(Box::new(attn), prefill);
+        Ok(Self { put: PutRows::new(gpu, heads.dim)?, base, rt, attention, capacity })
     }
 
     fn dims(&self) -> Result<(usize, usize)> {
@@ -230,7 +240,7 @@ impl CudaBackend {
         with_view::<f16, _>(&self.base.rows, |all| {
             let (wk, wv) = (bits(&all.slice(base..plane)), bits(&all.slice(plane + base..)));
             match &self.attention {
-                Attention::Dense(attn) => {
+                Attention::Dense(attn, _) => {
                     let len = first.ring_len;
                     let nsplit = attn.splits(gpu, b, len);
                     self.rt.with_scratch(b * hq * nsplit, b * kv, d, |scratch| {
@@ -238,7 +248,7 @@ impl CudaBackend {
                     })?;
                     Ok(2)
                 }
-                Attention::Coded(attn) => {
+                Attention::Coded(attn, _) => {
                     let c =
                         self.base.codes.as_ref().ok_or_else(|| Error::Config("a coded layer without codes".into()))?;
                     let nsplit = if first.coded == 0 { 0 } else { attn.splits(gpu, b, first.coded) };
@@ -269,12 +279,32 @@ impl CudaBackend {
         })
     }
 
+    /// Runs a prefill launch (`launch` gets the output buffers, planned by `split`, for `n`
+    /// queries) and folds its splits' partials by the log-sum-exp rule: `[Hq, n, ·]`.
+    fn prefill_partial(&self, split: Split, n: usize, launch: impl FnOnce(PrefillOut) -> Result<()>) -> Result<State> {
+        let Heads { q: hq, dim: d, .. } = self.base.heads;
+        let gpu = self.rt.gpu();
+        let alloc = |len: usize| gpu.stream().alloc_zeros::<f32>(len).map_err(veloq::Error::from);
+        let (mut o, mut ml) = (alloc(split.count * hq * n * d)?, alloc(split.count * hq * n * 2)?);
+        launch(PrefillOut { o: &mut o.as_view_mut(), ml: &mut ml.as_view_mut() })?;
+        self.rt.count(1);
+        let tensor = |buf, shape: (usize, usize, usize, usize)| {
+            let storage = CudaStorage::wrap_cuda_slice(buf, self.rt.device.clone());
+            Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false)
+        };
+        let (o, ml) = (tensor(o, (split.count, hq, n, d)), tensor(ml, (split.count, hq, n, 2)));
+        let (m_s, l_s) = (ml.narrow(3, 0, 1)?, ml.narrow(3, 1, 1)?);
+        let m = m_s.max_keepdim(0)?;
+        let w = m_s.broadcast_sub(&m)?.exp()?;
+        Ok(State { o: o.broadcast_mul(&w)?.sum(0)?, l: (l_s * w)?.sum(0)?, m: m.squeeze(0)? })
+    }
+
     /// Whether the decode kernels take a view, and which views decode together with it.
     fn decodable(&self, v: &SeqView) -> bool {
         v.queries.len() == 1
             && v.staged.is_none()
             && v.window.is_none()
-            && (matches!(self.attention, Attention::Coded(_))
+            && (matches!(self.attention, Attention::Coded(..))
                 || (v.ring_pos0 == 0 && v.ring.start == 0 && v.ring_len > 0))
     }
 
@@ -334,7 +364,7 @@ impl Backend for CudaBackend {
     /// Ring spans of sequences laid out alike code in one launch per codec; rows from the step's
     /// input one sequence at a time.
     fn quantize(&mut self, input: &TensorInput, spans: &[Quantize]) -> Result<()> {
-        let Attention::Coded(attn) = &self.attention else {
+        let Attention::Coded(attn, _) = &self.attention else {
             return Err(Error::Config("a dense cache holds no codes".into()));
         };
         let c = self.base.codes.as_ref().ok_or_else(|| Error::Config("a coded layer without codes".into()))?;
@@ -412,12 +442,91 @@ impl Backend for CudaBackend {
         self.base.restore(restore)
     }
 
+    /// Blocks of queries over codes on tensor cores (`vq_prefill_codes`), a launch per tile of
+    /// queries, splits merged and mapped back to value space in tensor ops; scratch is the
+    /// splits' partials, independent of the context length.
     fn attend_codes(&self, q: &Tensor, views: &[SeqView], scale: f32) -> Result<TensorPartial> {
-        self.base.attend_codes(q, views, scale)
+        let Attention::Coded(attn, prefill) = &self.attention else {
+            return self.base.attend_codes(q, views, scale);
+        };
+        let c = self.base.codes.as_ref().ok_or_else(|| Error::Config("a coded layer without codes".into()))?;
+        let Heads { q: hq, kv, dim: d } = self.base.heads;
+        let (gpu, dev) = (self.rt.gpu(), &self.base.device);
+        let (mk, mv) = (c.keys.subspaces(), c.values.subspaces());
+        self.base.per_tile(q, views, scale, KERNEL_QUERY_TILE, |v, qs, _| {
+            let n = qs.dim(1)?;
+            if v.coded == 0 {
+                return State::empty(hq, n, d, dev);
+            }
+            let (qt, offset) = code_space_queries(qs, &c.keys)?;
+            let qt = qt.contiguous()?;
+            let split = prefill.split(gpu, n, v.coded);
+            let st = self.prefill_partial(split, n, |out| {
+                with_view::<f32, _>(&qt, |qv| {
+                    with_view::<u8, _>(&c.key_codes, |kc| {
+                        with_view::<u8, _>(&c.value_codes, |vc| {
+                            let codes = Coded {
+                                keys: kc.slice(v.slot * kv * self.capacity * mk..),
+                                values: vc.slice(v.slot * kv * self.capacity * mv..),
+                                len: v.coded,
+                                stride: self.capacity,
+                            };
+                            let source = Source::Codes { codes: &codes, keys: &attn.keys, values: &attn.values };
+                            Ok(prefill.launch(gpu, &qv, n, source, split, out)?)
+                        })
+                    })
+                })
+            })?;
+            let m = match offset {
+                Some(off) => (st.m + off)?,
+                None => st.m,
+            };
+            Ok(State { o: value_space(&st.o, &st.l, &c.values)?, m, l: st.l })
+        })
     }
 
+    /// Blocks of queries over the stored f16 rows on tensor cores (`f16_prefill_rows`, causal
+    /// mask in the kernel), a launch per (tile of queries, run of rows). Steps with rows waiting
+    /// in the input (a ring too small for the step) and sliding windows take the portable path.
     fn attend_rows(&self, q: &Tensor, views: &[SeqView], input: &TensorInput, scale: f32) -> Result<TensorPartial> {
-        self.base.attend_rows(q, views, input, scale)
+        let Attention::Dense(_, prefill) = &self.attention else {
+            return self.base.attend_rows(q, views, input, scale);
+        };
+        if views.iter().any(|v| v.window.is_some() || v.staged.is_some()) {
+            return self.base.attend_rows(q, views, input, scale);
+        }
+        let Heads { q: hq, kv, dim: d } = self.base.heads;
+        let (slots, rows) = self.dims()?;
+        let plane = slots * kv * rows * d;
+        let (gpu, dev) = (self.rt.gpu(), &self.base.device);
+        self.base.per_tile(q, views, scale, KERNEL_QUERY_TILE, |v, qs, i0| {
+            let n = qs.dim(1)?;
+            let mut st = State::empty(hq, n, d, dev)?;
+            for span in v.row_spans() {
+                let RowSource::Stored(first) = span.from else {
+                    return Err(Error::Config("rows in the input reached the CUDA row kernel".into()));
+                };
+                let split = prefill.split(gpu, n, span.n);
+                let part = self.prefill_partial(split, n, |out| {
+                    with_view::<f32, _>(qs, |qv| {
+                        with_view::<f16, _>(&self.base.rows, |all| {
+                            let off = (v.slot * kv * rows + first) * d;
+                            let source = Source::Rows {
+                                keys: bits(&all.slice(off..plane)),
+                                values: bits(&all.slice(plane + off..)),
+                                len: span.n,
+                                stride: rows,
+                                pos0: span.pos0,
+                                qpos0: v.query_pos(i0),
+                            };
+                            Ok(prefill.launch(gpu, &qv, n, source, split, out)?)
+                        })
+                    })
+                })?;
+                st = st.merge(&part)?;
+            }
+            Ok(st)
+        })
     }
 
     fn merge(&self, a: TensorPartial, b: TensorPartial) -> Result<TensorPartial> {
@@ -433,7 +542,7 @@ impl Backend for CudaBackend {
     fn attend(&self, q: &Tensor, views: &[SeqView], input: &TensorInput, scale: f32) -> Result<Tensor> {
         let (fast, slow): (Vec<SeqView>, Vec<SeqView>) = views.iter().cloned().partition(|v| self.decodable(v));
         if fast.is_empty() {
-            return self.base.attend(q, views, input, scale);
+            return compose(self, q, views, input, scale);
         }
         let Heads { q: hq, dim: d, .. } = self.base.heads;
         let n = q.dim(0)?;
@@ -451,7 +560,7 @@ impl Backend for CudaBackend {
             Ok(())
         })?;
         for v in &slow {
-            let part = self.base.attend(q, std::slice::from_ref(v), input, scale)?.contiguous()?;
+            let part = compose(self, q, std::slice::from_ref(v), input, scale)?.contiguous()?;
             let r = v.queries.start * hq * d..v.queries.end * hq * d;
             with_view::<f32, _>(&part, |src| {
                 let mut dst = out.slice_mut(r.clone());
@@ -465,8 +574,8 @@ impl Backend for CudaBackend {
 
     fn resident_bytes(&self) -> usize {
         let tables = match &self.attention {
-            Attention::Coded(a) => a.keys.table_bytes() + a.values.table_bytes(),
-            Attention::Dense(_) => 0,
+            Attention::Coded(a, _) => a.keys.table_bytes() + a.values.table_bytes(),
+            Attention::Dense(..) => 0,
         };
         self.base.resident_bytes() + tables
     }

@@ -6,6 +6,8 @@ use clap::Subcommand;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod decode;
+#[cfg(feature = "cuda")]
+pub mod gpu_prefill;
 pub mod prefill;
 #[cfg(feature = "cuda")]
 pub mod runner;
@@ -30,6 +32,10 @@ pub enum BenchCommand {
     /// vs VecInfer at long contexts (real SmolLM2 and a random Llama-3.1-8B geometry).
     #[cfg(feature = "cuda")]
     Runner(runner::Args),
+    /// Long prompts on CUDA, Llama-3.1-8B geometry: chunked prefill tok/s and peak memory of fp16
+    /// and VecInfer at 8k–128k, one chunk's attention next to PyTorch's SDPA.
+    #[cfg(feature = "cuda")]
+    GpuPrefill(gpu_prefill::Args),
 }
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
@@ -42,6 +48,8 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Cuda(a) => cuda::run(a),
         #[cfg(feature = "cuda")]
         BenchCommand::Runner(a) => runner::run(a),
+        #[cfg(feature = "cuda")]
+        BenchCommand::GpuPrefill(a) => gpu_prefill::run(a),
     }
 }
 

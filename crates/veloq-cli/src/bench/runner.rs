@@ -341,7 +341,7 @@ fn over(bytes: Option<usize>, budget: usize) -> bool {
 
 /// Random 2-bit VecInfer codebooks (sub_dim 4, 256 centroids, like the real calibration) for
 /// every layer of a synthetic model.
-fn synthetic_calibration(model: &Model, rng: &mut Rng) -> Result<Calibration> {
+pub(super) fn synthetic_calibration(model: &Model, rng: &mut Rng) -> Result<Calibration> {
     let id = model.info.identity.clone();
     let keys = codec(rng, id.n_kv_heads, id.head_dim, 4, 8, Granularity::PerLayer, true)?;
     let values = codec(rng, id.n_kv_heads, id.head_dim, 4, 8, Granularity::PerLayer, false)?;

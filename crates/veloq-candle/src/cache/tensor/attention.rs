@@ -146,18 +146,9 @@ pub fn codes_state(
     let g = hq / kc.heads;
     let dev = qs.device();
     let mut state = State::empty(hq, t, d, dev)?;
-    // Query in code space: q̃ = H(s ⊙ q); the centering adds q·μ to every score.
-    let mut qt = qs.clone();
-    if let Some(sc) = &kc.scale {
-        qt = qt.broadcast_mul(&per_q_head(sc, g)?.unsqueeze(1)?)?;
-    }
-    let qt = kc.rotate(&qt.reshape((hq * t, d))?)?;
+    let (qt, offset) = code_space_queries(qs, kc)?;
     let (m, kk) = (kc.subspaces(), kc.centroids);
-    let lut = kc.lookup_tables(&qt)?.reshape((hq, t, m, kk))?;
-    let offset = match &kc.mean {
-        Some(mu) => Some(qs.broadcast_mul(&per_q_head(mu, g)?.unsqueeze(1)?)?.sum_keepdim(D::Minus1)?), // [Hq, t, 1]
-        None => None,
-    };
+    let lut = kc.lookup_tables(&qt.reshape((hq * t, d))?)?.reshape((hq, t, m, kk))?;
     let (mv, kv_c) = (vc.subspaces(), vc.centroids);
     let mut w = Tensor::zeros((hq, t, mv, kv_c), DType::F32, dev)?;
     let chunk = (CODE_CHUNK_BYTES / (hq * t * m.max(mv) * 4)).max(16);
@@ -172,16 +163,42 @@ pub fn codes_state(
         let src = p.unsqueeze(2)?.broadcast_as((hq, t, mv, n))?.contiguous()?;
         w = w.broadcast_mul(&alpha.unsqueeze(3)?)?.scatter_add(&idx, &src, 3)?;
     }
-    // Per-centroid weights back to vectors: decode, rotate back, scale, add μ times the mass.
-    let mut o = vc.rotate(&vc.decode_sums(&w.reshape((hq * t, mv, kv_c))?)?)?.reshape((hq, t, d))?;
+    // Per-centroid weights back to vectors: decode, then out of code space.
+    let o = vc.decode_sums(&w.reshape((hq * t, mv, kv_c))?)?.reshape((hq, t, d))?;
+    state.o = value_space(&o, &state.l, vc)?;
+    Ok(state)
+}
+
+/// Queries `qs` (`[Hq, t, D]`, scaled) in the keys' code space, q̃ = H(s ⊙ q), and the offset
+/// q·μ that centering adds to every score (`[Hq, t, 1]`), if the keys are centered.
+pub fn code_space_queries(qs: &Tensor, kc: &TensorCodec) -> Result<(Tensor, Option<Tensor>)> {
+    let (hq, t, d) = qs.dims3()?;
+    let g = hq / kc.heads;
+    let mut qt = qs.clone();
+    if let Some(sc) = &kc.scale {
+        qt = qt.broadcast_mul(&per_q_head(sc, g)?.unsqueeze(1)?)?;
+    }
+    let qt = kc.rotate(&qt.reshape((hq * t, d))?)?.reshape((hq, t, d))?;
+    let offset = match &kc.mean {
+        Some(mu) => Some(qs.broadcast_mul(&per_q_head(mu, g)?.unsqueeze(1)?)?.sum_keepdim(D::Minus1)?),
+        None => None,
+    };
+    Ok((qt, offset))
+}
+
+/// A weighted sum of value centroids `o` (`[Hq, t, D]`, code space, total weight `l`
+/// `[Hq, t, 1]`) in value space: rotated back, scaled, plus μ times the weight.
+pub fn value_space(o: &Tensor, l: &Tensor, vc: &TensorCodec) -> Result<Tensor> {
+    let (hq, t, d) = o.dims3()?;
+    let g = hq / vc.heads;
+    let mut o = vc.rotate(&o.reshape((hq * t, d))?)?.reshape((hq, t, d))?;
     if let Some(sc) = &vc.scale {
         o = o.broadcast_mul(&per_q_head(sc, g)?.unsqueeze(1)?)?;
     }
     if let Some(mu) = &vc.mean {
-        o = o.broadcast_add(&state.l.broadcast_mul(&per_q_head(mu, g)?.unsqueeze(1)?)?)?;
+        o = o.broadcast_add(&l.broadcast_mul(&per_q_head(mu, g)?.unsqueeze(1)?)?)?;
     }
-    state.o = o;
-    Ok(state)
+    Ok(o)
 }
 
 /// `[kv, ...]` rows repeated for the `g` query heads of each kv head: `[kv·g, ...]`.

@@ -24,7 +24,7 @@ use super::residency::{Put, Quantize, Restore, RowRun, RowSource, SeqView};
 use crate::error::{Error, Result};
 
 /// Queries per tile of the partials (bounds the scratch with the chunks).
-const QUERY_TILE: usize = 128;
+pub(crate) const QUERY_TILE: usize = 128;
 
 /// Codecs and codes of a coded layer.
 pub struct TensorCodes {
@@ -145,25 +145,26 @@ impl TensorBackend {
     }
 
     /// Queries `i0..i1` of a view as `[Hq, n, D]` f32, scaled.
-    fn queries(&self, q: &Tensor, v: &SeqView, i0: usize, i1: usize, scale: f32) -> Result<Tensor> {
+    pub(crate) fn queries(&self, q: &Tensor, v: &SeqView, i0: usize, i1: usize, scale: f32) -> Result<Tensor> {
         Ok((q.narrow(0, v.queries.start + i0, i1 - i0)?.to_dtype(DType::F32)? * scale as f64)?
             .transpose(0, 1)?
             .contiguous()?)
     }
 
-    /// Runs `f` per (view, tile of queries) on `[Hq, n, D]` queries and packs the states into
-    /// `[tokens, Hq, ·]`.
-    fn per_tile(
+    /// Runs `f` per (view, tile of at most `tile` queries) on `[Hq, n, D]` queries and packs the
+    /// states into `[tokens, Hq, ·]`.
+    pub(crate) fn per_tile(
         &self,
         q: &Tensor,
         views: &[SeqView],
         scale: f32,
+        tile: usize,
         mut f: impl FnMut(&SeqView, &Tensor, usize) -> Result<State>,
     ) -> Result<TensorPartial> {
         let mut parts: Vec<State> = Vec::new();
         for v in views {
-            for i0 in (0..v.queries.len()).step_by(QUERY_TILE) {
-                let i1 = (i0 + QUERY_TILE).min(v.queries.len());
+            for i0 in (0..v.queries.len()).step_by(tile) {
+                let i1 = (i0 + tile).min(v.queries.len());
                 let qs = self.queries(q, v, i0, i1, scale)?;
                 let st = f(v, &qs, i0)?;
                 // [Hq, n, ·] → [n, Hq, ·]
@@ -242,7 +243,7 @@ impl Backend for TensorBackend {
     fn attend_codes(&self, q: &Tensor, views: &[SeqView], scale: f32) -> Result<TensorPartial> {
         let c = self.codes()?;
         let (hq, d) = (self.heads.q, self.heads.dim);
-        self.per_tile(q, views, scale, |v, qs, _| {
+        self.per_tile(q, views, scale, QUERY_TILE, |v, qs, _| {
             if v.coded == 0 {
                 return State::empty(hq, qs.dim(1)?, d, &self.device);
             }
@@ -253,7 +254,7 @@ impl Backend for TensorBackend {
 
     fn attend_rows(&self, q: &Tensor, views: &[SeqView], input: &TensorInput, scale: f32) -> Result<TensorPartial> {
         let Heads { q: hq, kv, dim: d } = self.heads;
-        self.per_tile(q, views, scale, |v, qs, i0| {
+        self.per_tile(q, views, scale, QUERY_TILE, |v, qs, i0| {
             let n = qs.dim(1)?;
             let qh = qs.reshape((kv, hq / kv * n, d))?;
             let q_pos: Vec<usize> = (i0..i0 + n).map(|i| v.query_pos(i)).collect();

@@ -45,12 +45,6 @@
 #error "vq_attend_mma takes D 64/128/256 and at most 8 query heads per kv head"
 #endif
 
-__device__ __forceinline__ void mma_16816(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // Transpose of an 8×8 matrix of f16 held as mma fragments (lane l: row l/4, columns 2(l%4), +1).
 __device__ __forceinline__ unsigned transpose8(unsigned x) {
     unsigned y;

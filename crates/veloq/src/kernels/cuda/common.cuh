@@ -36,6 +36,15 @@ __device__ __forceinline__ float2 unpack_h2(unsigned int r) {
     return make_float2(h2f(lo), h2f(hi));
 }
 
+// C += A·B on tensor cores, one m16n8k16 tile (f16 in, f32 accumulate). Fragments (g = lane/4,
+// t = lane%4): A a0 (row g, k 2t..2t+1), a1 (row g+8), a2 (row g, k 2t+8..), a3 (row g+8, k 2t+8..);
+// B b0 (k 2t..2t+1, column g), b1 (k 2t+8..); C c0, c1 (row g, columns 2t, 2t+1), c2, c3 (row g+8).
+__device__ __forceinline__ void mma_16816(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);

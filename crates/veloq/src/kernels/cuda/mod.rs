@@ -5,6 +5,7 @@
 
 mod attention;
 mod dense;
+mod prefill;
 mod quantize;
 mod window;
 
@@ -12,6 +13,7 @@ pub use attention::{
     AttentionScratch, Coded, GpuAttention, SplitKernel, Window, WindowMap, DEFAULT_THREADS, MAX_WINDOW,
 };
 pub use dense::GpuDenseAttention;
+pub use prefill::{GpuPrefill, PrefillOut, Source, Split};
 pub use quantize::{GpuCodec, RowMap};
 pub use window::{PutMap, PutRows};
 
@@ -189,7 +191,12 @@ pub fn compile_check(arch: &'static str) -> Result<()> {
     let window = std::iter::once(("vq_window_put", window::SOURCES, vec![("D", 128)]));
     let dense = dense::example_defines().into_iter().map(|d| ("f16_attend_split", dense::SOURCES, d));
     let quantize = std::iter::once(("vq_quantize", quantize::SOURCES, quantize::example_defines()));
-    for (name, sources, defines) in quantize.chain(attention).chain(merge).chain(mma).chain(window).chain(dense) {
+    let prefill = prefill::example_defines()
+        .into_iter()
+        .flat_map(|d| [("vq_prefill_codes", prefill::SOURCES, d.clone()), ("f16_prefill_rows", prefill::SOURCES, d)]);
+    for (name, sources, defines) in
+        quantize.chain(attention).chain(merge).chain(mma).chain(window).chain(dense).chain(prefill)
+    {
         compile(arch, name, sources, &defines)?;
     }
     Ok(())
