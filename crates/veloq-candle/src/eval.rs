@@ -7,6 +7,10 @@
 //! query attends over what the cache really holds: codes for old positions, the f16 window for
 //! recent ones, exactly as during decode. Feeding a whole window at once would let a compressed
 //! cache attend over its own exact inputs and flatter it.
+//!
+//! A model whose file asks for a BOS (`tokenizer.ggml.add_bos_token`, Gemma) gets it as each
+//! window's first token in place of the text's, as llama.cpp's perplexity tool does, so the two
+//! score the same windows.
 
 use candle_core::{DType, D};
 
@@ -102,7 +106,10 @@ pub fn evaluate(
         .collect::<Result<_>>()?;
     let mut done = 0;
     for w in 0..cfg.windows {
-        let window = &tokens[w * cfg.ctx..(w + 1) * cfg.ctx];
+        let mut window = tokens[w * cfg.ctx..(w + 1) * cfg.ctx].to_vec();
+        if let Some(bos) = model.info.bos {
+            window[0] = bos;
+        }
         let mut reference: Vec<Vec<f32>> = Vec::new();
         for (m, (_, config)) in methods.iter().enumerate() {
             let mut caches = config.build(model)?;

@@ -9,6 +9,7 @@ pub mod error;
 pub mod eval;
 pub mod generate;
 pub mod model;
+pub mod needle;
 pub mod prefill;
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use clap::Args as ClapArgs;
+use clap::{Args as ClapArgs, Subcommand};
 use serde_json::json;
 
 use veloq::artifact::Calibration;
@@ -23,7 +23,11 @@ use crate::generate::default_model;
 use crate::plot;
 
 #[derive(ClapArgs)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct Args {
+    /// Another evaluation instead of perplexity (`veloq eval needle --help`).
+    #[command(subcommand)]
+    pub mode: Option<EvalMode>,
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Evaluation text (default: Pride and Prejudice, the text of ANCHORS.md's llama.cpp runs).
@@ -66,8 +70,14 @@ pub struct Args {
     pub replot: Option<PathBuf>,
 }
 
+#[derive(Subcommand)]
+pub enum EvalMode {
+    /// Needle in a haystack: passkey retrieval over context lengths × depths, per method.
+    Needle(Box<crate::needle::Args>),
+}
+
 #[derive(Clone, Copy)]
-struct Vq {
+pub(crate) struct Vq {
     /// (sub_dim, codebook bits) of keys and of values.
     keys: (usize, u32),
     values: (usize, u32),
@@ -94,7 +104,7 @@ const fn vq(sub_dim: usize, bits: u32) -> Vq {
 const VQ2: Vq = vq(4, 8);
 
 #[derive(Clone, Copy)]
-enum Kind {
+pub(crate) enum Kind {
     Fp16,
     Vq(Vq),
     Kivi(u32),
@@ -167,7 +177,7 @@ fn specs(kind: Kind) -> Option<(CodecSpec, CodecSpec)> {
     Some((side(v.keys, v.center.0, smooth)?, side(v.values, v.center.1, None)?))
 }
 
-fn read_tokens(tok: &Tokenizer, path: &Path) -> Result<Vec<u32>> {
+pub(crate) fn read_tokens(tok: &Tokenizer, path: &Path) -> Result<Vec<u32>> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("reading {} (run scripts/fetch-data)", path.display()))?;
     Ok(encode(tok, &text)?)
@@ -175,7 +185,7 @@ fn read_tokens(tok: &Tokenizer, path: &Path) -> Result<Vec<u32>> {
 
 /// Calibrations for the VecInfer methods, trained once from one activation collection and cached
 /// under ~/.cache/veloq/eval (reused only when made from the same tokens with the same seed).
-fn calibrations(
+pub(crate) fn calibrations(
     model: &Model,
     model_path: &Path,
     calib: &[u32],
@@ -225,7 +235,7 @@ fn fnv(s: &str) -> u64 {
     s.bytes().fold(0xcbf29ce484222325, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3))
 }
 
-fn config(kind: Kind, cal: Option<Calibration>) -> CacheConfig {
+pub(crate) fn config(kind: Kind, cal: Option<Calibration>) -> CacheConfig {
     match (kind, cal) {
         (Kind::Vq(v), Some(c)) => {
             let mut config = CacheConfig::vecinfer(c);
@@ -240,28 +250,32 @@ fn config(kind: Kind, cal: Option<Calibration>) -> CacheConfig {
     }
 }
 
+/// fp16 first, then the `names`d methods of [`METHODS`].
+pub(crate) fn chosen_methods(names: &[String]) -> Result<Vec<(&'static str, Kind)>> {
+    let mut v = vec![METHODS[0]];
+    for m in names {
+        let found = METHODS
+            .iter()
+            .find(|(l, _)| l == m)
+            .with_context(|| format!("unknown method {m} (see veloq eval --list)"))?;
+        if found.0 != "fp16" {
+            v.push(*found);
+        }
+    }
+    Ok(v)
+}
+
 pub fn run(a: Args) -> Result<()> {
+    if let Some(EvalMode::Needle(n)) = a.mode {
+        return crate::needle::run(*n);
+    }
     if a.list {
         for (label, kind) in METHODS {
             println!("{label:<20} {}", describe(*kind));
         }
         return Ok(());
     }
-    let chosen: Vec<(&str, Kind)> = if a.methods.is_empty() {
-        METHODS.to_vec()
-    } else {
-        let mut v = vec![METHODS[0]];
-        for m in &a.methods {
-            let found = METHODS
-                .iter()
-                .find(|(l, _)| l == m)
-                .with_context(|| format!("unknown method {m} (see veloq eval --list)"))?;
-            if found.0 != "fp16" {
-                v.push(*found);
-            }
-        }
-        v
-    };
+    let chosen = if a.methods.is_empty() { METHODS.to_vec() } else { chosen_methods(&a.methods)? };
     let model_path = a.model.clone().unwrap_or_else(default_model);
     if let Some(json) = &a.replot {
         return replot(json, &model_path, &chosen, &a);

@@ -9,6 +9,7 @@ mod chat;
 mod device;
 mod eval;
 mod generate;
+mod needle;
 mod plot;
 
 #[global_allocator]

@@ -224,3 +224,71 @@ pub fn speed(path: &Path, device: &str, y_desc: &str, panels: &Panels) -> Result
     root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }
+
+/// One heatmap panel: a title and, per (depth row, length column), correct answers of all.
+pub struct Heat {
+    pub title: String,
+    pub cells: Vec<Vec<(usize, usize)>>,
+}
+
+/// Needle retrieval heatmaps, one panel per (method, haystack): rows are needle depths (top =
+/// start of the context), columns context lengths, colour the share of keys returned exactly
+/// (red 0 → green 1), each cell labelled correct/asked.
+pub fn heatmap(path: &Path, lengths: &[usize], depths: &[f64], panels: &[Heat]) -> Result<()> {
+    font()?;
+    let cols = panels.len().clamp(1, 3);
+    let rows = panels.len().div_ceil(cols).max(1);
+    let root = BitMapBackend::new(path, (420 * cols as u32, 380 * rows as u32)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (nx, ny) = (lengths.len(), depths.len());
+    for (panel, area) in panels.iter().zip(root.split_evenly((rows, cols))) {
+        let mut chart = ChartBuilder::on(&area)
+            .margin(10)
+            .caption(&panel.title, ("sans-serif", 15))
+            .x_label_area_size(34)
+            .y_label_area_size(44)
+            .build_cartesian_2d(0.0..nx as f64, 0.0..ny as f64)?;
+        chart
+            .configure_mesh()
+            .disable_mesh()
+            .x_labels(nx + 1)
+            .y_labels(ny + 1)
+            .x_label_formatter(&|x| {
+                let i = x.floor() as usize;
+                if (x - i as f64 - 0.0).abs() < 1e-9 && i < nx {
+                    format!("{}", lengths[i])
+                } else {
+                    String::new()
+                }
+            })
+            .y_label_formatter(&|y| {
+                let i = y.floor() as usize;
+                if i < ny && (y - i as f64).abs() < 1e-9 {
+                    format!("{:.0}%", 100.0 * depths[ny - 1 - i])
+                } else {
+                    String::new()
+                }
+            })
+            .x_desc("context (tokens)")
+            .y_desc("needle depth")
+            .draw()?;
+        for (r, row) in panel.cells.iter().enumerate() {
+            for (c, &(k, n)) in row.iter().enumerate() {
+                let share = if n == 0 { 0.0 } else { k as f64 / n as f64 };
+                let color = RGBColor((220.0 * (1.0 - share)) as u8 + 20, (180.0 * share) as u8 + 40, 60);
+                let y0 = (ny - 1 - r) as f64;
+                chart.draw_series(std::iter::once(Rectangle::new(
+                    [(c as f64, y0), (c as f64 + 1.0, y0 + 1.0)],
+                    color.filled(),
+                )))?;
+                chart.draw_series(std::iter::once(Text::new(
+                    format!("{k}/{n}"),
+                    (c as f64 + 0.38, y0 + 0.62),
+                    ("sans-serif", 13).into_font().color(&WHITE),
+                )))?;
+            }
+        }
+    }
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
