@@ -7,7 +7,7 @@
 use crate::config::CacheConfig;
 use crate::error::{Error, Result};
 use crate::generate::{generate_ids, GenerateOptions};
-use crate::model::{encode, Model, Tokenizer};
+use crate::model::{encode, ChatTemplate, Model, Tokenizer};
 
 /// The repeated filler haystack of the passkey papers.
 pub const FILLER: &str = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ";
@@ -17,21 +17,43 @@ pub fn needle(key: u32) -> String {
     format!(" The pass key is {key}. Remember it. {key} is the pass key. ")
 }
 
-/// What follows the haystack: the question, and the start of the answer the model completes.
+/// What follows the haystack without a chat template: the question, and the start of the answer
+/// the model completes.
 pub const QUESTION: &str = "\n\nWhat is the pass key? The pass key is";
 
-/// Tokens of one case, `length` in all: the model's BOS (if it takes one), the haystack's first
-/// tokens with the needle's inserted after a fraction `depth` (0 = first, 1 = last) of them, then
-/// the question. Errors when the haystack is too short or `length` leaves no room for it.
+/// The question inside a chat turn (instruct models answer it; they do not complete a sentence).
+pub const CHAT_QUESTION: &str = "\n\nWhat is the pass key in the text above? Answer with the number only.";
+
+/// The tokens around the haystack: `(prefix, suffix)`. Raw: BOS (if the model takes one) and
+/// [`QUESTION`]; chat: the template's opening (BOS included) and [`CHAT_QUESTION`] with the
+/// template's close, so the answer is the assistant's reply.
+pub fn frame(model: &Model, tok: &Tokenizer, chat: bool) -> Result<(Vec<u32>, Vec<u32>)> {
+    const HOLE: &str = "\u{1}";
+    let template = if chat { ChatTemplate::detect(tok) } else { ChatTemplate::Raw };
+    let question = if matches!(template, ChatTemplate::Raw) { QUESTION } else { CHAT_QUESTION };
+    let text = template.apply(&format!("{HOLE}{question}"));
+    let (before, after) = text.split_once(HOLE).expect("the template keeps the prompt");
+    let mut prefix = encode(tok, before)?;
+    if let Some(bos) = model.info.bos {
+        if prefix.first() != Some(&bos) {
+            prefix.insert(0, bos);
+        }
+    }
+    Ok((prefix, encode(tok, after)?))
+}
+
+/// Tokens of one case, `length` in all: `prefix`, the haystack's first tokens with the needle's
+/// inserted after a fraction `depth` (0 = first, 1 = last) of them, then `suffix` (the question).
+/// Errors when the haystack is too short or `length` leaves no room for it.
 pub fn prompt(
-    bos: Option<u32>,
+    prefix: &[u32],
     haystack: &[u32],
     needle: &[u32],
     question: &[u32],
     length: usize,
     depth: f64,
 ) -> Result<Vec<u32>> {
-    let fixed = bos.is_some() as usize + needle.len() + question.len();
+    let fixed = prefix.len() + needle.len() + question.len();
     if !(0.0..=1.0).contains(&depth) {
         return Err(Error::Config(format!("needle depth {depth} is outside 0..=1")));
     }
@@ -44,7 +66,7 @@ pub fn prompt(
     }
     let at = (depth * room as f64).round() as usize;
     let mut ids = Vec::with_capacity(length);
-    ids.extend(bos);
+    ids.extend_from_slice(prefix);
     ids.extend_from_slice(&haystack[..at]);
     ids.extend_from_slice(needle);
     ids.extend_from_slice(&haystack[at..room]);
@@ -123,7 +145,7 @@ mod tests {
         let hay: Vec<u32> = (100..1100).collect();
         let (needle, question) = (vec![1, 2, 3], vec![7, 8]);
         for (depth, at) in [(0.0, 0usize), (0.5, 48), (1.0, 95)] {
-            let ids = prompt(Some(9), &hay, &needle, &question, 101, depth).unwrap();
+            let ids = prompt(&[9], &hay, &needle, &question, 101, depth).unwrap();
             assert_eq!(ids.len(), 101);
             assert_eq!(ids[0], 9);
             assert_eq!(&ids[1 + at..1 + at + 3], &needle[..], "depth {depth}");
@@ -132,9 +154,9 @@ mod tests {
             let rest: Vec<u32> = ids[1..99].iter().copied().filter(|&t| t >= 100).collect();
             assert_eq!(rest, (100..195).collect::<Vec<u32>>());
         }
-        assert!(prompt(None, &hay, &needle, &question, 5, 0.5).is_err(), "no room");
-        assert!(prompt(None, &hay[..10], &needle, &question, 101, 0.5).is_err(), "short haystack");
-        assert!(prompt(None, &hay, &needle, &question, 101, 1.5).is_err(), "depth past the end");
+        assert!(prompt(&[], &hay, &needle, &question, 5, 0.5).is_err(), "no room");
+        assert!(prompt(&[], &hay[..10], &needle, &question, 101, 0.5).is_err(), "short haystack");
+        assert!(prompt(&[], &hay, &needle, &question, 101, 1.5).is_err(), "depth past the end");
     }
 
     #[test]

@@ -46,8 +46,12 @@ pub struct Args {
     calib_text: Option<PathBuf>,
     #[arg(long, default_value_t = 8192)]
     calib_tokens: usize,
-    /// Tokens generated for the answer.
-    #[arg(long, default_value_t = 8)]
+    /// Ask as a plain completion ("… The pass key is") even when the model has a chat template
+    /// (by default the question is a user turn and the answer the assistant's reply).
+    #[arg(long)]
+    raw: bool,
+    /// Tokens generated for the answer (an instruct model may restate the question first).
+    #[arg(long, default_value_t = 16)]
     answer_tokens: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -100,7 +104,7 @@ pub fn run(a: Args) -> Result<()> {
         chosen.iter().zip(cals).map(|((l, k), c)| (l.to_string(), CacheConfig { kernels, ..config(*k, c) })).collect();
 
     let text_path = a.text.clone().unwrap_or_else(|| default_text().with_file_name("emma.txt"));
-    let question = encode(&tok, needle::QUESTION)?;
+    let (prefix, question) = needle::frame(&model, &tok, !a.raw)?;
     let keys = keys(a.seed, a.keys * a.lengths.len() * a.depths.len() * a.haystacks.len());
     let mut hays: Vec<(String, Vec<u32>)> = Vec::new();
     for h in &a.haystacks {
@@ -132,9 +136,8 @@ pub fn run(a: Args) -> Result<()> {
                     } else {
                         i * 7
                     };
-                    let ids =
-                        needle::prompt(model.info.bos, &hay[offset..], &needle_ids, &question, length, depth / 100.0)
-                            .with_context(|| format!("{name} haystack, length {length}"))?;
+                    let ids = needle::prompt(&prefix, &hay[offset..], &needle_ids, &question, length, depth / 100.0)
+                        .with_context(|| format!("{name} haystack, length {length}"))?;
                     cases.push(Case { hay: hi, length, depth: di, key, ids });
                 }
             }
@@ -205,7 +208,7 @@ pub fn run(a: Args) -> Result<()> {
     crate::bench::write_json(
         &a.json,
         &json!({"model": model.info.identity.name, "device": format!("{device:?}"), "lengths": a.lengths,
-                "depths_percent": a.depths, "keys_per_cell": a.keys, "text": text_path.file_name().map(|s| s.to_string_lossy().into_owned()),
+                "depths_percent": a.depths, "keys_per_cell": a.keys, "chat": !a.raw, "text": text_path.file_name().map(|s| s.to_string_lossy().into_owned()),
                 "summary": summary, "answers": rows}),
     )
 }
