@@ -66,9 +66,48 @@ pub struct Args {
     /// Heatmap PNG (one panel per method and haystack).
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Redraw the heatmap (--plot) from an earlier run's JSON; runs nothing.
+    #[arg(long)]
+    replot: Option<PathBuf>,
+}
+
+/// The heatmap of an earlier run's JSON (its grid and answers).
+fn replot(json: &std::path::Path, out: &std::path::Path) -> Result<()> {
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(json)?)?;
+    let nums = |k: &str| -> Vec<f64> { v[k].as_array().into_iter().flatten().filter_map(|x| x.as_f64()).collect() };
+    let (lengths, depths) = (nums("lengths").iter().map(|&l| l as usize).collect::<Vec<_>>(), nums("depths_percent"));
+    let mut heats: Vec<(String, String, Vec<Vec<(usize, usize)>>)> = Vec::new();
+    for a in v["answers"].as_array().context("no answers in the JSON")? {
+        let (m, h) = (a["method"].as_str().unwrap_or("?"), a["haystack"].as_str().unwrap_or("?"));
+        let li = lengths.iter().position(|&l| Some(l as u64) == a["length"].as_u64()).context("length")?;
+        let di = depths.iter().position(|&d| Some(d) == a["depth_percent"].as_f64()).context("depth")?;
+        let i = match heats.iter().position(|x| x.0 == m && x.1 == h) {
+            Some(i) => i,
+            None => {
+                heats.push((m.into(), h.into(), vec![vec![(0, 0); lengths.len()]; depths.len()]));
+                heats.len() - 1
+            }
+        };
+        let cell = &mut heats[i].2[di][li];
+        cell.0 += (a["correct"].as_bool() == Some(true)) as usize;
+        cell.1 += 1;
+    }
+    let panels: Vec<Heat> = heats
+        .into_iter()
+        .map(|(m, h, cells)| {
+            let (k, n) = cells.iter().flatten().fold((0, 0), |s, c| (s.0 + c.0, s.1 + c.1));
+            Heat { title: format!("{m}, {h}: {k}/{n}"), cells }
+        })
+        .collect();
+    plot::heatmap(out, &lengths, &depths.iter().map(|d| d / 100.0).collect::<Vec<_>>(), &panels)?;
+    eprintln!("wrote {}", out.display());
+    Ok(())
 }
 
 pub fn run(a: Args) -> Result<()> {
+    if let Some(json) = &a.replot {
+        return replot(json, a.plot.as_deref().context("--replot needs --plot")?);
+    }
     if a.lengths.is_empty() || a.depths.is_empty() || a.keys == 0 {
         bail!("needs at least one length, one depth and one key");
     }

@@ -247,7 +247,8 @@ pub fn heatmap(path: &Path, lengths: &[usize], depths: &[f64], panels: &[Heat]) 
             .caption(&panel.title, ("sans-serif", 15))
             .x_label_area_size(34)
             .y_label_area_size(44)
-            .build_cartesian_2d(0.0..nx as f64, 0.0..ny as f64)?;
+            // Cells centred on whole coordinates, so the axis labels sit on them.
+            .build_cartesian_2d(-0.5..nx as f64 - 0.5, -0.5..ny as f64 - 0.5)?;
         chart
             .configure_mesh()
             .disable_mesh()
@@ -276,14 +277,14 @@ pub fn heatmap(path: &Path, lengths: &[usize], depths: &[f64], panels: &[Heat]) 
             for (c, &(k, n)) in row.iter().enumerate() {
                 let share = if n == 0 { 0.0 } else { k as f64 / n as f64 };
                 let color = RGBColor((220.0 * (1.0 - share)) as u8 + 20, (180.0 * share) as u8 + 40, 60);
-                let y0 = (ny - 1 - r) as f64;
+                let (x, y) = (c as f64, (ny - 1 - r) as f64);
                 chart.draw_series(std::iter::once(Rectangle::new(
-                    [(c as f64, y0), (c as f64 + 1.0, y0 + 1.0)],
+                    [(x - 0.5, y - 0.5), (x + 0.5, y + 0.5)],
                     color.filled(),
                 )))?;
                 chart.draw_series(std::iter::once(Text::new(
                     format!("{k}/{n}"),
-                    (c as f64 + 0.38, y0 + 0.62),
+                    (x - 0.12, y + 0.12),
                     ("sans-serif", 13).into_font().color(&WHITE),
                 )))?;
             }
