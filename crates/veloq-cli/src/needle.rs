@@ -71,12 +71,15 @@ pub struct Args {
     replot: Option<PathBuf>,
 }
 
+/// Per (depth row, length column): correct answers, questions asked.
+type Grid = Vec<Vec<(usize, usize)>>;
+
 /// The heatmap of an earlier run's JSON (its grid and answers).
 fn replot(json: &std::path::Path, out: &std::path::Path) -> Result<()> {
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(json)?)?;
     let nums = |k: &str| -> Vec<f64> { v[k].as_array().into_iter().flatten().filter_map(|x| x.as_f64()).collect() };
     let (lengths, depths) = (nums("lengths").iter().map(|&l| l as usize).collect::<Vec<_>>(), nums("depths_percent"));
-    let mut heats: Vec<(String, String, Vec<Vec<(usize, usize)>>)> = Vec::new();
+    let mut heats: Vec<(String, String, Grid)> = Vec::new();
     for a in v["answers"].as_array().context("no answers in the JSON")? {
         let (m, h) = (a["method"].as_str().unwrap_or("?"), a["haystack"].as_str().unwrap_or("?"));
         let li = lengths.iter().position(|&l| Some(l as u64) == a["length"].as_u64()).context("length")?;
