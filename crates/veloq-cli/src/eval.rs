@@ -183,6 +183,16 @@ pub(crate) fn read_tokens(tok: &Tokenizer, path: &Path) -> Result<Vec<u32>> {
     Ok(encode(tok, &text)?)
 }
 
+/// The first `n` tokens of the calibration text at `path` (an error naming it when it is shorter).
+pub(crate) fn calibration_tokens(tok: &Tokenizer, path: &Path, n: usize) -> Result<Vec<u32>> {
+    let mut tokens = read_tokens(tok, path)?;
+    if tokens.len() < n {
+        bail!("{} has {} tokens, fewer than --calib-tokens {n}", path.display(), tokens.len());
+    }
+    tokens.truncate(n);
+    Ok(tokens)
+}
+
 /// Calibrations for the VecInfer methods, trained once from one activation collection and cached
 /// under ~/.cache/veloq/eval (reused only when made from the same tokens with the same seed).
 pub(crate) fn calibrations(
@@ -286,23 +296,14 @@ pub fn run(a: Args) -> Result<()> {
     let eval_path = a.text.clone().unwrap_or_else(|| default_text().with_file_name("prideprejudice.txt"));
     let calib_path = a.calib_text.clone().unwrap_or_else(default_text);
     let eval_tokens = read_tokens(&tok, &eval_path)?;
-    let calib_tokens = read_tokens(&tok, &calib_path)?;
-    if calib_tokens.len() < a.calib_tokens {
-        bail!(
-            "{} has {} tokens, fewer than --calib-tokens {}",
-            calib_path.display(),
-            calib_tokens.len(),
-            a.calib_tokens
-        );
-    }
-    let calib = &calib_tokens[..a.calib_tokens];
+    let calib = calibration_tokens(&tok, &calib_path, a.calib_tokens)?;
     let windows: Vec<usize> = match a.windows.len() {
         1 => vec![a.windows[0]; a.ctx.len()],
         n if n == a.ctx.len() => a.windows.clone(),
         n => bail!("--windows has {n} entries for {} context lengths", a.ctx.len()),
     };
     let used = a.ctx.iter().zip(&windows).map(|(c, w)| c * w).max().unwrap_or(0).min(eval_tokens.len());
-    if let Some(at) = TextFingerprint::of_tokens(calib).first_overlap(&eval_tokens[..used]) {
+    if let Some(at) = TextFingerprint::of_tokens(&calib).first_overlap(&eval_tokens[..used]) {
         bail!(
             "calibration text {} and evaluation text {} overlap (evaluation token {at} repeats calibration text); \
              calibrate and evaluate on different texts",
@@ -311,7 +312,7 @@ pub fn run(a: Args) -> Result<()> {
         );
     }
     let calib_window = a.calib_window.unwrap_or(max_ctx);
-    let cals = calibrations(&model, &model_path, calib, &chosen, a.seed, calib_window)?;
+    let cals = calibrations(&model, &model_path, &calib, &chosen, a.seed, calib_window)?;
     let methods: Vec<(String, CacheConfig)> =
         chosen.iter().zip(cals).map(|((l, k), c)| (l.to_string(), config(*k, c))).collect();
     let mut runs = Vec::new();

@@ -15,7 +15,7 @@ use veloq_candle::model::{encode, Model};
 use veloq_candle::needle::{self, answer, correct, keys, wilson};
 
 use crate::calibrate::{bar, default_text};
-use crate::eval::{calibrations, chosen_methods, config, read_tokens};
+use crate::eval::{calibration_tokens, calibrations, chosen_methods, config, read_tokens};
 use crate::generate::default_model;
 use crate::plot::{self, Heat};
 
@@ -126,21 +126,13 @@ pub fn run(a: Args) -> Result<()> {
     let (model, tok) =
         Model::open_on(&model_path, capacity, &device).with_context(|| format!("loading {}", model_path.display()))?;
     let calib_path = a.calib_text.clone().unwrap_or_else(default_text);
-    let calib_tokens = read_tokens(&tok, &calib_path)?;
-    if calib_tokens.len() < a.calib_tokens {
-        bail!(
-            "{} has {} tokens, fewer than --calib-tokens {}",
-            calib_path.display(),
-            calib_tokens.len(),
-            a.calib_tokens
-        );
-    }
+    let calib = calibration_tokens(&tok, &calib_path, a.calib_tokens)?;
     // Calibrations come from the CPU model over windows as long as the longest prompt.
     let cals = if device.is_cpu() {
-        calibrations(&model, &model_path, &calib_tokens[..a.calib_tokens], &chosen, a.seed, max_len)?
+        calibrations(&model, &model_path, &calib, &chosen, a.seed, max_len)?
     } else {
         let (cpu, _) = Model::open(&model_path, capacity)?;
-        calibrations(&cpu, &model_path, &calib_tokens[..a.calib_tokens], &chosen, a.seed, max_len)?
+        calibrations(&cpu, &model_path, &calib, &chosen, a.seed, max_len)?
     };
     let methods: Vec<(String, CacheConfig)> =
         chosen.iter().zip(cals).map(|((l, k), c)| (l.to_string(), CacheConfig { kernels, ..config(*k, c) })).collect();

@@ -147,8 +147,8 @@ fn write<T: CudaDType>(t: &Tensor, f: impl Fn(&mut CudaViewMut<T>) -> Result<()>
 /// cost more than the kernel at short contexts); the partials stay a few MiB.
 const KERNEL_QUERY_TILE: usize = 1024;
 
-/// The attention kernels of the layer's method: decode, and for VecInfer blocks of queries over
-/// codes (prefill, follow-up turns).
+/// The attention kernels of the layer's method: decode, and blocks of queries (prefill, follow-up
+/// turns) over the f16 rows (fp16) or the codes (VecInfer).
 enum Attention {
     Dense(GpuDenseAttention, GpuPrefill),
     Coded(Box<GpuAttention>, GpuPrefill),

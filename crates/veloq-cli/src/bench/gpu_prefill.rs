@@ -69,21 +69,16 @@ fn chunk_attention(caches: &mut ModelCache, model: &Model, chunk: usize, reps: u
     let step = Step::single(0, len, chunk)?;
     let layer = &mut caches.layers_mut()[0];
     let scale = 1.0 / (d as f32).sqrt();
-    let mut err = None;
     let mut times = Vec::new();
     for _ in 0..reps.max(1) + 1 {
         sync(&dev)?;
         let t0 = Instant::now();
-        let r = layer.append(&k, &v, &step).and_then(|_| layer.attend(&q, &step, scale));
+        layer.append(&k, &v, &step)?;
+        layer.attend(&q, &step, scale)?;
         sync(&dev)?;
         times.push(t0.elapsed().as_secs_f64());
-        if let Err(e) = r.and_then(|_| layer.commit()).and_then(|_| layer.truncate(0, len)) {
-            err = Some(e);
-            break;
-        }
-    }
-    if let Some(e) = err {
-        return Err(e.into());
+        layer.commit()?;
+        layer.truncate(0, len)?;
     }
     times.remove(0); // the first compiles and allocates
     times.sort_by(f64::total_cmp);

@@ -24,7 +24,7 @@ use super::residency::{Put, Quantize, Restore, RowRun, RowSource, SeqView};
 use crate::error::{Error, Result};
 
 /// Queries per tile of the partials (bounds the scratch with the chunks).
-pub(crate) const QUERY_TILE: usize = 128;
+const QUERY_TILE: usize = 128;
 
 /// Codecs and codes of a coded layer.
 pub struct TensorCodes {
