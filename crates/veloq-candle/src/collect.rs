@@ -21,24 +21,53 @@ pub struct Activations {
     pub text: TextFingerprint,
 }
 
-/// Keys and values of one layer, token-major `[tokens, n_kv_heads, head_dim]`.
+/// Keys and values of one layer, token-major `[tokens, n_kv_heads, head_dim]`; queries
+/// `[tokens, n_heads, head_dim]` when asked for (the probe needs them, calibration does not), and
+/// the attention scale the model used.
 #[derive(Default)]
 pub struct LayerActivations {
     pub keys: Vec<f32>,
     pub values: Vec<f32>,
+    pub queries: Vec<f32>,
+    pub scale: f32,
+    /// Sum of squared queries per (query head, channel) and the query rows summed: always kept
+    /// (query-weighted smoothing calibrates from them), cheap next to the keys.
+    pub query_sq: Vec<f64>,
+    pub query_rows: usize,
 }
 
-/// An fp16 cache that also copies everything appended to it into a shared sink.
+impl LayerActivations {
+    /// Mean square of the queries per (kv head, channel), pooled over each kv head's query group.
+    pub fn query_ms(&self, n_kv_heads: usize, head_dim: usize) -> Option<Vec<f32>> {
+        let nh = self.query_sq.len() / head_dim.max(1);
+        if self.query_rows == 0 || nh == 0 || !nh.is_multiple_of(n_kv_heads) {
+            return None;
+        }
+        let group = nh / n_kv_heads;
+        let mut ms = vec![0.0f64; n_kv_heads * head_dim];
+        for (h, row) in self.query_sq.chunks_exact(head_dim).enumerate() {
+            let kv = h / group;
+            ms[kv * head_dim..(kv + 1) * head_dim].iter_mut().zip(row).for_each(|(m, s)| *m += s);
+        }
+        let n = (self.query_rows * group) as f64;
+        Some(ms.into_iter().map(|m| (m / n) as f32).collect())
+    }
+}
+
+/// An fp16 cache that also copies everything appended to it (and the queries, when `queries`)
+/// into a shared sink.
 struct Recorder {
     inner: Box<dyn LayerCache>,
     sink: Arc<Mutex<LayerActivations>>,
+    queries: bool,
+}
+
+fn rows(x: &Tensor) -> Result<Vec<f32>> {
+    Ok(x.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
 impl LayerCache for Recorder {
     fn append(&mut self, k: &Tensor, v: &Tensor, step: &Step) -> Result<()> {
-        let rows = |x: &Tensor| -> Result<Vec<f32>> {
-            Ok(x.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
-        };
         let (kr, vr) = (rows(k)?, rows(v)?);
         let mut s = self.sink.lock().expect("recorder lock");
         s.keys.extend(kr);
@@ -47,6 +76,21 @@ impl LayerCache for Recorder {
         self.inner.append(k, v, step)
     }
     fn attend(&self, q: &Tensor, step: &Step, scale: f32) -> Result<Tensor> {
+        let (tokens, heads, dim) = q.dims3()?;
+        let qr = rows(q)?;
+        let mut s = self.sink.lock().expect("recorder lock");
+        s.scale = scale;
+        if s.query_sq.is_empty() {
+            s.query_sq = vec![0.0; heads * dim];
+        }
+        for row in qr.chunks_exact(heads * dim) {
+            s.query_sq.iter_mut().zip(row).for_each(|(a, &x)| *a += (x as f64) * (x as f64));
+        }
+        s.query_rows += tokens;
+        if self.queries {
+            s.queries.extend(qr);
+        }
+        drop(s);
         self.inner.attend(q, step, scale)
     }
     fn commit(&mut self) -> Result<()> {
@@ -75,6 +119,17 @@ pub fn collect_activations(
     window: usize,
     progress: &mut dyn FnMut(usize),
 ) -> Result<Activations> {
+    record(model, tokens, window, false, progress)
+}
+
+/// [`collect_activations`], with every layer's queries too when `queries`.
+pub fn record(
+    model: &Model,
+    tokens: &[u32],
+    window: usize,
+    queries: bool,
+    progress: &mut dyn FnMut(usize),
+) -> Result<Activations> {
     let sinks: Vec<_> =
         (0..model.info.identity.n_layers).map(|_| Arc::new(Mutex::new(LayerActivations::default()))).collect();
     let mut done = 0;
@@ -84,7 +139,7 @@ pub fn collect_activations(
             .into_layers()
             .into_iter()
             .zip(&sinks)
-            .map(|(inner, s)| Box::new(Recorder { inner, sink: s.clone() }) as Box<dyn LayerCache>)
+            .map(|(inner, s)| Box::new(Recorder { inner, sink: s.clone(), queries }) as Box<dyn LayerCache>)
             .collect();
         let mut caches = ModelCache::new(layers)?;
         model.forward(chunk, &mut caches, false)?;
@@ -117,10 +172,32 @@ pub fn calibrate(
     for (i, a) in acts.layers.iter().enumerate() {
         let kcfg = KMeansConfig::new(keys.shape.centroids(), seed.wrapping_add(1000 * i as u64));
         let vcfg = KMeansConfig::new(values.shape.centroids(), seed.wrapping_add(1000 * i as u64 + 500));
-        let (k, _) = train_codec_with_progress(&a.keys, id.n_kv_heads, id.head_dim, &keys, &kcfg, &|_, _, _| {})?;
-        let (v, _) = train_codec_with_progress(&a.values, id.n_kv_heads, id.head_dim, &values, &vcfg, &|_, _, _| {})?;
+        let ms = a.query_ms(id.n_kv_heads, id.head_dim);
+        let train = |x: &[f32], spec: &CodecSpec, cfg: &KMeansConfig| {
+            train_codec_with_progress(x, id.n_kv_heads, id.head_dim, spec, cfg, ms.as_deref(), &|_, _, _| {})
+        };
+        let (k, _) = train(&a.keys, &keys, &kcfg)?;
+        let (v, _) = train(&a.values, &values, &vcfg)?;
         layers.push(LayerCodecs { keys: k, values: v });
         progress(i + 1);
     }
     Ok(Calibration::new(id.clone(), keys, values, seed, tokens, layers)?.with_text(acts.text.clone()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_moments_pool_each_kv_heads_query_group() {
+        // 4 query heads of 2 channels over 2 kv heads, 5 rows: heads 0,1 read kv 0; heads 2,3 kv 1.
+        let a = LayerActivations {
+            query_sq: vec![5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 35.0, 40.0],
+            query_rows: 5,
+            ..Default::default()
+        };
+        assert_eq!(a.query_ms(2, 2).unwrap(), vec![2.0, 3.0, 6.0, 7.0]);
+        assert!(a.query_ms(3, 2).is_none(), "4 query heads do not group over 3 kv heads");
+        assert!(LayerActivations::default().query_ms(2, 2).is_none(), "nothing recorded");
+    }
 }

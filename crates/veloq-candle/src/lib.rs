@@ -11,6 +11,7 @@ pub mod generate;
 pub mod model;
 pub mod needle;
 pub mod prefill;
+pub mod probe;
 
 #[cfg(test)]
 mod testing;

@@ -2,12 +2,12 @@
 //! context and asked for at its end, answered by greedy decoding. Perplexity on short windows
 //! hides what a compressed cache does to a copy head's sharp attention on one far position; this
 //! measures it. Prompt building and scoring are model-free (and tested as such); [`answer`] runs
-//! one case through a fresh cache.
+//! a batch of cases through one cache.
 
+use crate::cache::{SeqStep, Step};
 use crate::config::CacheConfig;
 use crate::error::{Error, Result};
-use crate::generate::{generate_ids, GenerateOptions};
-use crate::model::{encode, ChatTemplate, Model, Tokenizer};
+use crate::model::{decode, encode, ChatTemplate, Logits, Model, Tokenizer};
 
 /// The repeated filler haystack of the passkey papers.
 pub const FILLER: &str = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ";
@@ -115,16 +115,133 @@ pub fn keys(seed: u64, n: usize) -> Vec<u32> {
         .collect()
 }
 
-/// Greedy continuation (`max_tokens`) of `ids` through a fresh cache of `cfg`.
-pub fn answer(model: &Model, tok: &Tokenizer, cfg: &CacheConfig, ids: &[u32], max_tokens: usize) -> Result<String> {
-    let mut caches = cfg.build(model)?;
-    let opts = GenerateOptions { max_tokens, temperature: 0.0, ..GenerateOptions::default() };
-    Ok(generate_ids(model, tok, &mut caches, ids, &opts, &mut |_| {})?.text)
+/// Greedy continuations (`max_tokens` each, cut at an end-of-sequence token) of several prompts
+/// through one cache of `cfg` with a slot per prompt. They are prefilled together, `chunk` tokens
+/// of each per forward pass (a ragged step once the shorter ones are done), and decoded together:
+/// a GPU runs the whole grid cell as one batch instead of one small model call after another.
+pub fn answers(
+    model: &Model,
+    tok: &Tokenizer,
+    cfg: &CacheConfig,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    chunk: usize,
+) -> Result<Vec<String>> {
+    answer_ids(model, cfg, prompts, max_tokens, chunk)?.iter().map(|o| decode(tok, o)).collect()
+}
+
+/// [`answers`] as token ids, without the end-of-sequence token.
+pub fn answer_ids(
+    model: &Model,
+    cfg: &CacheConfig,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    chunk: usize,
+) -> Result<Vec<Vec<u32>>> {
+    if prompts.iter().any(|p| p.is_empty()) || max_tokens == 0 || chunk == 0 {
+        return Err(Error::Config("answers need non-empty prompts, a token to generate and a chunk".into()));
+    }
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let cfg = CacheConfig { capacity: Some(longest + max_tokens), ..cfg.clone() };
+    let mut caches = cfg.build_batch(model, prompts.len())?;
+    let argmax = |logits: &candle_core::Tensor| -> Result<Vec<u32>> {
+        Ok(logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?)
+    };
+    // Prefill: each step takes the next `chunk` of every prompt not yet done.
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    let mut fed = vec![0usize; prompts.len()];
+    loop {
+        let seqs: Vec<SeqStep> = (0..prompts.len())
+            .filter(|&i| fed[i] < prompts[i].len())
+            .map(|i| SeqStep { slot: i, start: fed[i], len: chunk.min(prompts[i].len() - fed[i]) })
+            .collect();
+        if seqs.is_empty() {
+            break;
+        }
+        let tokens: Vec<u32> = seqs.iter().flat_map(|s| &prompts[s.slot][s.start..s.start + s.len]).copied().collect();
+        let next = argmax(&model.forward_step(&tokens, &Step::new(seqs.clone())?, &mut caches, Logits::Last)?)?;
+        for (s, t) in seqs.iter().zip(next) {
+            fed[s.slot] += s.len;
+            if fed[s.slot] == prompts[s.slot].len() {
+                out[s.slot].push(t);
+            }
+        }
+    }
+    // Decode: every sequence that has not ended takes its last token.
+    let ended = |o: &Vec<u32>| o.len() >= max_tokens || o.last().is_some_and(|t| model.info.eos_tokens.contains(t));
+    loop {
+        let live: Vec<usize> = (0..prompts.len()).filter(|&i| !ended(&out[i])).collect();
+        if live.is_empty() {
+            break;
+        }
+        let seqs: Vec<SeqStep> = live.iter().map(|&i| SeqStep { slot: i, start: caches.len(i), len: 1 }).collect();
+        let tokens: Vec<u32> = live.iter().map(|&i| *out[i].last().expect("prefilled")).collect();
+        let next = argmax(&model.forward_step(&tokens, &Step::new(seqs)?, &mut caches, Logits::Last)?)?;
+        live.iter().zip(next).for_each(|(&i, t)| out[i].push(t));
+    }
+    for o in &mut out {
+        if let Some(end) = o.iter().position(|t| model.info.eos_tokens.contains(t)) {
+            o.truncate(end);
+        }
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A batch of prompts of different lengths, prefilled in ragged chunks and decoded together,
+    /// gives each prompt's own greedy tokens (compared while the single run's top two logits are
+    /// apart by more than the batch's rounding could move them).
+    #[test]
+    fn a_batch_answers_as_each_prompt_alone() {
+        use crate::model::Geometry;
+        let g = Geometry {
+            layers: 2,
+            hidden: 64,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            ffn: 96,
+            vocab: 97,
+            rope_base: 10_000,
+        };
+        let model = Model::synthetic("tiny", g, 64, &candle_core::Device::Cpu, 0).unwrap();
+        let seed = crate::testing::fresh_seed();
+        let mut rng = seed;
+        let prompts: Vec<Vec<u32>> = [9usize, 23, 17]
+            .iter()
+            .map(|&n| {
+                (0..n)
+                    .map(|_| {
+                        rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        (rng >> 33) as u32 % 97
+                    })
+                    .collect()
+            })
+            .collect();
+        let cfg = CacheConfig::fp16();
+        let batch = answer_ids(&model, &cfg, &prompts, 6, 5).unwrap();
+        let mut compared = 0;
+        for (p, got) in prompts.iter().zip(&batch) {
+            assert_eq!(got.len(), 6, "no eos in a synthetic model: every answer runs to max_tokens");
+            let mut caches = cfg.build(&model).unwrap();
+            let mut logits = model.forward(p, &mut caches, false).unwrap();
+            for &t in got {
+                let row = logits.squeeze(0).unwrap().to_vec1::<f32>().unwrap();
+                let mut order: Vec<usize> = (0..row.len()).collect();
+                order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+                if row[order[0]] - row[order[1]] < 1e-4 {
+                    break;
+                }
+                assert_eq!(t, order[0] as u32, "prompt of {} tokens, seed {seed}", p.len());
+                compared += 1;
+                logits = model.forward(&[t], &mut caches, false).unwrap();
+            }
+        }
+        assert!(compared >= 9, "only {compared} tokens compared, seed {seed}");
+    }
 
     #[test]
     fn the_exact_key_counts_and_a_near_miss_does_not() {

@@ -28,9 +28,12 @@ pub struct Args {
     /// Positions per forward pass while collecting. Post-RoPE keys depend on position, so make it
     /// at least the context you will run: on SmolLM2 at ctx 2048, codecs calibrated with
     /// 512-position windows gave KL 0.144, with 2048-position windows 0.074 (`veloq eval`).
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = 8192)]
     pub window: usize,
-    #[arg(long, default_value_t = 4)]
+    /// Keys: 8-bit codes per 2 channels (4 bits/element) by default. 2-bit keys (sub_dim 4) lose
+    /// the needle in long contexts: their score noise (≈1.2 in scaled q·k) spreads a retrieval
+    /// head's attention over the haystack (README, "Long-context retrieval").
+    #[arg(long, default_value_t = 2)]
     pub key_sub_dim: usize,
     #[arg(long, default_value_t = 8)]
     pub key_bits: u32,
@@ -41,7 +44,8 @@ pub struct Args {
     /// per_layer or per_subspace
     #[arg(long, default_value = "per_layer")]
     pub granularity: String,
-    /// Key smoothing: sqrt_max_abs (default, measured best), max_abs or none
+    /// Key smoothing: sqrt_max_abs (default, measured best), max_abs, query_rms (from the
+    /// queries' second moments; measured no better for retrieval) or none
     #[arg(long, default_value = "sqrt_max_abs")]
     pub smooth: String,
     /// Do not subtract the calibrated per-channel mean before quantizing.

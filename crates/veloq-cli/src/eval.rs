@@ -84,7 +84,8 @@ pub(crate) struct Vq {
     granularity: Granularity,
     /// Subtract the calibrated mean of keys / of values.
     center: (bool, bool),
-    smooth: bool,
+    /// How keys are smoothed (`None`: not at all).
+    smooth: Option<SmoothRule>,
     rotate: bool,
     /// Keep the first positions in f16 (the cache's `sink`); off only for the ablation.
     sink: bool,
@@ -96,7 +97,7 @@ const fn vq(sub_dim: usize, bits: u32) -> Vq {
         values: (sub_dim, bits),
         granularity: Granularity::PerLayer,
         center: (true, true),
-        smooth: true,
+        smooth: Some(SmoothRule::SqrtMaxAbs),
         rotate: true,
         sink: true,
     }
@@ -123,13 +124,18 @@ const METHODS: &[(&str, Kind)] = &[
     ("vq-4", Kind::Vq(vq(2, 8))),
     ("vq-k4v2", Kind::Vq(Vq { keys: (2, 8), ..VQ2 })),
     ("vq-k2v4", Kind::Vq(Vq { values: (2, 8), ..VQ2 })),
+    ("vq-k3v2", Kind::Vq(Vq { keys: (4, 12), ..VQ2 })),
+    ("vq-k4v1", Kind::Vq(Vq { keys: (2, 8), values: (8, 8), ..VQ2 })),
+    ("vq-2/query", Kind::Vq(Vq { smooth: Some(SmoothRule::QueryRms), ..VQ2 })),
+    ("vq-k3v2/query", Kind::Vq(Vq { keys: (4, 12), smooth: Some(SmoothRule::QueryRms), ..VQ2 })),
+    ("vq-k4v2/query", Kind::Vq(Vq { keys: (2, 8), smooth: Some(SmoothRule::QueryRms), ..VQ2 })),
     ("vq-2/per-subspace", Kind::Vq(Vq { granularity: Granularity::PerSubspace, ..VQ2 })),
     ("vq-2/no-center", Kind::Vq(Vq { center: (false, false), ..VQ2 })),
     ("vq-2/center-v", Kind::Vq(Vq { center: (false, true), ..VQ2 })),
-    ("vq-2/no-smooth", Kind::Vq(Vq { smooth: false, ..VQ2 })),
+    ("vq-2/no-smooth", Kind::Vq(Vq { smooth: None, ..VQ2 })),
     ("vq-2/no-rotate", Kind::Vq(Vq { rotate: false, ..VQ2 })),
     ("vq-2/no-sink", Kind::Vq(Vq { sink: false, ..VQ2 })),
-    ("vq-2/plain", Kind::Vq(Vq { center: (false, false), smooth: false, rotate: false, ..VQ2 })),
+    ("vq-2/plain", Kind::Vq(Vq { center: (false, false), smooth: None, rotate: false, ..VQ2 })),
     ("kivi-2", Kind::Kivi(2)),
     ("kivi-4", Kind::Kivi(4)),
     ("rlm-2", Kind::Rlm(2)),
@@ -153,7 +159,12 @@ fn describe(kind: Kind) -> String {
                 (false, true) => ", values centered",
                 (false, false) => "",
             },
-            if v.smooth { ", keys smoothed √max|k|" } else { ", no smoothing" },
+            match v.smooth {
+                Some(SmoothRule::SqrtMaxAbs) => ", keys smoothed √max|k|",
+                Some(SmoothRule::MaxAbs) => ", keys smoothed max|k|",
+                Some(SmoothRule::QueryRms) => ", keys weighted by the queries' rms",
+                None => ", no smoothing",
+            },
             if v.rotate { ", Hadamard" } else { ", no rotation" },
             if v.sink { "" } else { ", no f16 sink" }
         ),
@@ -164,7 +175,7 @@ fn describe(kind: Kind) -> String {
 
 fn specs(kind: Kind) -> Option<(CodecSpec, CodecSpec)> {
     let Kind::Vq(v) = kind else { return None };
-    let smooth = v.smooth.then_some(SmoothRule::SqrtMaxAbs);
+    let smooth = v.smooth;
     let side = |(sd, bits): (usize, u32), center, smooth| -> Option<CodecSpec> {
         Some(CodecSpec {
             shape: PqShape::new(sd, bits).ok()?,

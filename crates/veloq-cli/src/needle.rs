@@ -9,10 +9,13 @@ use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use serde_json::json;
 
+use veloq::artifact::Calibration;
 use veloq::kernels::select::KernelChoice;
-use veloq_candle::config::CacheConfig;
+use veloq_candle::config::{CacheConfig, Method, WindowConfig};
+use veloq_candle::model::Tokenizer;
 use veloq_candle::model::{encode, Model};
-use veloq_candle::needle::{self, answer, correct, keys, wilson};
+use veloq_candle::needle::{self, answers, correct, keys, wilson};
+use veloq_candle::probe::{needle_attention, HeadMass};
 
 use crate::calibrate::{bar, default_text};
 use crate::eval::{calibration_tokens, calibrations, chosen_methods, config, read_tokens};
@@ -53,6 +56,13 @@ pub struct Args {
     /// Tokens generated for the answer (an instruct model may restate the question first).
     #[arg(long, default_value_t = 16)]
     answer_tokens: usize,
+    /// Prompts answered together (one cache slot each, prefilled and decoded as one batch);
+    /// default 1 on the CPU (already busy with one), 16 on a GPU.
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Prefill chunk per prompt (tokens per forward pass).
+    #[arg(long, default_value_t = veloq_candle::prefill::DEFAULT_CHUNK)]
+    chunk: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// cpu, cuda or cuda:N.
@@ -66,6 +76,15 @@ pub struct Args {
     /// Heatmap PNG (one panel per method and haystack).
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Instead of answering: teacher-force each cell's first prompt with its key as the answer and
+    /// report, per (layer, head), the attention mass on the needle with exact and with each
+    /// method's coded keys, and the score error there and elsewhere (VecInfer methods).
+    #[arg(long)]
+    probe: bool,
+    /// Train (or find in the cache) the methods' calibrations and stop: prepares a run on another
+    /// machine (copy ~/.cache/veloq/eval there).
+    #[arg(long)]
+    calibrate_only: bool,
     /// Redraw the heatmap (--plot) from an earlier run's JSON; runs nothing.
     #[arg(long)]
     replot: Option<PathBuf>,
@@ -134,6 +153,10 @@ pub fn run(a: Args) -> Result<()> {
         let (cpu, _) = Model::open(&model_path, capacity)?;
         calibrations(&cpu, &model_path, &calib, &chosen, a.seed, max_len)?
     };
+    if a.calibrate_only {
+        eprintln!("calibrations ready in {}", veloq::artifact::default_dir().join("eval").display());
+        return Ok(());
+    }
     let methods: Vec<(String, CacheConfig)> =
         chosen.iter().zip(cals).map(|((l, k), c)| (l.to_string(), CacheConfig { kernels, ..config(*k, c) })).collect();
 
@@ -155,6 +178,8 @@ pub fn run(a: Args) -> Result<()> {
         depth: usize,
         key: u32,
         ids: Vec<u32>,
+        /// The cell's first key (the one `--probe` uses).
+        first: bool,
     }
     let mut cases = Vec::new();
     let mut next_key = keys.iter();
@@ -172,10 +197,20 @@ pub fn run(a: Args) -> Result<()> {
                     };
                     let ids = needle::prompt(&prefix, &hay[offset..], &needle_ids, &question, length, depth / 100.0)
                         .with_context(|| format!("{name} haystack, length {length}"))?;
-                    cases.push(Case { hay: hi, length, depth: di, key, ids });
+                    cases.push(Case { hay: hi, length, depth: di, key, ids, first: i == 0 });
                 }
             }
         }
+    }
+    if a.probe {
+        let first: Vec<&Case> = cases.iter().filter(|c| c.first).collect();
+        return probe(
+            &model,
+            &tok,
+            &methods,
+            &first.iter().map(|c| (c.ids.as_slice(), c.key)).collect::<Vec<_>>(),
+            &a.json,
+        );
     }
     let total: usize = cases.iter().map(|c| c.ids.len()).sum::<usize>() * methods.len();
     println!(
@@ -186,26 +221,58 @@ pub fn run(a: Args) -> Result<()> {
         total,
         a.answer_tokens
     );
+    let batch_size = a.batch.unwrap_or(if device.is_cpu() { 1 } else { 16 }).max(1);
     let b = bar(total as u64, "needles");
     let mut done = 0u64;
     let mut rows = Vec::new();
     // results[method][hay][depth][length] = (correct, asked)
     let mut results =
         vec![vec![vec![vec![(0usize, 0usize); a.lengths.len()]; a.depths.len()]; hays.len()]; methods.len()];
+    let header = json!({"model": model.info.identity.name, "device": format!("{device:?}"), "lengths": a.lengths,
+        "depths_percent": a.depths, "keys_per_cell": a.keys, "chat": !a.raw, "batch": batch_size,
+        "text": text_path.file_name().map(|s| s.to_string_lossy().into_owned())});
+    let write = |extra: serde_json::Value| -> Result<()> {
+        let mut v = header.clone();
+        v.as_object_mut().expect("an object").extend(extra.as_object().cloned().unwrap_or_default());
+        crate::bench::write_json(&a.json, &v)
+    };
+    let mut timing = Vec::new();
     for (mi, (label, cfg)) in methods.iter().enumerate() {
-        for c in &cases {
-            let text = answer(&model, &tok, cfg, &c.ids, a.answer_tokens)
-                .with_context(|| format!("{label}, length {}", c.length))?;
-            let ok = correct(&text, c.key);
-            let li = a.lengths.iter().position(|&l| l == c.length).expect("a grid length");
-            let cell = &mut results[mi][c.hay][c.depth][li];
-            cell.0 += ok as usize;
-            cell.1 += 1;
-            rows.push(json!({"method": label, "haystack": hays[c.hay].0, "length": c.length,
-                "depth_percent": a.depths[c.depth], "key": c.key, "answer": text, "correct": ok}));
-            done += c.ids.len() as u64;
-            b.set_position(done);
+        let start = std::time::Instant::now();
+        let before = done;
+        // Cases of one length together: a batch's prompts end within a chunk of each other.
+        for &length in &a.lengths {
+            let group: Vec<&Case> = cases.iter().filter(|c| c.length == length).collect();
+            for batch in group.chunks(batch_size) {
+                let prompts: Vec<Vec<u32>> = batch.iter().map(|c| c.ids.clone()).collect();
+                let texts = answers(&model, &tok, cfg, &prompts, a.answer_tokens, a.chunk)
+                    .with_context(|| format!("{label}, length {length}"))?;
+                for (c, text) in batch.iter().zip(texts) {
+                    let ok = correct(&text, c.key);
+                    let li = a.lengths.iter().position(|&l| l == c.length).expect("a grid length");
+                    let cell = &mut results[mi][c.hay][c.depth][li];
+                    cell.0 += ok as usize;
+                    cell.1 += 1;
+                    rows.push(json!({"method": label, "haystack": hays[c.hay].0, "length": c.length,
+                        "depth_percent": a.depths[c.depth], "key": c.key, "answer": text, "correct": ok}));
+                    done += c.ids.len() as u64;
+                }
+                b.set_position(done);
+            }
         }
+        let secs = start.elapsed().as_secs_f64();
+        let right: usize = results[mi].iter().flatten().flatten().map(|c| c.0).sum();
+        b.suspend(|| {
+            eprintln!(
+                "{label}: {right}/{} right, {} prompt tokens in {secs:.1} s ({:.0} tok/s)",
+                cases.len(),
+                done - before,
+                (done - before) as f64 / secs
+            )
+        });
+        timing.push(json!({"method": label, "seconds": secs, "prompt_tokens": done - before}));
+        // Every method's answers on disk as soon as they exist (--replot draws a partial run).
+        write(json!({"timing": timing, "answers": rows}))?;
     }
     b.finish();
 
@@ -235,14 +302,115 @@ pub fn run(a: Args) -> Result<()> {
             heats.push(Heat { title: format!("{label}, {hay}: {k}/{n}"), cells: cells.clone() });
         }
     }
+    // The JSON first: a figure that cannot be drawn (no font on a server) loses no answers.
+    write(json!({"timing": timing, "summary": summary, "answers": rows}))?;
     if let Some(p) = &a.plot {
         plot::heatmap(p, &a.lengths, &a.depths.iter().map(|d| d / 100.0).collect::<Vec<_>>(), &heats)?;
         eprintln!("wrote {}", p.display());
     }
+    Ok(())
+}
+
+/// `--probe`: the attention mass on the needle per (layer, head) while the key is read back,
+/// exact keys against each VecInfer method's, averaged over `cases` (prompt, key).
+fn probe(
+    model: &Model,
+    tok: &Tokenizer,
+    methods: &[(String, CacheConfig)],
+    cases: &[(&[u32], u32)],
+    json_path: &Option<PathBuf>,
+) -> Result<()> {
+    let coded: Vec<(&str, &Calibration, &WindowConfig)> = methods
+        .iter()
+        .filter_map(|(l, c)| match &c.method {
+            Method::VecInfer(cal) => Some((l.as_str(), cal.as_ref(), &c.window)),
+            _ => None,
+        })
+        .collect();
+    let Some(window) = coded.first().map(|c| c.2) else { bail!("--probe needs at least one VecInfer method") };
+    let cals: Vec<&Calibration> = coded.iter().map(|c| c.1).collect();
+    let b = bar(cases.len() as u64, "probing");
+    let mut sum: Vec<HeadMass> = Vec::new();
+    for (n, &(ids, key)) in cases.iter().enumerate() {
+        let needle_ids = encode(tok, &needle::needle(key))?;
+        let at = ids
+            .windows(needle_ids.len())
+            .position(|w| w == needle_ids.as_slice())
+            .context("needle not in its prompt")?;
+        let answer = encode(tok, &key.to_string())?;
+        let full: Vec<u32> = ids.iter().chain(&answer).copied().collect();
+        let heads = needle_attention(model, &full, at..at + needle_ids.len(), ids.len(), &cals, window)?;
+        if sum.is_empty() {
+            sum = heads;
+        } else {
+            for (s, h) in sum.iter_mut().zip(heads) {
+                s.exact += h.exact;
+                let add = |a: &mut Vec<f32>, b: Vec<f32>| a.iter_mut().zip(b).for_each(|(x, y)| *x += y);
+                add(&mut s.coded, h.coded);
+                add(&mut s.err_needle, h.err_needle);
+                add(&mut s.err_rest, h.err_rest);
+            }
+        }
+        b.set_position(n as u64 + 1);
+    }
+    b.finish();
+    let k = cases.len() as f32;
+    for s in &mut sum {
+        s.exact /= k;
+        for v in [&mut s.coded, &mut s.err_needle, &mut s.err_rest] {
+            v.iter_mut().for_each(|x| *x /= k);
+        }
+    }
+    println!(
+        "Attention on the needle while the key is read back: {} prompts teacher-forced with the key as the answer; \
+         mass = share of a head's softmax on the needle's tokens, mean over the answer's positions; \
+         score error = RMS of (coded − exact) scaled q·k on the needle's positions / elsewhere",
+        cases.len()
+    );
+    let mut order: Vec<&HeadMass> = sum.iter().collect();
+    order.sort_by(|a, b| b.exact.total_cmp(&a.exact));
+    print!("| layer.head | fp16 mass |");
+    coded.iter().for_each(|c| print!(" {} mass | {} score error needle / rest |", c.0, c.0));
+    println!("\n|---|---|{}", "---|---|".repeat(coded.len()));
+    for h in order.iter().take(12) {
+        print!("| {}.{} | {:.3} |", h.layer, h.head, h.exact);
+        for i in 0..coded.len() {
+            print!(" {:.3} | {:.2} / {:.2} |", h.coded[i], h.err_needle[i], h.err_rest[i]);
+        }
+        println!();
+    }
+    // Retrieval heads: those that put at least a tenth of their attention on the needle.
+    let retrieval: Vec<&HeadMass> = sum.iter().filter(|h| h.exact >= 0.1).collect();
+    let exact: f32 = retrieval.iter().map(|h| h.exact).sum();
+    let mut summary = Vec::new();
+    for (i, c) in coded.iter().enumerate() {
+        let kept: f32 = retrieval.iter().map(|h| h.coded[i]).sum();
+        let mean =
+            |f: &dyn Fn(&HeadMass) -> f32| retrieval.iter().map(|h| f(h)).sum::<f32>() / retrieval.len().max(1) as f32;
+        let (en, er) = (mean(&|h| h.err_needle[i]), mean(&|h| h.err_rest[i]));
+        println!(
+            "{}: the {} heads with ≥ 0.1 of their attention on the needle keep {:.0}% of it (mass {:.2} of {:.2}); \
+             score error on the needle {en:.2}, elsewhere {er:.2}",
+            c.0,
+            retrieval.len(),
+            100.0 * kept / exact.max(f32::MIN_POSITIVE),
+            kept,
+            exact
+        );
+        summary
+            .push(json!({"method": c.0, "retrieval_heads": retrieval.len(), "mass_exact": exact, "mass_coded": kept,
+            "score_rms_needle": en, "score_rms_rest": er}));
+    }
+    let heads: Vec<_> = sum
+        .iter()
+        .map(|h| {
+            json!({"layer": h.layer, "head": h.head, "exact": h.exact, "coded": h.coded,
+            "score_rms_needle": h.err_needle, "score_rms_rest": h.err_rest})
+        })
+        .collect();
     crate::bench::write_json(
-        &a.json,
-        &json!({"model": model.info.identity.name, "device": format!("{device:?}"), "lengths": a.lengths,
-                "depths_percent": a.depths, "keys_per_cell": a.keys, "chat": !a.raw, "text": text_path.file_name().map(|s| s.to_string_lossy().into_owned()),
-                "summary": summary, "answers": rows}),
+        json_path,
+        &json!({"model": model.info.identity.name, "prompts": cases.len(),
+            "methods": coded.iter().map(|c| c.0).collect::<Vec<_>>(), "summary": summary, "heads": heads}),
     )
 }

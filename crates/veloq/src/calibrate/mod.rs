@@ -22,16 +22,19 @@ pub fn train_codec(
     spec: &CodecSpec,
     kmeans_cfg: &KMeansConfig,
 ) -> Result<(VecInferCodec, Vec<KMeansReport>)> {
-    train_codec_with_progress(samples, n_heads, head_dim, spec, kmeans_cfg, &|_, _, _| {})
+    train_codec_with_progress(samples, n_heads, head_dim, spec, kmeans_cfg, None, &|_, _, _| {})
 }
 
 /// [`train_codec`] reporting `(codebook, iteration, mse)` after each Lloyd assignment.
+/// `query_ms`, the mean square of the queries per (head, channel) `[n_heads, head_dim]`, is needed
+/// by [`SmoothRule::QueryRms`](crate::codec::smooth::SmoothRule::QueryRms) smoothing.
 pub fn train_codec_with_progress(
     samples: &[f32],
     n_heads: usize,
     head_dim: usize,
     spec: &CodecSpec,
     kmeans_cfg: &KMeansConfig,
+    query_ms: Option<&[f32]>,
     progress: &(dyn Fn(usize, usize, f64) + Sync),
 ) -> Result<(VecInferCodec, Vec<KMeansReport>)> {
     if kmeans_cfg.k != spec.shape.centroids() {
@@ -50,6 +53,11 @@ pub fn train_codec_with_progress(
     }
     let mean = spec.center.then(|| channel_means(samples, row));
     let smooth = match spec.smooth {
+        Some(rule) if rule.needs_queries() => {
+            let ms = query_ms
+                .ok_or_else(|| Error::Config(format!("{} smoothing needs the queries' second moments", rule.name())))?;
+            Some(SmoothScales::from_queries(ms, n_heads, head_dim)?)
+        }
         Some(rule) => {
             let centered: Vec<f32> = match &mean {
                 Some(mu) => samples.iter().enumerate().map(|(i, x)| x - mu[i % row]).collect(),

@@ -14,7 +14,13 @@
 //! channels into a corner of the codebook's range; √max keeps most of the benefit on the outlier
 //! channels. `SqrtMaxAbs` is therefore the default ([`CodecSpec::keys`](super::vecinfer::CodecSpec::keys)).
 //!
-//! Both are clamped to at least [`MIN_SCALE`] so a dead channel never divides by zero.
+//! - [`SmoothRule::QueryRms`]: s_c = 1 / rms(q_c) over the queries that read head's keys (its
+//!   GQA group), normalised to a mean of 1 per head. Then E[(s ⊙ q)_c²] is the same for every
+//!   channel, so the codebook's Euclidean error on k' is the error in q·k the queries see
+//!   (channels taken as uncorrelated; the rotation after it keeps distances): k-means spends its
+//!   centroids where the scores are sensitive, not where the keys are wide.
+//!
+//! All are clamped to at least [`MIN_SCALE`] so a dead channel never divides by zero.
 
 use crate::error::{check_finite, Error, Result};
 
@@ -25,6 +31,7 @@ pub const MIN_SCALE: f32 = 1e-4;
 pub enum SmoothRule {
     MaxAbs,
     SqrtMaxAbs,
+    QueryRms,
 }
 
 impl SmoothRule {
@@ -32,6 +39,7 @@ impl SmoothRule {
         match self {
             SmoothRule::MaxAbs => "max_abs",
             SmoothRule::SqrtMaxAbs => "sqrt_max_abs",
+            SmoothRule::QueryRms => "query_rms",
         }
     }
 
@@ -39,16 +47,14 @@ impl SmoothRule {
         match s {
             "max_abs" => Ok(SmoothRule::MaxAbs),
             "sqrt_max_abs" => Ok(SmoothRule::SqrtMaxAbs),
-            other => Err(Error::Config(format!("unknown smoothing rule {other:?} (max_abs, sqrt_max_abs)"))),
+            "query_rms" => Ok(SmoothRule::QueryRms),
+            other => Err(Error::Config(format!("unknown smoothing rule {other:?} (max_abs, sqrt_max_abs, query_rms)"))),
         }
     }
 
-    fn scale(self, max_abs: f32) -> f32 {
-        let s = match self {
-            SmoothRule::MaxAbs => max_abs,
-            SmoothRule::SqrtMaxAbs => max_abs.sqrt(),
-        };
-        s.max(MIN_SCALE)
+    /// Whether the rule reads the queries (then calibration must pass their second moments).
+    pub fn needs_queries(self) -> bool {
+        self == SmoothRule::QueryRms
     }
 }
 
@@ -81,8 +87,15 @@ impl SmoothScales {
         Ok(Self { n_heads, head_dim, scales, inverse })
     }
 
-    /// Computes scales from calibration keys laid out `[tokens, n_heads, head_dim]`.
+    /// Computes scales from calibration keys laid out `[tokens, n_heads, head_dim]` (the
+    /// key-range rules; [`SmoothRule::QueryRms`] comes from [`Self::from_queries`]).
     pub fn calibrate(keys: &[f32], n_heads: usize, head_dim: usize, rule: SmoothRule) -> Result<Self> {
+        if rule.needs_queries() {
+            return Err(Error::Config(format!(
+                "{} smoothing is calibrated from the queries' second moments, not from keys",
+                rule.name()
+            )));
+        }
         let row = n_heads * head_dim;
         if row == 0 || keys.is_empty() || !keys.len().is_multiple_of(row) {
             return Err(Error::Shape(format!(
@@ -97,7 +110,27 @@ impl SmoothScales {
                 *m = m.max(v.abs());
             }
         }
-        let scales = max_abs.into_iter().map(|m| rule.scale(m)).collect();
+        let scales =
+            max_abs.into_iter().map(|m| if rule == SmoothRule::MaxAbs { m } else { m.sqrt() }.max(MIN_SCALE)).collect();
+        Self::new(n_heads, head_dim, scales)
+    }
+
+    /// [`SmoothRule::QueryRms`] scales from `query_ms`, the mean square of each (kv head,
+    /// channel)'s queries `[n_heads, head_dim]` (pooled over the head's query group).
+    pub fn from_queries(query_ms: &[f32], n_heads: usize, head_dim: usize) -> Result<Self> {
+        if query_ms.len() != n_heads * head_dim || head_dim == 0 {
+            return Err(Error::Shape(format!(
+                "query moments: {} values for {n_heads} heads × {head_dim} channels",
+                query_ms.len()
+            )));
+        }
+        check_finite("query moments", query_ms)?;
+        let mut scales = Vec::with_capacity(query_ms.len());
+        for head in query_ms.chunks_exact(head_dim) {
+            let inv: Vec<f32> = head.iter().map(|m| 1.0 / m.max(1e-12).sqrt()).collect();
+            let mean = inv.iter().sum::<f32>() / head_dim as f32;
+            scales.extend(inv.iter().map(|s| (s / mean).max(MIN_SCALE)));
+        }
         Self::new(n_heads, head_dim, scales)
     }
 
@@ -134,6 +167,21 @@ mod tests {
         let s = SmoothScales::calibrate(&keys, 1, 3, SmoothRule::SqrtMaxAbs).unwrap();
         assert_eq!(s.as_slice(), &[2f32.sqrt(), 2.0, MIN_SCALE]);
         assert_eq!(s.head_inverse(0)[1], 0.5);
+    }
+
+    #[test]
+    fn query_rms_weights_channels_by_how_much_the_queries_read_them() {
+        // Head 0: channel 1's queries are 4× channel 0's in rms (16× in mean square).
+        let s = SmoothScales::from_queries(&[1.0, 16.0, 4.0, 4.0], 2, 2).unwrap();
+        let (h0, h1) = (s.head(0), s.head(1));
+        assert!((h0[0] / h0[1] - 4.0).abs() < 1e-5, "{h0:?}");
+        assert!(((h0[0] + h0[1]) / 2.0 - 1.0).abs() < 1e-5 && (h1[0] - 1.0).abs() < 1e-6, "{h1:?}");
+        // (s ⊙ q) then has the same mean square in every channel of a head.
+        assert!((1.0 * h0[0] * h0[0] - 16.0 * h0[1] * h0[1]).abs() < 1e-4);
+        assert!(SmoothScales::calibrate(&[1.0, 2.0], 1, 2, SmoothRule::QueryRms).is_err(), "needs queries");
+        assert!(SmoothScales::from_queries(&[1.0, f32::NAN], 1, 2).is_err());
+        assert!(SmoothScales::from_queries(&[1.0, 2.0, 3.0], 1, 2).is_err());
+        assert_eq!(SmoothRule::parse("query_rms").unwrap(), SmoothRule::QueryRms);
     }
 
     #[test]
