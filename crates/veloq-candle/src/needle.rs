@@ -196,18 +196,7 @@ mod tests {
     /// apart by more than the batch's rounding could move them).
     #[test]
     fn a_batch_answers_as_each_prompt_alone() {
-        use crate::model::Geometry;
-        let g = Geometry {
-            layers: 2,
-            hidden: 64,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 16,
-            ffn: 96,
-            vocab: 97,
-            rope_base: 10_000,
-        };
-        let model = Model::synthetic("tiny", g, 64, &candle_core::Device::Cpu, 0).unwrap();
+        let model = crate::testing::tiny_model(97, 64);
         let seed = crate::testing::fresh_seed();
         let mut rng = seed;
         let prompts: Vec<Vec<u32>> = [9usize, 23, 17]

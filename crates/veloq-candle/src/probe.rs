@@ -31,7 +31,9 @@ pub struct HeadMass {
 }
 
 /// Probes every (layer, head) for the sequence `ids` (prompt then answer; the answer starts at
-/// `answer_from`), the needle at `needle`. One entry per head, layer-major.
+/// `answer_from`), the needle at `needle`. One entry per head, layer-major. The sequence goes
+/// through the model in one forward pass (its attention memory grows with the square of its
+/// length): meant for prompts of a few thousand tokens.
 pub fn needle_attention(
     model: &Model,
     ids: &[u32],
@@ -125,24 +127,13 @@ pub fn needle_attention(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::Geometry;
 
     /// With exact keys the mass is a probability, and a calibration whose codes are the keys
     /// themselves is not needed to check it: the exact mass equals a softmax computed by hand from
     /// the recorded activations for one head and one query.
     #[test]
     fn exact_mass_is_the_softmax_share_of_the_needle() {
-        let g = Geometry {
-            layers: 2,
-            hidden: 64,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 16,
-            ffn: 96,
-            vocab: 97,
-            rope_base: 10_000,
-        };
-        let model = Model::synthetic("tiny", g, 64, &candle_core::Device::Cpu, 0).unwrap();
+        let model = crate::testing::tiny_model(97, 64);
         let ids: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 97).collect();
         let probe = needle_attention(&model, &ids, 10..14, 39, &[], &WindowConfig::default()).unwrap();
         assert_eq!(probe.len(), 2 * 4);

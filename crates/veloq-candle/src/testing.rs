@@ -4,3 +4,19 @@
 pub fn fresh_seed() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
 }
+
+/// A random two-layer model (4 query heads over 2 kv heads of 16) on the CPU, for tests of
+/// whatever runs a model: `vocab` tokens, `max_context` positions.
+pub fn tiny_model(vocab: usize, max_context: usize) -> crate::model::Model {
+    let g = crate::model::Geometry {
+        layers: 2,
+        hidden: 64,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        ffn: 96,
+        vocab,
+        rope_base: 10_000,
+    };
+    crate::model::Model::synthetic("tiny", g, max_context, &candle_core::Device::Cpu, fresh_seed()).expect("tiny model")
+}

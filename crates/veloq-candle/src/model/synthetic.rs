@@ -134,17 +134,7 @@ mod tests {
     /// kernels and on the portable backend.
     #[test]
     fn ragged_steps_match_single_sequences() {
-        let g = Geometry {
-            layers: 2,
-            hidden: 64,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 16,
-            ffn: 96,
-            vocab: 50,
-            rope_base: 10_000,
-        };
-        let m = Model::synthetic("tiny", g, 32, &Device::Cpu, crate::testing::fresh_seed()).unwrap();
+        let m = crate::testing::tiny_model(50, 32);
         // (slot, tokens) per step.
         let steps: [&[(usize, &[u32])]; 3] = [
             &[(0, &[1, 2, 3]), (2, &[40])],

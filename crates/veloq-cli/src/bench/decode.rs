@@ -28,6 +28,10 @@ pub struct Args {
     /// Text to prefill with (default: Emma).
     #[arg(long)]
     text: Option<PathBuf>,
+    /// More VecInfer calibrations measured in the same run (e.g. a 2-bit one beside the default),
+    /// comma separated.
+    #[arg(long, value_delimiter = ',')]
+    also: Vec<PathBuf>,
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -37,27 +41,33 @@ pub fn run(a: Args) -> Result<()> {
     let max_ctx = a.contexts.iter().max().copied().unwrap_or(256) + a.steps + 1;
     let (model, tok) = Model::open(&model_path, max_ctx)?;
     let cal = a.files.calibration();
-    let methods = [
-        CacheConfig::fp16(),
-        CacheConfig::vecinfer_from_file(&cal, &model).with_context(|| format!("calibration {}", cal.display()))?,
-    ];
+    let mut methods = vec![CacheConfig::fp16()];
+    for c in std::iter::once(&cal).chain(&a.also) {
+        methods
+            .push(CacheConfig::vecinfer_from_file(c, &model).with_context(|| format!("calibration {}", c.display()))?);
+    }
     let text_path = a.text.clone().unwrap_or_else(|| default_text().with_file_name("emma.txt"));
     let ids = encode(&tok, &std::fs::read_to_string(&text_path).with_context(|| text_path.display().to_string())?)?;
     println!(
-        "decode tok/s, {} steps after a prefill of real text; threads: candle {}, rayon {}",
+        "prefill tok/s (chunks of 512) and decode tok/s ({} steps after it) on real text; threads: candle {}, rayon {}",
         a.steps,
         std::env::var("CANDLE_NUM_THREADS").unwrap_or_else(|_| "default".into()),
         rayon::current_num_threads()
     );
-    println!("{:>7} | {:>22} {:>9} {:>11} | {:>9}", "context", "method", "tok/s", "KV resident", "vs fp16");
+    println!(
+        "{:>7} | {:>22} {:>9} {:>9} {:>11} | {:>9}",
+        "context", "method", "prefill", "tok/s", "KV resident", "vs fp16"
+    );
     let mut rows = Vec::new();
     for &ctx in &a.contexts {
         let mut base = None;
         for m in &methods {
             let mut caches = m.build(&model)?;
+            let start = Instant::now();
             for chunk in ids[..ctx].chunks(512) {
                 model.forward(chunk, &mut caches, false)?;
             }
+            let prefill = ctx as f64 / start.elapsed().as_secs_f64();
             let start = Instant::now();
             for i in 0..a.steps {
                 model.forward(&ids[ctx + i..ctx + i + 1], &mut caches, false)?;
@@ -66,8 +76,12 @@ pub fn run(a: Args) -> Result<()> {
             let resident = caches.resident_bytes();
             let ratio = base.map_or(1.0, |b: f64| tps / b);
             base.get_or_insert(tps);
-            println!("{ctx:>7} | {:>22} {tps:>9.2} {:>11} | {ratio:>8.2}×", m.name(), crate::generate::human(resident));
-            rows.push(json!({"context": ctx, "method": m.name(), "decode_tok_s": tps, "kv_resident_bytes": resident,
+            println!(
+                "{ctx:>7} | {:>22} {prefill:>9.1} {tps:>9.2} {:>11} | {ratio:>8.2}×",
+                m.name(),
+                crate::generate::human(resident)
+            );
+            rows.push(json!({"context": ctx, "method": m.name(), "prefill_tok_s": prefill, "decode_tok_s": tps, "kv_resident_bytes": resident,
                              "kv_fp16_equivalent_bytes": fp16_bytes(&model, ctx + a.steps), "speed_vs_fp16": ratio}));
         }
     }
