@@ -124,12 +124,17 @@ pub fn generate(
 pub fn prompt_ids(model: &Model, tok: &Tokenizer, prompt: &str, chat: bool) -> Result<Vec<u32>> {
     let text = if chat { ChatTemplate::detect(tok).apply(prompt) } else { prompt.to_string() };
     let mut ids = encode(tok, &text)?;
+    with_bos(model, &mut ids);
+    Ok(ids)
+}
+
+/// Puts the model's BOS first in `ids` when the file asks for one and it is not there yet.
+pub(crate) fn with_bos(model: &Model, ids: &mut Vec<u32>) {
     if let Some(bos) = model.info.bos {
         if ids.first() != Some(&bos) {
             ids.insert(0, bos);
         }
     }
-    Ok(ids)
 }
 
 /// Continues the sequence in slot 0 with `prompt_ids` (prefilled in chunks) and generates after

@@ -7,6 +7,7 @@
 use crate::cache::{SeqStep, Step};
 use crate::config::CacheConfig;
 use crate::error::{Error, Result};
+use crate::generate::with_bos;
 use crate::model::{decode, encode, ChatTemplate, Logits, Model, Tokenizer};
 
 /// The repeated filler haystack of the passkey papers.
@@ -34,11 +35,7 @@ pub fn frame(model: &Model, tok: &Tokenizer, chat: bool) -> Result<(Vec<u32>, Ve
     let text = template.apply(&format!("{HOLE}{question}"));
     let (before, after) = text.split_once(HOLE).expect("the template keeps the prompt");
     let mut prefix = encode(tok, before)?;
-    if let Some(bos) = model.info.bos {
-        if prefix.first() != Some(&bos) {
-            prefix.insert(0, bos);
-        }
-    }
+    with_bos(model, &mut prefix);
     Ok((prefix, encode(tok, after)?))
 }
 

@@ -241,7 +241,7 @@ pub fn run(a: Args) -> Result<()> {
         let start = std::time::Instant::now();
         let before = done;
         // Cases of one length together: a batch's prompts end within a chunk of each other.
-        for &length in &a.lengths {
+        for (li, &length) in a.lengths.iter().enumerate() {
             let group: Vec<&Case> = cases.iter().filter(|c| c.length == length).collect();
             for batch in group.chunks(batch_size) {
                 let prompts: Vec<Vec<u32>> = batch.iter().map(|c| c.ids.clone()).collect();
@@ -249,7 +249,6 @@ pub fn run(a: Args) -> Result<()> {
                     .with_context(|| format!("{label}, length {length}"))?;
                 for (c, text) in batch.iter().zip(texts) {
                     let ok = correct(&text, c.key);
-                    let li = a.lengths.iter().position(|&l| l == c.length).expect("a grid length");
                     let cell = &mut results[mi][c.hay][c.depth][li];
                     cell.0 += ok as usize;
                     cell.1 += 1;
