@@ -105,6 +105,9 @@ impl LayerCache for Recorder {
     fn resident_bytes(&self) -> usize {
         self.inner.resident_bytes()
     }
+    fn sequence_bytes(&self, positions: usize) -> usize {
+        self.inner.sequence_bytes(positions)
+    }
     fn truncate(&mut self, slot: usize, len: usize) -> Result<()> {
         self.inner.truncate(slot, len)
     }

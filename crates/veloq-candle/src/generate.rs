@@ -9,7 +9,7 @@ use tokenizers::Tokenizer;
 use crate::cache::ModelCache;
 use crate::config::fp16_bytes;
 use crate::error::{Error, Result};
-use crate::model::{decode, encode, ChatTemplate, Model};
+use crate::model::{decode, encode, ChatTemplate, Model, Role};
 use crate::prefill::{prefill, DEFAULT_CHUNK};
 
 #[derive(Clone, Debug)]
@@ -45,19 +45,39 @@ impl GenerateOptions {
         if self.max_tokens == 0 {
             return Err(Error::Config("max_tokens must be at least 1".into()));
         }
-        if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return Err(Error::Config(format!("temperature must be a finite number ≥ 0, got {}", self.temperature)));
-        }
-        if let Some(p) = self.top_p {
-            if !(p > 0.0 && p <= 1.0) {
-                return Err(Error::Config(format!("top_p must be in (0, 1], got {p}")));
-            }
-        }
+        check_sampling(self.temperature, self.top_p)?;
         if self.prefill_chunk == 0 {
             return Err(Error::Config("the prefill chunk must be at least one token".into()));
         }
         Ok(())
     }
+}
+
+/// Refuses a temperature that is not a finite number ≥ 0 and a top-p outside (0, 1].
+pub fn check_sampling(temperature: f64, top_p: Option<f64>) -> Result<()> {
+    if !temperature.is_finite() || temperature < 0.0 {
+        return Err(Error::Config(format!("temperature must be a finite number ≥ 0, got {temperature}")));
+    }
+    if let Some(p) = top_p {
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(Error::Config(format!("top_p must be in (0, 1], got {p}")));
+        }
+    }
+    Ok(())
+}
+
+/// The next-token rule: greedy at temperature 0, else sampling at `temperature` over the
+/// nucleus `top_p` (every token without it), drawn from a generator seeded with `seed`.
+pub fn sampler(temperature: f64, top_p: Option<f64>, seed: u64) -> LogitsProcessor {
+    let sampling = if temperature <= 0.0 {
+        Sampling::ArgMax
+    } else {
+        match top_p {
+            Some(p) => Sampling::TopP { p, temperature },
+            None => Sampling::All { temperature },
+        }
+    };
+    LogitsProcessor::from_sampling(seed, sampling)
 }
 
 /// What generation reports as it goes.
@@ -128,8 +148,16 @@ pub fn prompt_ids(model: &Model, tok: &Tokenizer, prompt: &str, chat: bool) -> R
     Ok(ids)
 }
 
+/// The token ids of a conversation in the model's chat template, up to its next reply, after a
+/// BOS when the model asks for one.
+pub fn chat_ids(model: &Model, tok: &Tokenizer, messages: &[(Role, &str)]) -> Result<Vec<u32>> {
+    let mut ids = encode(tok, &ChatTemplate::detect(tok).render(messages))?;
+    with_bos(model, &mut ids);
+    Ok(ids)
+}
+
 /// Puts the model's BOS first in `ids` when the file asks for one and it is not there yet.
-pub(crate) fn with_bos(model: &Model, ids: &mut Vec<u32>) {
+pub fn with_bos(model: &Model, ids: &mut Vec<u32>) {
     if let Some(bos) = model.info.bos {
         if ids.first() != Some(&bos) {
             ids.insert(0, bos);
@@ -149,15 +177,7 @@ pub fn generate_ids(
     on_event: &mut dyn FnMut(Event<'_>),
 ) -> Result<GenerateOutput> {
     opts.validate()?;
-    let sampling = if opts.temperature <= 0.0 {
-        Sampling::ArgMax
-    } else {
-        match opts.top_p {
-            Some(p) => Sampling::TopP { p, temperature: opts.temperature },
-            None => Sampling::All { temperature: opts.temperature },
-        }
-    };
-    let mut proc = LogitsProcessor::from_sampling(opts.seed, sampling);
+    let mut proc = sampler(opts.temperature, opts.top_p, opts.seed);
     let start = Instant::now();
     let logits = prefill(model, caches, 0, prompt_ids, opts.prefill_chunk, &mut |done, total| {
         on_event(Event::Prefilled { done, total })

@@ -5,6 +5,7 @@ pub mod cache;
 pub mod chat;
 pub mod collect;
 pub mod config;
+pub mod engine;
 pub mod error;
 pub mod eval;
 pub mod generate;

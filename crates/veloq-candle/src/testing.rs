@@ -8,6 +8,11 @@ pub fn fresh_seed() -> u64 {
 /// A random two-layer model (4 query heads over 2 kv heads of 16) on the CPU, for tests of
 /// whatever runs a model: `vocab` tokens, `max_context` positions.
 pub fn tiny_model(vocab: usize, max_context: usize) -> crate::model::Model {
+    tiny_model_seeded(vocab, max_context, fresh_seed())
+}
+
+/// [`tiny_model`] with given weights: the same `seed` builds the same model.
+pub fn tiny_model_seeded(vocab: usize, max_context: usize, seed: u64) -> crate::model::Model {
     let g = crate::model::Geometry {
         layers: 2,
         hidden: 64,
@@ -18,5 +23,16 @@ pub fn tiny_model(vocab: usize, max_context: usize) -> crate::model::Model {
         vocab,
         rope_base: 10_000,
     };
-    crate::model::Model::synthetic("tiny", g, max_context, &candle_core::Device::Cpu, fresh_seed()).expect("tiny model")
+    crate::model::Model::synthetic("tiny", g, max_context, &candle_core::Device::Cpu, seed).expect("tiny model")
+}
+
+/// A tokenizer of `vocab` words `w0`, `w1`, … (token `i` decodes to `wi`, words joined by
+/// spaces), for tests that need text from a tiny model.
+pub fn word_tokenizer(vocab: usize) -> tokenizers::Tokenizer {
+    use tokenizers::models::wordlevel::WordLevel;
+    let words = (0..vocab).map(|i| (format!("w{i}"), i as u32)).collect();
+    let model = WordLevel::builder().vocab(words).unk_token("w0".into()).build().expect("word vocabulary");
+    let mut tok = tokenizers::Tokenizer::new(model);
+    tok.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::whitespace::Whitespace {}));
+    tok
 }

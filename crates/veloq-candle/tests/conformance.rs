@@ -612,24 +612,52 @@ fn bad_input(kind: Kind, method: Method) {
 }
 
 /// Resident bytes are what the storage holds, and a coded cache holds fewer than a dense one.
+/// A sequence's bytes (what admission budgets per request) are exactly what its slot's storage
+/// grows by, however its steps came (a prompt in chunks, decode steps, beside another sequence),
+/// and freeing the slots gives all of it back; device backends reserve every slot up front, so
+/// theirs never move.
 fn resident_bytes(kind: Kind, method: Method) {
     let mut rng = Rng(seed() | 1);
     let heads = Heads { q: 4, kv: 2, dim: 64 };
-    let Some(mut c) = Case::new(kind, method, heads, 1, DEFAULT_WINDOW, &mut rng) else { return };
-    let before = c.cache.resident_bytes();
-    c.run(&[(0, 2000)], &mut rng, false);
+    let Some(mut c) = Case::new(kind, method, heads, 2, DEFAULT_WINDOW, &mut rng) else { return };
+    let empty = c.cache.resident_bytes();
+    let reserved = c.cache.sequence_bytes(0);
+    assert_eq!(c.cache.sequence_bytes(1) == reserved, kind != Kind::Cpu, "only device backends reserve slots");
+    assert!(empty >= 2 * reserved, "{empty} B resident, two slots of {reserved} B reserved");
+    let grown = |c: &Case| c.cache.resident_bytes() - empty;
+    let expect = |c: &Case| match kind {
+        Kind::Cpu => c.cache.sequence_bytes(c.cache.len(0)) + c.cache.sequence_bytes(c.cache.len(1)),
+        _ => 0,
+    };
+    for (what, seqs) in [
+        ("a prompt", vec![(0, 300)]),
+        ("a prompt in a chunk", vec![(0, 512)]),
+        ("a prompt beside a decode", vec![(1, 77), (0, 1)]),
+        ("decode steps", vec![(0, 1), (1, 1)]),
+    ] {
+        for _ in 0..if what == "decode steps" { 37 } else { 1 } {
+            c.run(&seqs, &mut rng, false);
+        }
+        assert_eq!(grown(&c), expect(&c), "{what}: lengths {} and {}", c.cache.len(0), c.cache.len(1));
+    }
     let after = c.cache.resident_bytes();
-    assert!(after > 0 && after >= before);
-    let f16_bytes = 2000 * heads.kv * heads.dim * 2 * 2;
+    let (n, f16_bytes) = (c.cache.len(0), c.cache.len(0) * heads.kv * heads.dim * 2 * 2);
     match (kind, method) {
         // Host memory grows with what is written; 2-bit codes are an eighth of f16, plus the
-        // codecs' tables, the sink and the recent rows.
-        (Kind::Cpu, Method::VecInfer) => assert!(after * 6 < f16_bytes, "{after} B vs {f16_bytes} B of f16"),
+        // sink and the recent rows.
+        (Kind::Cpu, Method::VecInfer) => {
+            assert!(c.cache.sequence_bytes(n) * 5 < f16_bytes, "{after} B vs {f16_bytes} B of f16")
+        }
         (Kind::Cpu, Method::Fp16) => {
-            assert!(after >= f16_bytes && after < 2 * f16_bytes, "{after} B vs {f16_bytes} B of f16")
+            let own = c.cache.sequence_bytes(n);
+            assert!(own >= f16_bytes && own < 2 * f16_bytes, "{own} B vs {f16_bytes} B of f16")
         }
         _ => {}
     }
+    c.truncate(0, 0);
+    c.truncate(1, 0);
+    assert_eq!(c.cache.resident_bytes(), empty, "freed slots give their storage back");
+    c.check("a freed slot reused", &[(0, 40), (1, 3)], &mut rng, 0);
 }
 
 /// Instantiates every property for one (cache, backend) pair: a module, a test per property.

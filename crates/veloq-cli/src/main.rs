@@ -11,6 +11,7 @@ mod eval;
 mod generate;
 mod needle;
 mod plot;
+mod serve;
 
 #[global_allocator]
 static ALLOC: veloq::measure::CountingAlloc = veloq::measure::CountingAlloc;
@@ -32,6 +33,8 @@ enum Command {
     Calibrate(calibrate::Args),
     /// Quality on real text: perplexity, KL and top-1 agreement vs fp16 for every method.
     Eval(eval::Args),
+    /// An OpenAI-compatible server: continuous batching inside a KV memory budget.
+    Serve(serve::Args),
     /// Benchmarks, measured side by side in one run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -44,5 +47,6 @@ fn main() -> Result<()> {
         Command::Chat(a) => chat::run(a),
         Command::Calibrate(a) => calibrate::run(a),
         Command::Eval(a) => eval::run(a),
+        Command::Serve(a) => serve::run(a),
     }
 }

@@ -12,7 +12,7 @@ use candle_core::Tensor;
 
 use veloq::codec::block::BlockCodec;
 
-use super::residency::{Put, Quantize, Restore, SeqView};
+use super::residency::{Footprint, Put, Quantize, Restore, SeqView};
 use crate::error::{Error, Result};
 
 /// Query heads, kv heads and head_dim of one layer.
@@ -81,6 +81,18 @@ pub trait Backend: Send + Sync {
 
     /// Bytes really held: rows and codes as allocated, and the codecs' tables.
     fn resident_bytes(&self) -> usize;
+
+    /// Bytes one sequence's storage takes when it holds `footprint`, the shared tables not
+    /// counted: what it allocates (backends that grow with the sequence), or its slot's share of
+    /// what was reserved up front (device backends), whatever the footprint.
+    fn sequence_bytes(&self, footprint: Footprint) -> usize;
+
+    /// Storage rows of `slot` from `rows` on are unused: backends that grow with their sequences
+    /// free them; those that reserve up front keep them (the default).
+    fn release(&mut self, slot: usize, rows: usize) -> Result<()> {
+        let _ = (slot, rows);
+        Ok(())
+    }
 }
 
 /// Attention from the pieces: rows, codes where there are any, merged and normalised. The default

@@ -20,7 +20,7 @@ use veloq::kernels::cpu::attention::{
 };
 
 use super::backend::{Backend, Heads};
-use super::residency::{Put, Quantize, Restore, RowSource, SeqView};
+use super::residency::{Footprint, Put, Quantize, Restore, RowSource, SeqView};
 use crate::error::{Error, Result};
 
 /// Rows per allocation: a dense cache grows 256 positions at a time.
@@ -503,5 +503,28 @@ impl Backend for CpuBackend {
             None => 0,
         };
         rows + codes + tables
+    }
+
+    fn sequence_bytes(&self, f: Footprint) -> usize {
+        let rows = f.rows.div_ceil(self.block_rows) * self.block_rows * self.row_len() * 2 * 2;
+        let codes = match &self.codecs {
+            Some((c, block)) => {
+                f.coded / block * (c.codec(true).encoded_len(*block) + c.codec(false).encoded_len(*block))
+            }
+            None => 0,
+        };
+        rows + codes
+    }
+
+    fn release(&mut self, slot: usize, rows: usize) -> Result<()> {
+        let s = self.rows.get_mut(slot).ok_or_else(|| Error::Shape(format!("no slot {slot}")))?;
+        let keep = rows.div_ceil(self.block_rows);
+        s.keys.truncate(keep);
+        s.values.truncate(keep);
+        if keep == 0 {
+            // An empty slot gives its block vectors back too.
+            *s = SlotRows::default();
+        }
+        Ok(())
     }
 }

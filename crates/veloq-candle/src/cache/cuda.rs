@@ -579,4 +579,8 @@ impl Backend for CudaBackend {
         };
         self.base.resident_bytes() + tables
     }
+
+    fn sequence_bytes(&self, footprint: super::residency::Footprint) -> usize {
+        self.base.sequence_bytes(footprint)
+    }
 }

@@ -57,10 +57,12 @@ impl<B: Backend> KvCache<B> {
             let n = rest.iter().take_while(|m| std::mem::discriminant(*m) == std::mem::discriminant(first)).count();
             let (run, tail) = rest.split_at(n);
             rest = tail;
-            if let Move::Restore(_) = first {
+            if let Move::Restore(_) | Move::Release { .. } = first {
                 for m in run {
-                    if let Move::Restore(r) = m {
-                        self.backend.restore(r)?;
+                    match *m {
+                        Move::Restore(ref r) => self.backend.restore(r)?,
+                        Move::Release { slot, rows } => self.backend.release(slot, rows)?,
+                        _ => {}
                     }
                 }
                 continue;
@@ -123,5 +125,9 @@ impl<B: Backend> LayerCache for KvCache<B> {
 
     fn resident_bytes(&self) -> usize {
         self.backend.resident_bytes()
+    }
+
+    fn sequence_bytes(&self, positions: usize) -> usize {
+        self.backend.sequence_bytes(self.residency.policy().footprint(positions))
     }
 }

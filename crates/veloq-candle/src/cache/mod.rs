@@ -35,7 +35,7 @@ pub use cpu::CpuBackend;
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaBackend, CudaRuntime};
 pub use kv::KvCache;
-pub use residency::{Policy, Residency};
+pub use residency::{Footprint, Policy, Residency};
 pub use step::{SeqStep, Step};
 pub use tensor::TensorBackend;
 
@@ -63,6 +63,11 @@ pub trait LayerCache: Send {
     fn truncate(&mut self, slot: usize, len: usize) -> Result<()>;
     /// Bytes really held (rows, codes and the codecs' tables as allocated), not bit counts.
     fn resident_bytes(&self) -> usize;
+    /// Bytes the storage of one sequence of `positions` positions takes (grown from empty, its
+    /// steps committed), the tables every sequence shares not counted: what admission control
+    /// budgets per request. Device backends reserve every slot up front, so theirs is the slot's
+    /// reservation whatever the length.
+    fn sequence_bytes(&self, positions: usize) -> usize;
 }
 
 /// Every layer's cache of one model, for the same sequence slots.
@@ -118,5 +123,11 @@ impl ModelCache {
     /// Bytes every layer holds.
     pub fn resident_bytes(&self) -> usize {
         self.layers.iter().map(|l| l.resident_bytes()).sum()
+    }
+
+    /// Bytes one sequence of `positions` positions takes in every layer (see
+    /// [`LayerCache::sequence_bytes`]).
+    pub fn sequence_bytes(&self, positions: usize) -> usize {
+        self.layers.iter().map(|l| l.sequence_bytes(positions)).sum()
     }
 }

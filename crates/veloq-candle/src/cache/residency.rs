@@ -31,6 +31,15 @@ pub struct Policy {
     pub capacity: usize,
 }
 
+/// What one sequence's storage holds: see [`Policy::footprint`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Footprint {
+    /// f16 storage rows touched (sink and ring; every position for dense caches).
+    pub rows: usize,
+    /// Coded positions.
+    pub coded: usize,
+}
+
 /// When rows become codes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Coding {
@@ -61,6 +70,18 @@ impl Policy {
     /// f16 rows each sequence holds (sink then ring).
     pub fn rows(&self) -> usize {
         self.sink + self.ring
+    }
+
+    /// Where a sequence grown from empty to `positions` keeps them once its steps are committed:
+    /// the storage rows it has touched and its coded positions. What a slot's storage must hold,
+    /// whatever steps brought the positions (commits code whole blocks beyond the recent rows).
+    pub fn footprint(&self, positions: usize) -> Footprint {
+        let positions = positions.min(self.capacity);
+        let coded = match self.coding {
+            Some(c) => positions.saturating_sub(self.sink + c.keep) / c.block * c.block,
+            None => 0,
+        };
+        Footprint { rows: positions.min(self.rows()), coded }
     }
 
     fn check(&self) -> Result<()> {
@@ -172,6 +193,14 @@ pub enum Move {
     Quantize(Quantize),
     /// Codes back into rows.
     Restore(Restore),
+    /// Storage rows of `slot` from `rows` on hold nothing any more (a truncation, a freed slot):
+    /// a backend that allocates as sequences grow may give them back.
+    Release {
+        /// Sequence slot.
+        slot: usize,
+        /// Rows still in use, from the first.
+        rows: usize,
+    },
 }
 
 /// What one sequence's queries of a step attend: its sink rows (row `i` holds position `i`), its
@@ -538,6 +567,16 @@ impl Residency {
             moves.push(Move::Restore(Restore { slot, keep, n: into - keep, to: self.ring_run(&st, 0) }));
             st.past = keep;
         }
+        // Dense rows hold position i in row i, so a cut frees every row past it; a ring is in
+        // use wherever its head went, so only an empty sequence frees it.
+        let rows = match (len, p.coding, p.window) {
+            (0, _, _) => 0,
+            (_, None, None) => len,
+            _ => p.rows(),
+        };
+        if rows < p.rows() {
+            moves.push(Move::Release { slot, rows });
+        }
         self.seqs[slot] = st;
         Ok(moves)
     }
@@ -582,6 +621,8 @@ mod tests {
                     }
                     self.codes[r.slot].truncate(r.keep);
                 }
+                // Released rows are forgotten: a view that still reached one would find nothing.
+                Move::Release { slot, rows } => self.rows[*slot][*rows..].iter_mut().for_each(|r| *r = None),
             }
         }
         /// Every position a view says is reachable, with where it is.
@@ -606,6 +647,35 @@ mod tests {
         *s ^= *s >> 7;
         *s ^= *s << 17;
         *s
+    }
+
+    /// A sequence grown from empty by random steps holds, after every commit, what its policy's
+    /// footprint says: that many coded positions, and no storage row past the footprint's rows.
+    #[test]
+    fn footprint_is_what_growth_leaves() {
+        let mut seed = crate::testing::fresh_seed() | 1;
+        let start_seed = seed;
+        for policy in
+            [Policy::coded(4, 16, 8, 3000), Policy::coded(0, 5, 3, 3000), Policy::dense(3000), Policy::sliding(7, 3000)]
+        {
+            let mut r = Residency::new(policy, 1).unwrap();
+            let mut touched = 0;
+            while r.len(0) < 2900 {
+                let roll = xorshift(&mut seed) as usize;
+                let len = if roll.is_multiple_of(3) { 1 + (roll >> 8) % 200 } else { 1 }.min(3000 - r.len(0));
+                let step = Step::single(0, r.len(0), len).unwrap();
+                let puts = r.append(&step).unwrap();
+                let moves = r.commit();
+                let rows =
+                    puts.iter().chain(moves.iter().filter_map(|m| if let Move::Put(p) = m { Some(p) } else { None }));
+                for p in rows {
+                    touched = touched.max((0..p.n).map(|i| p.to.row(i) + 1).max().unwrap_or(0));
+                }
+                let f = policy.footprint(r.len(0));
+                assert_eq!(r.coded(0), f.coded, "seed {start_seed}: {policy:?} at {}", r.len(0));
+                assert!(touched <= f.rows, "seed {start_seed}: row {touched} touched, footprint {f:?}");
+            }
+        }
     }
 
     /// Random ragged steps, commits and truncations on three slots: every view reaches exactly the

@@ -20,7 +20,7 @@ use veloq::codec::vecinfer::VecInferCodec;
 use self::attention::{codes_state, fold_rows, RowChunk, State, ROW_CHUNK};
 use self::codec::TensorCodec;
 use super::backend::{Backend, Heads};
-use super::residency::{Put, Quantize, Restore, RowRun, RowSource, SeqView};
+use super::residency::{Footprint, Put, Quantize, Restore, RowRun, RowSource, SeqView};
 use crate::error::{Error, Result};
 
 /// Queries per tile of the partials (bounds the scratch with the chunks).
@@ -279,5 +279,12 @@ impl Backend for TensorBackend {
             bytes(&c.key_codes) + bytes(&c.value_codes) + c.keys.resident_bytes() + c.values.resident_bytes()
         });
         bytes(&self.rows) + codes
+    }
+
+    /// A slot's share of the rows and codes reserved at construction.
+    fn sequence_bytes(&self, _: Footprint) -> usize {
+        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let codes = self.codes.as_ref().map_or(0, |c| bytes(&c.key_codes) + bytes(&c.value_codes));
+        (bytes(&self.rows) + codes) / self.rows.dim(1).unwrap_or(1).max(1)
     }
 }

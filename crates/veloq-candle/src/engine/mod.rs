@@ -1,0 +1,601 @@
+//! A continuous-batching engine: requests in, streamed text out, every running sequence in one
+//! forward pass per step, inside a KV memory budget.
+//!
+//! One worker thread owns the model and the caches (one [`ModelCache`] with a slot per sequence).
+//! Each step it takes in new requests, drops those whose client went away, admits what fits the
+//! budget ([`schedule::Admission`]: worst case = prompt + `max_tokens` positions at the method's
+//! real bytes, first come first served), and runs one [`Model::forward_step`] over every decoding
+//! sequence's next token plus chunks of the prompts being prefilled ([`schedule::plan`]), so a long
+//! prompt never stalls the streams already running. A finished or abandoned sequence frees its
+//! slot, its storage and its reservation at once.
+//!
+//! The engine knows nothing of HTTP: a request comes with a [`Sink`] that receives its
+//! [`Event`]s and tells whether anyone still listens.
+
+pub mod schedule;
+pub mod stats;
+pub mod text;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use candle_transformers::generation::LogitsProcessor;
+use tokenizers::Tokenizer;
+
+use self::schedule::{plan, Admission, Progress};
+use self::stats::Ledger;
+pub use self::stats::Stats;
+use self::text::TextStream;
+use crate::cache::{ModelCache, Step};
+use crate::config::CacheConfig;
+use crate::error::{Error, Result};
+use crate::generate::{check_sampling, sampler, Finish};
+use crate::model::{Logits, Model};
+use crate::prefill::DEFAULT_CHUNK;
+
+/// A prompt always advances by at least this many tokens a step, however many sequences decode.
+const MIN_PREFILL: usize = 16;
+
+/// How the engine shares the machine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Bytes the caches may hold in all: the tables every sequence shares plus each sequence's
+    /// storage.
+    pub kv_budget: usize,
+    /// Sequences at once, at most (cache slots; device caches reserve every slot, so there the
+    /// budget may allow fewer).
+    pub max_seqs: usize,
+    /// Tokens per forward pass: every decoding sequence's one, then prompt chunks in the rest.
+    pub step_tokens: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self { kv_budget: 2 << 30, max_seqs: 64, step_tokens: DEFAULT_CHUNK }
+    }
+}
+
+/// One completion to run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Request {
+    /// Prompt token ids (the chat template and BOS already applied).
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most.
+    pub max_tokens: usize,
+    /// 0 = greedy.
+    pub temperature: f64,
+    /// Nucleus sampling mass, in (0, 1].
+    pub top_p: Option<f64>,
+    /// Seed of the request's own sampler.
+    pub seed: u64,
+    /// The completion ends before the first of these.
+    pub stop: Vec<String>,
+}
+
+/// What a request's sink receives, in order: `Admitted`, `Text`…, then `Done` or `Failed`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// KV memory is reserved and the prompt is being fed.
+    Admitted,
+    /// More completion text (never part of a stop string).
+    Text(String),
+    /// The completion ended.
+    Done(Summary),
+    /// The engine failed while running it (its slot is freed).
+    Failed(String),
+}
+
+/// How a completion ended.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Summary {
+    /// End of sequence or a stop string ([`Finish::Stop`]), or the token limit.
+    pub finish: Finish,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Tokens generated (an end-of-sequence token not counted).
+    pub completion_tokens: usize,
+    /// From submission to admission.
+    pub queued: Duration,
+    /// From submission to the first generated token.
+    pub first_token: Duration,
+    /// From submission to the end.
+    pub total: Duration,
+}
+
+/// Where a request's events go.
+pub trait Sink: Send {
+    /// Delivers an event; false when nobody listens any more (the request is then cancelled).
+    fn send(&mut self, event: Event) -> bool;
+    /// Whether anybody still listens (checked before every step, so a client that left during a
+    /// long prompt frees its memory without waiting for text to bounce).
+    fn alive(&self) -> bool;
+}
+
+/// Why a request was refused before it was queued.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Rejected {
+    /// Prompt and completion do not fit the context.
+    #[error(
+        "this model's maximum context length is {max} tokens, but {} were requested ({prompt} in the prompt, {max_tokens} for the completion)",
+        prompt + max_tokens
+    )]
+    Context {
+        /// Prompt tokens.
+        prompt: usize,
+        /// Completion tokens asked for.
+        max_tokens: usize,
+        /// The context.
+        max: usize,
+    },
+    /// Even alone, the request's worst case exceeds the KV budget.
+    #[error("the request needs {need} bytes of KV cache at most, but the server's budget holds {budget} bytes for sequences")]
+    Budget {
+        /// Bytes the request may take.
+        need: usize,
+        /// Bytes sequences may take in all.
+        budget: usize,
+    },
+    /// Bad settings (an empty prompt, a temperature out of range).
+    #[error("{0}")]
+    Invalid(String),
+    /// The engine has stopped.
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+/// What the engine was started with, fixed for its life.
+#[derive(Clone, Debug)]
+pub struct EngineInfo {
+    /// The cache method's name.
+    pub method: String,
+    /// Positions a sequence may reach (prompt and completion).
+    pub max_context: usize,
+    /// Sequences at once, at most.
+    pub slots: usize,
+    /// The budget the engine was given.
+    pub kv_budget: usize,
+    /// Bytes of the tables every sequence shares (codebooks, scales), counted in the budget.
+    pub shared_bytes: usize,
+    /// Storage bytes per position of a long sequence (device caches: the slot's reservation per
+    /// position of its capacity).
+    pub bytes_per_position: f64,
+    /// `sequence_bytes[n]`: what a sequence of `n` positions takes.
+    sequence_bytes: Arc<[usize]>,
+}
+
+impl EngineInfo {
+    /// Bytes a sequence of `positions` positions takes in the caches, its worst case.
+    pub fn sequence_bytes(&self, positions: usize) -> usize {
+        self.sequence_bytes[positions.min(self.sequence_bytes.len() - 1)]
+    }
+
+    /// Bytes of the budget left for sequences.
+    pub fn sequence_budget(&self) -> usize {
+        self.kv_budget.saturating_sub(self.shared_bytes)
+    }
+}
+
+/// A submitted request as the worker holds it.
+struct Job {
+    req: Request,
+    sink: Box<dyn Sink>,
+    arrived: Instant,
+    need: usize,
+}
+
+/// A running engine: submit requests, read its stats. Dropping it stops the worker (running
+/// requests get [`Event::Failed`]).
+pub struct Engine {
+    info: EngineInfo,
+    tx: Mutex<Option<Sender<Job>>>,
+    ledger: Arc<Mutex<Ledger>>,
+    stop: Arc<AtomicBool>,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl Engine {
+    /// Builds the caches for as many sequences as the budget and `max_seqs` allow and starts the
+    /// worker thread that runs `model`.
+    pub fn start(model: Arc<Model>, tok: Arc<Tokenizer>, cache: CacheConfig, cfg: EngineConfig) -> Result<Self> {
+        if cfg.step_tokens == 0 || cfg.max_seqs == 0 {
+            return Err(Error::Config("the engine needs at least one slot and one token per step".into()));
+        }
+        let max_context = cache.capacity.unwrap_or(model.max_context()).min(model.max_context());
+        let cache = CacheConfig { capacity: Some(max_context), ..cache };
+        // One slot first: what is shared, what a sequence of each length takes.
+        let probe = cache.build_batch(&model, 1)?;
+        let reserve = probe.sequence_bytes(0);
+        let shared = probe.resident_bytes().saturating_sub(reserve);
+        let sequence_bytes: Arc<[usize]> = (0..=max_context).map(|n| probe.sequence_bytes(n)).collect();
+        drop(probe);
+        if cfg.kv_budget <= shared {
+            return Err(Error::Config(format!(
+                "a KV budget of {} bytes does not hold the {shared} bytes of tables every sequence shares",
+                cfg.kv_budget
+            )));
+        }
+        let for_seqs = cfg.kv_budget - shared;
+        let slots = match reserve {
+            0 => cfg.max_seqs,
+            r => cfg.max_seqs.min(for_seqs / r),
+        };
+        if slots == 0 {
+            return Err(Error::Config(format!(
+                "a KV budget of {} bytes holds no sequence: this device reserves {reserve} bytes per slot of {max_context} positions (lower the context or raise the budget)",
+                cfg.kv_budget
+            )));
+        }
+        let span = 1024.min(max_context);
+        let bytes_per_position = match reserve {
+            0 => (sequence_bytes[max_context] - sequence_bytes[max_context - span]) as f64 / span as f64,
+            r => r as f64 / max_context as f64,
+        };
+        let info = EngineInfo {
+            method: cache.name(),
+            max_context,
+            slots,
+            kv_budget: cfg.kv_budget,
+            shared_bytes: shared,
+            bytes_per_position,
+            sequence_bytes,
+        };
+        let caches = cache.build_batch(&model, slots)?;
+        let (tx, rx) = mpsc::channel();
+        let ledger = Arc::new(Mutex::new(Ledger::default()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut w = Worker {
+            model,
+            tok,
+            cache,
+            empty_bytes: caches.resident_bytes(),
+            caches,
+            adm: Admission::new(if reserve == 0 { for_seqs } else { slots * reserve }, slots),
+            live: Vec::new(),
+            rx,
+            ledger: ledger.clone(),
+            stop: stop.clone(),
+            info: info.clone(),
+            step_tokens: cfg.step_tokens,
+        };
+        let worker = std::thread::Builder::new()
+            .name("veloq-engine".into())
+            .spawn(move || w.run())
+            .map_err(|e| Error::Config(format!("starting the engine thread: {e}")))?;
+        Ok(Self { info, tx: Mutex::new(Some(tx)), ledger, stop, worker: Some(worker) })
+    }
+
+    /// What the engine runs with.
+    pub fn info(&self) -> &EngineInfo {
+        &self.info
+    }
+
+    /// Checks `req` (context, budget, settings) and queues it; its events go to `sink`.
+    pub fn submit(&self, req: Request, sink: Box<dyn Sink>) -> std::result::Result<(), Rejected> {
+        let refuse = |r: Rejected| {
+            self.ledger.lock().expect("ledger").stats.rejected += 1;
+            Err(r)
+        };
+        if req.prompt.is_empty() {
+            return refuse(Rejected::Invalid("the prompt has no tokens".into()));
+        }
+        if req.max_tokens == 0 {
+            return refuse(Rejected::Invalid("max_tokens must be at least 1".into()));
+        }
+        if let Err(e) = check_sampling(req.temperature, req.top_p) {
+            return refuse(Rejected::Invalid(e.to_string()));
+        }
+        let positions = req.prompt.len() + req.max_tokens;
+        if positions > self.info.max_context {
+            let (prompt, max_tokens, max) = (req.prompt.len(), req.max_tokens, self.info.max_context);
+            return refuse(Rejected::Context { prompt, max_tokens, max });
+        }
+        let need = self.info.sequence_bytes(positions);
+        if need > self.info.sequence_budget() {
+            return refuse(Rejected::Budget { need, budget: self.info.sequence_budget() });
+        }
+        let job = Job { req, sink, arrived: Instant::now(), need };
+        let tx = self.tx.lock().expect("sender");
+        match tx.as_ref() {
+            Some(t) if t.send(job).is_ok() => Ok(()),
+            _ => Err(Rejected::Stopped),
+        }
+    }
+
+    /// Counters, KV memory in use and recent speeds.
+    pub fn stats(&self) -> Stats {
+        self.ledger.lock().expect("ledger").snapshot()
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.tx.lock().expect("sender").take();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// An admitted request.
+struct Live {
+    job: Job,
+    slot: usize,
+    reserved: usize,
+    /// Prompt tokens in the caches.
+    fed: usize,
+    /// Generated tokens; the last is not in the caches yet.
+    out: Vec<u32>,
+    sampler: LogitsProcessor,
+    text: TextStream,
+    admitted: Instant,
+    first: Option<Instant>,
+    /// Set once the request is over (its slot is freed after the step).
+    done: Option<Outcome>,
+}
+
+enum Outcome {
+    Finished(Finish),
+    Cancelled,
+}
+
+struct Worker {
+    model: Arc<Model>,
+    tok: Arc<Tokenizer>,
+    cache: CacheConfig,
+    caches: ModelCache,
+    /// What the caches hold with every slot empty.
+    empty_bytes: usize,
+    adm: Admission<Job>,
+    /// Admitted requests, oldest first.
+    live: Vec<Live>,
+    rx: Receiver<Job>,
+    ledger: Arc<Mutex<Ledger>>,
+    stop: Arc<AtomicBool>,
+    info: EngineInfo,
+    step_tokens: usize,
+}
+
+impl Worker {
+    fn run(&mut self) {
+        loop {
+            self.publish();
+            if !self.intake() {
+                break;
+            }
+            self.admit();
+            self.publish();
+            if self.live.is_empty() {
+                continue;
+            }
+            if let Err(e) = self.step() {
+                self.fail_all(&e.to_string());
+            }
+            self.retire();
+        }
+        self.fail_all("the engine has stopped");
+        self.publish();
+    }
+
+    /// Takes new requests (waiting for one when idle) and drops those whose client left. False
+    /// when the engine should stop.
+    fn intake(&mut self) -> bool {
+        if self.stop.load(Ordering::Relaxed) {
+            return false;
+        }
+        if self.live.is_empty() && self.adm.waiting() == 0 {
+            match self.rx.recv() {
+                Ok(job) => self.queue(job),
+                Err(_) => return false,
+            }
+        }
+        loop {
+            match self.rx.try_recv() {
+                Ok(job) => self.queue(job),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => return !self.stop.load(Ordering::Relaxed),
+            }
+        }
+        let gone = self.adm.retain_waiting(|j| j.sink.alive()).len();
+        self.ledger.lock().expect("ledger").stats.cancelled += gone as u64;
+        for l in &mut self.live {
+            if !l.job.sink.alive() {
+                l.done = Some(Outcome::Cancelled);
+            }
+        }
+        self.retire();
+        true
+    }
+
+    fn queue(&mut self, job: Job) {
+        let need = job.need;
+        self.adm.push(job, need);
+    }
+
+    fn admit(&mut self) {
+        while let Some((mut job, slot, reserved)) = self.adm.admit() {
+            let alive = job.sink.send(Event::Admitted);
+            let r = &job.req;
+            let (sampler, text) = (sampler(r.temperature, r.top_p, r.seed), TextStream::new(r.stop.clone()));
+            let done = (!alive).then_some(Outcome::Cancelled);
+            let now = Instant::now();
+            self.live.push(Live {
+                job,
+                slot,
+                reserved,
+                fed: 0,
+                out: Vec::new(),
+                sampler,
+                text,
+                admitted: now,
+                first: None,
+                done,
+            });
+        }
+        self.retire();
+    }
+
+    /// One forward pass over every live sequence, then their new tokens.
+    fn step(&mut self) -> Result<()> {
+        let progress: Vec<Progress> = self
+            .live
+            .iter()
+            .map(|l| Progress {
+                slot: l.slot,
+                held: self.caches.len(l.slot),
+                prompt_left: l.job.req.prompt.len() - l.fed,
+            })
+            .collect();
+        let seqs = plan(&progress, self.step_tokens, MIN_PREFILL);
+        let mut at = vec![usize::MAX; self.caches.slots()];
+        self.live.iter().enumerate().for_each(|(i, l)| at[l.slot] = i);
+        let mut tokens = Vec::with_capacity(seqs.iter().map(|s| s.len).sum());
+        for s in &seqs {
+            let l = &self.live[at[s.slot]];
+            match l.job.req.prompt.len() - l.fed {
+                0 => tokens.push(*l.out.last().expect("a decoding sequence has a token")),
+                _ => tokens.extend(&l.job.req.prompt[l.fed..l.fed + s.len]),
+            }
+        }
+        let t0 = Instant::now();
+        let logits = self.model.forward_step(&tokens, &Step::new(seqs.clone())?, &mut self.caches, Logits::Last)?;
+        let (mut prompt_fed, mut sampled) = (0, 0);
+        let mut greedy: Option<Vec<u32>> = None;
+        for (row, s) in seqs.iter().enumerate() {
+            let l = &mut self.live[at[s.slot]];
+            if l.fed < l.job.req.prompt.len() {
+                l.fed += s.len;
+                prompt_fed += s.len;
+                if l.fed < l.job.req.prompt.len() {
+                    continue;
+                }
+            }
+            let next = if l.job.req.temperature <= 0.0 {
+                if greedy.is_none() {
+                    greedy = Some(logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?);
+                }
+                greedy.as_ref().expect("just set")[row]
+            } else {
+                l.sampler.sample(&logits.get(row)?)?
+            };
+            sampled += 1;
+            Self::take(&self.model, &self.tok, l, next, self.info.max_context, self.caches.len(l.slot))?;
+        }
+        self.ledger.lock().expect("ledger").step(t0.elapsed(), prompt_fed, sampled);
+        Ok(())
+    }
+
+    /// A sequence's next token: its text to the client, and whether it ends here.
+    fn take(model: &Model, tok: &Tokenizer, l: &mut Live, next: u32, max_context: usize, held: usize) -> Result<()> {
+        l.first.get_or_insert_with(Instant::now);
+        let eos = model.info.eos_tokens.contains(&next);
+        if !eos {
+            l.out.push(next);
+            let piece = l.text.push(tok, next)?;
+            if !piece.is_empty() && !l.job.sink.send(Event::Text(piece)) {
+                l.done = Some(Outcome::Cancelled);
+                return Ok(());
+            }
+        }
+        l.done = if eos || l.text.stopped() {
+            Some(Outcome::Finished(Finish::Stop))
+        } else if l.out.len() >= l.job.req.max_tokens {
+            Some(Outcome::Finished(Finish::Length))
+        } else if held >= max_context {
+            Some(Outcome::Finished(Finish::Context))
+        } else {
+            None
+        };
+        Ok(())
+    }
+
+    /// Frees every sequence that is over, then tells the clients (so the stats they may read next
+    /// already count the freed memory).
+    fn retire(&mut self) {
+        let (over, live): (Vec<Live>, Vec<Live>) =
+            std::mem::take(&mut self.live).into_iter().partition(|l| l.done.is_some());
+        self.live = live;
+        if over.is_empty() {
+            return;
+        }
+        let mut broken = None;
+        for l in &over {
+            if let Err(e) = self.caches.truncate(l.slot, 0) {
+                broken = Some(e);
+            }
+            self.adm.release(l.slot, l.reserved);
+        }
+        {
+            let mut ledger = self.ledger.lock().expect("ledger");
+            for l in &over {
+                match l.done {
+                    Some(Outcome::Cancelled) => ledger.stats.cancelled += 1,
+                    _ => ledger.stats.finished += 1,
+                }
+            }
+        }
+        self.publish();
+        let now = Instant::now();
+        for mut l in over {
+            let Some(Outcome::Finished(finish)) = l.done else { continue };
+            let rest = l.text.finish();
+            if !rest.is_empty() {
+                l.job.sink.send(Event::Text(rest));
+            }
+            l.job.sink.send(Event::Done(Summary {
+                finish,
+                prompt_tokens: l.job.req.prompt.len(),
+                completion_tokens: l.out.len(),
+                queued: l.admitted - l.job.arrived,
+                first_token: l.first.unwrap_or(now) - l.job.arrived,
+                total: now - l.job.arrived,
+            }));
+        }
+        if let Some(e) = broken {
+            // The caches are out of step with the bookkeeping: start them afresh.
+            self.fail_all(&format!("freeing a sequence failed: {e}"));
+        }
+    }
+
+    /// Ends every running request with `why` and rebuilds the caches (a failed step may leave
+    /// them half-appended).
+    fn fail_all(&mut self, why: &str) {
+        let live = std::mem::take(&mut self.live);
+        if live.is_empty() {
+            return;
+        }
+        let mut ledger = self.ledger.lock().expect("ledger");
+        for mut l in live {
+            l.job.sink.send(Event::Failed(why.to_string()));
+            self.adm.release(l.slot, l.reserved);
+            ledger.stats.failed += 1;
+        }
+        drop(ledger);
+        match self.cache.build_batch(&self.model, self.caches.slots()) {
+            Ok(c) => self.caches = c,
+            Err(e) => {
+                eprintln!("veloq engine: rebuilding the caches failed ({e}); stopping");
+                self.stop.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// The stats of the moment: queue, running sequences, KV memory measured from the caches.
+    fn publish(&self) {
+        let resident = self.caches.resident_bytes();
+        let mut ledger = self.ledger.lock().expect("ledger");
+        let s = &mut ledger.stats;
+        s.running = self.live.len();
+        s.queued = self.adm.waiting();
+        s.peak_running = s.peak_running.max(s.running);
+        s.kv_reserved_bytes = self.adm.reserved();
+        s.kv_resident_bytes = resident;
+        s.kv_sequence_bytes = resident.saturating_sub(self.empty_bytes);
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,404 @@
+//! The OpenAI wire format: request bodies as clients send them, checked field by field into what
+//! the engine runs, and the responses, stream chunks and errors they expect back.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use veloq_candle::engine::{Request, Summary};
+use veloq_candle::generate::Finish;
+use veloq_candle::model::Role;
+
+/// An error as OpenAI's API returns it: a status and `{"error": {message, type, param, code}}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: u16,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<&'static str>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    /// 400: the request cannot run as sent.
+    pub fn invalid(param: Option<&'static str>, message: impl Into<String>) -> Self {
+        Self { status: 400, message: message.into(), kind: "invalid_request_error", param, code: None }
+    }
+
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+
+    pub fn status(mut self, status: u16) -> Self {
+        self.status = status;
+        self
+    }
+
+    pub fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+}
+
+/// `stop`: one string or several.
+#[derive(Deserialize, Debug, Clone)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize, Debug, Clone, Default)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The sampling fields both endpoints share (unknown fields are ignored, as OpenAI does).
+#[derive(Deserialize, Debug, Clone, Default)]
+pub struct Sampling {
+    pub model: Option<String>,
+    pub max_tokens: Option<u64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub seed: Option<u64>,
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub n: Option<u64>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub logprobs: Option<Value>,
+}
+
+/// A message's content: a string, or parts of which only text is understood.
+#[derive(Deserialize, Debug, Clone)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Deserialize, Debug, Clone)]
+pub struct Part {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+pub struct Message {
+    pub role: String,
+    pub content: Option<Content>,
+}
+
+/// What only chat completions take (the shared fields are read into [`Sampling`] from the same
+/// body, so an error names its field).
+#[derive(Deserialize, Debug, Clone)]
+pub struct ChatRequest {
+    pub messages: Vec<Message>,
+    pub max_completion_tokens: Option<u64>,
+}
+
+/// `prompt`: a string, one string in a list, or token ids.
+#[derive(Deserialize, Debug, Clone)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+}
+
+/// What only text completions take.
+#[derive(Deserialize, Debug, Clone)]
+pub struct CompletionRequest {
+    pub prompt: Prompt,
+    pub echo: Option<bool>,
+    pub suffix: Option<String>,
+    pub best_of: Option<u64>,
+}
+
+/// A request body as `T`: malformed JSON and wrong types are 400s that name the field.
+pub fn from_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let (path, inner) = (e.path().to_string(), e.into_inner());
+        let what = if inner.is_data() { "invalid request" } else { "malformed JSON" };
+        match path.as_str() {
+            "." | "" => ApiError::invalid(None, format!("{what}: {inner}")),
+            field => ApiError::invalid(None, format!("{what}: {field}: {inner}")),
+        }
+    })
+}
+
+/// OpenAI's own bound on stop strings.
+const MAX_STOPS: usize = 4;
+
+impl ChatRequest {
+    /// The conversation as (role, text) messages.
+    pub fn messages(&self) -> Result<Vec<(Role, String)>, ApiError> {
+        if self.messages.is_empty() {
+            return Err(ApiError::invalid(Some("messages"), "messages must hold at least one message"));
+        }
+        self.messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let role = match m.role.as_str() {
+                    "system" | "developer" => Role::System,
+                    "user" => Role::User,
+                    "assistant" => Role::Assistant,
+                    other => {
+                        return Err(ApiError::invalid(
+                            Some("messages"),
+                            format!(
+                                "messages[{i}].role {other:?} is not supported (system, developer, user, assistant)"
+                            ),
+                        ))
+                    }
+                };
+                let text = match &m.content {
+                    None => String::new(),
+                    Some(Content::Text(t)) => t.clone(),
+                    Some(Content::Parts(parts)) => {
+                        let mut out = String::new();
+                        for p in parts {
+                            match (p.kind.as_str(), &p.text) {
+                                ("text", Some(t)) => out.push_str(t),
+                                (kind, _) => {
+                                    return Err(ApiError::invalid(
+                                        Some("messages"),
+                                        format!(
+                                        "messages[{i}]: content parts of type {kind:?} are not supported (text only)"
+                                    ),
+                                    ))
+                                }
+                            }
+                        }
+                        out
+                    }
+                };
+                Ok((role, text))
+            })
+            .collect()
+    }
+}
+
+impl Sampling {
+    /// Checks the fields and builds the engine's request for `prompt`; `default_max` tokens when
+    /// the client gives no limit.
+    pub fn request(&self, prompt: Vec<u32>, max_tokens: Option<u64>, default_max: usize) -> Result<Request, ApiError> {
+        let max_tokens = match max_tokens.or(self.max_tokens) {
+            Some(0) => return Err(ApiError::invalid(Some("max_tokens"), "max_tokens must be at least 1")),
+            Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+            None => default_max.max(1),
+        };
+        let temperature = self.temperature.unwrap_or(1.0);
+        if !(0.0..=2.0).contains(&temperature) {
+            return Err(ApiError::invalid(
+                Some("temperature"),
+                format!("temperature must be between 0 and 2, got {temperature}"),
+            ));
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(ApiError::invalid(Some("top_p"), format!("top_p must be in (0, 1], got {p}")));
+            }
+        }
+        if let Some(n) = self.n.filter(|&n| n != 1) {
+            return Err(ApiError::invalid(Some("n"), format!("n must be 1 (one completion per request), got {n}")));
+        }
+        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if v.is_some_and(|v| v != 0.0) {
+                return Err(ApiError::invalid(Some(name), format!("{name} is not supported (only 0)")));
+            }
+        }
+        if self.logprobs.as_ref().is_some_and(|v| !matches!(v, Value::Null | Value::Bool(false))) {
+            return Err(ApiError::invalid(Some("logprobs"), "logprobs are not supported"));
+        }
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) if v.len() > MAX_STOPS => {
+                return Err(ApiError::invalid(
+                    Some("stop"),
+                    format!("at most {MAX_STOPS} stop sequences, got {}", v.len()),
+                ))
+            }
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        let seed = self.seed.unwrap_or_else(fresh_seed);
+        Ok(Request { prompt, max_tokens, temperature, top_p: self.top_p, seed, stop })
+    }
+
+    /// Whether the client asked for a usage chunk at the end of a stream.
+    pub fn stream_usage(&self) -> bool {
+        self.stream_options.as_ref().is_some_and(|o| o.include_usage)
+    }
+}
+
+/// A seed for requests that give none: different for every request.
+fn fresh_seed() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    t ^ N.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed)
+}
+
+/// OpenAI's `finish_reason`.
+pub fn finish_reason(f: Finish) -> &'static str {
+    match f {
+        Finish::Stop => "stop",
+        Finish::Length | Finish::Context => "length",
+    }
+}
+
+#[derive(Serialize, Debug, Clone, Copy)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+impl From<&Summary> for Usage {
+    fn from(s: &Summary) -> Self {
+        Self {
+            prompt_tokens: s.prompt_tokens,
+            completion_tokens: s.completion_tokens,
+            total_tokens: s.prompt_tokens + s.completion_tokens,
+        }
+    }
+}
+
+/// Which endpoint a response belongs to: the two differ in object names and in where the text goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Chat,
+    Completion,
+}
+
+/// The pieces every response of one request shares.
+#[derive(Clone, Debug)]
+pub struct Reply {
+    pub kind: Kind,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+}
+
+impl Reply {
+    /// The whole response of a request that did not stream.
+    pub fn full(&self, text: &str, s: &Summary) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": null,
+                "finish_reason": finish_reason(s.finish),
+            }),
+            Kind::Completion => {
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason(s.finish)})
+            }
+        };
+        json!({
+            "id": self.id,
+            "object": self.object(false),
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": Usage::from(s),
+        })
+    }
+
+    /// A stream chunk: new text (chat: the first chunk carries the role), or the end.
+    pub fn chunk(&self, text: Option<&str>, first: bool, finish: Option<Finish>) -> Value {
+        let reason = finish.map(finish_reason);
+        let choice = match self.kind {
+            Kind::Chat => {
+                let mut delta = serde_json::Map::new();
+                if first {
+                    delta.insert("role".into(), json!("assistant"));
+                }
+                if let Some(t) = text {
+                    delta.insert("content".into(), json!(t));
+                }
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": reason})
+            }
+            Kind::Completion => {
+                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": reason})
+            }
+        };
+        json!({"id": self.id, "object": self.object(true), "created": self.created, "model": self.model, "choices": [choice]})
+    }
+
+    /// The last chunk of a stream whose client asked for usage: no choices, the counts.
+    pub fn usage_chunk(&self, s: &Summary) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(true),
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": Usage::from(s),
+        })
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Completion, _) => "text_completion",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sampling(body: &str) -> Result<Request, ApiError> {
+        from_body::<Sampling>(body.as_bytes())?.request(vec![1, 2], None, 16)
+    }
+
+    #[test]
+    fn fields_are_checked_and_defaulted_as_openai_does() {
+        let r = sampling(r#"{"prompt": "x", "seed": 3}"#).unwrap();
+        assert_eq!((r.max_tokens, r.temperature, r.top_p, r.seed), (16, 1.0, None, 3));
+        let r =
+            sampling(r#"{"prompt": "x", "max_tokens": 5, "temperature": 0, "stop": "\n", "unknown": [1]}"#).unwrap();
+        assert_eq!((r.max_tokens, r.temperature, r.stop.clone()), (5, 0.0, vec!["\n".to_string()]));
+        for (body, param) in [
+            (r#"{"prompt": "x", "top_p": 7}"#, "top_p"),
+            (r#"{"prompt": "x", "top_p": 0}"#, "top_p"),
+            (r#"{"prompt": "x", "temperature": -1}"#, "temperature"),
+            (r#"{"prompt": "x", "temperature": 2.5}"#, "temperature"),
+            (r#"{"prompt": "x", "max_tokens": 0}"#, "max_tokens"),
+            (r#"{"prompt": "x", "n": 2}"#, "n"),
+            (r#"{"prompt": "x", "logprobs": 3}"#, "logprobs"),
+            (r#"{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}"#, "stop"),
+        ] {
+            let e = sampling(body).unwrap_err();
+            assert_eq!((e.status, e.param), (400, Some(param)), "{body}: {e:?}");
+        }
+        // Wrong types never reach the checks: the parse refuses them, naming the field.
+        for (body, field) in [(r#"{"max_tokens": "ten"}"#, "max_tokens"), (r#"{"seed": -1}"#, "seed")] {
+            let e = sampling(body).unwrap_err();
+            assert!(e.message.contains(field) && e.message.starts_with("invalid request"), "{e:?}");
+        }
+        assert!(from_body::<CompletionRequest>(br#"{"prompt": 5}"#).is_err());
+        assert!(from_body::<Sampling>(b"{").unwrap_err().message.starts_with("malformed JSON"));
+    }
+
+    #[test]
+    fn messages_take_text_content_in_either_form() {
+        let c: ChatRequest = serde_json::from_str(
+            r#"{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.messages().unwrap(), vec![(Role::System, "Be brief.".into()), (Role::User, "hi".into())]);
+        let c: ChatRequest = serde_json::from_str(r#"{"messages": [{"role": "tool", "content": "x"}]}"#).unwrap();
+        assert!(c.messages().unwrap_err().message.contains("tool"));
+        let c: ChatRequest = serde_json::from_str(r#"{"messages": []}"#).unwrap();
+        assert_eq!(c.messages().unwrap_err().param, Some("messages"));
+    }
+}

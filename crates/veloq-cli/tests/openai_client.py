@@ -1,0 +1,85 @@
+"""The official `openai` client against a running `veloq serve` (started by tests/serve.rs).
+
+    python3 openai_client.py http://127.0.0.1:PORT/v1 MODEL_ID
+
+Exits non-zero with a message on the first check that fails.
+"""
+
+import sys
+
+import openai
+
+base, model = sys.argv[1], sys.argv[2]
+client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
+question = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+
+
+def check(cond, what):
+    if not cond:
+        sys.exit(f"FAILED: {what}")
+    print(f"ok: {what}")
+
+
+# The model list names the served model.
+ids = [m.id for m in client.models.list().data]
+check(ids == [model], f"models.list() = {ids}")
+check(client.models.retrieve(model).id == model, "models.retrieve")
+
+# Chat, whole: text, finish reason and usage counts.
+r = client.chat.completions.create(model=model, messages=question, max_tokens=12, temperature=0)
+text = r.choices[0].message.content
+check("Paris" in text, f"chat answer {text!r}")
+check(r.choices[0].message.role == "assistant", "assistant role")
+check(r.choices[0].finish_reason in ("stop", "length"), f"finish_reason {r.choices[0].finish_reason}")
+u = r.usage
+check(u.prompt_tokens > 5 and 0 < u.completion_tokens <= 12, f"usage {u}")
+check(u.total_tokens == u.prompt_tokens + u.completion_tokens, "total_tokens adds up")
+
+# Chat, streamed: the deltas concatenate to the same greedy text, the last chunk has the reason,
+# and a usage chunk when asked for.
+chunks = list(
+    client.chat.completions.create(
+        model=model, messages=question, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+)
+deltas = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+check(deltas == text, f"streamed {deltas!r} == whole {text!r}")
+check(chunks[0].choices[0].delta.role == "assistant", "first chunk carries the role")
+reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+check(reasons == [r.choices[0].finish_reason], f"one finish reason {reasons}")
+check(chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == u.completion_tokens, "usage chunk")
+
+# Text completions, whole and streamed; max_tokens bounds the completion.
+c = client.completions.create(model=model, prompt="The capital of France is", max_tokens=5, temperature=0)
+check(c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 5, f"completion {c.choices[0].text!r}")
+streamed = "".join(x.choices[0].text for x in client.completions.create(
+    model=model, prompt="The capital of France is", max_tokens=5, temperature=0, stream=True) if x.choices)
+check(streamed == c.choices[0].text, f"streamed completion {streamed!r}")
+
+# Sampling: the same seed repeats, stop sequences end the text before them.
+kw = dict(model=model, prompt="Once upon a time", max_tokens=24, temperature=0.9, top_p=0.95)
+a, b = (client.completions.create(seed=11, **kw).choices[0].text for _ in range(2))
+check(a == b, "same seed, same text")
+words = a.split()
+if len(words) > 3:
+    stop = " " + words[3]
+    s = client.completions.create(seed=11, stop=[stop], **kw).choices[0]
+    check(s.text == a[: a.index(stop)] and s.finish_reason == "stop", f"stop {stop!r}: {s.text!r}")
+
+# Errors come back as the client's exception types, with the server's message.
+for kwargs, exc, what in [
+    (dict(top_p=7), openai.BadRequestError, "top_p"),
+    (dict(temperature=-1), openai.BadRequestError, "temperature"),
+    (dict(max_tokens=10**6), openai.BadRequestError, "context"),
+]:
+    try:
+        client.chat.completions.create(model=model, messages=question, **{"max_tokens": 4, **kwargs})
+        check(False, f"{kwargs} refused")
+    except exc as e:
+        check(what in str(e), f"{kwargs}: {type(e).__name__}")
+try:
+    client.chat.completions.create(model="no-such-model", messages=question, max_tokens=4)
+    check(False, "unknown model refused")
+except openai.NotFoundError as e:
+    check(e.code == "model_not_found" and "no-such-model" in str(e), "unknown model: NotFoundError")
+print("all passed")

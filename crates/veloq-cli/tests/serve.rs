@@ -1,0 +1,307 @@
+//! `veloq serve` on the real SmolLM2 model (scripts/fetch-data), as clients meet it: the official
+//! `openai` Python client (installed by .ci/run), raw HTTP for bad input, idle and stalled
+//! connections, clients that vanish mid-stream, and a load over a small KV budget that must queue,
+//! finish everything and give the memory back.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+/// The servers share two cores: one test at a time.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn cache_dir() -> std::path::PathBuf {
+    std::env::var_os("VELOQ_CACHE")
+        .map(Into::into)
+        .unwrap_or_else(|| std::path::PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/veloq"))
+}
+
+fn veloq() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_veloq"));
+    c.env("CANDLE_NUM_THREADS", "1");
+    c
+}
+
+/// A `veloq serve` process on a free port, killed when dropped.
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Server {
+    fn start(args: &[&str]) -> Server {
+        let model = cache_dir().join("smollm2-135m-instruct.q4_1.gguf");
+        assert!(model.exists(), "{} missing: run scripts/fetch-data", model.display());
+        let mut child = veloq()
+            .args(["serve", "--port", "0", "--max-context", "2048", "--model"])
+            .arg(&model)
+            .args(args)
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting veloq serve");
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let addr = loop {
+            let line = lines.next().expect("veloq serve exited before listening").unwrap();
+            eprintln!("[serve] {line}");
+            if let Some(a) = line.strip_prefix("listening on http://") {
+                break a.parse().unwrap();
+            }
+        };
+        // Keep draining its log so it never blocks on a full pipe.
+        std::thread::spawn(move || lines.for_each(|l| eprintln!("[serve] {}", l.unwrap_or_default())));
+        Server { child, addr }
+    }
+
+    fn http(&self, method: &str, path: &str, body: &[u8]) -> (u16, String) {
+        http(self.addr, method, path, body)
+    }
+
+    fn json(&self, method: &str, path: &str, body: &Value) -> (u16, Value) {
+        json_request(self.addr, method, path, body)
+    }
+
+    /// Every sample of one `/metrics` response, by name and labels.
+    fn metrics(&self) -> std::collections::HashMap<String, f64> {
+        let (status, text) = self.http("GET", "/metrics", b"");
+        assert_eq!(status, 200);
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| l.rsplit_once(' ').and_then(|(k, v)| Some((k.to_string(), v.trim().parse().ok()?))))
+            .collect()
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        *self.metrics().get(name).unwrap_or_else(|| panic!("no metric {name}"))
+    }
+
+    /// Waits until the server holds no sequence and no reservation.
+    fn drained(&self) {
+        let t = Instant::now();
+        loop {
+            let m = self.metrics();
+            if ["veloq_requests_running", "veloq_kv_reserved_bytes", "veloq_kv_in_use_bytes"]
+                .iter()
+                .all(|k| m[*k] == 0.0)
+            {
+                break;
+            }
+            assert!(t.elapsed() < Duration::from_secs(60), "KV memory did not come back");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn healthy(&self) {
+        assert_eq!(self.http("GET", "/health", b"").0, 200, "the server stopped answering");
+    }
+}
+
+/// One request on a fresh connection: (status, body).
+fn http(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    // A body over the limit may be refused before it is all sent.
+    let _ = s.write_all(body);
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let status = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    (status, body)
+}
+
+fn json_request(addr: SocketAddr, method: &str, path: &str, body: &Value) -> (u16, Value) {
+    let (status, text) = http(addr, method, path, body.to_string().as_bytes());
+    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn completion(prompt: Value, max_tokens: usize) -> Value {
+    json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+}
+
+#[test]
+fn the_openai_client_streaming_and_not() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(&["--method", "fp16"]);
+    let (_, models) = server.json("GET", "/v1/models", &json!(null));
+    let id = models["data"][0]["id"].as_str().unwrap().to_string();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
+    let out = Command::new("python3")
+        .args([script, &format!("http://{}/v1", server.addr), &id])
+        .output()
+        .expect("python3 is needed for the openai client test");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("{stdout}");
+    assert!(
+        !stderr.contains("No module named 'openai'"),
+        "the openai client is not installed: python3 -m pip install openai==3.57.0 (.ci/run does)"
+    );
+    assert!(out.status.success(), "openai client checks failed:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("all passed"));
+    server.drained();
+}
+
+#[test]
+fn bad_input_is_refused_and_the_server_stays_up() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(&["--method", "fp16", "--max-body", "1MiB", "--header-timeout", "2"]);
+    let chat = |extra: Value| {
+        let mut b = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4});
+        b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        b.to_string()
+    };
+    let cases: Vec<(&str, &str, String, u16, &str)> = vec![
+        ("POST", "/v1/chat/completions", "{\"messages\": [".into(), 400, "malformed JSON"),
+        ("POST", "/v1/chat/completions", "".into(), 400, "malformed JSON"),
+        ("POST", "/v1/chat/completions", "[1, 2]".into(), 400, "invalid request"),
+        ("POST", "/v1/chat/completions", chat(json!({"max_tokens": "ten"})), 400, "max_tokens"),
+        ("POST", "/v1/chat/completions", chat(json!({"messages": "Hi"})), 400, "invalid type"),
+        ("POST", "/v1/chat/completions", chat(json!({"top_p": 7})), 400, "top_p"),
+        ("POST", "/v1/chat/completions", chat(json!({"temperature": -0.5})), 400, "temperature"),
+        ("POST", "/v1/chat/completions", chat(json!({"temperature": "NaN"})), 400, "temperature"),
+        (
+            "POST",
+            "/v1/chat/completions",
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"temperature\": NaN}".into(),
+            400,
+            "malformed JSON",
+        ),
+        ("POST", "/v1/chat/completions", chat(json!({"seed": -3})), 400, "seed"),
+        ("POST", "/v1/chat/completions", chat(json!({"n": 3})), 400, "n must be 1"),
+        ("POST", "/v1/chat/completions", chat(json!({"model": "gpt-9"})), 404, "model_not_found"),
+        ("POST", "/v1/chat/completions", chat(json!({"max_tokens": 100000})), 400, "context_length_exceeded"),
+        ("POST", "/v1/chat/completions", chat(json!({"messages": []})), 400, "at least one message"),
+        ("POST", "/v1/chat/completions", chat(json!({"messages": [{"role": "tool", "content": "x"}]})), 400, "tool"),
+        ("POST", "/v1/completions", completion(json!([1, 99999999]), 4).to_string(), 400, "vocabulary"),
+        ("POST", "/v1/completions", completion(json!(["a", "b"]), 4).to_string(), 400, "one prompt"),
+        ("POST", "/v1/completions", completion(json!("word ".repeat(3000)), 4).to_string(), 400, "context"),
+        ("GET", "/v1/chat/completions", String::new(), 405, "does not take GET"),
+        ("GET", "/v2/anything", String::new(), 404, "no endpoint"),
+        ("GET", "/v1/models/gpt-9", String::new(), 404, "model_not_found"),
+        ("POST", "/v1/completions", "x".repeat(2 << 20), 413, "request_too_large"),
+    ];
+    for (method, path, body, status, says) in &cases {
+        let (got, text) = server.http(method, path, body.as_bytes());
+        assert_eq!(got, *status, "{method} {path} {}: {text}", &body[..body.len().min(80)]);
+        assert!(text.contains(says), "{method} {path}: {text:?} should say {says:?}");
+        if *status < 500 {
+            let e: Value = serde_json::from_str(&text).unwrap();
+            assert!(e["error"]["message"].is_string(), "OpenAI's error shape: {text}");
+        }
+        server.healthy();
+    }
+    assert_eq!(server.metric("veloq_requests_total{outcome=\"rejected\"}"), 2.0, "the two over the context");
+
+    // Thousands of idle connections, and one that stalls half-way through its headers: the
+    // server keeps answering, and closes the stalled one after the header timeout.
+    let idle: Vec<TcpStream> = (0..2000).map(|_| TcpStream::connect(server.addr).unwrap()).collect();
+    let mut stalled = TcpStream::connect(server.addr).unwrap();
+    stalled.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n").unwrap();
+    let (status, reply) = server.json("POST", "/v1/completions", &completion(json!("The capital of France is"), 3));
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["usage"]["completion_tokens"], 3);
+    stalled.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let t = Instant::now();
+    let mut buf = [0u8; 512];
+    let n = stalled.read(&mut buf).unwrap_or(0);
+    let answer = String::from_utf8_lossy(&buf[..n]);
+    assert!(n == 0 || answer.starts_with("HTTP/1.1 408"), "a stalled request is closed, got {answer:?}");
+    assert!(t.elapsed() < Duration::from_secs(15), "closed after the 2 s header timeout");
+    drop(idle);
+    server.healthy();
+
+    // Clients that vanish mid-stream and while prefilling: their sequences are cancelled and the
+    // KV memory returns.
+    for max_tokens in [400, 1] {
+        let mut s = TcpStream::connect(server.addr).unwrap();
+        let prompt = if max_tokens == 1 { "word ".repeat(1500) } else { "Tell me a long story.".into() };
+        let body = json!({"prompt": prompt, "max_tokens": max_tokens, "stream": true}).to_string();
+        write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+        if max_tokens > 1 {
+            let mut first = [0u8; 256];
+            let n = s.read(&mut first).unwrap();
+            assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+        } else {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        drop(s);
+    }
+    server.drained();
+    assert!(server.metric("veloq_requests_total{outcome=\"cancelled\"}") >= 1.0);
+    assert_eq!(server.metric("veloq_kv_resident_bytes"), 0.0, "fp16 holds nothing once empty");
+    let (status, _) = server.json("POST", "/v1/completions", &completion(json!("Hello"), 2));
+    assert_eq!(status, 200);
+}
+
+#[test]
+fn a_load_over_a_small_budget_queues_finishes_and_frees_everything() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("veloq-serve-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cal = dir.join("smollm2.vecinfer.safetensors");
+    let status = veloq()
+        .args(["calibrate", "--tokens", "2048", "--window", "2048", "--out"])
+        .arg(&cal)
+        .arg("--model")
+        .arg(cache_dir().join("smollm2-135m-instruct.q4_1.gguf"))
+        .status()
+        .unwrap();
+    assert!(status.success(), "calibration failed");
+    // First learn what one sequence of 256 positions costs, then give room for three and a half.
+    let probe = Server::start(&["--method", "vecinfer", "--calibration", cal.to_str().unwrap()]);
+    let (_, models) = probe.json("GET", "/v1/models", &json!(null));
+    let v = &models["data"][0]["veloq"];
+    let shared = v["kv_shared_bytes"].as_u64().unwrap();
+    let seq = v["kv_sequence_bytes"][0]["bytes"].as_u64().unwrap();
+    assert_eq!(v["kv_sequence_bytes"][0]["positions"], 256);
+    drop(probe);
+    let budget = (shared + 3 * seq + seq / 2).to_string();
+    let server =
+        Server::start(&["--method", "vecinfer", "--calibration", cal.to_str().unwrap(), "--kv-budget", &budget]);
+    // Ten clients at once, each reaching exactly 256 positions (232 prompt tokens + 24).
+    let prompts: Vec<Vec<u32>> =
+        (0..10).map(|i| (0..232).map(|j| 1000 + ((i * 31 + j * 7) % 5000) as u32).collect()).collect();
+    let addr = server.addr;
+    let clients: Vec<_> = prompts
+        .into_iter()
+        .map(|p| std::thread::spawn(move || json_request(addr, "POST", "/v1/completions", &completion(json!(p), 24))))
+        .collect();
+    let (mut peak_reserved, mut saw_queue) = (0.0f64, false);
+    while !clients.iter().all(|c| c.is_finished()) {
+        let m = server.metrics();
+        let (reserved, used, queued) =
+            (m["veloq_kv_reserved_bytes"], m["veloq_kv_in_use_bytes"], m["veloq_requests_queued"]);
+        assert!(used <= reserved, "measured {used} B over the {reserved} B reserved");
+        peak_reserved = peak_reserved.max(reserved);
+        saw_queue |= queued > 0.0;
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for c in clients {
+        let (status, reply) = c.join().unwrap();
+        assert_eq!(status, 200, "{reply}");
+        assert!(reply["usage"]["completion_tokens"].as_u64().unwrap() >= 1);
+        assert_eq!(reply["usage"]["prompt_tokens"], 232);
+    }
+    assert!(saw_queue, "ten requests over a budget for three must queue");
+    assert_eq!(server.metric("veloq_requests_running_peak"), 3.0, "three fit the budget");
+    assert!(peak_reserved <= (3 * seq) as f64, "reserved {peak_reserved} B for three of {seq} B");
+    assert_eq!(server.metric("veloq_requests_total{outcome=\"finished\"}"), 10.0);
+    server.drained();
+    assert_eq!(server.metric("veloq_requests_queued"), 0.0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
