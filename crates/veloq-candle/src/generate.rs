@@ -11,6 +11,7 @@ use crate::config::fp16_bytes;
 use crate::error::{Error, Result};
 use crate::model::{decode, encode, ChatTemplate, Model, Role};
 use crate::prefill::{prefill, DEFAULT_CHUNK};
+use crate::text::TextStream;
 
 #[derive(Clone, Debug)]
 pub struct GenerateOptions {
@@ -186,13 +187,12 @@ pub fn generate_ids(
     let prefill_s = start.elapsed().as_secs_f64();
     let start = Instant::now();
     let mut tokens = Vec::new();
-    let mut shown = String::new();
+    let mut text = TextStream::new(Vec::new());
     let finish = loop {
         tokens.push(next);
-        let text = decode(tok, &tokens)?;
-        if text.len() > shown.len() && text.is_char_boundary(shown.len()) {
-            on_event(Event::Text(&text[shown.len()..]));
-            shown = text;
+        let piece = text.push(tok, next)?;
+        if !piece.is_empty() {
+            on_event(Event::Text(&piece));
         }
         if model.info.eos_tokens.contains(&next) {
             break Finish::Stop;
@@ -206,6 +206,10 @@ pub fn generate_ids(
         let logits = model.forward(&[next], caches, false)?.squeeze(0)?;
         next = proc.sample(&logits)?;
     };
+    let rest = text.finish();
+    if !rest.is_empty() {
+        on_event(Event::Text(&rest));
+    }
     let decode_s = start.elapsed().as_secs_f64();
     let len = caches.len(0);
     Ok(GenerateOutput {

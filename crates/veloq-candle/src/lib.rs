@@ -13,6 +13,7 @@ pub mod model;
 pub mod needle;
 pub mod prefill;
 pub mod probe;
+pub mod text;
 
 #[cfg(test)]
 mod testing;

@@ -145,6 +145,13 @@ fn real_gemma3_follows_llama_cpp_greedy_tokens() {
             true,
         ),
     ];
+    // SentencePiece with byte fallback: streamed text adds up to the whole decode.
+    let text = "Café naïve — 東京で🎉 résumé,\n  indented";
+    let ids = veloq_candle::model::encode(&tok, text).unwrap();
+    let mut s = veloq_candle::text::TextStream::new(Vec::new());
+    let mut streamed: String = ids.iter().map(|&t| s.push(&tok, t).unwrap()).collect();
+    streamed.push_str(&s.finish());
+    assert_eq!(streamed, veloq_candle::model::decode(&tok, &ids).unwrap());
     for (prompt, want_prompt, want, exact) in cases {
         let ids = prompt_ids(&model, &tok, prompt, false).unwrap();
         assert_eq!(ids, want_prompt, "tokenization of {prompt:?} (with BOS)");

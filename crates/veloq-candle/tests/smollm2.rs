@@ -329,3 +329,22 @@ fn chat_keeps_history_in_the_caches() {
         assert_eq!((chat.caches().len(0), chat.history().len()), (0, 0));
     }
 }
+
+/// Text streamed token by token (multi-byte characters split over byte tokens, spaces, newlines)
+/// adds up to the whole decode, and a stop string cuts it where the whole text would be cut.
+#[test]
+fn streamed_text_adds_up_to_the_whole_decode() {
+    use veloq_candle::text::TextStream;
+    let f = fixture();
+    let text = "Café naïve — 東京で🎉 résumé,\n  indented «quotes» and 3.14159";
+    let ids = encode(&f.tok, text).unwrap();
+    let whole = veloq_candle::model::decode(&f.tok, &ids).unwrap();
+    let mut s = TextStream::new(Vec::new());
+    let mut streamed: String = ids.iter().map(|&t| s.push(&f.tok, t).unwrap()).collect();
+    streamed.push_str(&s.finish());
+    assert_eq!(streamed, whole);
+    let mut s = TextStream::new(vec!["🎉 r".into()]);
+    let cut: String = ids.iter().map(|&t| s.push(&f.tok, t).unwrap()).collect::<String>() + &s.finish();
+    assert!(s.stopped());
+    assert_eq!(cut, &whole[..whole.find("🎉 r").unwrap()]);
+}

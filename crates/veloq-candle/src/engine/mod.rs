@@ -14,7 +14,6 @@
 
 pub mod schedule;
 pub mod stats;
-pub mod text;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
@@ -28,13 +27,13 @@ use tokenizers::Tokenizer;
 use self::schedule::{plan, Admission, Progress};
 use self::stats::Ledger;
 pub use self::stats::Stats;
-use self::text::TextStream;
 use crate::cache::{ModelCache, Step};
 use crate::config::CacheConfig;
 use crate::error::{Error, Result};
 use crate::generate::{check_sampling, sampler, Finish};
 use crate::model::{Logits, Model};
 use crate::prefill::DEFAULT_CHUNK;
+use crate::text::TextStream;
 
 /// A prompt always advances by at least this many tokens a step, however many sequences decode.
 const MIN_PREFILL: usize = 16;
