@@ -26,13 +26,7 @@ pub fn tiny_model_seeded(vocab: usize, max_context: usize, seed: u64) -> crate::
     crate::model::Model::synthetic("tiny", g, max_context, &candle_core::Device::Cpu, seed).expect("tiny model")
 }
 
-/// A tokenizer of `vocab` words `w0`, `w1`, … (token `i` decodes to `wi`, words joined by
-/// spaces), for tests that need text from a tiny model.
+/// A tokenizer of `vocab` words for the tiny model (see [`crate::model::word_tokenizer`]).
 pub fn word_tokenizer(vocab: usize) -> tokenizers::Tokenizer {
-    use tokenizers::models::wordlevel::WordLevel;
-    let words = (0..vocab).map(|i| (format!("w{i}"), i as u32)).collect();
-    let model = WordLevel::builder().vocab(words).unk_token("w0".into()).build().expect("word vocabulary");
-    let mut tok = tokenizers::Tokenizer::new(model);
-    tok.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::whitespace::Whitespace {}));
-    tok
+    crate::model::word_tokenizer(vocab)
 }

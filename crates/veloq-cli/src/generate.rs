@@ -20,7 +20,8 @@ pub enum MethodArg {
 /// The model file and its calibration, as every command that runs a calibrated model takes them.
 #[derive(ClapArgs, Clone)]
 pub struct ModelFiles {
-    /// GGUF model file (scripts/fetch-data puts SmolLM2 in ~/.cache/veloq).
+    /// GGUF model file (scripts/fetch-data puts SmolLM2 in ~/.cache/veloq), or synthetic:llama8b
+    /// (random f16 weights of that geometry, random codebooks, words w0… as tokens: for speed).
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Calibration artifact (veloq calibrate); default ~/.cache/veloq/<model>.vecinfer.safetensors
@@ -131,6 +132,19 @@ impl Runtime {
         }
         let device = crate::device::parse(&self.device)?;
         let kernels = KernelChoice::parse(&self.kernels)?;
+        if let Some(name) = model_path.to_str().and_then(|p| p.strip_prefix("synthetic:")) {
+            let (g, label) = crate::synthetic::geometry(name)?;
+            let model = Model::synthetic(label, g, self.max_context, &device, 7)?;
+            let config = match self.method {
+                MethodArg::Fp16 => CacheConfig::fp16(),
+                MethodArg::Vecinfer => {
+                    let mut rng = crate::synthetic::Rng(0x9E37_79B9_7F4A_7C15);
+                    CacheConfig::vecinfer(crate::synthetic::synthetic_calibration(&model, &mut rng)?)
+                }
+            };
+            let tok = veloq_candle::model::word_tokenizer(g.vocab);
+            return Ok(Loaded { model, tok, config: CacheConfig { kernels, ..config }, device });
+        }
         let (model, tok) = Model::open_on(&model_path, self.max_context, &device)
             .with_context(|| format!("loading {}", model_path.display()))?;
         let config = match self.method {

@@ -12,6 +12,7 @@ mod generate;
 mod needle;
 mod plot;
 mod serve;
+mod synthetic;
 
 #[global_allocator]
 static ALLOC: veloq::measure::CountingAlloc = veloq::measure::CountingAlloc;

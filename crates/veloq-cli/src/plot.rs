@@ -185,7 +185,7 @@ pub type Panels = Vec<(String, Vec<(String, Vec<(f64, f64)>)>)>;
 
 /// Tokens/s (`y_desc` says which) against context (log x), one line per method, one panel per
 /// (model, batch) or (engine, threads).
-pub fn speed(path: &Path, device: &str, y_desc: &str, panels: &Panels) -> Result<()> {
+pub fn speed(path: &Path, device: &str, x_desc: &str, y_desc: &str, panels: &Panels) -> Result<()> {
     font()?;
     let cols = panels.len().clamp(1, 2);
     let rows = panels.len().div_ceil(cols).max(1);
@@ -205,7 +205,7 @@ pub fn speed(path: &Path, device: &str, y_desc: &str, panels: &Panels) -> Result
             .x_label_area_size(36)
             .y_label_area_size(56)
             .build_cartesian_2d((xmin * 0.8..xmax * 1.25).log_scale(), 0.0..ymax * 1.15)?;
-        chart.configure_mesh().x_desc("context (tokens)").y_desc(y_desc).draw()?;
+        chart.configure_mesh().x_desc(x_desc).y_desc(y_desc).draw()?;
         for (i, (label, line)) in lines.iter().enumerate() {
             let color = COLORS[i % COLORS.len()];
             chart

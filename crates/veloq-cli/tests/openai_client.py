@@ -56,6 +56,13 @@ streamed = "".join(x.choices[0].text for x in client.completions.create(
     model=model, prompt="The capital of France is", max_tokens=5, temperature=0, stream=True) if x.choices)
 check(streamed == c.choices[0].text, f"streamed completion {streamed!r}")
 
+# ignore_eos (llama.cpp's and vLLM's extension) runs past the end of the answer to max_tokens.
+short = [{"role": "user", "content": "Say OK."}]
+ended = client.chat.completions.create(model=model, messages=short, max_tokens=40, temperature=0)
+forced = client.chat.completions.create(model=model, messages=short, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+check(ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens < 40, f"ends by itself: {ended.usage}")
+check(forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 40, f"ignore_eos: {forced.usage}")
+
 # Sampling: the same seed repeats, stop sequences end the text before them.
 kw = dict(model=model, prompt="Once upon a time", max_tokens=24, temperature=0.9, top_p=0.95)
 a, b = (client.completions.create(seed=11, **kw).choices[0].text for _ in range(2))

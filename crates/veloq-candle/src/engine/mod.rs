@@ -72,6 +72,9 @@ pub struct Request {
     pub seed: u64,
     /// The completion ends before the first of these.
     pub stop: Vec<String>,
+    /// Run to `max_tokens` through end-of-sequence tokens (benchmarks: every request the same
+    /// length whatever the model says).
+    pub ignore_eos: bool,
 }
 
 /// What a request's sink receives, in order: `Admitted`, `Text`…, then `Done` or `Failed`.
@@ -490,7 +493,7 @@ impl Worker {
     /// A sequence's next token: its text to the client, and whether it ends here.
     fn take(model: &Model, tok: &Tokenizer, l: &mut Live, next: u32, max_context: usize, held: usize) -> Result<()> {
         l.first.get_or_insert_with(Instant::now);
-        let eos = model.info.eos_tokens.contains(&next);
+        let eos = !l.job.req.ignore_eos && model.info.eos_tokens.contains(&next);
         if !eos {
             l.out.push(next);
             let piece = l.text.push(tok, next)?;

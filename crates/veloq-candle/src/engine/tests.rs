@@ -72,7 +72,7 @@ fn prompts(seed: u64, lens: &[usize]) -> Vec<Vec<u32>> {
 }
 
 fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
-    Request { prompt, max_tokens, temperature: 0.0, top_p: None, seed: 1, stop: Vec::new() }
+    Request { prompt, max_tokens, temperature: 0.0, top_p: None, seed: 1, stop: Vec::new(), ignore_eos: false }
 }
 
 /// Greedy tokens of `prompt` alone, by plain forward passes (the reference), with the top-two

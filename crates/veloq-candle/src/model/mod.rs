@@ -8,7 +8,7 @@ mod tokenizer;
 
 pub use decoder::{Logits, Model};
 pub use synthetic::Geometry;
-pub use tokenizer::{decode, encode, load_tokenizer, ChatTemplate, Role};
+pub use tokenizer::{decode, encode, load_tokenizer, word_tokenizer, ChatTemplate, Role};
 pub use tokenizers::Tokenizer;
 
 use veloq::artifact::ModelIdentity;

@@ -31,6 +31,17 @@ pub fn load_tokenizer(ct: &gguf_file::Content) -> Result<Tokenizer> {
     Ok(tok)
 }
 
+/// A tokenizer for models without a vocabulary (random-weight geometries): token `i` is the word
+/// `w{i}`, words split on whitespace and joined by spaces when decoded.
+pub fn word_tokenizer(vocab: usize) -> Tokenizer {
+    use tokenizers::models::wordlevel::WordLevel;
+    let words = (0..vocab).map(|i| (format!("w{i}"), i as u32)).collect();
+    let model = WordLevel::builder().vocab(words).unk_token("w0".into()).build().expect("a word vocabulary");
+    let mut tok = Tokenizer::new(model);
+    tok.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::whitespace::Whitespace {}));
+    tok
+}
+
 /// Who said a message of a conversation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {

@@ -18,6 +18,8 @@ use veloq::codec::pack::unpack;
 use veloq::codec::vecinfer::{CodecSpec, VecInferCodec};
 use veloq::kernels::cuda::{AttentionScratch, Gpu, GpuAttention, GpuCodec, SplitKernel};
 
+pub(super) use crate::synthetic::{codec, Rng};
+
 use super::write_json;
 
 #[derive(ClapArgs)]
@@ -100,47 +102,6 @@ impl Variant {
             }
         }
     }
-}
-
-/// Gaussian stream (xorshift + Box–Muller): fresh, never zero, outlier channels like real keys.
-pub(super) struct Rng(pub(super) u64);
-impl Rng {
-    pub(super) fn next(&mut self) -> f64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    }
-    pub(super) fn normal(&mut self) -> f32 {
-        ((-2.0 * self.next().ln()).sqrt() * (2.0 * std::f64::consts::PI * self.next()).cos()) as f32
-    }
-    pub(super) fn rows(&mut self, rows: usize, d: usize) -> Vec<f32> {
-        (0..rows * d)
-            .map(|i| {
-                self.normal() * if i % d == 3 || i % d == d / 2 { 8.0 } else { 1.0 }
-                    + if i % d == 5 { 2.0 } else { 0.0 }
-            })
-            .collect()
-    }
-}
-
-pub(super) fn codec(
-    rng: &mut Rng,
-    heads: usize,
-    d: usize,
-    sd: usize,
-    bits: u32,
-    granularity: Granularity,
-    keys: bool,
-) -> Result<VecInferCodec> {
-    let shape = PqShape::new(sd, bits)?;
-    let spec = if keys {
-        CodecSpec { granularity, ..CodecSpec::keys(shape) }
-    } else {
-        CodecSpec { granularity, ..CodecSpec::values(shape) }
-    };
-    let train = rng.rows(((4 << bits) / heads).max(600) * heads, d);
-    Ok(train_codec(&train, heads, d, &spec, &KMeansConfig { max_iter: 8, ..KMeansConfig::new(1 << bits, rng.0) })?.0)
 }
 
 fn f16_bits(x: &[f32]) -> Vec<u16> {

@@ -20,9 +20,9 @@ use veloq_candle::model::{Geometry, Model};
 use veloq_candle::prefill::prefill;
 
 use super::cuda::Rng;
-use super::runner::synthetic_calibration;
 use super::write_json;
 use crate::generate::human;
+use crate::synthetic::synthetic_calibration;
 
 #[derive(ClapArgs)]
 pub struct Args {

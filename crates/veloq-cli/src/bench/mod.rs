@@ -12,6 +12,7 @@ pub mod prefill;
 #[cfg(feature = "cuda")]
 pub mod runner;
 pub mod search;
+pub mod serve;
 pub mod smooth;
 
 #[derive(Subcommand)]
@@ -23,6 +24,9 @@ pub enum BenchCommand {
     /// Long prompts on the CPU: chunked prefill and decode after it, fp16 and VecInfer next to
     /// llama.cpp's llama-bench, at several thread counts, with the memory the prefill adds.
     Prefill(prefill::Args),
+    /// Serving under load: veloq serve with each cache (and llama-server with f16 / q4_0 KV) at the
+    /// same KV budget; 4k-context capacity, aggregate tok/s, TTFT and ITL at several concurrencies.
+    Serve(serve::Args),
     /// Key smoothing rules compared on real activations (KL and top-1 vs fp16).
     Smooth(smooth::Args),
     /// CUDA kernels: correctness against the CPU path, then timings (build with --features cuda).
@@ -44,6 +48,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Decode(a) => decode::run(a),
         BenchCommand::Prefill(a) => prefill::run(a),
         BenchCommand::Smooth(a) => smooth::run(a),
+        BenchCommand::Serve(a) => serve::run(a),
         #[cfg(feature = "cuda")]
         BenchCommand::Cuda(a) => cuda::run(a),
         #[cfg(feature = "cuda")]

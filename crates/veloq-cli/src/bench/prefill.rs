@@ -194,7 +194,7 @@ pub fn run(a: Args) -> Result<()> {
             }
             panels.push((format!("prefill, {t} thread{}", if t == 1 { "" } else { "s" }), lines));
         }
-        crate::plot::speed(path, "CPU", "prefill tokens/s", &panels)?;
+        crate::plot::speed(path, "CPU", "context (tokens)", "prefill tokens/s", &panels)?;
     }
     write_json(&a.json, &json!({"bench": "prefill", "chunk": a.chunk, "decode_steps": a.decode_steps, "rows": rows}))
 }

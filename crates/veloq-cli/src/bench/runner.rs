@@ -26,9 +26,10 @@ use veloq_candle::config::CacheConfig;
 use veloq_candle::generate::prompt_ids;
 use veloq_candle::model::{Geometry, Logits, Model};
 
-use super::cuda::{codec, Rng};
+use super::cuda::Rng;
 use super::write_json;
 use crate::generate::{human, ModelFiles};
+use crate::synthetic::synthetic_calibration;
 
 #[derive(ClapArgs)]
 pub struct Args {
@@ -87,7 +88,13 @@ fn figure(runs: &[Value]) -> crate::plot::Panels {
 
 fn plot(path: &std::path::Path, json: &Value) -> Result<()> {
     let runs = json["runs"].as_array().cloned().unwrap_or_default();
-    crate::plot::speed(path, json["device"].as_str().unwrap_or("GPU"), "decode tokens/s", &figure(&runs))?;
+    crate::plot::speed(
+        path,
+        json["device"].as_str().unwrap_or("GPU"),
+        "context (tokens)",
+        "decode tokens/s",
+        &figure(&runs),
+    )?;
     eprintln!("wrote {}", path.display());
     Ok(())
 }
@@ -337,25 +344,6 @@ fn longest_context(model: &Model, cfg: &CacheConfig, budget: usize, gpu: &Gpu) -
 /// Whether an allocation failed or took more than `budget` bytes.
 fn over(bytes: Option<usize>, budget: usize) -> bool {
     bytes.is_none_or(|b| b > budget)
-}
-
-/// Random 2-bit VecInfer codebooks (sub_dim 4, 256 centroids, like the real calibration) for
-/// every layer of a synthetic model.
-pub(super) fn synthetic_calibration(model: &Model, rng: &mut Rng) -> Result<Calibration> {
-    let id = model.info.identity.clone();
-    let keys = codec(rng, id.n_kv_heads, id.head_dim, 4, 8, Granularity::PerLayer, true)?;
-    let values = codec(rng, id.n_kv_heads, id.head_dim, 4, 8, Granularity::PerLayer, false)?;
-    let layer = || LayerCodecs { keys: keys.clone(), values: values.clone() };
-    let shape = PqShape::new(4, 8)?;
-    Ok(Calibration {
-        keys: CodecSpec::keys(shape),
-        values: CodecSpec::values(shape),
-        seed: rng.0,
-        calibration_tokens: 0,
-        text: TextFingerprint::default(),
-        layers: (0..id.n_layers).map(|_| layer()).collect(),
-        model: id,
-    })
 }
 
 pub fn run(a: Args) -> Result<()> {

@@ -69,6 +69,9 @@ pub struct Sampling {
     pub presence_penalty: Option<f64>,
     pub frequency_penalty: Option<f64>,
     pub logprobs: Option<Value>,
+    /// An extension llama.cpp's server and vLLM share: generate through end-of-sequence tokens.
+    #[serde(default)]
+    pub ignore_eos: bool,
 }
 
 /// A message's content: a string, or parts of which only text is understood.
@@ -228,7 +231,7 @@ impl Sampling {
             Some(Stop::Many(v)) => v.clone(),
         };
         let seed = self.seed.unwrap_or_else(fresh_seed);
-        Ok(Request { prompt, max_tokens, temperature, top_p: self.top_p, seed, stop })
+        Ok(Request { prompt, max_tokens, temperature, top_p: self.top_p, seed, stop, ignore_eos: self.ignore_eos })
     }
 
     /// Whether the client asked for a usage chunk at the end of a stream.
