@@ -130,7 +130,7 @@ impl Running {
         let mib: f64 = log
             .iter()
             .filter(|l| l.contains("KV buffer size"))
-            .filter_map(|l| l.split('=').nth(1)?.trim().split_whitespace().next()?.parse::<f64>().ok())
+            .filter_map(|l| l.split('=').nth(1)?.split_whitespace().next()?.parse::<f64>().ok())
             .sum();
         (mib > 0.0).then_some((mib * 1048576.0) as u64)
     }
