@@ -595,7 +595,12 @@ impl Worker {
         s.peak_running = s.peak_running.max(s.running);
         s.kv_reserved_bytes = self.adm.reserved();
         s.kv_resident_bytes = resident;
-        s.kv_sequence_bytes = resident.saturating_sub(self.empty_bytes);
+        // Storage that grows with its sequences is measured; storage reserved per slot is in use
+        // for every slot that holds a sequence.
+        s.kv_sequence_bytes = match self.info.sequence_bytes(0) {
+            0 => resident.saturating_sub(self.empty_bytes),
+            slot => slot * self.live.len(),
+        };
     }
 }
 

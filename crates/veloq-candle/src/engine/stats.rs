@@ -31,7 +31,8 @@ pub struct Stats {
     pub steps: u64,
     /// Bytes the admitted sequences reserved (their worst cases).
     pub kv_reserved_bytes: usize,
-    /// Bytes the sequences' storage holds now, measured from the caches.
+    /// Bytes the sequences' storage holds now: measured from the caches where storage grows with
+    /// the sequences (the CPU), the running slots' reservations where it is reserved (GPUs).
     pub kv_sequence_bytes: usize,
     /// Bytes the caches hold now, shared tables included, measured.
     pub kv_resident_bytes: usize,

@@ -107,6 +107,9 @@ struct Running {
     addr: SocketAddr,
     llama: bool,
     log: Arc<Mutex<Vec<String>>>,
+    /// llama-server: the KV bytes its context takes (its own log prints the same: `llama_kv_cache:
+    /// size = 25.31 MiB` for 4,096 q4_0 positions of SmolLM2 = 4,096 × 6,480 B).
+    llama_kv_bytes: Option<u64>,
 }
 
 impl Drop for Running {
@@ -122,17 +125,6 @@ impl Running {
         let s = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).ok()?;
         let kib: u64 = s.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()?;
         Some(kib * 1024)
-    }
-
-    /// KV bytes llama-server says it allocated (its `KV buffer size` lines).
-    fn llama_kv_bytes(&self) -> Option<u64> {
-        let log = self.log.lock().ok()?;
-        let mib: f64 = log
-            .iter()
-            .filter(|l| l.contains("KV buffer size"))
-            .filter_map(|l| l.split('=').nth(1)?.split_whitespace().next()?.parse::<f64>().ok())
-            .sum();
-        (mib > 0.0).then_some((mib * 1048576.0) as u64)
     }
 }
 
@@ -157,6 +149,7 @@ fn start(a: &Args, s: &Server, elements_per_position: usize, parallel: usize) ->
     let port = free_port()?;
     let max_context = a.max_context.unwrap_or(a.capacity_context);
     let model = a.files.model();
+    let mut llama_kv_bytes = None;
     let mut cmd = match s {
         Server::Veloq { method, calibration, .. } => {
             let mut c = Command::new(std::env::current_exe()?);
@@ -179,6 +172,7 @@ fn start(a: &Args, s: &Server, elements_per_position: usize, parallel: usize) ->
             // veloq's admission guarantees each request's worst case.
             let per_position = elements_per_position as f64 * llama_bytes_per_element(kv)?;
             let slots = ((a.kv_budget as f64 / per_position) as usize / max_context).max(1);
+            llama_kv_bytes = Some((slots * max_context) as u64 * per_position as u64);
             let mut c = Command::new(bin);
             c.arg("-m")
                 .arg(&model)
@@ -198,7 +192,7 @@ fn start(a: &Args, s: &Server, elements_per_position: usize, parallel: usize) ->
         }
     });
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
-    let r = Running { child, addr, llama: matches!(s, Server::Llama { .. }), log };
+    let r = Running { child, addr, llama: matches!(s, Server::Llama { .. }), log, llama_kv_bytes };
     let t = Instant::now();
     loop {
         if let Ok((200, _)) = get(addr, "/health") {
@@ -508,7 +502,7 @@ pub fn run(a: Args) -> Result<()> {
         let (traces, secs) = load(r.addr, bodies, a.capacity_requests, Some(4));
         let (peak, _) = poll.finish();
         let errors = traces.iter().filter(|t| t.error.is_some()).count();
-        let kv_bytes = r.llama_kv_bytes();
+        let kv_bytes = r.llama_kv_bytes;
         println!(
             "{:<34} capacity: {:.0} concurrent {}-context sequences (of {} sent at once; {errors} errors; {secs:.1} s){}",
             s.label(),

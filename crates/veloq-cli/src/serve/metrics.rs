@@ -52,7 +52,7 @@ pub fn render(info: &EngineInfo, s: &Stats) -> String {
     metric(
         "kv_in_use_bytes",
         "gauge",
-        "KV bytes the sequences' storage holds now, measured from the caches.",
+        "KV bytes the sequences' storage holds now (measured from the caches on the CPU; the running slots' reservations on GPUs).",
         &[("", s.kv_sequence_bytes as f64)],
     );
     metric(
