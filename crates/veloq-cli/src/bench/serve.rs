@@ -63,6 +63,9 @@ pub struct Args {
     /// Requests of the capacity load, sent at once.
     #[arg(long, default_value_t = 48)]
     capacity_requests: usize,
+    /// Only the capacity load (no throughput levels).
+    #[arg(long)]
+    capacity_only: bool,
     /// llama.cpp's llama-server (scripts/llama-cpp builds it beside llama-bench).
     #[arg(long)]
     llama_server: Option<PathBuf>,
@@ -518,6 +521,9 @@ pub fn run(a: Args) -> Result<()> {
                          "requests": a.capacity_requests, "peak_concurrent": peak, "errors": errors,
                          "seconds": secs, "llama_kv_bytes": kv_bytes}));
         drop(r);
+        if a.capacity_only {
+            continue;
+        }
 
         // Throughput at each concurrency, one fresh process for all levels.
         let top = a.concurrency.iter().copied().max().unwrap_or(1);
