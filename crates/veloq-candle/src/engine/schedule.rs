@@ -90,22 +90,32 @@ pub struct Progress {
 }
 
 /// One forward pass over `seqs` (in admission order): each decoding sequence takes one token and
-/// prompts share the rest of `step_tokens`, oldest first, in chunks. Decoding streams never wait
-/// for a long prompt, and a prompt always advances by at least `min_prefill` tokens (or what it
-/// has left) however many sequences decode.
+/// prompts share the rest of `step_tokens` in chunks. Decoding streams never wait for a prompt,
+/// and prompts share fairly (water-filling: equal shares, a short prompt's unused share going to
+/// the others), so one long prompt does not hold back the first token of the short ones behind
+/// it. The prompts get at least `min_prefill` tokens in all however many sequences decode.
 pub fn plan(seqs: &[Progress], step_tokens: usize, min_prefill: usize) -> Vec<SeqStep> {
-    let decoding: Vec<SeqStep> =
+    let mut out: Vec<SeqStep> =
         seqs.iter().filter(|s| s.prompt_left == 0).map(|s| SeqStep { slot: s.slot, start: s.held, len: 1 }).collect();
-    let mut left = step_tokens.saturating_sub(decoding.len()).max(min_prefill);
-    let mut out = decoding;
-    for s in seqs.iter().filter(|s| s.prompt_left > 0) {
-        if left == 0 {
-            break;
-        }
-        let len = s.prompt_left.min(left);
-        out.push(SeqStep { slot: s.slot, start: s.held, len });
-        left -= len;
+    let prompts: Vec<&Progress> = seqs.iter().filter(|s| s.prompt_left > 0).collect();
+    let mut left = step_tokens.saturating_sub(out.len()).max(min_prefill);
+    let mut take = vec![0usize; prompts.len()];
+    let mut order: Vec<usize> = (0..prompts.len()).collect();
+    // Smallest first; among equals the youngest first, so integer shares favour the oldest.
+    order.sort_by_key(|&i| (prompts[i].prompt_left, std::cmp::Reverse(i)));
+    for (k, &i) in order.iter().enumerate() {
+        take[i] = prompts[i].prompt_left.min(left / (prompts.len() - k));
+        left -= take[i];
     }
+    // Integer shares leave a few tokens over: the oldest prompts take them.
+    for (i, p) in prompts.iter().enumerate() {
+        let more = (p.prompt_left - take[i]).min(left);
+        take[i] += more;
+        left -= more;
+    }
+    out.extend(
+        prompts.iter().zip(&take).filter(|(_, &n)| n > 0).map(|(p, &len)| SeqStep { slot: p.slot, start: p.held, len }),
+    );
     out
 }
 
@@ -144,22 +154,40 @@ mod tests {
         let p = |slot, held, prompt_left| Progress { slot, held, prompt_left };
         let seqs = [p(3, 0, 1000), p(0, 40, 0), p(1, 0, 30), p(2, 7, 0)];
         let step = plan(&seqs, 512, 16);
+        // Two decodes, then the prompts in admission order: the short one whole, the long one the rest.
         assert_eq!(
             step,
             vec![
                 SeqStep { slot: 0, start: 40, len: 1 },
                 SeqStep { slot: 2, start: 7, len: 1 },
-                SeqStep { slot: 3, start: 0, len: 510 },
+                SeqStep { slot: 3, start: 0, len: 480 },
+                SeqStep { slot: 1, start: 0, len: 30 },
             ]
         );
-        // A short prompt behind a long one waits for the next step; one that fits comes along.
-        let step = plan(&[p(1, 0, 30), p(3, 510, 490), p(4, 0, 5)], 512, 16);
-        assert_eq!(step.iter().map(|s| s.len).collect::<Vec<_>>(), vec![30, 482]);
-        // Many decoders still leave the oldest prompt its minimum.
+        // Equal shares (within a token) when every prompt is long.
+        let step = plan(&[p(1, 0, 900), p(3, 510, 490), p(4, 0, 800)], 512, 16);
+        assert_eq!(step.iter().map(|s| s.len).collect::<Vec<_>>(), vec![171, 170, 171]);
+        // A short prompt's unused share goes to the others.
+        let step = plan(&[p(1, 0, 900), p(4, 0, 12), p(5, 0, 700)], 512, 16);
+        assert_eq!(step.iter().map(|s| s.len).collect::<Vec<_>>(), vec![250, 12, 250]);
+        // Many decoders still leave the prompts their minimum.
         let many: Vec<Progress> = (0..600).map(|i| p(i, 9, 0)).chain([p(600, 0, 100)]).collect();
         let step = plan(&many, 512, 16);
         assert_eq!(step.len(), 601);
         assert_eq!(step.last(), Some(&SeqStep { slot: 600, start: 0, len: 16 }));
+        // Fewer tokens than prompts: the oldest get one each.
+        let crowd: Vec<Progress> = (0..20).map(|i| p(i, 0, 50)).collect();
+        let step = plan(&crowd, 16, 16);
+        assert_eq!(step.iter().map(|s| s.len).sum::<usize>(), 16);
+        assert!(step.iter().all(|s| s.len == 1 && s.slot < 16));
         assert!(plan(&[], 512, 16).is_empty());
+        // Every token of the step is accounted for, and no prompt gets more than it has.
+        for (budget, lens) in [(512, vec![3, 7, 1000, 2]), (100, vec![40, 40, 40]), (64, vec![1])] {
+            let seqs: Vec<Progress> = lens.iter().enumerate().map(|(i, &n)| p(i, 0, n)).collect();
+            let step = plan(&seqs, budget, 16);
+            let total: usize = step.iter().map(|s| s.len).sum();
+            assert_eq!(total, budget.min(lens.iter().sum()));
+            assert!(step.iter().all(|s| s.len <= lens[s.slot]));
+        }
     }
 }

@@ -69,6 +69,9 @@ pub struct Args {
     /// llama.cpp's llama-server (scripts/llama-cpp builds it beside llama-bench).
     #[arg(long)]
     llama_server: Option<PathBuf>,
+    /// Redraw the figure (--plot) from an earlier run's JSON; runs nothing.
+    #[arg(long)]
+    replot: Option<PathBuf>,
     /// llama-server KV types.
     #[arg(long, value_delimiter = ',', default_value = "f16,q4_0")]
     llama_kv: Vec<String>,
@@ -412,6 +415,10 @@ fn body(server: &Server, prompt: &[u32], max_tokens: usize) -> Value {
 }
 
 pub fn run(a: Args) -> Result<()> {
+    if let Some(src) = &a.replot {
+        let run: Value = serde_json::from_str(&std::fs::read_to_string(src).with_context(|| src.display().to_string())?)?;
+        return plot(a.plot.as_deref().context("--replot needs --plot")?, &run);
+    }
     // Prompts as token ids, each request from its own place in Emma (a synthetic model: random
     // ids), so every server sees the same tokens.
     let model_path = a.files.model();
@@ -459,15 +466,28 @@ pub fn run(a: Args) -> Result<()> {
         p
     };
 
+    // A calibration's label: its key and value rates (and the file, for the record).
+    let vq_label = |cal: &PathBuf| -> String {
+        match veloq::artifact::Calibration::load(cal) {
+            Ok(c) => {
+                let bits = |s: &veloq::codec::codebook::PqShape| s.bits as f64 / s.sub_dim as f64;
+                format!("VecInfer K{}b V{}b", bits(&c.keys.shape), bits(&c.values.shape))
+            }
+            Err(_) => format!("VecInfer ({})", cal.display()),
+        }
+    };
+    let synthetic = model_path.to_str().is_some_and(|p| p.starts_with("synthetic:"));
     let mut servers = Vec::new();
     for m in &a.methods {
         match m.as_str() {
             "fp16" => servers.push(Server::Veloq { label: "fp16".into(), method: "fp16".into(), calibration: None }),
+            "vecinfer" if synthetic => servers.push(Server::Veloq {
+                label: "VecInfer K2b V2b (random codebooks)".into(),
+                method: "vecinfer".into(),
+                calibration: None,
+            }),
             "vecinfer" => servers.push(Server::Veloq {
-                label: format!(
-                    "VecInfer ({})",
-                    a.files.calibration().file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
-                ),
+                label: vq_label(&a.files.calibration()),
                 method: "vecinfer".into(),
                 calibration: Some(a.files.calibration()),
             }),
@@ -475,12 +495,7 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     for cal in &a.also {
-        let stem = cal.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-        servers.push(Server::Veloq {
-            label: format!("VecInfer ({stem})"),
-            method: "vecinfer".into(),
-            calibration: Some(cal.clone()),
-        });
+        servers.push(Server::Veloq { label: vq_label(cal), method: "vecinfer".into(), calibration: Some(cal.clone()) });
     }
     if a.llama_server.is_some() {
         servers.extend(a.llama_kv.iter().map(|kv| Server::Llama { kv: kv.clone() }));
@@ -588,33 +603,45 @@ pub fn run(a: Args) -> Result<()> {
             }
         }
     }
+    let out = json!({"bench": "serve", "model": model_path, "device": a.device, "kv_budget_bytes": a.kv_budget,
+                     "threads": a.threads, "prompts": a.prompts, "max_tokens": a.max_tokens, "rows": rows});
     if let Some(path) = &a.plot {
-        let mut lines: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
-        let mut ttft: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
-        for s in &servers {
-            let pts = |k: &str, scale: f64| -> Vec<(f64, f64)> {
-                rows.iter()
-                    .filter(|r| r["load"] == "throughput" && r["server"] == s.label().as_str())
-                    .filter_map(|r| Some((r["concurrency"].as_f64()?, r[k].as_f64()? * scale)))
-                    .collect()
-            };
-            lines.push((s.label(), pts("gen_tok_s", 1.0)));
-            ttft.push((s.label(), pts("ttft_p50_s", 1.0)));
-        }
-        let panels =
-            vec![("aggregate generated tok/s".to_string(), lines), ("time to first token p50 (s)".to_string(), ttft)];
-        let device = if a.device == "cpu" { "CPU".to_string() } else { a.device.to_uppercase() };
-        crate::plot::speed(
-            path,
-            &format!("{device}, KV budget {}", human(a.kv_budget)),
-            "concurrent clients",
-            "",
-            &panels,
-        )?;
+        plot(path, &out)?;
     }
-    write_json(
-        &a.json,
-        &json!({"bench": "serve", "model": model_path, "device": a.device, "kv_budget_bytes": a.kv_budget, "threads": a.threads, "prompts": a.prompts,
-                "max_tokens": a.max_tokens, "rows": rows}),
-    )
+    write_json(&a.json, &out)
+}
+
+/// Aggregate tok/s and TTFT p50 against concurrency, a line per server, from a run's JSON.
+fn plot(path: &std::path::Path, run: &Value) -> Result<()> {
+    let rows = run["rows"].as_array().context("a bench serve JSON has rows")?;
+    let mut labels: Vec<&str> = Vec::new();
+    for r in rows.iter().filter(|r| r["load"] == "throughput") {
+        let l = r["server"].as_str().unwrap_or("");
+        if !labels.contains(&l) {
+            labels.push(l);
+        }
+    }
+    let series = |k: &str| -> Vec<(String, Vec<(f64, f64)>)> {
+        labels
+            .iter()
+            .map(|&l| {
+                let pts = rows
+                    .iter()
+                    .filter(|r| r["load"] == "throughput" && r["server"] == l)
+                    .filter_map(|r| Some((r["concurrency"].as_f64()?, r[k].as_f64()?)))
+                    .collect();
+                (l.to_string(), pts)
+            })
+            .collect()
+    };
+    let panels = vec![
+        ("aggregate generated tok/s".to_string(), series("gen_tok_s")),
+        ("time to first token p50 (s)".to_string(), series("ttft_p50_s")),
+    ];
+    let device = match run["device"].as_str().unwrap_or("cpu") {
+        "cpu" => "CPU".to_string(),
+        d => d.to_uppercase(),
+    };
+    let budget = human(run["kv_budget_bytes"].as_u64().unwrap_or(0) as usize);
+    crate::plot::speed(path, &format!("{device}, KV budget {budget}"), "concurrent clients", "", &panels)
 }
