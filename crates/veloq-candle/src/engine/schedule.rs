@@ -90,29 +90,29 @@ pub struct Progress {
 }
 
 /// One forward pass over `seqs` (in admission order): each decoding sequence takes one token and
-/// prompts share the rest of `step_tokens` in chunks. Decoding streams never wait for a prompt,
-/// and prompts share fairly (water-filling: equal shares, a short prompt's unused share going to
-/// the others), so one long prompt does not hold back the first token of the short ones behind
-/// it. The prompts get at least `min_prefill` tokens in all however many sequences decode.
+/// prompts share the rest of `step_tokens` in chunks. Decoding streams never wait for a prompt.
+/// The oldest prompt always advances by a quarter of the step (so none starves), the rest goes to
+/// the prompts with the fewest tokens left (so a long prompt does not hold back the first token
+/// of the short ones behind it, and a step carries few prompts: a device launches per sequence),
+/// then back to the oldest. The prompts get at least `min_prefill` tokens in all however many
+/// sequences decode.
 pub fn plan(seqs: &[Progress], step_tokens: usize, min_prefill: usize) -> Vec<SeqStep> {
     let mut out: Vec<SeqStep> =
         seqs.iter().filter(|s| s.prompt_left == 0).map(|s| SeqStep { slot: s.slot, start: s.held, len: 1 }).collect();
     let prompts: Vec<&Progress> = seqs.iter().filter(|s| s.prompt_left > 0).collect();
+    let Some(oldest) = prompts.first() else { return out };
     let mut left = step_tokens.saturating_sub(out.len()).max(min_prefill);
     let mut take = vec![0usize; prompts.len()];
-    let mut order: Vec<usize> = (0..prompts.len()).collect();
-    // Smallest first; among equals the youngest first, so integer shares favour the oldest.
-    order.sort_by_key(|&i| (prompts[i].prompt_left, std::cmp::Reverse(i)));
-    for (k, &i) in order.iter().enumerate() {
-        take[i] = prompts[i].prompt_left.min(left / (prompts.len() - k));
+    take[0] = oldest.prompt_left.min((left / 4).max(min_prefill)).min(left);
+    left -= take[0];
+    let mut order: Vec<usize> = (1..prompts.len()).collect();
+    order.sort_by_key(|&i| prompts[i].prompt_left);
+    for i in order {
+        take[i] = prompts[i].prompt_left.min(left);
         left -= take[i];
     }
-    // Integer shares leave a few tokens over: the oldest prompts take them.
-    for (i, p) in prompts.iter().enumerate() {
-        let more = (p.prompt_left - take[i]).min(left);
-        take[i] += more;
-        left -= more;
-    }
+    let more = (oldest.prompt_left - take[0]).min(left);
+    take[0] += more;
     out.extend(
         prompts.iter().zip(&take).filter(|(_, &n)| n > 0).map(|(p, &len)| SeqStep { slot: p.slot, start: p.held, len }),
     );
@@ -164,22 +164,22 @@ mod tests {
                 SeqStep { slot: 1, start: 0, len: 30 },
             ]
         );
-        // Equal shares (within a token) when every prompt is long.
+        // The oldest takes a quarter, the shortest the rest; the next step finishes it.
         let step = plan(&[p(1, 0, 900), p(3, 510, 490), p(4, 0, 800)], 512, 16);
-        assert_eq!(step.iter().map(|s| s.len).collect::<Vec<_>>(), vec![171, 170, 171]);
-        // A short prompt's unused share goes to the others.
-        let step = plan(&[p(1, 0, 900), p(4, 0, 12), p(5, 0, 700)], 512, 16);
-        assert_eq!(step.iter().map(|s| s.len).collect::<Vec<_>>(), vec![250, 12, 250]);
+        assert_eq!(step, vec![SeqStep { slot: 1, start: 0, len: 128 }, SeqStep { slot: 3, start: 510, len: 384 }]);
+        let step = plan(&[p(1, 128, 772), p(3, 894, 106), p(4, 0, 800)], 512, 16);
+        assert_eq!(step.iter().map(|s| (s.slot, s.len)).collect::<Vec<_>>(), vec![(1, 128), (3, 106), (4, 278)]);
+        // Short prompts behind a long one all start at once when they fit.
+        let step = plan(&[p(1, 0, 4000), p(4, 0, 12), p(5, 0, 200), p(6, 0, 90)], 512, 16);
+        assert_eq!(step.iter().map(|s| (s.slot, s.len)).collect::<Vec<_>>(), vec![(1, 210), (4, 12), (5, 200), (6, 90)]);
         // Many decoders still leave the prompts their minimum.
         let many: Vec<Progress> = (0..600).map(|i| p(i, 9, 0)).chain([p(600, 0, 100)]).collect();
         let step = plan(&many, 512, 16);
         assert_eq!(step.len(), 601);
         assert_eq!(step.last(), Some(&SeqStep { slot: 600, start: 0, len: 16 }));
-        // Fewer tokens than prompts: the oldest get one each.
+        // Fewer tokens than a quarter of a step's minimum: all to the oldest.
         let crowd: Vec<Progress> = (0..20).map(|i| p(i, 0, 50)).collect();
-        let step = plan(&crowd, 16, 16);
-        assert_eq!(step.iter().map(|s| s.len).sum::<usize>(), 16);
-        assert!(step.iter().all(|s| s.len == 1 && s.slot < 16));
+        assert_eq!(plan(&crowd, 16, 16), vec![SeqStep { slot: 0, start: 0, len: 16 }]);
         assert!(plan(&[], 512, 16).is_empty());
         // Every token of the step is accounted for, and no prompt gets more than it has.
         for (budget, lens) in [(512, vec![3, 7, 1000, 2]), (100, vec![40, 40, 40]), (64, vec![1])] {
