@@ -113,9 +113,11 @@ pub fn plan(seqs: &[Progress], step_tokens: usize, min_prefill: usize) -> Vec<Se
     }
     let more = (oldest.prompt_left - take[0]).min(left);
     take[0] += more;
-    out.extend(
-        prompts.iter().zip(&take).filter(|(_, &n)| n > 0).map(|(p, &len)| SeqStep { slot: p.slot, start: p.held, len }),
-    );
+    out.extend(prompts.iter().zip(&take).filter(|(_, &n)| n > 0).map(|(p, &len)| SeqStep {
+        slot: p.slot,
+        start: p.held,
+        len,
+    }));
     out
 }
 
@@ -171,7 +173,10 @@ mod tests {
         assert_eq!(step.iter().map(|s| (s.slot, s.len)).collect::<Vec<_>>(), vec![(1, 128), (3, 106), (4, 278)]);
         // Short prompts behind a long one all start at once when they fit.
         let step = plan(&[p(1, 0, 4000), p(4, 0, 12), p(5, 0, 200), p(6, 0, 90)], 512, 16);
-        assert_eq!(step.iter().map(|s| (s.slot, s.len)).collect::<Vec<_>>(), vec![(1, 210), (4, 12), (5, 200), (6, 90)]);
+        assert_eq!(
+            step.iter().map(|s| (s.slot, s.len)).collect::<Vec<_>>(),
+            vec![(1, 210), (4, 12), (5, 200), (6, 90)]
+        );
         // Many decoders still leave the prompts their minimum.
         let many: Vec<Progress> = (0..600).map(|i| p(i, 9, 0)).chain([p(600, 0, 100)]).collect();
         let step = plan(&many, 512, 16);

@@ -12,10 +12,9 @@ use half::f16;
 use serde_json::json;
 
 use cudarc::driver::{CudaFunction, CudaSlice};
-use veloq::calibrate::{train_codec, KMeansConfig};
-use veloq::codec::codebook::{Granularity, PqShape};
+use veloq::codec::codebook::Granularity;
 use veloq::codec::pack::unpack;
-use veloq::codec::vecinfer::{CodecSpec, VecInferCodec};
+use veloq::codec::vecinfer::VecInferCodec;
 use veloq::kernels::cuda::{AttentionScratch, Gpu, GpuAttention, GpuCodec, SplitKernel};
 
 pub(super) use crate::synthetic::{codec, Rng};

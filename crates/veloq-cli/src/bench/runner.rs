@@ -16,10 +16,7 @@ use candle_core::{DType, Device, Tensor, D};
 use clap::Args as ClapArgs;
 use serde_json::{json, Value};
 
-use veloq::artifact::{Calibration, LayerCodecs};
-use veloq::calibrate::TextFingerprint;
-use veloq::codec::codebook::{Granularity, PqShape};
-use veloq::codec::vecinfer::CodecSpec;
+use veloq::artifact::Calibration;
 use veloq::kernels::cuda::Gpu;
 use veloq_candle::cache::{CudaRuntime, ModelCache, SeqStep, Step};
 use veloq_candle::config::CacheConfig;

@@ -416,7 +416,8 @@ fn body(server: &Server, prompt: &[u32], max_tokens: usize) -> Value {
 
 pub fn run(a: Args) -> Result<()> {
     if let Some(src) = &a.replot {
-        let run: Value = serde_json::from_str(&std::fs::read_to_string(src).with_context(|| src.display().to_string())?)?;
+        let run: Value =
+            serde_json::from_str(&std::fs::read_to_string(src).with_context(|| src.display().to_string())?)?;
         return plot(a.plot.as_deref().context("--replot needs --plot")?, &run);
     }
     // Prompts as token ids, each request from its own place in Emma (a synthetic model: random
