@@ -185,6 +185,7 @@ fn bad_input_is_refused_and_the_server_stays_up() {
         ("POST", "/v1/chat/completions", chat(json!({"n": 3})), 400, "n must be 1"),
         ("POST", "/v1/chat/completions", chat(json!({"model": "gpt-9"})), 404, "model_not_found"),
         ("POST", "/v1/chat/completions", chat(json!({"max_tokens": 100000})), 400, "context_length_exceeded"),
+        ("POST", "/v1/chat/completions", chat(json!({"max_tokens": u64::MAX})), 400, "context_length_exceeded"),
         ("POST", "/v1/chat/completions", chat(json!({"messages": []})), 400, "at least one message"),
         ("POST", "/v1/chat/completions", chat(json!({"messages": [{"role": "tool", "content": "x"}]})), 400, "tool"),
         ("POST", "/v1/completions", completion(json!([1, 99999999]), 4).to_string(), 400, "vocabulary"),
@@ -205,7 +206,7 @@ fn bad_input_is_refused_and_the_server_stays_up() {
         }
         server.healthy();
     }
-    assert_eq!(server.metric("veloq_requests_total{outcome=\"rejected\"}"), 2.0, "the two over the context");
+    assert_eq!(server.metric("veloq_requests_total{outcome=\"rejected\"}"), 3.0, "the three over the context");
 
     // Thousands of idle connections, and one that stalls half-way through its headers: the
     // server keeps answering, and closes the stalled one after the header timeout.

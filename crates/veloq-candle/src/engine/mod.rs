@@ -122,7 +122,7 @@ pub enum Rejected {
     /// Prompt and completion do not fit the context.
     #[error(
         "this model's maximum context length is {max} tokens, but {} were requested ({prompt} in the prompt, {max_tokens} for the completion)",
-        prompt + max_tokens
+        prompt.saturating_add(*max_tokens)
     )]
     Context {
         /// Prompt tokens.
@@ -289,7 +289,7 @@ impl Engine {
         if let Err(e) = check_sampling(req.temperature, req.top_p) {
             return refuse(Rejected::Invalid(e.to_string()));
         }
-        let positions = req.prompt.len() + req.max_tokens;
+        let positions = req.prompt.len().saturating_add(req.max_tokens);
         if positions > self.info.max_context {
             let (prompt, max_tokens, max) = (req.prompt.len(), req.max_tokens, self.info.max_context);
             return refuse(Rejected::Context { prompt, max_tokens, max });

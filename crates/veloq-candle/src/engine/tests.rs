@@ -93,6 +93,12 @@ fn alone(model: &Model, prompt: &[u32], n: usize) -> Vec<(u32, f32)> {
     out
 }
 
+/// An engine with the default settings and fp16 caches over a tiny model of `seed`.
+fn fp16_engine(seed: u64) -> Engine {
+    let model = Arc::new(tiny_model_seeded(VOCAB, CONTEXT, seed));
+    Engine::start(model, Arc::new(word_tokenizer(VOCAB)), CacheConfig::fp16(), EngineConfig::default()).unwrap()
+}
+
 fn text_of(events: &[Event]) -> String {
     events.iter().filter_map(|e| if let Event::Text(t) = e { Some(t.as_str()) } else { None }).collect()
 }
@@ -169,14 +175,7 @@ fn admission_keeps_to_the_budget_and_frees_what_finishes() {
 #[test]
 fn a_client_that_leaves_frees_its_sequence() {
     let seed = fresh_seed();
-    let tok = Arc::new(word_tokenizer(VOCAB));
-    let engine = Engine::start(
-        Arc::new(tiny_model_seeded(VOCAB, CONTEXT, seed)),
-        tok,
-        CacheConfig::fp16(),
-        EngineConfig::default(),
-    )
-    .unwrap();
+    let engine = fp16_engine(seed);
     let ps = prompts(seed, &[20, 30]);
     let (leaver, rx_leaver) = sink(3);
     engine.submit(greedy(ps[0].clone(), 200), leaver).unwrap();
@@ -204,11 +203,12 @@ fn bad_requests_are_refused_before_they_queue() {
     assert!(matches!(e, Rejected::Context { prompt: 1000, max_tokens: 100, max: 1024 }), "{e}");
     assert!(e.to_string().contains("maximum context length is 1024 tokens"), "{e}");
     assert!(matches!(submit(greedy(vec![1; 200], 150)), Rejected::Budget { .. }));
+    assert!(matches!(submit(greedy(vec![1; 4], usize::MAX)), Rejected::Context { .. }), "no overflow");
     assert!(matches!(submit(greedy(Vec::new(), 4)), Rejected::Invalid(_)));
     assert!(matches!(submit(greedy(vec![1; 4], 0)), Rejected::Invalid(_)));
     let e = submit(Request { top_p: Some(7.0), temperature: 0.5, ..greedy(vec![1; 4], 4) });
     assert!(e.to_string().contains("top_p"), "{e}");
-    assert_eq!(engine.stats().rejected, 5);
+    assert_eq!(engine.stats().rejected, 6);
     // The engine still serves.
     let (s, rx) = sink(usize::MAX);
     engine.submit(greedy(vec![1, 2, 3], 4), s).unwrap();
@@ -218,14 +218,7 @@ fn bad_requests_are_refused_before_they_queue() {
 #[test]
 fn stop_strings_end_a_completion_and_seeds_repeat() {
     let seed = fresh_seed();
-    let tok = Arc::new(word_tokenizer(VOCAB));
-    let engine = Engine::start(
-        Arc::new(tiny_model_seeded(VOCAB, CONTEXT, seed)),
-        tok,
-        CacheConfig::fp16(),
-        EngineConfig::default(),
-    )
-    .unwrap();
+    let engine = fp16_engine(seed);
     let p = prompts(seed, &[12]).remove(0);
     let sampled = |seed: u64| {
         let (s, rx) = sink(usize::MAX);
