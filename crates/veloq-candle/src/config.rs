@@ -187,7 +187,8 @@ impl CacheConfig {
     /// One cache per layer for `slots` sequences, each up to `capacity` positions (default the
     /// model's `max_context`). Devices with fused kernels get them (the CPU kernels on the CPU,
     /// veloq's CUDA kernels with the `cuda` feature), others the portable candle-ops backend, as
-    /// [`kernels`](Self::kernels) says; the scalar baselines always run on the CPU kernels.
+    /// [`kernels`](Self::kernels) says; the scalar baselines have fused kernels on the CPU only
+    /// (elsewhere their codes live and attend on the device in tensor ops).
     pub fn build_batch(&self, model: &Model, slots: usize) -> Result<ModelCache> {
         let id = &model.info.identity;
         let heads = Heads { q: model.info.n_heads, kv: id.n_kv_heads, dim: id.head_dim };
@@ -201,8 +202,13 @@ impl CacheConfig {
             }
             _ => None,
         };
-        // The scalar baselines' codecs (VecInfer's come from the calibration, layer by layer).
+        // The scalar baselines' codecs (VecInfer's come from the calibration, layer by layer):
+        // the CPU's kernels on the CPU, tensor ops on the device elsewhere.
         let baselines = if vecinfer_fused.is_none() { self.codecs(model)? } else { None };
+        let scalar_fused = match &baselines {
+            Some(_) => self.kernels.resolve(scalar_kernels(dev))?,
+            None => false,
+        };
         #[cfg(feature = "cuda")]
         let runtime = match (dev, dense_fused || vecinfer_fused == Some(true)) {
             (Device::Cuda(_), true) => Some(crate::cache::CudaRuntime::new(dev)?),
@@ -279,12 +285,30 @@ impl CacheConfig {
                     let (k, v) = pairs[i].clone();
                     let block = lcm(lcm(w.flush_block, k.block_tokens()), v.block_tokens());
                     let policy = Policy::coded(w.sink, w.window, block, capacity);
-                    layer(policy, slots, heads, CpuBackend::decoding(heads, slots, policy.rows(), k, v, block)?)?
+                    let rows = policy.rows();
+                    if scalar_fused {
+                        layer(policy, slots, heads, CpuBackend::decoding(heads, slots, rows, k, v, block)?)?
+                    } else {
+                        layer(
+                            policy,
+                            slots,
+                            heads,
+                            TensorBackend::scalar(heads, slots, rows, capacity, &*k, &*v, dev)?,
+                        )?
+                    }
                 }
                 (_, None) => return Err(Error::Config(format!("{} has no codecs", self.name()))),
             });
         }
         ModelCache::new(layers)
+    }
+}
+
+/// Whether fused kernels serve the scalar baselines (KIVI, rotation + Lloyd–Max) on `dev`.
+fn scalar_kernels(dev: &Device) -> std::result::Result<(), String> {
+    match dev {
+        Device::Cpu => Ok(()),
+        other => Err(format!("no fused KIVI or Lloyd–Max kernels for {other:?} (the portable tensor ops serve them)")),
     }
 }
 

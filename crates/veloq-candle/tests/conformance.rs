@@ -1,7 +1,8 @@
 //! The cache conformance suite: every property is one test body, run on every (cache, backend)
 //! pair by the `conformance!` macro (in the manner of candle's `test_device!`): coded VecInfer
 //! and dense fp16 and sliding-window caches on the CPU, portable (candle ops) and, built with
-//! `--features cuda` on a GPU, CUDA backends; the scalar baselines (KIVI, Lloyd–Max) on the CPU.
+//! `--features cuda` on a GPU, CUDA backends; the scalar baselines (KIVI, Lloyd–Max) on the CPU
+//! and portable backends (the latter is what serves them on a GPU).
 //!
 //! Every output is checked against an f64 reference over what the cache should hold: an
 //! independent model of the storage policy (sink, coded span, recent rows) keeps each position's
@@ -18,8 +19,9 @@ use candle_core::{Device, Tensor};
 use half::f16;
 
 use veloq::calibrate::{train_codec, KMeansConfig};
-use veloq::codec::block::BlockCodec;
+use veloq::codec::block::{BlockCodec, ScalarForm};
 use veloq::codec::codebook::PqShape;
+use veloq::codec::hadamard::Hadamard;
 use veloq::codec::kivi::{KiviAxis, KiviCodec};
 use veloq::codec::lloyd_max::LloydMaxCodec;
 use veloq::codec::vecinfer::{CodecSpec, VecInferCodec};
@@ -179,6 +181,26 @@ fn clear_codes(codec: &VecInferCodec, row: &[f32]) -> bool {
     })
 }
 
+/// Whether every element of `row` (`[kv, D]`, as stored: f16), rotated and divided by its rms as
+/// the Lloyd–Max codec does, is clear of the level boundaries by 1e-4, and the rms of its f16
+/// rounding boundaries. The CPU codec rotates by a butterfly and the tensor ops by a matmul; they
+/// round apart, and an element on a boundary may take either level (both correct codes, one
+/// reference). Other codecs: always clear.
+fn clear_levels(codec: &dyn BlockCodec, row: &[f32]) -> bool {
+    let Some(ScalarForm::LloydMax { signs, bounds, .. }) = codec.scalar_form() else { return true };
+    let d = codec.head_dim();
+    let had = Hadamard::new(d).unwrap();
+    round_f16(row).chunks_exact(d).all(|head| {
+        let mut y: Vec<f32> = head.iter().zip(signs).map(|(x, s)| x * s).collect();
+        had.apply(&mut y);
+        // The rms is stored as f16: it too must not sit on a rounding boundary.
+        let exact = (y.iter().map(|a| a * a).sum::<f32>() / d as f32).sqrt();
+        let rms = f16::from_f32(exact);
+        let steady = [1.0 - 1e-5, 1.0 + 1e-5].iter().all(|f| f16::from_f32(exact * f) == rms);
+        steady && y.iter().all(|&v| bounds.iter().all(|&b| (v / rms.to_f32() - b).abs() > 1e-4))
+    })
+}
+
 /// What each position of each sequence should hold: its value (f32 of the stored f16, or decoded
 /// from codes) and whether it is coded. An independent statement of the storage policy.
 struct Shadow {
@@ -295,14 +317,22 @@ impl Case {
                 )
                 .unwrap(),
             ),
+            (Kind::Portable | Kind::Cuda, Some((k, v, None))) => Box::new(
+                KvCache::new(
+                    policy,
+                    slots,
+                    heads,
+                    TensorBackend::scalar(heads, slots, rows, capacity, &**k, &**v, &device).unwrap(),
+                )
+                .unwrap(),
+            ),
             (Kind::Cuda, c) => cuda_cache(
                 policy,
                 slots,
                 heads,
-                c.as_ref().map(|c| c.2.as_ref().expect("CUDA codes VecInfer only")),
+                c.as_ref().map(|c| c.2.as_ref().expect("scalar codes are served above")),
                 &device,
             ),
-            _ => panic!("{method:?} has no {kind:?} cache"),
         };
         let shadow = Shadow {
             window,
@@ -374,14 +404,16 @@ impl Case {
     }
 
     /// `n` random key (`outliers`) or value rows, each redrawn until the VecInfer codec (`which`:
-    /// 0 keys, 1 values) has no near-tie in it (see [`clear_codes`]).
+    /// 0 keys, 1 values) has no near-tie in it (see [`clear_codes`]), nor Lloyd–Max a value on a
+    /// boundary ([`clear_levels`]).
     fn draw_rows(&self, n: usize, outliers: bool, which: usize, rng: &mut Rng) -> Vec<f32> {
         let row = self.heads.kv * self.heads.dim;
         let mut out = Vec::with_capacity(n * row);
         for _ in 0..n {
             let codec = self.vecinfer.as_ref().map(|c| if which == 0 { &c.0 } else { &c.1 });
+            let scalar = self.shadow.codecs.as_ref().map(|c| if which == 0 { &c.0 } else { &c.1 });
             let mut r = rng.normal(row, outliers);
-            while codec.is_some_and(|c| !clear_codes(c, &r)) {
+            while codec.is_some_and(|c| !clear_codes(c, &r)) || scalar.is_some_and(|c| !clear_levels(&**c, &r)) {
                 r = rng.normal(row, outliers);
             }
             out.extend(r);
@@ -686,9 +718,15 @@ conformance!(sliding_cpu, Kind::Cpu, Method::Sliding(13));
 conformance!(sliding_portable, Kind::Portable, Method::Sliding(13));
 conformance!(kivi_cpu, Kind::Cpu, Method::Kivi);
 conformance!(lloyd_max_cpu, Kind::Cpu, Method::LloydMax);
+conformance!(kivi_portable, Kind::Portable, Method::Kivi);
+conformance!(lloyd_max_portable, Kind::Portable, Method::LloydMax);
 #[cfg(feature = "cuda")]
 conformance!(vecinfer_cuda, Kind::Cuda, Method::VecInfer);
 #[cfg(feature = "cuda")]
 conformance!(fp16_cuda, Kind::Cuda, Method::Fp16);
 #[cfg(feature = "cuda")]
 conformance!(sliding_cuda, Kind::Cuda, Method::Sliding(13));
+#[cfg(feature = "cuda")]
+conformance!(kivi_cuda, Kind::Cuda, Method::Kivi);
+#[cfg(feature = "cuda")]
+conformance!(lloyd_max_cuda, Kind::Cuda, Method::LloydMax);

@@ -249,8 +249,7 @@ impl CudaBackend {
                     Ok(2)
                 }
                 Attention::Coded(attn, _) => {
-                    let c =
-                        self.base.codes.as_ref().ok_or_else(|| Error::Config("a coded layer without codes".into()))?;
+                    let c = self.base.vecinfer_codes()?;
                     let nsplit = if first.coded == 0 { 0 } else { attn.splits(gpu, b, first.coded) };
                     let map = WindowMap {
                         n_sink: first.n_sink as i32,
@@ -367,7 +366,7 @@ impl Backend for CudaBackend {
         let Attention::Coded(attn, _) = &self.attention else {
             return Err(Error::Config("a dense cache holds no codes".into()));
         };
-        let c = self.base.codes.as_ref().ok_or_else(|| Error::Config("a coded layer without codes".into()))?;
+        let c = self.base.vecinfer_codes()?;
         let (slots, rows) = self.dims()?;
         let Heads { kv, dim: d, .. } = self.base.heads;
         let (gpu, cap, plane) = (self.rt.gpu(), self.capacity, slots * kv * rows * d);
@@ -449,7 +448,7 @@ impl Backend for CudaBackend {
         let Attention::Coded(attn, prefill) = &self.attention else {
             return self.base.attend_codes(q, views, scale);
         };
-        let c = self.base.codes.as_ref().ok_or_else(|| Error::Config("a coded layer without codes".into()))?;
+        let c = self.base.vecinfer_codes()?;
         let Heads { q: hq, kv, dim: d } = self.base.heads;
         let (gpu, dev) = (self.rt.gpu(), &self.base.device);
         let (mk, mv) = (c.keys.subspaces(), c.values.subspaces());

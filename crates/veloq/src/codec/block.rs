@@ -2,7 +2,20 @@
 //! bytes and back. Caches store those bytes per flushed block and never look inside, so every
 //! method (VecInfer, KIVI, rotation + Lloyd-Max) plugs into the same cache.
 
+use crate::codec::kivi::KiviAxis;
 use crate::error::{Error, Result};
+
+/// What a scalar codec computes, element by element, for backends that run it in their own
+/// tensor ops (a GPU without veloq's kernels for it) instead of through `encode`/`decode`.
+#[derive(Clone, Copy, Debug)]
+pub enum ScalarForm<'a> {
+    /// KIVI: `min + step · q` per group of `group` tokens of one channel (`PerChannel`) or of
+    /// `group` channels of one token (`PerToken`), min and step as f16.
+    Kivi { bits: u32, group: usize, axis: KiviAxis },
+    /// Rotation + Lloyd–Max: y = H(signs ⊙ x) / rms(y) coded as the number of `bounds` below
+    /// each element, decoded as `levels[q] · rms`, rms as f16.
+    LloydMax { bits: u32, signs: &'a [f32], levels: &'a [f32], bounds: &'a [f32] },
+}
 
 pub trait BlockCodec: Send + Sync + std::fmt::Debug {
     /// Short name for tables, e.g. `kivi-2b-g32`.
@@ -22,6 +35,10 @@ pub trait BlockCodec: Send + Sync + std::fmt::Debug {
     fn decode(&self, bytes: &[u8], out: &mut [f32]) -> Result<()>;
     /// Bytes held by the codec itself (codebooks, scales, levels), shared by all positions.
     fn resident_bytes(&self) -> usize;
+    /// The element-wise rule, for scalar codecs that other backends may run in their own ops.
+    fn scalar_form(&self) -> Option<ScalarForm<'_>> {
+        None
+    }
 
     /// Stored bits per element over `tokens` tokens, everything counted: per-group metadata and
     /// this codec's own tables amortised over the tokens.

@@ -5,7 +5,7 @@
 
 use half::f16;
 
-use crate::codec::block::{check_encoded, whole_rows, BlockCodec};
+use crate::codec::block::{check_encoded, whole_rows, BlockCodec, ScalarForm};
 use crate::codec::pack::{pack_unchecked, packed_len, unpack_unchecked};
 use crate::error::{check_finite, Error, Result};
 
@@ -139,6 +139,9 @@ impl BlockCodec for KiviCodec {
 
     fn resident_bytes(&self) -> usize {
         0
+    }
+    fn scalar_form(&self) -> Option<ScalarForm<'_>> {
+        Some(ScalarForm::Kivi { bits: self.bits, group: self.group, axis: self.axis })
     }
 }
 

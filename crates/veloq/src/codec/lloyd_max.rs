@@ -8,7 +8,7 @@ use half::f16;
 use rand::{Rng, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 
-use crate::codec::block::{check_encoded, whole_rows, BlockCodec};
+use crate::codec::block::{check_encoded, whole_rows, BlockCodec, ScalarForm};
 use crate::codec::hadamard::Hadamard;
 use crate::codec::pack::{pack_unchecked, packed_len, unpack_unchecked};
 use crate::error::{check_finite, Error, Result};
@@ -174,6 +174,9 @@ impl BlockCodec for LloydMaxCodec {
 
     fn resident_bytes(&self) -> usize {
         (self.signs.len() + self.levels.len() + self.bounds.len()) * 4
+    }
+    fn scalar_form(&self) -> Option<ScalarForm<'_>> {
+        Some(ScalarForm::LloydMax { bits: self.bits, signs: &self.signs, levels: &self.levels, bounds: &self.bounds })
     }
 }
 

@@ -18,7 +18,7 @@ const CHUNK_BYTES: usize = 64 << 20;
 
 /// The (block-diagonal) Hadamard of size `d` as a symmetric `[d, d]` matrix on `dev`, made once
 /// per device and size: every layer's codec shares it.
-fn hadamard(d: usize, dev: &Device) -> Result<Tensor> {
+pub(crate) fn hadamard(d: usize, dev: &Device) -> Result<Tensor> {
     static MATRICES: Mutex<Vec<(DeviceLocation, usize, Tensor)>> = Mutex::new(Vec::new());
     let mut all = MATRICES.lock().expect("hadamard registry lock");
     if let Some((_, _, t)) = all.iter().find(|(l, n, _)| *l == dev.location() && *n == d) {

@@ -6,25 +6,32 @@
 //! Storage per layer, allocated up front (a serving engine's reservation): f16 rows
 //! `[2, slots, kv, rows, D]` (keys, then values: one allocation, so a kernel writing both takes
 //! one mutable borrow); codes `[slots, kv, capacity, M]` for keys and for values (u8 for ≤ 256
-//! centroids).
+//! centroids), or the scalar baselines' packed codes and f16 metadata ([`scalar`]).
 
 pub mod attention;
 pub mod codec;
+pub mod scalar;
 
 use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Tensor};
 
+use veloq::codec::block::BlockCodec;
 use veloq::codec::vecinfer::VecInferCodec;
 
 use self::attention::{codes_state, fold_rows, RowChunk, State, ROW_CHUNK};
 use self::codec::TensorCodec;
+use self::scalar::ScalarCodec;
 use super::backend::{Backend, Heads};
 use super::residency::{Footprint, Put, Quantize, Restore, RowRun, RowSource, SeqView};
 use crate::error::{Error, Result};
 
 /// Queries per tile of the partials (bounds the scratch with the chunks).
 const QUERY_TILE: usize = 128;
+/// The scalar baselines' tiles: larger, since each tile decodes every code again.
+const SCALAR_QUERY_TILE: usize = 512;
+/// Bytes of scores one chunk of a scalar baseline's decoded rows may take.
+const SCALAR_SCORE_BYTES: usize = 64 << 20;
 
 /// Codecs and codes of a coded layer.
 pub struct TensorCodes {
@@ -36,6 +43,65 @@ pub struct TensorCodes {
     pub key_codes: Tensor,
     /// `[slots, kv, capacity, M]`
     pub value_codes: Tensor,
+}
+
+/// Codecs and storage of a layer coded by a scalar baseline (KIVI, rotation + Lloyd–Max).
+pub struct ScalarCodes {
+    /// Key codec.
+    pub keys: ScalarCodec,
+    /// Value codec.
+    pub values: ScalarCodec,
+    /// Packed codes `[slots, kv, capacity, packed_width]` u8: keys, values.
+    codes: [Tensor; 2],
+    /// Metadata `[slots, kv, capacity / group_tokens, planes, width]` f16: keys, values.
+    meta: [Tensor; 2],
+}
+
+impl ScalarCodes {
+    fn codec(&self, plane: usize) -> &ScalarCodec {
+        if plane == 0 {
+            &self.keys
+        } else {
+            &self.values
+        }
+    }
+
+    /// Positions every encode and decode span is aligned to (both codecs' metadata groups).
+    fn align(&self) -> usize {
+        let (a, b) = (self.keys.group_tokens(), self.values.group_tokens());
+        a.max(b) // groups are 1 or a common size: the larger is a multiple of the other
+    }
+
+    /// Rows of positions `first..first + n` of `slot` (aligned), decoded: `[kv, n, D]` f32.
+    fn decode(&self, plane: usize, slot: usize, first: usize, n: usize) -> Result<Tensor> {
+        let c = self.codec(plane);
+        let g = c.group_tokens();
+        let packed = self.codes[plane].get(slot)?.narrow(1, first, n)?;
+        let meta = self.meta[plane].get(slot)?.narrow(1, first / g, n / g)?;
+        c.decode(&packed, &meta)
+    }
+
+    /// Codes rows `[kv, n, D]` into positions `at..at + n` of `slot` (aligned).
+    fn encode(&self, plane: usize, slot: usize, at: usize, rows: &Tensor) -> Result<()> {
+        let c = self.codec(plane);
+        let g = c.group_tokens();
+        let (packed, meta) = c.encode(rows)?;
+        self.codes[plane].narrow(0, slot, 1)?.slice_set(&packed.unsqueeze(0)?, 2, at)?;
+        self.meta[plane].narrow(0, slot, 1)?.slice_set(&meta.unsqueeze(0)?, 2, at / g)?;
+        Ok(())
+    }
+
+    fn bytes(&self) -> usize {
+        self.codes.iter().chain(&self.meta).map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum()
+    }
+}
+
+/// What a coded layer holds.
+pub enum Coded {
+    /// VecInfer codebook indices (lookup-table attention).
+    VecInfer(TensorCodes),
+    /// A scalar baseline's codes (attention over rows decoded a chunk at a time).
+    Scalar(ScalarCodes),
 }
 
 /// A step's keys and values, `[tokens, kv, D]` f32, and their f16 copies made when first needed
@@ -71,7 +137,7 @@ pub struct TensorBackend {
     /// f16 rows `[2, slots, kv, rows, D]`: keys, then values.
     pub rows: Tensor,
     /// Codecs and codes of coded layers.
-    pub codes: Option<TensorCodes>,
+    pub codes: Option<Coded>,
 }
 
 impl TensorBackend {
@@ -96,12 +162,65 @@ impl TensorBackend {
         let mut b = Self::dense(heads, slots, rows, device)?;
         let (kc, vc) = (TensorCodec::new(keys, device)?, TensorCodec::new(values, device)?);
         let codes = |c: &TensorCodec| Tensor::zeros((slots, heads.kv, capacity, c.subspaces()), c.code_dtype(), device);
-        b.codes = Some(TensorCodes { key_codes: codes(&kc)?, value_codes: codes(&vc)?, keys: kc, values: vc });
+        b.codes = Some(Coded::VecInfer(TensorCodes {
+            key_codes: codes(&kc)?,
+            value_codes: codes(&vc)?,
+            keys: kc,
+            values: vc,
+        }));
         Ok(b)
     }
 
-    fn codes(&self) -> Result<&TensorCodes> {
+    /// A scalar baseline's codes (KIVI, rotation + Lloyd–Max: codecs with a
+    /// [`scalar_form`](BlockCodec::scalar_form)) for `capacity` positions per sequence beside
+    /// `rows` f16 rows, packed as tightly as the codec's own bytes.
+    #[allow(clippy::too_many_arguments)]
+    pub fn scalar(
+        heads: Heads,
+        slots: usize,
+        rows: usize,
+        capacity: usize,
+        keys: &dyn BlockCodec,
+        values: &dyn BlockCodec,
+        device: &Device,
+    ) -> Result<Self> {
+        heads.check_codec(keys)?;
+        heads.check_codec(values)?;
+        let mut b = Self::dense(heads, slots, rows, device)?;
+        let (kc, vc) = (ScalarCodec::new(keys, device)?, ScalarCodec::new(values, device)?);
+        let g = kc.group_tokens().max(vc.group_tokens());
+        if !g.is_multiple_of(kc.group_tokens()) || !g.is_multiple_of(vc.group_tokens()) {
+            return Err(Error::Config(format!(
+                "key and value groups ({}, {}) do not nest",
+                kc.group_tokens(),
+                vc.group_tokens()
+            )));
+        }
+        let capacity = capacity.div_ceil(g) * g;
+        let codes = |c: &ScalarCodec| Tensor::zeros((slots, heads.kv, capacity, c.packed_width()), DType::U8, device);
+        let meta = |c: &ScalarCodec| {
+            let (p, w) = c.meta_shape();
+            Tensor::zeros((slots, heads.kv, capacity / c.group_tokens(), p, w), DType::F16, device)
+        };
+        b.codes = Some(Coded::Scalar(ScalarCodes {
+            codes: [codes(&kc)?, codes(&vc)?],
+            meta: [meta(&kc)?, meta(&vc)?],
+            keys: kc,
+            values: vc,
+        }));
+        Ok(b)
+    }
+
+    fn coded(&self) -> Result<&Coded> {
         self.codes.as_ref().ok_or_else(|| Error::Config("a dense cache holds no codes".into()))
+    }
+
+    /// The VecInfer codes of a VecInfer layer (what the CUDA kernels read and write).
+    pub fn vecinfer_codes(&self) -> Result<&TensorCodes> {
+        match self.coded()? {
+            Coded::VecInfer(c) => Ok(c),
+            Coded::Scalar(_) => Err(Error::Config("a scalar baseline's layer holds no VecInfer codes".into())),
+        }
     }
 
     /// Rows `first..first + n` of `slot`, keys (`plane` 0) or values (1): `[kv, n, D]` f16.
@@ -200,7 +319,7 @@ impl Backend for TensorBackend {
     }
 
     fn quantize(&mut self, input: &TensorInput, spans: &[Quantize]) -> Result<()> {
-        let c = self.codes()?;
+        let c = self.coded()?;
         for q in spans {
             // Rows in position order, [n, kv, D] f16: the oldest ring rows, then the input's.
             let mut parts: Vec<(Tensor, Tensor)> = Vec::new();
@@ -219,9 +338,23 @@ impl Backend for TensorBackend {
             let cat = |i: usize| -> Result<Tensor> {
                 Ok(Tensor::cat(&parts.iter().map(|p| if i == 0 { &p.0 } else { &p.1 }).collect::<Vec<_>>(), 0)?)
             };
-            for (codec, rows, dst) in [(&c.keys, cat(0)?, &c.key_codes), (&c.values, cat(1)?, &c.value_codes)] {
-                let codes = codec.quantize(&rows)?.transpose(0, 1)?.contiguous()?.unsqueeze(0)?; // [1, kv, n, M]
-                dst.narrow(0, q.slot, 1)?.slice_set(&codes, 2, q.at)?;
+            match c {
+                Coded::VecInfer(c) => {
+                    for (codec, rows, dst) in [(&c.keys, cat(0)?, &c.key_codes), (&c.values, cat(1)?, &c.value_codes)] {
+                        let codes = codec.quantize(&rows)?.transpose(0, 1)?.contiguous()?.unsqueeze(0)?; // [1, kv, n, M]
+                        dst.narrow(0, q.slot, 1)?.slice_set(&codes, 2, q.at)?;
+                    }
+                }
+                Coded::Scalar(c) => {
+                    let rows = [cat(0)?, cat(1)?];
+                    let (n, g) = (rows[0].dim(0)?, c.align());
+                    if !q.at.is_multiple_of(g) || !n.is_multiple_of(g) {
+                        return Err(Error::Shape(format!("codes at {}..{} are not aligned to {g}", q.at, q.at + n)));
+                    }
+                    for (plane, rows) in rows.iter().enumerate() {
+                        c.encode(plane, q.slot, q.at, &rows.transpose(0, 1)?.contiguous()?)?;
+                    }
+                }
             }
         }
         Ok(())
@@ -231,24 +364,59 @@ impl Backend for TensorBackend {
         if r.n == 0 {
             return Ok(());
         }
-        let c = self.codes()?;
-        let decode = |codec: &TensorCodec, codes: &Tensor| -> Result<Tensor> {
-            let part = codes.get(r.slot)?.narrow(1, r.keep, r.n)?.transpose(0, 1)?.contiguous()?; // [n, kv, M]
-            Ok(codec.decode(&part)?.to_dtype(DType::F16)?.transpose(0, 1)?) // [kv, n, D]
+        let (k, v) = match self.coded()? {
+            Coded::VecInfer(c) => {
+                let decode = |codec: &TensorCodec, codes: &Tensor| -> Result<Tensor> {
+                    let part = codes.get(r.slot)?.narrow(1, r.keep, r.n)?.transpose(0, 1)?.contiguous()?; // [n, kv, M]
+                    Ok(codec.decode(&part)?.to_dtype(DType::F16)?.transpose(0, 1)?)
+                    // [kv, n, D]
+                };
+                (decode(&c.keys, &c.key_codes)?, decode(&c.values, &c.value_codes)?)
+            }
+            Coded::Scalar(c) => {
+                // Whole groups decoded, the restored positions kept.
+                let g = c.align();
+                let (a0, a1) = (r.keep / g * g, (r.keep + r.n).div_ceil(g) * g);
+                let decode = |plane: usize| -> Result<Tensor> {
+                    Ok(c.decode(plane, r.slot, a0, a1 - a0)?.narrow(1, r.keep - a0, r.n)?.to_dtype(DType::F16)?)
+                };
+                (decode(0)?, decode(1)?)
+            }
         };
-        let (k, v) = (decode(&c.keys, &c.key_codes)?, decode(&c.values, &c.value_codes)?);
         self.write_rows(r.slot, r.to, &k, &v)
     }
 
     fn attend_codes(&self, q: &Tensor, views: &[SeqView], scale: f32) -> Result<TensorPartial> {
-        let c = self.codes()?;
-        let (hq, d) = (self.heads.q, self.heads.dim);
-        self.per_tile(q, views, scale, QUERY_TILE, |v, qs, _| {
+        let Heads { q: hq, kv, dim: d } = self.heads;
+        let tile = match self.coded()? {
+            Coded::VecInfer(_) => QUERY_TILE,
+            Coded::Scalar(_) => SCALAR_QUERY_TILE,
+        };
+        self.per_tile(q, views, scale, tile, |v, qs, _| {
             if v.coded == 0 {
                 return State::empty(hq, qs.dim(1)?, d, &self.device);
             }
-            let slot = |t: &Tensor| t.get(v.slot);
-            codes_state(qs, (&c.keys, &slot(&c.key_codes)?), (&c.values, &slot(&c.value_codes)?), v.coded)
+            match self.coded()? {
+                Coded::VecInfer(c) => {
+                    let slot = |t: &Tensor| t.get(v.slot);
+                    codes_state(qs, (&c.keys, &slot(&c.key_codes)?), (&c.values, &slot(&c.value_codes)?), v.coded)
+                }
+                Coded::Scalar(c) => {
+                    // Rows decoded a chunk at a time (every code is older than every query: no mask).
+                    let n = qs.dim(1)?;
+                    let qh = qs.reshape((kv, hq / kv * n, d))?;
+                    let mut st = State::empty(kv, hq / kv * n, d, &self.device)?;
+                    let g = c.align();
+                    let chunk = (SCALAR_SCORE_BYTES / (hq * n * 4)).clamp(g, 4 * ROW_CHUNK) / g * g;
+                    for s0 in (0..v.coded).step_by(chunk) {
+                        let len = chunk.min(v.coded - s0);
+                        let (k, val) = (c.decode(0, v.slot, s0, len)?, c.decode(1, v.slot, s0, len)?);
+                        st.fold(&qh.matmul(&k.t()?)?, &val)?;
+                    }
+                    let back = |t: &Tensor| -> Result<Tensor> { Ok(t.reshape((hq, n, ()))?) };
+                    Ok(State { o: back(&st.o)?, m: back(&st.m)?, l: back(&st.l)? })
+                }
+            }
         })
     }
 
@@ -275,8 +443,11 @@ impl Backend for TensorBackend {
 
     fn resident_bytes(&self) -> usize {
         let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
-        let codes = self.codes.as_ref().map_or(0, |c| {
-            bytes(&c.key_codes) + bytes(&c.value_codes) + c.keys.resident_bytes() + c.values.resident_bytes()
+        let codes = self.codes.as_ref().map_or(0, |c| match c {
+            Coded::VecInfer(c) => {
+                bytes(&c.key_codes) + bytes(&c.value_codes) + c.keys.resident_bytes() + c.values.resident_bytes()
+            }
+            Coded::Scalar(c) => c.bytes(),
         });
         bytes(&self.rows) + codes
     }
@@ -284,7 +455,10 @@ impl Backend for TensorBackend {
     /// A slot's share of the rows and codes reserved at construction.
     fn sequence_bytes(&self, _: Footprint) -> usize {
         let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
-        let codes = self.codes.as_ref().map_or(0, |c| bytes(&c.key_codes) + bytes(&c.value_codes));
+        let codes = self.codes.as_ref().map_or(0, |c| match c {
+            Coded::VecInfer(c) => bytes(&c.key_codes) + bytes(&c.value_codes),
+            Coded::Scalar(c) => c.bytes(),
+        });
         (bytes(&self.rows) + codes) / self.rows.dim(1).unwrap_or(1).max(1)
     }
 }
