@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA smoke check, in one device call: what a user types (`veloq generate --device cuda`) for
-# fp16 and VecInfer, kernels auto and forbid, with a short prompt and a ~5k-token one, on the real
+# fp16 and VecInfer (kernels auto and forbid) and the scalar baselines KIVI and rotation +
+# Lloyd–Max (auto: on CUDA they have only the portable path), with a short prompt and a ~5k-token one, on the real
 # SmolLM2; then the cache conformance suite's CUDA pairs (tests/conformance.rs, built with
 # `--features cuda`), which must find the GPU. Run it before resolving anything that touches CUDA.
 #
@@ -24,27 +25,38 @@ Summarise the passage above in one sentence."
 failed=0
 summary="$out/smoke-summary.txt"
 : > "$summary"
-for method in fp16 vecinfer; do
-  for kernels in auto forbid; do
-    for which in short long; do
-      prompt=$short
-      [ "$which" = long ] && prompt=$long
-      log="$out/generate-$method-$kernels-$which.txt"
-      start=$(date +%s.%N)
-      "$veloq" generate --device cuda --model "$model" --calibration "$calibration" --method "$method" \
-        --kernels "$kernels" --max-tokens 48 --max-context 8192 --prompt "$prompt" > "$log" 2>&1
-      rc=$?
-      secs=$(awk "BEGIN { printf \"%.1f\", $(date +%s.%N) - $start }")
-      stats=$(grep -E '^\[' "$log" | tail -1)
-      tokens=$(echo "$stats" | sed -nE 's/.*generated ([0-9]+) tok.*/\1/p')
-      if [ $rc -ne 0 ] || [ -z "$tokens" ] || [ "$tokens" -lt 1 ]; then
-        echo "FAIL  $method $kernels $which (rc $rc): $(tail -3 "$log" | tr '\n' ' ')" | tee -a "$summary"
-        failed=1
-      else
-        echo "ok    $method $kernels $which (${secs}s): $stats" | tee -a "$summary"
-        echo "      $(head -c 300 "$log" | tr '\n' ' ')" | tee -a "$summary"
-      fi
-    done
+# Start-up: the first process compiles veloq's kernels (NVRTC) into an empty disk cache, the
+# second loads them from it (the prefill rate of a short prompt shows the difference).
+export VELOQ_KERNEL_CACHE
+VELOQ_KERNEL_CACHE=$(mktemp -d)
+for run in cold warm; do
+  start=$(date +%s.%N)
+  "$veloq" generate --device cuda --model "$model" --calibration "$calibration" --method vecinfer \
+    --max-tokens 8 --max-context 8192 --prompt "$short" > "$out/startup-$run.txt" 2>&1
+  secs=$(awk "BEGIN { printf \"%.1f\", $(date +%s.%N) - $start }")
+  echo "start-up $run: ${secs}s in all, $(ls "$VELOQ_KERNEL_CACHE" | wc -l) kernels on disk: $(grep -E '^\[' "$out/startup-$run.txt" | tail -1)" | tee -a "$summary"
+done
+for run in "fp16 auto" "fp16 forbid" "vecinfer auto" "vecinfer forbid" "kivi auto --bits 2" "rlm auto --bits 4"; do
+  read -r method kernels extra <<< "$run"
+  for which in short long; do
+    prompt=$short
+    [ "$which" = long ] && prompt=$long
+    log="$out/generate-$method-$kernels-$which.txt"
+    start=$(date +%s.%N)
+    # shellcheck disable=SC2086
+    "$veloq" generate --device cuda --model "$model" --calibration "$calibration" --method "$method" $extra \
+      --kernels "$kernels" --max-tokens 48 --max-context 8192 --prompt "$prompt" > "$log" 2>&1
+    rc=$?
+    secs=$(awk "BEGIN { printf \"%.1f\", $(date +%s.%N) - $start }")
+    stats=$(grep -E '^\[' "$log" | tail -1)
+    tokens=$(echo "$stats" | sed -nE 's/.*generated ([0-9]+) tok.*/\1/p')
+    if [ $rc -ne 0 ] || [ -z "$tokens" ] || [ "$tokens" -lt 1 ]; then
+      echo "FAIL  $method $kernels $which (rc $rc): $(tail -3 "$log" | tr '\n' ' ')" | tee -a "$summary"
+      failed=1
+    else
+      echo "ok    $method $kernels $which (${secs}s): $stats" | tee -a "$summary"
+      echo "      $(head -c 300 "$log" | tr '\n' ' ')" | tee -a "$summary"
+    fi
   done
 done
 echo "== conformance suite, CUDA pairs" | tee -a "$summary"

@@ -15,6 +15,22 @@ use veloq_candle::model::Model;
 pub enum MethodArg {
     Fp16,
     Vecinfer,
+    /// KIVI scalar quantization (keys per channel, values per token, groups of 32), `--bits`.
+    Kivi,
+    /// Calibration-free rotation + Lloyd–Max levels, `--bits`.
+    Rlm,
+}
+
+impl MethodArg {
+    /// The cache of a method that needs no calibration (`None` for VecInfer).
+    fn uncalibrated(self, bits: u32) -> Option<CacheConfig> {
+        match self {
+            Self::Fp16 => Some(CacheConfig::fp16()),
+            Self::Vecinfer => None,
+            Self::Kivi => Some(CacheConfig::kivi(bits, 32)),
+            Self::Rlm => Some(CacheConfig::rot_lloyd_max(bits)),
+        }
+    }
 }
 
 /// The model file and its calibration, as every command that runs a calibrated model takes them.
@@ -48,6 +64,9 @@ pub struct Runtime {
     pub files: ModelFiles,
     #[arg(long, value_enum, default_value = "vecinfer")]
     pub method: MethodArg,
+    /// Bits per element of the scalar baselines (kivi: 1–8, rlm: 1–8).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=8))]
+    pub bits: u32,
     /// Longest context (prompts + generated) the caches accept (GPU caches reserve it up front).
     #[arg(long, default_value_t = 8192)]
     pub max_context: usize,
@@ -135,9 +154,9 @@ impl Runtime {
         if let Some(name) = model_path.to_str().and_then(|p| p.strip_prefix("synthetic:")) {
             let (g, label) = crate::synthetic::geometry(name)?;
             let model = Model::synthetic(label, g, self.max_context, &device, 7)?;
-            let config = match self.method {
-                MethodArg::Fp16 => CacheConfig::fp16(),
-                MethodArg::Vecinfer => {
+            let config = match self.method.uncalibrated(self.bits) {
+                Some(c) => c,
+                None => {
                     let mut rng = crate::synthetic::Rng(0x9E37_79B9_7F4A_7C15);
                     CacheConfig::vecinfer(crate::synthetic::synthetic_calibration(&model, &mut rng)?)
                 }
@@ -147,9 +166,9 @@ impl Runtime {
         }
         let (model, tok) = Model::open_on(&model_path, self.max_context, &device)
             .with_context(|| format!("loading {}", model_path.display()))?;
-        let config = match self.method {
-            MethodArg::Fp16 => CacheConfig::fp16(),
-            MethodArg::Vecinfer => {
+        let config = match self.method.uncalibrated(self.bits) {
+            Some(c) => c,
+            None => {
                 let cal = self.files.calibration();
                 CacheConfig::vecinfer_from_file(&cal, &model).with_context(|| {
                     format!(

@@ -224,7 +224,7 @@ pub fn run(a: Args) -> Result<()> {
     let batch_size = a.batch.unwrap_or(if device.is_cpu() { 1 } else { 16 }).max(1);
     let b = bar(total as u64, "needles");
     let mut done = 0u64;
-    let mut rows = Vec::new();
+    let mut rows: Vec<serde_json::Value> = Vec::new();
     // results[method][hay][depth][length] = (correct, asked)
     let mut results =
         vec![vec![vec![vec![(0usize, 0usize); a.lengths.len()]; a.depths.len()]; hays.len()]; methods.len()];
@@ -237,7 +237,9 @@ pub fn run(a: Args) -> Result<()> {
         crate::bench::write_json(&a.json, &v)
     };
     let mut timing = Vec::new();
-    for (mi, (label, cfg)) in methods.iter().enumerate() {
+    // A method that fails (say, out of device memory) is reported and left out; the others run.
+    let mut failed: Vec<(usize, String)> = Vec::new();
+    'methods: for (mi, (label, cfg)) in methods.iter().enumerate() {
         let start = std::time::Instant::now();
         let before = done;
         // Cases of one length together: a batch's prompts end within a chunk of each other.
@@ -245,8 +247,16 @@ pub fn run(a: Args) -> Result<()> {
             let group: Vec<&Case> = cases.iter().filter(|c| c.length == length).collect();
             for batch in group.chunks(batch_size) {
                 let prompts: Vec<Vec<u32>> = batch.iter().map(|c| c.ids.clone()).collect();
-                let texts = answers(&model, &tok, cfg, &prompts, a.answer_tokens, a.chunk)
-                    .with_context(|| format!("{label}, length {length}"))?;
+                let texts = match answers(&model, &tok, cfg, &prompts, a.answer_tokens, a.chunk) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        let why = format!("{label}, length {length}: {e:#}");
+                        b.suspend(|| eprintln!("failed, left out: {why}"));
+                        rows.retain(|r| r["method"].as_str() != Some(label.as_str()));
+                        failed.push((mi, why));
+                        continue 'methods;
+                    }
+                };
                 for (c, text) in batch.iter().zip(texts) {
                     let ok = correct(&text, c.key);
                     let cell = &mut results[mi][c.hay][c.depth][li];
@@ -274,10 +284,14 @@ pub fn run(a: Args) -> Result<()> {
         write(json!({"timing": timing, "answers": rows}))?;
     }
     b.finish();
+    let failures: Vec<&str> = failed.iter().map(|f| f.1.as_str()).collect();
 
     let mut heats = Vec::new();
     let mut summary = Vec::new();
     for (mi, (label, _)) in methods.iter().enumerate() {
+        if failed.iter().any(|f| f.0 == mi) {
+            continue;
+        }
         for (hi, (hay, _)) in hays.iter().enumerate() {
             let cells = &results[mi][hi];
             let (k, n) = cells.iter().flatten().fold((0, 0), |s, c| (s.0 + c.0, s.1 + c.1));
@@ -302,10 +316,13 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     // The JSON first: a figure that cannot be drawn (no font on a server) loses no answers.
-    write(json!({"timing": timing, "summary": summary, "answers": rows}))?;
+    write(json!({"timing": timing, "summary": summary, "failed": failures, "answers": rows}))?;
     if let Some(p) = &a.plot {
         plot::heatmap(p, &a.lengths, &a.depths.iter().map(|d| d / 100.0).collect::<Vec<_>>(), &heats)?;
         eprintln!("wrote {}", p.display());
+    }
+    if !failures.is_empty() {
+        bail!("{} of {} methods failed: {}", failures.len(), methods.len(), failures.join("; "));
     }
     Ok(())
 }
