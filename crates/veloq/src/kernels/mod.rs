@@ -4,6 +4,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod ptx_cache;
 pub mod reference;
 pub mod select;
 

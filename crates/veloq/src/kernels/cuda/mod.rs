@@ -1,6 +1,6 @@
 //! CUDA kernels (feature `cuda`): written in CUDA C (`*.cu` beside this file), compiled at first
 //! use by NVRTC for the device's own architecture with every size fixed by `#define`, and cached
-//! per process. cudarc loads the driver and NVRTC at run time, so building needs no CUDA and a
+//! per process and on disk ([`ptx_cache`](crate::kernels::ptx_cache)). cudarc loads the driver and NVRTC at run time, so building needs no CUDA and a
 //! machine without a GPU gets an error, not a crash.
 
 mod attention;
@@ -25,6 +25,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
 use crate::error::{Error, Result};
+use crate::kernels::ptx_cache;
 
 const COMMON: &str = include_str!("common.cuh");
 
@@ -164,8 +165,24 @@ impl Gpu {
         if let Some(f) = cache.get(&key) {
             return Ok(f.clone());
         }
-        let ptx = compile(self.arch, name, sources, defines)?;
-        let module = self.ctx.load_module(ptx).map_err(dev_err)?;
+        let src = source(sources, defines);
+        let dir = ptx_cache::dir();
+        let disk_key = ptx_cache::key(&[self.arch, name, &src, &nvrtc_version()]);
+        let cached = dir.as_deref().and_then(|d| ptx_cache::load(d, &disk_key));
+        let module = match cached.map(|text| self.ctx.load_module(Ptx::from_src(text))) {
+            Some(Ok(m)) => m,
+            stale => {
+                if let (Some(d), Some(Err(_))) = (&dir, stale) {
+                    ptx_cache::forget(d, &disk_key);
+                }
+                let ptx = compile_source(self.arch, name, &src)?;
+                if let Some(d) = &dir {
+                    // A cache that cannot be written costs the next process a compile, nothing else.
+                    let _ = ptx_cache::store(d, &disk_key, &ptx.to_src());
+                }
+                self.ctx.load_module(ptx).map_err(dev_err)?
+            }
+        };
         let f = module.load_function(name).map_err(dev_err)?;
         if smem > 48 * 1024 {
             f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
@@ -202,14 +219,36 @@ pub fn compile_check(arch: &'static str) -> Result<()> {
     Ok(())
 }
 
-/// PTX of kernel `name` for `arch`: `defines` as `#define` lines, the common helpers, then
-/// `sources`, compiled by NVRTC (a missing libnvrtc is an error, not a panic).
-fn compile(arch: &'static str, name: &str, sources: &[&str], defines: &[(&str, i64)]) -> Result<Ptx> {
+/// The text NVRTC compiles: `defines` as `#define` lines, the common helpers, then `sources`.
+fn source(sources: &[&str], defines: &[(&str, i64)]) -> String {
     let header: String = defines.iter().map(|(k, v)| format!("#define {k} {v}\n")).collect();
+    format!("{header}{COMMON}\n{}", sources.join("\n"))
+}
+
+/// PTX of kernel `name` for `arch` from `sources` with `defines`, compiled by NVRTC (a missing
+/// libnvrtc is an error, not a panic).
+fn compile(arch: &'static str, name: &str, sources: &[&str], defines: &[(&str, i64)]) -> Result<Ptx> {
+    compile_source(arch, name, &source(sources, defines))
+}
+
+fn compile_source(arch: &'static str, name: &str, src: &str) -> Result<Ptx> {
     let opts = CompileOptions { arch: Some(arch), options: vec!["--std=c++17".into()], ..Default::default() };
-    quietly(|| compile_ptx_with_opts(format!("{header}{COMMON}\n{}", sources.join("\n")), opts))
+    quietly(|| compile_ptx_with_opts(src, opts))
         .map_err(|_| Error::Device("libnvrtc could not be loaded".into()))?
         .map_err(|e| Error::Device(format!("NVRTC compiling {name}: {e:?}")))
+}
+
+/// NVRTC's version as "major.minor" (part of the disk cache's key: PTX from a newer compiler may
+/// not load on an older driver); "unknown" when libnvrtc cannot be asked.
+fn nvrtc_version() -> String {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: nvrtcVersion only writes the two integers it is given.
+    match quietly(move || {
+        unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }.result().map(|_| (major, minor))
+    }) {
+        Ok(Ok((a, b))) => format!("{a}.{b}"),
+        _ => "unknown".into(),
+    }
 }
 
 #[cfg(test)]
