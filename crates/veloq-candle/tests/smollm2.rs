@@ -122,37 +122,53 @@ fn two_bit_cache_is_six_times_smaller_and_agrees_at_1024() {
 
 /// The portable path (candle ops only; what `KernelChoice::Forbid` and devices without fused
 /// kernels get) gives the fused CPU path's logits on the real model, over a prefill and decode
-/// steps that flush codes; `Require` on the CPU builds the fused caches.
+/// steps that flush codes, for VecInfer and for the scalar baselines (whose tensor-op codecs are
+/// what serves them on a GPU); `Require` on the CPU builds the fused caches.
 #[test]
 fn portable_path_matches_fused_on_the_real_model() {
     let f = fixture();
     let ids = encode(&f.tok, &text("emma.txt")).unwrap();
     let ids = &ids[9000..9000 + 300];
-    let fused = CacheConfig { kernels: KernelChoice::Require, ..CacheConfig::vecinfer(f.calibration.clone()) };
-    let portable = CacheConfig { kernels: KernelChoice::Forbid, ..CacheConfig::vecinfer(f.calibration.clone()) };
-    let (mut a, mut b) = (fused.build(&f.model).unwrap(), portable.build(&f.model).unwrap());
-    f.model.forward(&ids[..280], &mut a, false).unwrap();
-    f.model.forward(&ids[..280], &mut b, false).unwrap();
-    // The two paths attend over the same codes (the searches agree on every code of this text)
-    // within 2e-6 of each other, but the Q4_1 matmuls quantize activations to 8 bits, which turns
-    // such rounding into logit changes: the fp16 cache's two paths differ by up to 1.2e-3 in
-    // logit cosine here, these by up to 1.2e-2 at one step (0.9885) and 1e-3 elsewhere. So: every
-    // step close, the mean very close, the greedy choice the same almost everywhere.
-    let (mut worst, mut sum, mut same) = (1.0f64, 0.0f64, 0);
-    let n = ids.len() - 280;
-    for (i, &tok) in ids[280..].iter().enumerate() {
-        let la = f.model.forward(&[tok], &mut a, false).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let lb = f.model.forward(&[tok], &mut b, false).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let c = cosine(&la, &lb);
-        worst = worst.min(c);
-        sum += c;
-        let top = |l: &[f32]| l.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).unwrap().0;
-        same += usize::from(top(&la) == top(&lb));
-        assert!(c > 0.97, "step {i}: cosine {c}");
+    for method in
+        [CacheConfig::vecinfer(f.calibration.clone()), CacheConfig::kivi(2, 32), CacheConfig::rot_lloyd_max(4)]
+    {
+        let name = method.name();
+        let fused = CacheConfig { kernels: KernelChoice::Require, ..method.clone() };
+        let portable = CacheConfig { kernels: KernelChoice::Forbid, ..method };
+        let (mut a, mut b) = (fused.build(&f.model).unwrap(), portable.build(&f.model).unwrap());
+        f.model.forward(&ids[..280], &mut a, false).unwrap();
+        f.model.forward(&ids[..280], &mut b, false).unwrap();
+        // The two paths attend over the same codes (the searches agree on every code of this
+        // text) within 2e-6 of each other, but the Q4_1 matmuls quantize activations to 8 bits,
+        // which turns such rounding into logit changes: the fp16 cache's two paths differ by up
+        // to 1.2e-3 in logit cosine here, VecInfer's by up to 1.2e-2 at one step (0.9885) and 1e-3
+        // elsewhere (KIVI's by up to 0.07 logits). So: every step close, the mean very close, and
+        // the greedy choice the same wherever it is clear (a lead of 0.2 logits over the
+        // runner-up: KIVI's three flips in this text were near-ties of 0.004–0.043).
+        let (mut worst, mut sum, mut same, mut clear) = (1.0f64, 0.0f64, 0, 0);
+        let n = ids.len() - 280;
+        for (i, &tok) in ids[280..].iter().enumerate() {
+            let la = f.model.forward(&[tok], &mut a, false).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let lb = f.model.forward(&[tok], &mut b, false).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let c = cosine(&la, &lb);
+            worst = worst.min(c);
+            sum += c;
+            let top = |l: &[f32]| l.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).unwrap().0;
+            let (ta, tb) = (top(&la), top(&lb));
+            let lead =
+                la[ta] - la.iter().enumerate().filter(|&(j, _)| j != ta).map(|(_, &x)| x).fold(f32::MIN, f32::max);
+            same += usize::from(ta == tb);
+            if lead > 0.2 {
+                clear += 1;
+                assert_eq!(ta, tb, "{name} step {i}: a clear greedy choice (lead {lead}) changed");
+            }
+            assert!(c > 0.97, "{name} step {i}: cosine {c}");
+        }
+        let mean = sum / n as f64;
+        println!("{name} portable vs fused: worst logit cosine {worst:.6}, mean {mean:.6}, same argmax {same}/{n}");
+        assert!(mean > 0.998 && clear >= n / 4, "{name}: mean cosine {mean}, clear choices {clear}/{n}");
+        assert_eq!(a.resident_bytes() > 0, b.resident_bytes() > 0);
     }
-    println!("portable vs fused: worst logit cosine {worst:.6}, mean {:.6}, same argmax {same}/{n}", sum / n as f64);
-    assert!(sum / n as f64 > 0.998 && same + 1 >= n, "mean cosine {}, same argmax {same}/{n}", sum / n as f64);
-    assert_eq!(a.resident_bytes() > 0, b.resident_bytes() > 0);
 }
 
 #[test]

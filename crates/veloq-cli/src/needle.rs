@@ -49,6 +49,10 @@ pub struct Args {
     calib_text: Option<PathBuf>,
     #[arg(long, default_value_t = 8192)]
     calib_tokens: usize,
+    /// Positions per calibration window (default: the longest length), so that a smaller grid
+    /// can reuse the calibrations of a larger one.
+    #[arg(long)]
+    calib_window: Option<usize>,
     /// Ask as a plain completion ("… The pass key is") even when the model has a chat template
     /// (by default the question is a user turn and the answer the assistant's reply).
     #[arg(long)]
@@ -142,16 +146,18 @@ pub fn run(a: Args) -> Result<()> {
     let device = crate::device::parse(&a.device)?;
     let kernels = KernelChoice::parse(&a.kernels)?;
     let capacity = max_len + a.answer_tokens;
+    let calib_window = a.calib_window.unwrap_or(max_len);
     let (model, tok) =
         Model::open_on(&model_path, capacity, &device).with_context(|| format!("loading {}", model_path.display()))?;
     let calib_path = a.calib_text.clone().unwrap_or_else(default_text);
     let calib = calibration_tokens(&tok, &calib_path, a.calib_tokens)?;
-    // Calibrations come from the CPU model over windows as long as the longest prompt.
-    let cals = if device.is_cpu() {
-        calibrations(&model, &model_path, &calib, &chosen, a.seed, max_len)?
+    // Calibrations come from the CPU model over windows as long as the longest prompt (or
+    // --calib-window).
+    let cals = if device.is_cpu() && calib_window <= capacity {
+        calibrations(&model, &model_path, &calib, &chosen, a.seed, calib_window)?
     } else {
-        let (cpu, _) = Model::open(&model_path, capacity)?;
-        calibrations(&cpu, &model_path, &calib, &chosen, a.seed, max_len)?
+        let (cpu, _) = Model::open(&model_path, capacity.max(calib_window))?;
+        calibrations(&cpu, &model_path, &calib, &chosen, a.seed, calib_window)?
     };
     if a.calibrate_only {
         eprintln!("calibrations ready in {}", veloq::artifact::default_dir().join("eval").display());
