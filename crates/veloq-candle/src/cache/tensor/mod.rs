@@ -174,7 +174,6 @@ impl TensorBackend {
     /// A scalar baseline's codes (KIVI, rotation + Lloyd–Max: codecs with a
     /// [`scalar_form`](BlockCodec::scalar_form)) for `capacity` positions per sequence beside
     /// `rows` f16 rows, packed as tightly as the codec's own bytes.
-    #[allow(clippy::too_many_arguments)]
     pub fn scalar(
         heads: Heads,
         slots: usize,

@@ -27,7 +27,6 @@ enum Rule {
 #[derive(Clone, Debug)]
 pub struct ScalarCodec {
     bits: usize,
-    heads: usize,
     dim: usize,
     rule: Rule,
     /// `[b + 1]`: 2⁻ᵏ, to split codes into bits (exact in f32).
@@ -43,7 +42,7 @@ impl ScalarCodec {
     /// `codec`'s rule on `dev`; an error for codecs with no scalar form (VecInfer's codebooks go
     /// through [`TensorCodec`](super::codec::TensorCodec)).
     pub fn new(codec: &dyn BlockCodec, dev: &Device) -> Result<Self> {
-        let (heads, dim) = (codec.n_heads(), codec.head_dim());
+        let dim = codec.head_dim();
         let form = codec
             .scalar_form()
             .ok_or_else(|| Error::Config(format!("{} has no element-wise form for tensor ops", codec.name())))?;
@@ -67,7 +66,6 @@ impl ScalarCodec {
         let pow = |n: usize, sign: i32| -> Vec<f32> { (0..n).map(|k| 2f32.powi(sign * k as i32)).collect() };
         Ok(Self {
             bits,
-            heads,
             dim,
             rule,
             halves: Tensor::from_vec(pow(bits + 1, -1), bits + 1, dev)?,
@@ -75,11 +73,6 @@ impl ScalarCodec {
             plane_weights: Tensor::from_vec(pow(bits, 1), (bits, 1), dev)?,
             byte_weights: Tensor::from_vec(pow(8, 1), 8, dev)?,
         })
-    }
-
-    /// Kv heads.
-    pub fn heads(&self) -> usize {
-        self.heads
     }
 
     /// Positions one metadata row covers (encode and decode spans are multiples of it, aligned).
