@@ -47,8 +47,7 @@ pub fn run(a: Args) -> Result<()> {
             }
             "/stats" => {
                 let positions = chat.caches().len(0);
-                let mut s =
-                    format!("{positions} positions | {}", kv_report(&l, chat.caches().resident_bytes(), positions));
+                let mut s = format!("{positions} positions | {}", kv_report(&l, chat.caches()));
                 if let Some(o) = &last {
                     s += &format!(
                         " | last turn: {} prompt tok at {:.1} tok/s, {} generated at {:.1} tok/s",

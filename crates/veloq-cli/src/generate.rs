@@ -139,7 +139,6 @@ pub struct Loaded {
     pub model: Model,
     pub tok: veloq_candle::model::Tokenizer,
     pub config: CacheConfig,
-    pub device: candle_core::Device,
 }
 
 impl Runtime {
@@ -162,7 +161,7 @@ impl Runtime {
                 }
             };
             let tok = veloq_candle::model::word_tokenizer(g.vocab);
-            return Ok(Loaded { model, tok, config: CacheConfig { kernels, ..config }, device });
+            return Ok(Loaded { model, tok, config: CacheConfig { kernels, ..config } });
         }
         let (model, tok) = Model::open_on(&model_path, self.max_context, &device)
             .with_context(|| format!("loading {}", model_path.display()))?;
@@ -179,18 +178,20 @@ impl Runtime {
                 })?
             }
         };
-        Ok(Loaded { model, tok, config: CacheConfig { kernels, ..config }, device })
+        Ok(Loaded { model, tok, config: CacheConfig { kernels, ..config } })
     }
 }
 
-/// The KV line of a report: bytes held, and against fp16 at the same length (CPU) or reservation
-/// (GPU caches reserve `max_context` up front).
-pub fn kv_report(l: &Loaded, resident: usize, positions: usize) -> String {
-    let (fp16, what) = if l.device.is_cpu() {
-        (veloq_candle::config::fp16_bytes(&l.model, positions), "resident".to_string())
-    } else {
-        let max = l.model.max_context();
+/// The KV line of a report: bytes held, against fp16 at the same length for caches that grow with
+/// their sequences (the CPU's), or at the same reservation for those that reserve `max_context`
+/// up front (GPU caches, the portable backend).
+pub fn kv_report(l: &Loaded, caches: &veloq_candle::cache::ModelCache) -> String {
+    let (resident, positions, max) = (caches.resident_bytes(), caches.len(0), l.model.max_context());
+    let reserves = caches.sequence_bytes(0) == caches.sequence_bytes(max);
+    let (fp16, what) = if reserves {
         (veloq_candle::config::fp16_bytes(&l.model, max), format!("reserved for {max} positions"))
+    } else {
+        (veloq_candle::config::fp16_bytes(&l.model, positions), "resident".to_string())
     };
     if matches!(l.config.method, veloq_candle::config::Method::Fp16) {
         format!("KV cache {} {what}", human(resident))
@@ -275,7 +276,7 @@ pub fn run(a: Args) -> Result<()> {
         out.prefill_tok_s(),
         out.tokens.len(),
         out.decode_tok_s(),
-        kv_report(&l, out.kv_resident_bytes, caches.len(0)),
+        kv_report(&l, &caches),
     );
     Ok(())
 }
