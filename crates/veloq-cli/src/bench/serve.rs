@@ -470,10 +470,7 @@ pub fn run(a: Args) -> Result<()> {
     // A calibration's label: its key and value rates (and the file, for the record).
     let vq_label = |cal: &PathBuf| -> String {
         match veloq::artifact::Calibration::load(cal) {
-            Ok(c) => {
-                let bits = |s: &veloq::codec::codebook::PqShape| s.bits as f64 / s.sub_dim as f64;
-                format!("VecInfer K{}b V{}b", bits(&c.keys.shape), bits(&c.values.shape))
-            }
+            Ok(c) => format!("VecInfer K{}b V{}b", c.keys.shape.bits_per_element(), c.values.shape.bits_per_element()),
             Err(_) => format!("VecInfer ({})", cal.display()),
         }
     };

@@ -1,7 +1,8 @@
 //! CUDA kernels (feature `cuda`): written in CUDA C (`*.cu` beside this file), compiled at first
 //! use by NVRTC for the device's own architecture with every size fixed by `#define`, and cached
-//! per process and on disk ([`ptx_cache`](crate::kernels::ptx_cache)). cudarc loads the driver and NVRTC at run time, so building needs no CUDA and a
-//! machine without a GPU gets an error, not a crash.
+//! per process and on disk ([`ptx_cache`](crate::kernels::ptx_cache)). cudarc loads the driver
+//! and NVRTC at run time, so building needs no CUDA and a machine without a GPU gets an error,
+//! not a crash.
 
 mod attention;
 mod dense;
