@@ -40,13 +40,15 @@ fn family(label: &str) -> (&str, bool) {
     (label.split('-').next().unwrap_or(label), label.contains('/') || label.starts_with("vq-k"))
 }
 
-const COLORS: [RGBColor; 6] = [
+const COLORS: [RGBColor; 8] = [
     RGBColor(31, 119, 180),
     RGBColor(214, 39, 40),
     RGBColor(44, 160, 44),
     RGBColor(148, 103, 189),
     RGBColor(255, 127, 14),
     RGBColor(140, 86, 75),
+    RGBColor(30, 30, 30),
+    RGBColor(188, 189, 34),
 ];
 
 /// ΔPPL (left) and KL (right) against the coded stream's bits per element (the rate at long

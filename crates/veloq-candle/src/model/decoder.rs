@@ -65,6 +65,8 @@ pub struct Model {
     pub(super) attn_scale: f64,
     pub(super) max_context: usize,
     pub(super) device: Device,
+    #[cfg(feature = "cuda")]
+    pub(super) graphs: super::graph::Graphs,
 }
 
 impl Model {
@@ -218,6 +220,8 @@ impl Model {
             attn_scale,
             max_context,
             device: device.clone(),
+            #[cfg(feature = "cuda")]
+            graphs: Default::default(),
         };
         Ok((model, ct))
     }
@@ -227,6 +231,30 @@ impl Model {
     }
     pub fn max_context(&self) -> usize {
         self.max_context
+    }
+
+    /// Decode steps on CUDA replayed from CUDA graphs (on by default; `VELOQ_CUDA_GRAPHS=0`
+    /// starts with them off). Off, every step issues its operations one by one.
+    #[cfg(feature = "cuda")]
+    pub fn set_cuda_graphs(&self, on: bool) {
+        self.graphs.set(on)
+    }
+
+    /// CUDA graph launches issued so far (one per segment between attention calls).
+    #[cfg(feature = "cuda")]
+    pub fn cuda_graph_launches(&self) -> usize {
+        self.graphs.launches()
+    }
+
+    /// Bytes of the weight matrices a decode step reads (every layer's and the output head; the
+    /// embedding table contributes one row per token, not counted).
+    pub fn weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down].iter().map(|w| w.bytes()).sum::<usize>())
+            .sum();
+        layers + self.output.bytes()
     }
 
     /// The window of a sliding-window layer, `None` for layers that see every position.
@@ -249,9 +277,8 @@ impl Model {
     /// Returns logits `[tokens, vocab]` ([`Logits::All`]) or `[sequences, vocab]` for each
     /// sequence's last token ([`Logits::Last`]).
     pub fn forward_step(&self, tokens: &[u32], step: &Step, cache: &mut ModelCache, logits: Logits) -> Result<Tensor> {
-        let caches = cache.layers_mut();
-        if caches.len() != self.layers.len() {
-            return Err(Error::Config(format!("{} caches for {} layers", caches.len(), self.layers.len())));
+        if cache.layers_mut().len() != self.layers.len() {
+            return Err(Error::Config(format!("{} caches for {} layers", cache.layers_mut().len(), self.layers.len())));
         }
         let n = step.tokens();
         if tokens.len() != n {
@@ -263,70 +290,20 @@ impl Model {
         if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= self.embed.dim(0).unwrap_or(0)) {
             return Err(Error::Config(format!("token id {bad} outside the vocabulary")));
         }
-        let info = &self.info;
-        let (nh, nkv, hd) = (info.n_heads, info.identity.n_kv_heads, info.identity.head_dim);
-        let ids = Tensor::new(tokens, &self.device)?;
-        let mut x = self.embed.index_select(&ids, 0)?.to_dtype(DType::F32)?;
-        if self.embed_scale != 1.0 {
-            x = (x * self.embed_scale)?;
+        #[cfg(feature = "cuda")]
+        if let Some(out) = self.graphs.forward(self, tokens, step, cache)? {
+            return Ok(out);
         }
-        // Each token's RoPE row, batched per token: [tokens, 1, head_dim / 2].
-        let positions = Tensor::new(step.positions().as_slice(), &self.device)?;
-        let rows = |t: &Tensor| -> Result<Tensor> { Ok(t.index_select(&positions, 0)?.unsqueeze(1)?) };
-        let (cos, sin) = (rows(&self.cos)?, rows(&self.sin)?);
-        let local = match &self.local_rope {
-            Some((c, s)) => Some((rows(c)?, rows(s)?)),
-            None => None,
-        };
+        let caches = cache.layers_mut();
+        let mut x = self.embed_tokens(&Tensor::new(tokens, &self.device)?)?;
+        let rope = self.rope_rows(&Tensor::new(step.positions().as_slice(), &self.device)?)?;
         let scale = self.attn_scale as f32;
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let h = layer.attn_norm.forward(&x)?;
-            let (mut q, mut k, mut v) = (layer.wq.forward(&h)?, layer.wk.forward(&h)?, layer.wv.forward(&h)?);
-            if let Some((bq, bk, bv)) = &layer.bias {
-                q = q.broadcast_add(bq)?;
-                k = k.broadcast_add(bk)?;
-                v = v.broadcast_add(bv)?;
-            }
-            let (mut q, mut k) = (q.reshape((n, nh, hd))?, k.reshape((n, nkv, hd))?);
-            if let Some((qn, kn)) = &layer.qk_norm {
-                q = qn.forward(&q)?;
-                k = kn.forward(&k)?;
-            }
-            let (cos, sin) = match (&local, layer.window) {
-                (Some((c, s)), Some(_)) => (c, s),
-                _ => (&cos, &sin),
-            };
-            // Tokens as the batch of candle's RoPE ([tokens, heads, 1, head_dim]), each with its row.
-            let rope = |x: Tensor, heads: usize| -> Result<Tensor> {
-                let x = x.reshape((n, heads, 1, hd))?.contiguous()?;
-                let y = if self.neox {
-                    candle_nn::rotary_emb::rope(&x, cos, sin)?
-                } else {
-                    candle_nn::rotary_emb::rope_i(&x, cos, sin)?
-                };
-                Ok(y.reshape((n, heads, hd))?)
-            };
-            let (q, k) = (rope(q, nh)?, rope(k, nkv)?);
-            let v = v.reshape((n, nkv, hd))?.contiguous()?;
+            let (q, k, v) = self.qkv(layer, &x, &rope)?;
             cache.append(&k, &v, step)?;
             let y = cache.attend(&q, step, scale)?; // [tokens, nh, hd]
             cache.commit()?;
-            let mut o = layer.wo.forward(&y.reshape((n, nh * hd))?)?;
-            if let Some((post_attn, _)) = &layer.post_norms {
-                o = post_attn.forward(&o)?;
-            }
-            x = (x + o)?;
-            let h = layer.ffn_norm.forward(&x)?;
-            let gate = layer.gate.forward(&h)?;
-            let gate = match self.activation {
-                Activation::Silu => candle_nn::ops::silu(&gate)?,
-                Activation::GeluTanh => gate.gelu()?,
-            };
-            let mut mlp = layer.down.forward(&(gate * layer.up.forward(&h)?)?)?;
-            if let Some((_, post_ffn)) = &layer.post_norms {
-                mlp = post_ffn.forward(&mlp)?;
-            }
-            x = (x + mlp)?;
+            x = self.residual(layer, &x, &y)?;
         }
         let x = match logits {
             Logits::All => x,
@@ -335,9 +312,94 @@ impl Model {
                 x.index_select(&Tensor::new(last.as_slice(), &self.device)?, 0)?
             }
         };
-        let x = self.norm.forward(&x)?;
+        self.head(&x)
+    }
+
+    /// The residual stream `[tokens, hidden]` (f32) of token ids `[tokens]` on the model's device.
+    pub(super) fn embed_tokens(&self, ids: &Tensor) -> Result<Tensor> {
+        let x = self.embed.index_select(ids, 0)?.to_dtype(DType::F32)?;
+        Ok(if self.embed_scale != 1.0 { (x * self.embed_scale)? } else { x })
+    }
+
+    /// Each token's RoPE rows for `positions` `[tokens]` (u32): `[tokens, 1, head_dim / 2]`.
+    pub(super) fn rope_rows(&self, positions: &Tensor) -> Result<RopeRows> {
+        let rows = |t: &Tensor| -> Result<Tensor> { Ok(t.index_select(positions, 0)?.unsqueeze(1)?) };
+        let local = match &self.local_rope {
+            Some((c, s)) => Some((rows(c)?, rows(s)?)),
+            None => None,
+        };
+        Ok(RopeRows { cos: rows(&self.cos)?, sin: rows(&self.sin)?, local })
+    }
+
+    /// A layer's queries `[tokens, heads, D]`, keys and values `[tokens, kv heads, D]` (f32,
+    /// contiguous, RoPE applied) from the residual stream.
+    pub(super) fn qkv(&self, layer: &Layer, x: &Tensor, rope: &RopeRows) -> Result<(Tensor, Tensor, Tensor)> {
+        let info = &self.info;
+        let (nh, nkv, hd) = (info.n_heads, info.identity.n_kv_heads, info.identity.head_dim);
+        let n = x.dim(0)?;
+        let h = layer.attn_norm.forward(x)?;
+        let (mut q, mut k, mut v) = (layer.wq.forward(&h)?, layer.wk.forward(&h)?, layer.wv.forward(&h)?);
+        if let Some((bq, bk, bv)) = &layer.bias {
+            q = q.broadcast_add(bq)?;
+            k = k.broadcast_add(bk)?;
+            v = v.broadcast_add(bv)?;
+        }
+        let (mut q, mut k) = (q.reshape((n, nh, hd))?, k.reshape((n, nkv, hd))?);
+        if let Some((qn, kn)) = &layer.qk_norm {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        let (cos, sin) = match (&rope.local, layer.window) {
+            (Some((c, s)), Some(_)) => (c, s),
+            _ => (&rope.cos, &rope.sin),
+        };
+        // Tokens as the batch of candle's RoPE ([tokens, heads, 1, head_dim]), each with its row.
+        let rope = |x: Tensor, heads: usize| -> Result<Tensor> {
+            let x = x.reshape((n, heads, 1, hd))?.contiguous()?;
+            let y = if self.neox {
+                candle_nn::rotary_emb::rope(&x, cos, sin)?
+            } else {
+                candle_nn::rotary_emb::rope_i(&x, cos, sin)?
+            };
+            Ok(y.reshape((n, heads, hd))?)
+        };
+        Ok((rope(q, nh)?, rope(k, nkv)?, v.reshape((n, nkv, hd))?.contiguous()?))
+    }
+
+    /// The residual stream after a layer: attention output `y` `[tokens, heads, D]` projected and
+    /// added, then the MLP's.
+    pub(super) fn residual(&self, layer: &Layer, x: &Tensor, y: &Tensor) -> Result<Tensor> {
+        let n = x.dim(0)?;
+        let mut o = layer.wo.forward(&y.reshape((n, y.elem_count() / n.max(1)))?)?;
+        if let Some((post_attn, _)) = &layer.post_norms {
+            o = post_attn.forward(&o)?;
+        }
+        let x = (x + o)?;
+        let h = layer.ffn_norm.forward(&x)?;
+        let gate = layer.gate.forward(&h)?;
+        let gate = match self.activation {
+            Activation::Silu => candle_nn::ops::silu(&gate)?,
+            Activation::GeluTanh => gate.gelu()?,
+        };
+        let mut mlp = layer.down.forward(&(gate * layer.up.forward(&h)?)?)?;
+        if let Some((_, post_ffn)) = &layer.post_norms {
+            mlp = post_ffn.forward(&mlp)?;
+        }
+        Ok((x + mlp)?)
+    }
+
+    /// Logits (f32) of residual rows `x`.
+    pub(super) fn head(&self, x: &Tensor) -> Result<Tensor> {
+        let x = self.norm.forward(x)?;
         Ok(self.output.forward(&x)?.to_dtype(DType::F32)?)
     }
+}
+
+/// Each token's RoPE rows in one step (global tables, and the local ones of sliding layers).
+pub(super) struct RopeRows {
+    pub(super) cos: Tensor,
+    pub(super) sin: Tensor,
+    pub(super) local: Option<(Tensor, Tensor)>,
 }
 
 /// Which logits a forward pass returns.

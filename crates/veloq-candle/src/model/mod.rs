@@ -2,11 +2,17 @@
 //! cache contract is the only place keys and values live), candle's quantized matmul (veloq's kernel for Q4_1 weights on the CPU).
 
 mod decoder;
+#[cfg(feature = "cuda")]
+mod graph;
 mod linear;
 mod synthetic;
 mod tokenizer;
 
 pub use decoder::{Logits, Model};
+/// Whether f16 weights on CUDA take veloq's GEMV for decode steps (on by default, `VELOQ_CUDA_GEMV=0`
+/// turns it off): off, candle's matmul (cuBLAS), the path before it.
+#[cfg(feature = "cuda")]
+pub use linear::gemv::set as set_cuda_gemv;
 pub use synthetic::Geometry;
 pub use tokenizer::{decode, encode, load_tokenizer, word_tokenizer, ChatTemplate, Role};
 pub use tokenizers::Tokenizer;

@@ -117,6 +117,8 @@ impl Model {
             attn_scale: 1.0 / (g.head_dim as f64).sqrt(),
             max_context,
             device: device.clone(),
+            #[cfg(feature = "cuda")]
+            graphs: Default::default(),
         })
     }
 }

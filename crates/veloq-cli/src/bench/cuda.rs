@@ -15,7 +15,9 @@ use cudarc::driver::{CudaFunction, CudaSlice};
 use veloq::codec::codebook::Granularity;
 use veloq::codec::pack::unpack;
 use veloq::codec::vecinfer::VecInferCodec;
-use veloq::kernels::cuda::{AttentionScratch, Gpu, GpuAttention, GpuCodec, SplitKernel};
+use veloq::kernels::cuda::{
+    gemv_f16, AttentionScratch, GemvTune, Gpu, GpuAttention, GpuCodec, SplitKernel, GEMV_MAX_ROWS,
+};
 
 pub(super) use crate::synthetic::{codec, Rng};
 
@@ -29,6 +31,10 @@ pub struct Args {
     /// How each timed rep starts: queued (as do_bench times the anchors), queued-clean or idle.
     #[arg(long, value_enum, default_value = "queued")]
     timing: Timing,
+    /// Time the f16 GEMV's launch shapes on the 8B geometry's weights (after the checks) and
+    /// nothing else; prints the fastest as `best VELOQ_GEMV=R,U,T`.
+    #[arg(long)]
+    gemv_sweep: bool,
     /// Skip timing (correctness only).
     #[arg(long)]
     check_only: bool,
@@ -116,6 +122,124 @@ macro_rules! dev {
     ($e:expr) => {
         $e.map_err(|e| anyhow::anyhow!("{e:?}"))?
     };
+}
+
+/// (n, k) of the GEMV checks: the 8B's k/v projection, ragged tails of warps and blocks, a
+/// short row.
+const GEMV_SHAPES: [(usize, usize); 4] = [(1024, 4096), (4103, 136), (77, 4096), (14337, 512)];
+
+/// veloq's f16 GEMV against an f64 host reference on fresh random weights and activations, every
+/// row count: the largest error relative to the outputs' rms must stay at f32 rounding.
+fn check_gemv(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<serde_json::Value>> {
+    let st = gpu.stream();
+    let mut out = Vec::new();
+    for b in 1..=GEMV_MAX_ROWS {
+        for &(n, k) in &GEMV_SHAPES {
+            let w = f16_bits(&rng.rows(n, k));
+            let x = rng.rows(b, k);
+            let (wd, xd) = (dev!(st.clone_htod(&w)), dev!(st.clone_htod(&x)));
+            let mut yd = dev!(st.alloc_zeros::<f32>(b * n));
+            gemv_f16(gpu, &wd.as_view(), &xd.as_view(), &mut yd.as_view_mut(), b, n, k, GemvTune::for_rows(b))?;
+            let y = dev!(st.clone_dtoh(&yd));
+            let wf: Vec<f64> = w.iter().map(|&h| f16::from_bits(h).to_f64()).collect();
+            let want: Vec<f64> = (0..b * n)
+                .map(|i| {
+                    let (bi, ni) = (i / n, i % n);
+                    (0..k).map(|j| wf[ni * k + j] * x[bi * k + j] as f64).sum()
+                })
+                .collect();
+            let rms = (want.iter().map(|v| v * v).sum::<f64>() / want.len() as f64).sqrt();
+            let err = y.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max) / rms;
+            if err > 1e-5 {
+                bail!("f16 GEMV b {b}, n {n}, k {k}: max error {err:.2e} of the outputs' rms");
+            }
+            out.push(json!({"check": "gemv_f16", "b": b, "n": n, "k": k, "max_err_over_rms": err}));
+        }
+    }
+    let worst = out.iter().filter_map(|c| c["max_err_over_rms"].as_f64()).fold(0.0, f64::max);
+    println!("f16 GEMV: {} shapes (b 1..={GEMV_MAX_ROWS}), largest error {worst:.2e} of the outputs' rms", out.len());
+    Ok(out)
+}
+
+/// A Llama-3.1-8B layer's weight matrices for one decode token: (n, k, how many per layer).
+const GEMV_LAYER: [(usize, usize, usize); 4] = [(4096, 4096, 2), (1024, 4096, 2), (14336, 4096, 2), (4096, 14336, 1)];
+
+/// Times the f16 GEMV's launch shapes on one activation row over a Llama-3.1-8B layer's weight
+/// matrices (L2 cleared before each rep), beside the device-to-device copy bandwidth measured
+/// here: GB/s per matrix, a layer's time and its ratio to the weights' bytes at the copy
+/// bandwidth. Every shape's outputs are checked against the default's. Prints the fastest as
+/// `best VELOQ_GEMV=R,U,T`.
+fn gemv_sweep(gpu: &Gpu, rng: &mut Rng, reps: usize) -> Result<()> {
+    let st = gpu.stream();
+    let bytes = 1usize << 30;
+    let src = dev!(st.alloc_zeros::<u8>(bytes));
+    let mut dst = dev!(st.alloc_zeros::<u8>(bytes));
+    let copy_ms = time_ms(gpu, &mut Clear::Nothing, 9, || Ok(dev!(st.memcpy_dtod(&src, &mut dst))))?;
+    let bw = 2.0 * bytes as f64 / (copy_ms * 1e-3);
+    drop((src, dst));
+    let mut clear = Clear::new(gpu, Timing::Queued)?;
+    let mats = GEMV_LAYER
+        .iter()
+        .map(|&(n, k, c)| {
+            let w = dev!(st.clone_htod(&f16_bits(&rng.rows(n, k))));
+            let x = dev!(st.clone_htod(&rng.rows(1, k)));
+            Ok((n, k, c, w, x))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let layer_bytes: usize = GEMV_LAYER.iter().map(|&(n, k, c)| n * k * 2 * c).sum();
+    let floor_ms = layer_bytes as f64 / bw * 1e3;
+    println!(
+        "copy {:.2} TB/s (read + write); a layer's weights ({} MB) at it: {floor_ms:.3} ms",
+        bw / 1e12,
+        layer_bytes / 1_000_000
+    );
+    println!("| R,U,T | {} | layer ms | × floor |", GEMV_LAYER.map(|(n, k, _)| format!("{n}×{k} GB/s")).join(" | "));
+    println!("|---|---|---|---|---|---|---|");
+    let default = GemvTune::for_rows(1);
+    let mut want = Vec::new();
+    for (n, k, _, w, x) in &mats {
+        let mut y = dev!(st.alloc_zeros::<f32>(*n));
+        gemv_f16(gpu, &w.as_view(), &x.as_view(), &mut y.as_view_mut(), 1, *n, *k, default)?;
+        want.push(dev!(st.clone_dtoh(&y)));
+    }
+    let mut best: Option<(f64, GemvTune)> = None;
+    for rows_per_warp in [1, 2, 4] {
+        for unroll in [1, 2, 4] {
+            for threads in [128, 256] {
+                let tune = GemvTune { rows_per_warp, unroll, threads };
+                let (mut layer, mut cells) = (0.0, Vec::new());
+                for ((n, k, c, w, x), want) in mats.iter().zip(&want) {
+                    let mut y = dev!(st.alloc_zeros::<f32>(*n));
+                    let ms = time_ms(gpu, &mut clear, reps, || {
+                        Ok(gemv_f16(gpu, &w.as_view(), &x.as_view(), &mut y.as_view_mut(), 1, *n, *k, tune)?)
+                    })?;
+                    let got = dev!(st.clone_dtoh(&y));
+                    if rel_mse(want, &got) > 1e-10 {
+                        bail!("GEMV {tune:?} on {n}×{k} disagrees with the default shape");
+                    }
+                    layer += ms * *c as f64;
+                    cells.push(format!("{:.0}", (n * k * 2) as f64 / (ms * 1e-3) / 1e9));
+                }
+                println!(
+                    "| {rows_per_warp},{unroll},{threads} | {} | {layer:.3} | {:.2} |",
+                    cells.join(" | "),
+                    layer / floor_ms
+                );
+                if best.is_none_or(|(t, _)| layer < t) {
+                    best = Some((layer, tune));
+                }
+            }
+        }
+    }
+    let (t, b) = best.expect("variants timed");
+    println!(
+        "best VELOQ_GEMV={},{},{} ({t:.3} ms a layer, {:.2}× the floor; default {default:?})",
+        b.rows_per_warp,
+        b.unroll,
+        b.threads,
+        t / floor_ms
+    );
+    Ok(())
 }
 
 /// How each timed repetition starts.
@@ -455,6 +579,9 @@ pub fn run(a: Args) -> Result<()> {
     for &shape in quantize_checks {
         checks.push(check_quantize(&gpu, &mut rng, shape)?);
     }
+    if !a.skip_checks {
+        checks.extend(check_gemv(&gpu, &mut rng)?);
+    }
     for &c in attention_checks {
         for &v in &variants {
             // The tensor-core kernel takes groups of at most 8 heads; others use the table kernel.
@@ -466,6 +593,9 @@ pub fn run(a: Args) -> Result<()> {
     }
     if a.check_only {
         return write_json(&a.json, &json!({"gpu": gpu.name(), "checks": checks}));
+    }
+    if a.gemv_sweep {
+        return gemv_sweep(&gpu, &mut rng, a.reps);
     }
     let st = gpu.stream();
     let mut clear = Clear::new(&gpu, a.timing)?;

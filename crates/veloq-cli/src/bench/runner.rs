@@ -2,10 +2,13 @@
 //! user sees. In one run (the caches' correctness on CUDA is the conformance suite's,
 //! `tests/conformance.rs`, which the device smoke script runs):
 //! 2. agreement: greedy SmolLM2 on the CPU and on CUDA (fp16 and VecInfer), and the CUDA logits
-//!    teacher-forced on the CPU's tokens;
+//!    teacher-forced on the CPU's tokens; on CUDA, CUDA graphs off and on;
 //! 3. decode tok/s, peak allocator memory and launches per layer-step at each context and batch,
-//!    on the real SmolLM2 and on a random-weight Llama-3.1-8B geometry. Caches are filled with
-//!    random keys and values (speed does not depend on their values), then the model decodes;
+//!    on the real SmolLM2 and on a random-weight Llama-3.1-8B geometry, on each decode path
+//!    (`--paths`: eager, CUDA graphs, with or without veloq's GEMV) beside the bytes floor (the
+//!    weights and the caches' resident bytes at the copy bandwidth measured in the same run).
+//!    Caches are filled with random keys and values (speed does not depend on their values), then
+//!    the model decodes;
 //! 4. the longest context each cache fits in a fixed memory budget (allocated and measured).
 
 use std::path::PathBuf;
@@ -49,6 +52,11 @@ pub struct Args {
     agree_tokens: usize,
     #[arg(long, default_value = "Why is the sky blue? Answer in two sentences.")]
     prompt: String,
+    /// Decode paths to time side by side: `graphs` (the default: segments between attention
+    /// calls replayed from CUDA graphs, f16 weights through veloq's GEMV), `eager` (every
+    /// operation issued one by one, cuBLAS: the path before both), `graphs-cublas`, `eager-gemv`.
+    #[arg(long, value_delimiter = ',', default_value = "eager,graphs")]
+    paths: Vec<String>,
     /// Models to time: smollm2 (the real file) and/or llama8b (random weights, f16).
     #[arg(long, value_delimiter = ',', default_value = "smollm2,llama8b")]
     models: Vec<String>,
@@ -60,6 +68,10 @@ pub struct Args {
     /// Redraw the figure (--plot) from this JSON of an earlier run; measures nothing.
     #[arg(long)]
     replot: Option<PathBuf>,
+    /// The anchor's JSON (`scripts/device/hf_decode.py`: transformers + torch.compile on the 8B
+    /// geometry), drawn beside the 8B panels of the figure.
+    #[arg(long)]
+    anchor: Option<PathBuf>,
 }
 
 /// Panels of the figure from the JSON rows: (model, batch) → method → (context, tok/s).
@@ -68,7 +80,10 @@ fn figure(runs: &[Value]) -> crate::plot::Panels {
     for r in runs.iter().filter(|r| r["fits"].as_bool() == Some(true)) {
         let model = r["model"].as_str().unwrap_or("?");
         let title = format!("{}, batch {}", model.split(" (").next().unwrap_or(model), r["batch"]);
-        let method = r["method"].as_str().unwrap_or("?").to_string();
+        let method = match r["path"].as_str() {
+            Some(p) => format!("{} ({p})", r["method"].as_str().unwrap_or("?")),
+            None => r["method"].as_str().unwrap_or("?").to_string(),
+        };
         let point = (r["context"].as_f64().unwrap_or(0.0), r["tok_s"].as_f64().unwrap_or(0.0));
         let pi = panels.iter().position(|p| p.0 == title).unwrap_or_else(|| {
             panels.push((title, Vec::new()));
@@ -83,15 +98,28 @@ fn figure(runs: &[Value]) -> crate::plot::Panels {
     panels
 }
 
-fn plot(path: &std::path::Path, json: &Value) -> Result<()> {
+/// The anchor's rows as lines in the 8B panels ("transformers + torch.compile").
+fn anchor_lines(panels: &mut crate::plot::Panels, anchor: &Value) {
+    let name = format!("transformers + torch.compile ({})", anchor["dtype"].as_str().unwrap_or("fp16"));
+    for r in anchor["rows"].as_array().into_iter().flatten() {
+        let (Some(ctx), Some(tps)) = (r["context"].as_f64(), r["tok_s"].as_f64()) else { continue };
+        let title = format!("Llama-3.1-8B geometry, random f16 weights, batch {}", r["batch"]);
+        if let Some(p) = panels.iter_mut().find(|p| p.0 == title) {
+            match p.1.iter_mut().find(|l| l.0 == name) {
+                Some(l) => l.1.push((ctx, tps)),
+                None => p.1.push((name.clone(), vec![(ctx, tps)])),
+            }
+        }
+    }
+}
+
+fn plot(path: &std::path::Path, json: &Value, anchor: Option<&Value>) -> Result<()> {
     let runs = json["runs"].as_array().cloned().unwrap_or_default();
-    crate::plot::speed(
-        path,
-        json["device"].as_str().unwrap_or("GPU"),
-        "context (tokens)",
-        "decode tokens/s",
-        &figure(&runs),
-    )?;
+    let mut panels = figure(&runs);
+    if let Some(a) = anchor {
+        anchor_lines(&mut panels, a);
+    }
+    crate::plot::speed(path, json["device"].as_str().unwrap_or("GPU"), "context (tokens)", "decode tokens/s", &panels)?;
     eprintln!("wrote {}", path.display());
     Ok(())
 }
@@ -172,6 +200,34 @@ fn agreement(cpu: &Model, gpu: &Model, cfg: &CacheConfig, prompt: &[u32], n: usi
               "teacher_forced_top1": top1, "max_abs_logit_diff": max_dlogit, "cpu_tokens": cpu_tok, "cuda_tokens": gpu_tok}))
 }
 
+/// Greedy decoding on CUDA with CUDA graphs off and on (same model, same cache method): the
+/// replayed segments must give the eager path's tokens; where both runs fed the same tokens, the
+/// largest logit difference.
+fn graph_agreement(gpu: &Model, cfg: &CacheConfig, prompt: &[u32], n: usize) -> Result<Value> {
+    gpu.set_cuda_graphs(false);
+    let (eager, eager_logits) = greedy(gpu, cfg, prompt, n, None)?;
+    gpu.set_cuda_graphs(true);
+    let launches0 = gpu.cuda_graph_launches();
+    let (graphs, graph_logits) = greedy(gpu, cfg, prompt, n, None)?;
+    let launched = gpu.cuda_graph_launches() - launches0;
+    let same = eager.iter().zip(&graphs).position(|(a, b)| a != b).unwrap_or(n);
+    let max_dlogit = eager_logits
+        .iter()
+        .zip(&graph_logits)
+        .take(same + 1)
+        .map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max))
+        .fold(0.0f32, f32::max);
+    println!(
+        "  {:<22} CUDA graphs vs eager: greedy tokens equal {same} of {n}, max |Δlogit| {max_dlogit:.4} ({launched} graph launches)",
+        cfg.name()
+    );
+    if launched == 0 {
+        anyhow::bail!("{}: the graph path launched no graph", cfg.name());
+    }
+    Ok(json!({"method": cfg.name(), "tokens": n, "equal_prefix": same, "max_abs_logit_diff": max_dlogit,
+              "graph_launches": launched, "eager_tokens": eager, "graph_tokens": graphs}))
+}
+
 /// Whether `e` is the device running out of memory (a typed error from the caches or candle).
 fn is_oom(e: &anyhow::Error) -> bool {
     e.chain().any(|c| {
@@ -212,29 +268,89 @@ fn step(model: &Model, caches: &mut ModelCache, tokens: &mut Vec<u32>) -> Result
 /// Untimed decode steps before timing (host clocks and caches settle).
 const WARMUP: usize = 4;
 
+/// Device-to-device copy bandwidth (bytes read + written per second) over 1 GiB buffers, the
+/// median of 9 copies: the floor's yardstick, measured in the same run.
+fn copy_bandwidth(gpu: &Gpu) -> Result<f64> {
+    let n = 1usize << 30;
+    let stream = gpu.stream();
+    let src = stream.alloc_zeros::<u8>(n)?;
+    let mut dst = stream.alloc_zeros::<u8>(n)?;
+    let mut times = Vec::new();
+    for i in 0..11 {
+        stream.synchronize()?;
+        let t = Instant::now();
+        stream.memcpy_dtod(&src, &mut dst)?;
+        stream.synchronize()?;
+        if i >= 2 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(2.0 * n as f64 / times[times.len() / 2])
+}
+
+/// A decode path: whether the step replays CUDA graphs and whether f16 weights take veloq's GEMV.
+#[derive(Clone)]
+struct Path {
+    name: String,
+    graphs: bool,
+    gemv: bool,
+}
+
+impl Path {
+    fn set(&self, model: &Model) {
+        model.set_cuda_graphs(self.graphs);
+        veloq_candle::model::set_cuda_gemv(self.gemv);
+    }
+}
+
+fn parse_paths(names: &[String]) -> Result<Vec<Path>> {
+    names
+        .iter()
+        .map(|p| {
+            let (graphs, gemv) = match p.as_str() {
+                "eager" => (false, false),
+                "eager-gemv" => (false, true),
+                "graphs-cublas" => (true, false),
+                "graphs" => (true, true),
+                other => anyhow::bail!("unknown decode path {other:?} (eager, eager-gemv, graphs-cublas, graphs)"),
+            };
+            Ok(Path { name: p.clone(), graphs, gemv })
+        })
+        .collect()
+}
+
 /// The methods at one context and batch: for each, the allocator's peak over decode steps with
-/// only its caches built; then the decode speed of all that fit with their caches side by side,
-/// steps interleaved (method A, method B, A, B, …) so that both see the same host: the steps are
-/// bound by launch overhead, and the host's speed drifts by tens of percent over a run.
+/// only its caches built (on the last path given); then the decode speed of all that fit, every
+/// (method, path) pair with the method's caches, steps interleaved (A, B, A, B, …) so that all see
+/// the same host (the host's speed drifts by tens of percent over a run). A row per pair, with the
+/// bytes a step reads (weights + the caches' resident bytes) beside the floor they set at `bw`.
+#[allow(clippy::too_many_arguments)]
 fn cases(
     model: &Model,
     methods: &[CacheConfig],
+    paths: &[Path],
     batch: usize,
     ctx: usize,
     steps: usize,
     gpu: &Gpu,
     rt: &CudaRuntime,
+    bw: f64,
 ) -> Result<Vec<Value>> {
     let dev = model.device();
+    let np = paths.len();
     let sized: Vec<CacheConfig> =
-        methods.iter().map(|m| CacheConfig { capacity: Some(ctx + steps + WARMUP + 8), ..m.clone() }).collect();
+        methods.iter().map(|m| CacheConfig { capacity: Some(ctx + (steps + WARMUP) * np + 8), ..m.clone() }).collect();
     let build = |cfg: &CacheConfig| -> Result<ModelCache> {
         let mut caches = cfg.build_batch(model, batch)?;
         fill(model, &mut caches, batch, ctx)?;
         Ok(caches)
     };
+    if let Some(p) = paths.last() {
+        p.set(model);
+    }
     // Memory, one method at a time.
-    let mut rows = Vec::new();
+    let mut mem = Vec::new();
     for cfg in &sized {
         sync(dev)?;
         let used0 = gpu.pool_memory()?.used;
@@ -250,46 +366,70 @@ fn cases(
             Ok((gpu.pool_memory()?.peak.saturating_sub(used0), caches.resident_bytes()))
         })();
         sync(dev)?;
-        rows.push(match measured {
+        mem.push(match measured {
             Ok((peak, resident)) => json!({"fits": true, "peak_bytes": peak, "resident_bytes": resident}),
             Err(e) if is_oom(&e) => json!({"fits": false, "error": e.to_string()}),
             Err(e) => return Err(e),
         });
     }
-    // Speed, the methods that fit, interleaved.
-    let fit: Vec<usize> = (0..sized.len()).filter(|&i| rows[i]["fits"].as_bool() == Some(true)).collect();
+    // Speed: the methods that fit, each on every path, interleaved.
+    let fit: Vec<usize> = (0..sized.len()).filter(|&i| mem[i]["fits"].as_bool() == Some(true)).collect();
     let mut caches = fit.iter().map(|&i| build(&sized[i])).collect::<Result<Vec<_>>>()?;
-    let mut tokens = vec![vec![1u32; batch]; fit.len()];
+    let pairs: Vec<(usize, usize)> = (0..fit.len()).flat_map(|m| (0..np).map(move |p| (m, p))).collect();
+    let mut tokens = vec![vec![1u32; batch]; pairs.len()];
+    let mut run = |k: usize, tokens: &mut Vec<u32>| -> Result<()> {
+        let (m, p) = pairs[k];
+        paths[p].set(model);
+        step(model, &mut caches[m], tokens)
+    };
     for _ in 0..WARMUP {
-        for (c, t) in caches.iter_mut().zip(tokens.iter_mut()) {
-            step(model, c, t)?;
+        for (k, t) in tokens.iter_mut().enumerate() {
+            run(k, t)?;
         }
     }
     sync(dev)?;
-    let mut launches = vec![0usize; fit.len()];
-    let mut times = vec![Vec::with_capacity(steps); fit.len()];
+    let mut launches = vec![0usize; pairs.len()];
+    let mut times = vec![Vec::with_capacity(steps); pairs.len()];
     for _ in 0..steps {
-        for (((c, t), times), l) in
-            caches.iter_mut().zip(tokens.iter_mut()).zip(times.iter_mut()).zip(launches.iter_mut())
-        {
+        for (k, t) in tokens.iter_mut().enumerate() {
             // Each step ends on the host (the argmax comes back): steps time one by one.
-            let l0 = rt.launches();
+            let l0 = rt.launches() + model.cuda_graph_launches();
             let start = Instant::now();
-            step(model, c, t)?;
-            times.push(start.elapsed().as_secs_f64());
-            *l += rt.launches() - l0;
+            run(k, t)?;
+            times[k].push(start.elapsed().as_secs_f64());
+            launches[k] += rt.launches() + model.cuda_graph_launches() - l0;
         }
     }
     let layers = model.info.identity.n_layers;
-    for (k, &i) in fit.iter().enumerate() {
-        times[k].sort_by(f64::total_cmp);
-        let median = times[k][steps / 2];
-        let launches = launches[k];
-        let row = &mut rows[i];
-        row["tok_s"] = json!(batch as f64 / median);
-        row["ms_per_step"] = json!(median * 1e3);
-        row["ms_per_step_min_max"] = json!([times[k][0] * 1e3, times[k][steps - 1] * 1e3]);
-        row["launches_per_layer_step"] = json!(launches as f64 / (steps * layers) as f64);
+    let weights = model.weight_bytes();
+    let mut rows = Vec::new();
+    for (i, m) in mem.iter().enumerate() {
+        match fit.iter().position(|&f| f == i) {
+            None => rows.extend(paths.iter().map(|p| {
+                let mut r = m.clone();
+                r["path"] = json!(p.name);
+                r
+            })),
+            Some(mi) => {
+                let kv = caches[mi].resident_bytes();
+                for (k, &(pm, p)) in pairs.iter().enumerate().filter(|(_, &(pm, _))| pm == mi) {
+                    let _ = pm;
+                    times[k].sort_by(f64::total_cmp);
+                    let median = times[k][steps / 2];
+                    let bytes = weights + kv;
+                    let mut row = m.clone();
+                    row["path"] = json!(paths[p].name);
+                    row["tok_s"] = json!(batch as f64 / median);
+                    row["ms_per_step"] = json!(median * 1e3);
+                    row["ms_per_step_min_max"] = json!([times[k][0] * 1e3, times[k][steps - 1] * 1e3]);
+                    row["launches_per_layer_step"] = json!(launches[k] as f64 / (steps * layers) as f64);
+                    row["bytes_per_step"] = json!({"weights": weights, "kv_resident": kv});
+                    row["floor_ms"] = json!(bytes as f64 / bw * 1e3);
+                    row["vs_floor"] = json!(median / (bytes as f64 / bw));
+                    rows.push(row);
+                }
+            }
+        }
     }
     drop(caches);
     sync(dev)?;
@@ -344,22 +484,28 @@ fn over(bytes: Option<usize>, budget: usize) -> bool {
 }
 
 pub fn run(a: Args) -> Result<()> {
+    let read = |p: &PathBuf| -> Result<Value> {
+        Ok(serde_json::from_str(&std::fs::read_to_string(p).with_context(|| p.display().to_string())?)?)
+    };
+    let anchor = a.anchor.as_ref().map(read).transpose()?;
     if let Some(src) = &a.replot {
-        let json: Value =
-            serde_json::from_str(&std::fs::read_to_string(src).with_context(|| src.display().to_string())?)?;
-        return plot(a.plot.as_deref().context("--replot needs --plot")?, &json);
+        return plot(a.plot.as_deref().context("--replot needs --plot")?, &read(src)?, anchor.as_ref());
     }
     let dev = crate::device::parse("cuda")?;
     let Device::Cuda(cuda) = &dev else { unreachable!("parse gives a CUDA device for cuda") };
     let gpu = Gpu::from_stream(cuda.cuda_stream())?;
     let rt = CudaRuntime::new(&dev)?;
     println!("{} ({} SMs)", gpu.name(), gpu.multiprocessors());
+    let paths = parse_paths(&a.paths)?;
+    let bw = copy_bandwidth(&gpu)?;
+    println!("device-to-device copy: {:.2} TB/s (read + write), the yardstick of the bytes floor", bw / 1e12);
     let mut rng = Rng(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos() as u64 | 1);
 
     let model_path = a.files.model();
     let max_ctx = a.contexts.iter().max().copied().unwrap_or(1024) + a.steps + 64;
     let cal_path = a.files.calibration();
     let mut agree = Vec::new();
+    let mut graphs_agree = Vec::new();
     let mut runs = Vec::new();
     let mut budget = Vec::new();
     for name in &a.models {
@@ -380,6 +526,10 @@ pub fn run(a: Args) -> Result<()> {
                         agreement(&cpu_model, &gpu_model, &cfg, &prompt, a.agree_tokens)
                             .with_context(|| format!("agreement, {}", cfg.name()))?,
                     );
+                    graphs_agree.push(
+                        graph_agreement(&gpu_model, &cfg, &prompt, a.agree_tokens)
+                            .with_context(|| format!("graphs vs eager, {}", cfg.name()))?,
+                    );
                 }
                 (gpu_model, cal, "SmolLM2-135M (real weights)".to_string())
             }
@@ -399,39 +549,58 @@ pub fn run(a: Args) -> Result<()> {
             other => anyhow::bail!("unknown model {other:?} (smollm2, llama8b)"),
         };
         let methods = [CacheConfig::fp16(), CacheConfig::vecinfer(cal)];
-        println!("\n3. decode, {label}: median of {} steps after {WARMUP}, methods interleaved step by step, caches filled with random keys/values", a.steps);
+        println!("\n3. decode, {label}: median of {} steps after {WARMUP}, every (method, path) interleaved step by step, caches filled with random keys/values; floor = (weights {} + KV resident) / copy bandwidth", a.steps, human(model.weight_bytes()));
         println!(
-            "{:>5} {:>7} | {:>22} {:>9} {:>9} {:>12} {:>8} | {:>8} {:>9}",
-            "batch", "context", "method", "tok/s", "ms/step", "peak alloc", "launch/L", "speed", "memory"
+            "{:>5} {:>7} | {:>22} {:>13} {:>9} {:>9} {:>8} {:>12} {:>8} | {:>7} {:>7} {:>8}",
+            "batch",
+            "context",
+            "method",
+            "path",
+            "tok/s",
+            "ms/step",
+            "floor",
+            "peak alloc",
+            "launch/L",
+            "vs fp16",
+            "vs eagr",
+            "memory"
         );
         for &batch in &a.batches {
             for &ctx in &a.contexts {
-                let rows = cases(&model, &methods, batch, ctx, a.steps, &gpu, &rt)
+                let rows = cases(&model, &methods, &paths, batch, ctx, a.steps, &gpu, &rt, bw)
                     .with_context(|| format!("batch {batch} context {ctx}"))?;
-                let base = rows[0]["tok_s"].as_f64().zip(rows[0]["peak_bytes"].as_f64());
-                for (m, mut row) in methods.iter().zip(rows) {
-                    match (row["tok_s"].as_f64(), row["peak_bytes"].as_f64()) {
-                        (Some(tps), Some(peak)) => {
-                            let vs = |x: Option<f64>, w: usize, p: usize| {
-                                x.map_or(format!("{:>w$}", "n/a"), |r| format!("{r:>w$.p$}×"))
-                            };
-                            println!(
-                                "{batch:>5} {ctx:>7} | {:>22} {tps:>9.1} {:>9.2} {:>12} {:>8.2} | {:>8} {:>9}",
-                                m.name(),
-                                row["ms_per_step"].as_f64().unwrap_or(0.0),
-                                human(peak as usize),
-                                row["launches_per_layer_step"].as_f64().unwrap_or(0.0),
-                                vs(base.map(|(bt, _)| tps / bt), 7, 2),
-                                vs(base.map(|(_, bp)| peak / bp), 8, 3)
-                            );
+                let np = paths.len();
+                let get = |m: usize, p: usize, key: &str| rows[m * np + p][key].as_f64();
+                for (mi, m) in methods.iter().enumerate() {
+                    for (pi, path) in paths.iter().map(|p| &p.name).enumerate() {
+                        let mut row = rows[mi * np + pi].clone();
+                        match (get(mi, pi, "tok_s"), get(mi, pi, "peak_bytes")) {
+                            (Some(tps), Some(peak)) => {
+                                let vs = |x: Option<f64>, w: usize| {
+                                    x.map_or(format!("{:>w$}", "n/a"), |r| format!("{r:>w$.2}×"))
+                                };
+                                println!(
+                                    "{batch:>5} {ctx:>7} | {:>22} {path:>13} {tps:>9.1} {:>9.2} {:>7.2}× {:>12} {:>8.2} | {:>6} {:>6} {:>7}",
+                                    m.name(),
+                                    get(mi, pi, "ms_per_step").unwrap_or(0.0),
+                                    get(mi, pi, "vs_floor").unwrap_or(0.0),
+                                    human(peak as usize),
+                                    get(mi, pi, "launches_per_layer_step").unwrap_or(0.0),
+                                    vs(get(0, pi, "tok_s").map(|b| tps / b), 6),
+                                    vs(get(mi, 0, "tok_s").map(|b| tps / b), 6),
+                                    vs(get(0, pi, "peak_bytes").map(|b| peak / b), 7),
+                                );
+                            }
+                            _ => {
+                                println!("{batch:>5} {ctx:>7} | {:>22} {path:>13} does not fit in GPU memory", m.name())
+                            }
                         }
-                        _ => println!("{batch:>5} {ctx:>7} | {:>22} does not fit in GPU memory", m.name()),
+                        row["model"] = json!(label);
+                        row["method"] = json!(m.name());
+                        row["batch"] = json!(batch);
+                        row["context"] = json!(ctx);
+                        runs.push(row);
                     }
-                    row["model"] = json!(label);
-                    row["method"] = json!(m.name());
-                    row["batch"] = json!(batch);
-                    row["context"] = json!(ctx);
-                    runs.push(row);
                 }
             }
         }
@@ -456,11 +625,12 @@ pub fn run(a: Args) -> Result<()> {
             budget.push(r);
         }
     }
-    let out = json!({"bench": "runner", "device": gpu.name(), "steps": a.steps, "agreement": agree, "runs": runs, "budget": budget});
+    let out = json!({"bench": "runner", "device": gpu.name(), "steps": a.steps, "copy_bandwidth_bytes_s": bw,
+                     "paths": a.paths, "agreement": agree, "graphs_vs_eager": graphs_agree, "runs": runs, "budget": budget});
     write_json(&a.json, &out)?;
     if let Some(p) = &a.plot {
         // The figure is a convenience: a missing font must not lose the measurements (--replot).
-        if let Err(e) = plot(p, &out) {
+        if let Err(e) = plot(p, &out, anchor.as_ref()) {
             eprintln!("figure not drawn ({e:#}); redraw it with --replot");
         }
     }

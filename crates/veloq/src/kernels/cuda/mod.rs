@@ -6,6 +6,7 @@
 
 mod attention;
 mod dense;
+mod gemv;
 mod prefill;
 mod quantize;
 mod window;
@@ -14,6 +15,7 @@ pub use attention::{
     AttentionScratch, Coded, GpuAttention, SplitKernel, Window, WindowMap, DEFAULT_THREADS, MAX_WINDOW,
 };
 pub use dense::GpuDenseAttention;
+pub use gemv::{gemv_f16, GemvTune, MAX_ROWS as GEMV_MAX_ROWS};
 pub use prefill::{GpuPrefill, PrefillOut, Source, Split};
 pub use quantize::{GpuCodec, RowMap};
 pub use window::{PutMap, PutRows};
@@ -209,11 +211,12 @@ pub fn compile_check(arch: &'static str) -> Result<()> {
     let window = std::iter::once(("vq_window_put", window::SOURCES, vec![("D", 128)]));
     let dense = dense::example_defines().into_iter().map(|d| ("f16_attend_split", dense::SOURCES, d));
     let quantize = std::iter::once(("vq_quantize", quantize::SOURCES, quantize::example_defines()));
+    let gemv = gemv::example_defines().into_iter().map(|d| ("f16_gemv", gemv::SOURCES, d));
     let prefill = prefill::example_defines()
         .into_iter()
         .flat_map(|d| [("vq_prefill_codes", prefill::SOURCES, d.clone()), ("f16_prefill_rows", prefill::SOURCES, d)]);
     for (name, sources, defines) in
-        quantize.chain(attention).chain(merge).chain(mma).chain(window).chain(dense).chain(prefill)
+        quantize.chain(attention).chain(merge).chain(mma).chain(window).chain(dense).chain(prefill).chain(gemv)
     {
         compile(arch, name, sources, &defines)?;
     }

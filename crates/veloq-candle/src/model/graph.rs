@@ -1,0 +1,232 @@
+//! Decode steps on CUDA replayed from CUDA graphs (feature `cuda`).
+//!
+//! A decode step issues a few dozen candle operations per layer; at batch 1 the host issuing them
+//! (allocation, lookup, launch: several µs each) is slower than the GPU running them, so the step
+//! costs the host's time, not the bytes it reads. Everything between two attention calls — the
+//! previous layer's output projection, residual and MLP, then this layer's norm, projections and
+//! RoPE — depends on nothing but the batch size: its shapes are fixed and its inputs can sit in
+//! buffers that never move. Each such segment (layers + 1 per step) is captured once per batch
+//! size and replayed with one launch. The cache's own work (rows in, attention, flushes into
+//! codes) stays outside the graphs: it is a few launches per layer, its lengths and ring positions
+//! change every step, and it is the same code every other path runs.
+//!
+//! The segments are the eager pass's own functions ([`Model::qkv`], [`Model::residual`], …), so the
+//! two paths cannot drift apart; temporaries allocated inside a capture become the graph's own
+//! (stream-ordered) allocations, and candle's small parameter uploads come from its capture cache. A capture that fails — an operation the driver refuses in
+//! capture — turns graphs off for that batch size with a warning, and the step runs eagerly.
+
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{DType, Device, Tensor};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaStream};
+
+use super::decoder::{Model, RopeRows};
+use crate::cache::{ModelCache, Step};
+use crate::error::{Error, Result};
+
+/// Graphs per batch size, on by default (`VELOQ_CUDA_GRAPHS=0` or [`Model::set_cuda_graphs`] turn
+/// them off).
+pub(crate) struct Graphs {
+    on: AtomicBool,
+    /// By batch size and whether f16 weights took veloq's GEMV when captured (a graph replays
+    /// the kernels it was captured with).
+    batches: Mutex<HashMap<(usize, bool), Batch>>,
+    launches: AtomicUsize,
+}
+
+impl Default for Graphs {
+    fn default() -> Self {
+        let on = std::env::var("VELOQ_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        Self { on: AtomicBool::new(on), batches: Mutex::new(HashMap::new()), launches: AtomicUsize::new(0) }
+    }
+}
+
+/// The buffers a batch size's segments read and write (fixed addresses: the graphs point at them)
+/// and, once captured, the segments' graphs.
+struct Batch {
+    ids: Tensor,
+    positions: Tensor,
+    /// Residual stream `[B, hidden]`.
+    x: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    /// Attention output `[B, heads, D]`, copied in after each layer's attention.
+    y: Tensor,
+    rope: RopeRows,
+    logits: Tensor,
+    graphs: Captured,
+    /// Steps run so far: the first runs eagerly (libraries allocate their workspaces then), the
+    /// second captures.
+    steps: usize,
+    /// Capture failed: this batch size runs eagerly from now on.
+    broken: bool,
+}
+
+/// Graph objects are not thread-safe; every use goes through the [`Graphs`] mutex.
+struct Captured(Vec<CudaGraph>);
+// SAFETY: the graphs are only touched with the `batches` lock held, one thread at a time, as the
+// driver requires for graph objects.
+unsafe impl Send for Captured {}
+
+impl Batch {
+    fn new(model: &Model, b: usize) -> Result<Self> {
+        let (info, dev) = (&model.info, model.device());
+        let (nh, nkv, hd) = (info.n_heads, info.identity.n_kv_heads, info.identity.head_dim);
+        let z = |shape: &[usize], dtype: DType| Tensor::zeros(shape, dtype, dev);
+        let zero_positions = z(&[b], DType::U32)?;
+        Ok(Self {
+            ids: z(&[b], DType::U32)?,
+            rope: model.rope_rows(&zero_positions)?,
+            positions: zero_positions,
+            x: z(&[b, info.hidden], DType::F32)?,
+            q: z(&[b, nh, hd], DType::F32)?,
+            k: z(&[b, nkv, hd], DType::F32)?,
+            v: z(&[b, nkv, hd], DType::F32)?,
+            y: z(&[b, nh, hd], DType::F32)?,
+            logits: z(&[b, info.vocab], DType::F32)?,
+            graphs: Captured(Vec::new()),
+            steps: 0,
+            broken: false,
+        })
+    }
+
+    /// Segment `i` of a step: the embedding (i = 0) or layer i−1's residual, then layer i's
+    /// queries, keys and values; after the last layer, the logits. Writes only this batch's
+    /// buffers; every temporary is dropped before it returns (inside a capture, too).
+    fn segment(&self, model: &Model, cuda: &CudaDevice, i: usize) -> Result<()> {
+        // candle uploads small kernel parameters (dims, strides) from the host; with this guard
+        // they come from a cache filled in the eager first step, so a captured graph never
+        // points at a host vector or a device buffer that is gone when it replays (and a miss
+        // during capture is an error, not a dangling pointer).
+        let _params = cuda.enable_cuda_graph_htod_cache();
+        let layers = model.layers.len();
+        let x = if i == 0 {
+            let rows = model.rope_rows(&self.positions)?;
+            self.rope.cos.slice_set(&rows.cos, 0, 0)?;
+            self.rope.sin.slice_set(&rows.sin, 0, 0)?;
+            if let (Some((c, s)), Some((rc, rs))) = (&self.rope.local, &rows.local) {
+                c.slice_set(rc, 0, 0)?;
+                s.slice_set(rs, 0, 0)?;
+            }
+            model.embed_tokens(&self.ids)?
+        } else {
+            model.residual(&model.layers[i - 1], &self.x, &self.y)?
+        };
+        if i < layers {
+            let (q, k, v) = model.qkv(&model.layers[i], &x, &self.rope)?;
+            self.q.slice_set(&q, 0, 0)?;
+            self.k.slice_set(&k, 0, 0)?;
+            self.v.slice_set(&v, 0, 0)?;
+            self.x.slice_set(&x, 0, 0)?;
+        } else {
+            self.logits.slice_set(&model.head(&x)?, 0, 0)?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs `body` under stream capture on `stream`; the graph, or why there is none.
+fn capture(stream: &Arc<CudaStream>, body: impl FnOnce() -> Result<()>) -> std::result::Result<CudaGraph, String> {
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(|e| format!("begin capture: {e:?}"))?;
+    let body = body();
+    let end = stream.end_capture(CUgraphInstantiate_flags(0));
+    let out = match (body, end) {
+        (Ok(()), Ok(Some(g))) => Ok(g),
+        (Err(e), _) => Err(e.to_string()),
+        (_, Err(e)) => Err(format!("end capture: {e:?}")),
+        (_, Ok(None)) => Err("the capture recorded nothing".into()),
+    };
+    if out.is_err() {
+        // Errors of frees inside the abandoned capture were parked on the context; clear them.
+        let _ = stream.context().check_err();
+    }
+    out
+}
+
+impl Graphs {
+    pub(crate) fn set(&self, on: bool) {
+        self.on.store(on, Ordering::Relaxed);
+    }
+
+    pub(crate) fn enabled(&self) -> bool {
+        self.on.load(Ordering::Relaxed)
+    }
+
+    /// Graph launches issued so far.
+    pub(crate) fn launches(&self) -> usize {
+        self.launches.load(Ordering::Relaxed)
+    }
+
+    /// A decode step (one new token per sequence) through the graphs: logits `[sequences,
+    /// vocab]`; `None` when graphs do not apply (off, not CUDA, several tokens for a sequence)
+    /// and the caller runs the step eagerly.
+    pub(crate) fn forward(
+        &self,
+        model: &Model,
+        tokens: &[u32],
+        step: &Step,
+        cache: &mut ModelCache,
+    ) -> Result<Option<Tensor>> {
+        let Device::Cuda(cuda) = model.device() else { return Ok(None) };
+        if !self.enabled() || step.seqs().iter().any(|s| s.len != 1) {
+            return Ok(None);
+        }
+        let b = tokens.len();
+        let key = (b, super::linear::gemv::enabled());
+        let mut batches = self.batches.lock().expect("graph lock");
+        let batch = match batches.entry(key) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(Batch::new(model, b)?),
+        };
+        if batch.broken {
+            return Ok(None);
+        }
+        let dev = model.device();
+        batch.ids.slice_set(&Tensor::new(tokens, dev)?, 0, 0)?;
+        batch.positions.slice_set(&Tensor::new(step.positions().as_slice(), dev)?, 0, 0)?;
+        let stream = cuda.cuda_stream();
+        let capturing = batch.steps >= 1;
+        let scale = model.attn_scale as f32;
+        let caches = cache.layers_mut();
+        for i in 0..=model.layers.len() {
+            if i > 0 {
+                let c = &mut caches[i - 1];
+                c.append(&batch.k, &batch.v, step)?;
+                let y = c.attend(&batch.q, step, scale)?;
+                c.commit()?;
+                batch.y.slice_set(&y.contiguous()?, 0, 0)?;
+            }
+            if let Some(g) = batch.graphs.0.get(i) {
+                g.launch().map_err(|e| Error::Config(format!("CUDA graph launch: {e:?}")))?;
+                self.launches.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            if capturing && !batch.broken {
+                match capture(&stream, || batch.segment(model, cuda, i)) {
+                    Ok(g) => {
+                        g.launch().map_err(|e| Error::Config(format!("CUDA graph launch: {e:?}")))?;
+                        self.launches.fetch_add(1, Ordering::Relaxed);
+                        batch.graphs.0.push(g);
+                        continue;
+                    }
+                    Err(why) => {
+                        eprintln!("veloq: CUDA graphs off for batch {b} (capture failed: {why}); running eagerly");
+                        batch.broken = true;
+                        batch.graphs.0.clear();
+                    }
+                }
+            }
+            batch.segment(model, cuda, i)?;
+        }
+        batch.steps += 1;
+        Ok(Some(batch.logits.copy()?))
+    }
+}
