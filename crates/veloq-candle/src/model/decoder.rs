@@ -277,8 +277,9 @@ impl Model {
     /// Returns logits `[tokens, vocab]` ([`Logits::All`]) or `[sequences, vocab]` for each
     /// sequence's last token ([`Logits::Last`]).
     pub fn forward_step(&self, tokens: &[u32], step: &Step, cache: &mut ModelCache, logits: Logits) -> Result<Tensor> {
-        if cache.layers_mut().len() != self.layers.len() {
-            return Err(Error::Config(format!("{} caches for {} layers", cache.layers_mut().len(), self.layers.len())));
+        let n_caches = cache.layers_mut().len();
+        if n_caches != self.layers.len() {
+            return Err(Error::Config(format!("{n_caches} caches for {} layers", self.layers.len())));
         }
         let n = step.tokens();
         if tokens.len() != n {

@@ -175,4 +175,24 @@ mod tests {
         }
         assert!(Geometry::LLAMA_3_1_8B.parameters() > 8_000_000_000);
     }
+
+    /// The bytes floor of `bench runner` counts every weight matrix once: 7 per layer and the
+    /// output head, 2 bytes per f16 weight (norms and the embedding table are not read whole).
+    #[test]
+    fn weight_bytes_count_every_matrix() {
+        let g = Geometry {
+            layers: 3,
+            hidden: 16,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+            ffn: 40,
+            vocab: 50,
+            rope_base: 10_000,
+        };
+        let m = Model::synthetic("t", g, 32, &candle_core::Device::Cpu, 0).unwrap();
+        let (q, kv) = (g.heads * g.head_dim, g.kv_heads * g.head_dim);
+        let per_layer = 2 * g.hidden * q + 2 * g.hidden * kv + 3 * g.hidden * g.ffn;
+        assert_eq!(m.weight_bytes(), 2 * (g.layers * per_layer + g.vocab * g.hidden));
+    }
 }
