@@ -12,8 +12,9 @@
 //!
 //! The segments are the eager pass's own functions ([`Model::qkv`], [`Model::residual`], …), so the
 //! two paths cannot drift apart; temporaries allocated inside a capture become the graph's own
-//! (stream-ordered) allocations, and candle's small parameter uploads come from its capture cache. A capture that fails — an operation the driver refuses in
-//! capture — turns graphs off for that batch size with a warning, and the step runs eagerly.
+//! (stream-ordered) allocations, and candle's small parameter uploads come from its capture
+//! cache. A capture that fails — an operation the driver refuses in capture — turns graphs off
+//! for that batch size with a warning, and the step runs eagerly.
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
@@ -61,9 +62,9 @@ struct Batch {
     rope: RopeRows,
     logits: Tensor,
     graphs: Captured,
-    /// Steps run so far: the first runs eagerly (libraries allocate their workspaces then), the
-    /// second captures.
-    steps: usize,
+    /// A step has run: the first runs eagerly (libraries allocate their workspaces then), later
+    /// ones capture the segments not captured yet.
+    warm: bool,
     /// Capture failed: this batch size runs eagerly from now on.
     broken: bool,
 }
@@ -91,7 +92,7 @@ impl Batch {
             y: z(&[b, nh, hd], DType::F32)?,
             logits: z(&[b, info.vocab], DType::F32)?,
             graphs: Captured(Vec::new()),
-            steps: 0,
+            warm: false,
             broken: false,
         })
     }
@@ -193,7 +194,6 @@ impl Graphs {
         batch.ids.slice_set(&Tensor::new(tokens, dev)?, 0, 0)?;
         batch.positions.slice_set(&Tensor::new(step.positions().as_slice(), dev)?, 0, 0)?;
         let stream = cuda.cuda_stream();
-        let capturing = batch.steps >= 1;
         let scale = model.attn_scale as f32;
         let caches = cache.layers_mut();
         for i in 0..=model.layers.len() {
@@ -205,15 +205,13 @@ impl Graphs {
                 batch.y.slice_set(&y.contiguous()?, 0, 0)?;
             }
             if let Some(g) = batch.graphs.0.get(i) {
-                g.launch().map_err(|e| Error::Config(format!("CUDA graph launch: {e:?}")))?;
-                self.launches.fetch_add(1, Ordering::Relaxed);
+                self.replay(g)?;
                 continue;
             }
-            if capturing && !batch.broken {
+            if batch.warm && !batch.broken {
                 match capture(&stream, || batch.segment(model, cuda, i)) {
                     Ok(g) => {
-                        g.launch().map_err(|e| Error::Config(format!("CUDA graph launch: {e:?}")))?;
-                        self.launches.fetch_add(1, Ordering::Relaxed);
+                        self.replay(&g)?;
                         batch.graphs.0.push(g);
                         continue;
                     }
@@ -226,7 +224,13 @@ impl Graphs {
             }
             batch.segment(model, cuda, i)?;
         }
-        batch.steps += 1;
+        batch.warm = true;
         Ok(Some(batch.logits.copy()?))
+    }
+
+    fn replay(&self, g: &CudaGraph) -> Result<()> {
+        g.launch().map_err(|e| Error::Config(format!("CUDA graph launch: {e:?}")))?;
+        self.launches.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 }

@@ -164,6 +164,27 @@ fn check_gemv(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<serde_json::Value>> {
 /// A Llama-3.1-8B layer's weight matrices for one decode token: (n, k, how many per layer).
 const GEMV_LAYER: [(usize, usize, usize); 4] = [(4096, 4096, 2), (1024, 4096, 2), (14336, 4096, 2), (4096, 14336, 1)];
 
+/// Device-to-device copy bandwidth (bytes read + written per second) over 1 GiB buffers, the
+/// median of 9 copies after 2: the yardstick of bytes floors, measured in the same run.
+pub(super) fn copy_bandwidth(gpu: &Gpu) -> Result<f64> {
+    let n = 1usize << 30;
+    let stream = gpu.stream();
+    let src = dev!(stream.alloc_zeros::<u8>(n));
+    let mut dst = dev!(stream.alloc_zeros::<u8>(n));
+    let mut times = Vec::new();
+    for i in 0..11 {
+        dev!(stream.synchronize());
+        let t = std::time::Instant::now();
+        dev!(stream.memcpy_dtod(&src, &mut dst));
+        dev!(stream.synchronize());
+        if i >= 2 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(2.0 * n as f64 / times[times.len() / 2])
+}
+
 /// Times the f16 GEMV's launch shapes on one activation row over a Llama-3.1-8B layer's weight
 /// matrices (L2 cleared before each rep), beside the device-to-device copy bandwidth measured
 /// here: GB/s per matrix, a layer's time and its ratio to the weights' bytes at the copy
@@ -171,12 +192,7 @@ const GEMV_LAYER: [(usize, usize, usize); 4] = [(4096, 4096, 2), (1024, 4096, 2)
 /// `best VELOQ_GEMV=R,U,T`.
 fn gemv_sweep(gpu: &Gpu, rng: &mut Rng, reps: usize) -> Result<()> {
     let st = gpu.stream();
-    let bytes = 1usize << 30;
-    let src = dev!(st.alloc_zeros::<u8>(bytes));
-    let mut dst = dev!(st.alloc_zeros::<u8>(bytes));
-    let copy_ms = time_ms(gpu, &mut Clear::Nothing, 9, || Ok(dev!(st.memcpy_dtod(&src, &mut dst))))?;
-    let bw = 2.0 * bytes as f64 / (copy_ms * 1e-3);
-    drop((src, dst));
+    let bw = copy_bandwidth(gpu)?;
     let mut clear = Clear::new(gpu, Timing::Queued)?;
     let mats = GEMV_LAYER
         .iter()

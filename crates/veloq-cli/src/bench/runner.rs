@@ -26,7 +26,7 @@ use veloq_candle::config::CacheConfig;
 use veloq_candle::generate::prompt_ids;
 use veloq_candle::model::{Geometry, Logits, Model};
 
-use super::cuda::Rng;
+use super::cuda::{copy_bandwidth, Rng};
 use super::write_json;
 use crate::generate::{human, ModelFiles};
 use crate::synthetic::synthetic_calibration;
@@ -98,12 +98,15 @@ fn figure(runs: &[Value]) -> crate::plot::Panels {
     panels
 }
 
+/// The 8B model's label (before the parameter count), which names its figure panels.
+const LLAMA8B: &str = "Llama-3.1-8B geometry, random f16 weights";
+
 /// The anchor's rows as lines in the 8B panels ("transformers + torch.compile").
 fn anchor_lines(panels: &mut crate::plot::Panels, anchor: &Value) {
     let name = format!("transformers + torch.compile ({})", anchor["dtype"].as_str().unwrap_or("fp16"));
     for r in anchor["rows"].as_array().into_iter().flatten() {
         let (Some(ctx), Some(tps)) = (r["context"].as_f64(), r["tok_s"].as_f64()) else { continue };
-        let title = format!("Llama-3.1-8B geometry, random f16 weights, batch {}", r["batch"]);
+        let title = format!("{LLAMA8B}, batch {}", r["batch"]);
         if let Some(p) = panels.iter_mut().find(|p| p.0 == title) {
             match p.1.iter_mut().find(|l| l.0 == name) {
                 Some(l) => l.1.push((ctx, tps)),
@@ -268,27 +271,6 @@ fn step(model: &Model, caches: &mut ModelCache, tokens: &mut Vec<u32>) -> Result
 /// Untimed decode steps before timing (host clocks and caches settle).
 const WARMUP: usize = 4;
 
-/// Device-to-device copy bandwidth (bytes read + written per second) over 1 GiB buffers, the
-/// median of 9 copies: the floor's yardstick, measured in the same run.
-fn copy_bandwidth(gpu: &Gpu) -> Result<f64> {
-    let n = 1usize << 30;
-    let stream = gpu.stream();
-    let src = stream.alloc_zeros::<u8>(n)?;
-    let mut dst = stream.alloc_zeros::<u8>(n)?;
-    let mut times = Vec::new();
-    for i in 0..11 {
-        stream.synchronize()?;
-        let t = Instant::now();
-        stream.memcpy_dtod(&src, &mut dst)?;
-        stream.synchronize()?;
-        if i >= 2 {
-            times.push(t.elapsed().as_secs_f64());
-        }
-    }
-    times.sort_by(f64::total_cmp);
-    Ok(2.0 * n as f64 / times[times.len() / 2])
-}
-
 /// A decode path: whether the step replays CUDA graphs and whether f16 weights take veloq's GEMV.
 #[derive(Clone)]
 struct Path {
@@ -412,8 +394,7 @@ fn cases(
             })),
             Some(mi) => {
                 let kv = caches[mi].resident_bytes();
-                for (k, &(pm, p)) in pairs.iter().enumerate().filter(|(_, &(pm, _))| pm == mi) {
-                    let _ = pm;
+                for (k, &(_, p)) in pairs.iter().enumerate().filter(|(_, &(pm, _))| pm == mi) {
                     times[k].sort_by(f64::total_cmp);
                     let median = times[k][steps / 2];
                     let bytes = weights + kv;
@@ -537,14 +518,7 @@ pub fn run(a: Args) -> Result<()> {
                 let g = Geometry::LLAMA_3_1_8B;
                 let model = Model::synthetic("llama-3.1-8b-geometry-random", g, max_ctx, &dev, 7)?;
                 let cal = synthetic_calibration(&model, &mut rng)?;
-                (
-                    model,
-                    cal,
-                    format!(
-                        "Llama-3.1-8B geometry, random f16 weights ({:.1} B parameters)",
-                        g.parameters() as f64 / 1e9
-                    ),
-                )
+                (model, cal, format!("{LLAMA8B} ({:.1} B parameters)", g.parameters() as f64 / 1e9))
             }
             other => anyhow::bail!("unknown model {other:?} (smollm2, llama8b)"),
         };

@@ -26,7 +26,7 @@ impl GemvTune {
     /// The shape for `b` activation rows: `VELOQ_GEMV=R,U,T` if set (from `veloq bench cuda
     /// --gemv-sweep` on the device at hand), else one row per warp, one load in flight, 256
     /// threads for one row (the fastest of 18 shapes on an H200, 8B layer: 0.190 ms against 0.205
-    /// for the next-slowest family), R = clamp(b, 2, 4), U = 2, 128 threads for more rows.
+    /// for R 2, U 2, 128 threads), R = clamp(b, 2, 4), U = 2, 128 threads for more rows.
     pub fn for_rows(b: usize) -> Self {
         static ENV: OnceLock<Option<(usize, usize, u32)>> = OnceLock::new();
         let env = ENV.get_or_init(|| {
