@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# CUDA-graph decode (issue 18) in one device call, stages chosen by STAGES (default all four):
+# CUDA-graph decode (issue 18) in one device call, stages chosen by STAGES (default all five):
 #   generate: what a user types, `veloq generate --device cuda` with graphs off
 #             (VELOQ_CUDA_GRAPHS=0, the path before them) and on, every method, a short and a
 #             ~5k-token prompt, and `--dequantize` (f32 weights); the two texts must be equal;
+#   f16w:     f16 weights (the GEMV's path, fused layer): GEMV on and off, every method, and
+#             `bench runner` on them (batch 8 through tensor cores against cuBLAS);
 #   runner:   the kernel checks (`veloq bench cuda --check-only`), then `veloq bench runner` on
 #             the real SmolLM2 (agreement CPU/CUDA and graphs/eager, decode speed; SMOL_ARGS);
 #   runner8b: the GEMV's launch shapes timed on the 8B layer's matrices (`veloq bench cuda
-#             --gemv-sweep`, the fastest exported as VELOQ_GEMV), then `veloq bench runner` on the
+#             --gemv-sweep`, the fastest exported as VELOQ_GEMV / VELOQ_GEMV_MMA; SWEEP=0 skips
+#             it), then `veloq bench runner` on the
 #             random 8B geometry: decode on every path side by side, the bytes floor at the copy
 #             bandwidth measured in the same run, memory budget;
 #   hf:       the anchor, Hugging Face transformers + torch.compile(mode="reduce-overhead") on the
@@ -19,7 +22,7 @@
 set -uo pipefail
 veloq=$1 model=$2 cal=$3 text=$4 out=$5
 shift 5
-stages=${STAGES:-generate runner runner8b hf}
+stages=${STAGES:-generate f16w runner runner8b hf}
 mkdir -p "$out"
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 export VELOQ_FONT=${VELOQ_FONT:-.device/DejaVuSans.ttf}
@@ -74,10 +77,48 @@ if [[ " $stages " == *" generate "* ]]; then
   echo "one text: $(head -c 300 "$logs/gen-vecinfer_short-g1.txt" | tr '\n' ' ')" | tee -a "$summary"
 fi
 
+if [[ " $stages " == *" f16w "* ]]; then
+  # f16 weights (candle's CANDLE_DEQUANTIZE_ALL_F16), the path veloq's GEMV takes (norms, RoPE,
+  # residual adds and the gated MLP fused into four launches a layer): GEMV on and off (cuBLAS,
+  # candle's norms and RoPE), every method, short and long prompts. Different arithmetic (f32
+  # activations in the one-row GEMV, f16 in cuBLAS): a text may part at a near-tie, reported.
+  for run in "fp16" "vecinfer" "kivi --bits 2" "rlm --bits 4"; do
+    for which in short long; do
+      prompt=$short
+      [ "$which" = long ] && prompt=$long
+      tag=$(echo "$run $which" | tr -cs 'a-z0-9' '_' | sed 's/_$//')
+      for g in 0 1; do
+        # shellcheck disable=SC2086
+        CANDLE_DEQUANTIZE_ALL_F16=1 VELOQ_CUDA_GEMV=$g "$veloq" generate --device cuda --model "$model" --calibration "$cal" \
+          --method $run --max-tokens 48 --max-context 8192 --prompt "$prompt" > "$logs/gen-f16w-$tag-gemv$g.txt" 2>&1
+        echo $? > "$logs/gen-f16w-$tag-gemv$g.rc"
+      done
+      s0=$(grep -E '^\[' "$logs/gen-f16w-$tag-gemv0.txt" | tail -1)
+      s1=$(grep -E '^\[' "$logs/gen-f16w-$tag-gemv1.txt" | tail -1)
+      if [ "$(cat "$logs/gen-f16w-$tag-gemv0.rc")" != 0 ] || [ "$(cat "$logs/gen-f16w-$tag-gemv1.rc")" != 0 ] || [ -z "$s1" ]; then
+        echo "FAIL  f16 weights, $run $which: $(tail -3 "$logs/gen-f16w-$tag-gemv1.txt" | tr '\n' ' ')" | tee -a "$summary"
+        failed=1
+      else
+        t0=$(grep -vE '^\[' "$logs/gen-f16w-$tag-gemv0.txt" | grep -v '^veloq:')
+        t1=$(grep -vE '^\[' "$logs/gen-f16w-$tag-gemv1.txt" | grep -v '^veloq:')
+        same=$([ "$t0" = "$t1" ] && echo "same   " || echo "differs")
+        echo "$same f16 weights, $run $which | cuBLAS: $s0 | GEMV: $s1" | tee -a "$summary"
+        [ "$same" = differs ] && { echo "  cuBLAS: ${t0:0:200}"; echo "  GEMV:   ${t1:0:200}"; } | tee -a "$summary"
+      fi
+    done
+  done
+  # Batches on the real weights in f16: veloq's GEMV (tensor cores from 2 rows) + graphs against
+  # cuBLAS eager, and decode speed.
+  CANDLE_DEQUANTIZE_ALL_F16=1 "$veloq" bench runner --model "$model" --calibration "$cal" --models smollm2 \
+    --contexts 1024 --batches 1,8 --steps 12 --agree-tokens 32 --json "$out/bench-runner-smollm2-f16w-h200.json" \
+    > "$logs/bench-runner-smollm2-f16w-h200.txt" 2>&1 || { echo "FAIL  bench runner smollm2 f16 weights (rc $?)" | tee -a "$summary"; failed=1; }
+  grep -E "greedy|batch|tok/s|graphs|eager|rror" "$logs/bench-runner-smollm2-f16w-h200.txt" | tee -a "$summary"
+fi
+
 if [[ " $stages " == *" runner "* ]]; then
   # Kernel checks first (quantize, attention, GEMV against host references).
   "$veloq" bench cuda --check-only > "$logs/bench-cuda-checks.txt" 2>&1 || { echo "FAIL  kernel checks" | tee -a "$summary"; failed=1; }
-  grep -E "GEMV|FAIL|rror" "$logs/bench-cuda-checks.txt" | head -5 | tee -a "$summary"
+  grep -E "gemv|GEMV|FAIL|rror" "$logs/bench-cuda-checks.txt" | head -5 | tee -a "$summary"
   # The real SmolLM2 (agreement: CPU vs CUDA, graphs vs eager) with its own arguments, then the
   # 8B geometry with the script's extra arguments.
   # shellcheck disable=SC2086
@@ -88,11 +129,16 @@ if [[ " $stages " == *" runner "* ]]; then
 fi
 
 if [[ " $stages " == *" runner8b "* ]]; then
-  # The GEMV's launch shapes on the 8B layer's matrices; the fastest is what the runner uses.
-  "$veloq" bench cuda --gemv-sweep --skip-checks > "$out/gemv-sweep-h200.txt" 2>&1 || { echo "FAIL  GEMV sweep" | tee -a "$summary"; failed=1; }
-  grep -E "^copy|^best" "$out/gemv-sweep-h200.txt" | tee -a "$summary"
-  best=$(sed -nE 's/^best VELOQ_GEMV=([0-9]+,[0-9]+,[0-9]+).*/\1/p' "$out/gemv-sweep-h200.txt")
-  [ -n "$best" ] && export VELOQ_GEMV=$best
+  # The GEMV's launch shapes on the 8B layer's matrices; the fastest is what the runner uses
+  # (SWEEP=0: the built-in defaults, the sweep run in another call).
+  if [ "${SWEEP:-1}" != 0 ]; then
+    "$veloq" bench cuda --gemv-sweep --skip-checks > "$out/gemv-sweep-h200.txt" 2>&1 || { echo "FAIL  GEMV sweep" | tee -a "$summary"; failed=1; }
+    grep -E "^copy|^best" "$out/gemv-sweep-h200.txt" | tee -a "$summary"
+    best=$(sed -nE 's/^best VELOQ_GEMV=([0-9]+,[0-9]+,[0-9]+).*/\1/p' "$out/gemv-sweep-h200.txt")
+    [ -n "$best" ] && export VELOQ_GEMV=$best
+    best=$(sed -nE 's/^best VELOQ_GEMV_MMA=([0-9]+,[0-9]+,[0-9]+).*/\1/p' "$out/gemv-sweep-h200.txt")
+    [ -n "$best" ] && export VELOQ_GEMV_MMA=$best
+  fi
   "$veloq" bench runner --model "$model" --calibration "$cal" --models llama8b \
     --json "$out/bench-runner-graphs-h200.json" --plot "$out/bench-runner-graphs-h200.png" "$@" \
     > "$out/bench-runner-graphs-h200.txt" 2>&1 || { echo "FAIL  bench runner (rc $?)" | tee -a "$summary"; failed=1; }

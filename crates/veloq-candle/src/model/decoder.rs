@@ -19,7 +19,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::RmsNorm;
 
-use super::linear::Linear;
+use super::linear::{Along, Fused, Linear};
 use super::ModelInfo;
 use crate::cache::{ModelCache, Step};
 use crate::error::{Error, Result};
@@ -300,7 +300,7 @@ impl Model {
         let rope = self.rope_rows(&Tensor::new(step.positions().as_slice(), &self.device)?)?;
         let scale = self.attn_scale as f32;
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let (q, k, v) = self.qkv(layer, &x, &rope)?;
+            let Qkv { q, k, v, .. } = self.qkv(layer, &x, &rope)?;
             cache.append(&k, &v, step)?;
             let y = cache.attend(&q, step, scale)?; // [tokens, nh, hd]
             cache.commit()?;
@@ -334,22 +334,10 @@ impl Model {
 
     /// A layer's queries `[tokens, heads, D]`, keys and values `[tokens, kv heads, D]` (f32,
     /// contiguous, RoPE applied) from the residual stream.
-    pub(super) fn qkv(&self, layer: &Layer, x: &Tensor, rope: &RopeRows) -> Result<(Tensor, Tensor, Tensor)> {
+    pub(super) fn qkv(&self, layer: &Layer, x: &Tensor, rope: &RopeRows) -> Result<Qkv> {
         let info = &self.info;
         let (nh, nkv, hd) = (info.n_heads, info.identity.n_kv_heads, info.identity.head_dim);
         let n = x.dim(0)?;
-        let h = layer.attn_norm.forward(x)?;
-        let (mut q, mut k, mut v) = (layer.wq.forward(&h)?, layer.wk.forward(&h)?, layer.wv.forward(&h)?);
-        if let Some((bq, bk, bv)) = &layer.bias {
-            q = q.broadcast_add(bq)?;
-            k = k.broadcast_add(bk)?;
-            v = v.broadcast_add(bv)?;
-        }
-        let (mut q, mut k) = (q.reshape((n, nh, hd))?, k.reshape((n, nkv, hd))?);
-        if let Some((qn, kn)) = &layer.qk_norm {
-            q = qn.forward(&q)?;
-            k = kn.forward(&k)?;
-        }
         let (cos, sin) = match (&rope.local, layer.window) {
             (Some((c, s)), Some(_)) => (c, s),
             _ => (&rope.cos, &rope.sin),
@@ -364,25 +352,80 @@ impl Model {
             };
             Ok(y.reshape((n, heads, hd))?)
         };
-        Ok((rope(q, nh)?, rope(k, nkv)?, v.reshape((n, nkv, hd))?.contiguous()?))
+        // The norm, the three products and (interleaved) RoPE in one launch where veloq's GEMV
+        // takes the weights; nothing may sit between them (biases, Gemma's q/k norms).
+        if layer.bias.is_none() && layer.qk_norm.is_none() {
+            let along =
+                Along { norm: Some(&layer.attn_norm), rope: (!self.neox).then_some((cos, sin)), ..Along::default() };
+            if let Some(out) = Linear::fused(&[&layer.wq, &layer.wk, &layer.wv], x, Fused::Each, along)? {
+                let p = &out.parts;
+                let (q, k, v) = (p[0].reshape((n, nh, hd))?, p[1].reshape((n, nkv, hd))?, p[2].reshape((n, nkv, hd))?);
+                return Ok(if self.neox {
+                    Qkv { q: rope(q, nh)?, k: rope(k, nkv)?, v, packed: None }
+                } else {
+                    Qkv { q, k, v, packed: Some(out.flat) }
+                });
+            }
+        }
+        let h = layer.attn_norm.forward(x)?;
+        let (mut q, mut k, mut v) = (layer.wq.forward(&h)?, layer.wk.forward(&h)?, layer.wv.forward(&h)?);
+        if let Some((bq, bk, bv)) = &layer.bias {
+            q = q.broadcast_add(bq)?;
+            k = k.broadcast_add(bk)?;
+            v = v.broadcast_add(bv)?;
+        }
+        let (mut q, mut k) = (q.reshape((n, nh, hd))?, k.reshape((n, nkv, hd))?);
+        if let Some((qn, kn)) = &layer.qk_norm {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        Ok(Qkv { q: rope(q, nh)?, k: rope(k, nkv)?, v: v.reshape((n, nkv, hd))?.contiguous()?, packed: None })
     }
 
     /// The residual stream after a layer: attention output `y` `[tokens, heads, D]` projected and
-    /// added, then the MLP's.
+    /// added, then the MLP's. Where veloq's GEMV takes the weights, three launches: the output
+    /// projection adding into the stream, the MLP's norm with its gated pair, the down projection
+    /// adding (Gemma's norms after attention and MLP sit between, so not there); they update `x`
+    /// in place and return it.
     pub(super) fn residual(&self, layer: &Layer, x: &Tensor, y: &Tensor) -> Result<Tensor> {
         let n = x.dim(0)?;
-        let mut o = layer.wo.forward(&y.reshape((n, y.elem_count() / n.max(1)))?)?;
-        if let Some((post_attn, _)) = &layer.post_norms {
-            o = post_attn.forward(&o)?;
-        }
-        let x = (x + o)?;
-        let h = layer.ffn_norm.forward(&x)?;
-        let gate = layer.gate.forward(&h)?;
-        let gate = match self.activation {
-            Activation::Silu => candle_nn::ops::silu(&gate)?,
-            Activation::GeluTanh => gate.gelu()?,
+        let a = y.reshape((n, y.elem_count() / n.max(1)))?;
+        let plain = layer.post_norms.is_none();
+        let into = |w: &Linear, a: &Tensor, x: &Tensor| -> Result<Option<Tensor>> {
+            let along = Along { residual: Some(x), in_place: true, ..Along::default() };
+            Ok(if plain { Linear::fused(&[w], a, Fused::Each, along)?.map(|mut p| p.parts.remove(0)) } else { None })
         };
-        let mut mlp = layer.down.forward(&(gate * layer.up.forward(&h)?)?)?;
+        let x = match into(&layer.wo, &a, x)? {
+            Some(x) => x,
+            None => {
+                let mut o = layer.wo.forward(&a)?;
+                if let Some((post_attn, _)) = &layer.post_norms {
+                    o = post_attn.forward(&o)?;
+                }
+                (x + o)?
+            }
+        };
+        let how = match self.activation {
+            Activation::Silu => Fused::GatedSilu,
+            Activation::GeluTanh => Fused::GatedGeluTanh,
+        };
+        let along = Along { norm: Some(&layer.ffn_norm), ..Along::default() };
+        let gated = match Linear::fused(&[&layer.gate, &layer.up], &x, how, along)? {
+            Some(mut g) => g.parts.remove(0),
+            None => {
+                let h = layer.ffn_norm.forward(&x)?;
+                let gate = layer.gate.forward(&h)?;
+                let gate = match self.activation {
+                    Activation::Silu => candle_nn::ops::silu(&gate)?,
+                    Activation::GeluTanh => gate.gelu()?,
+                };
+                (gate * layer.up.forward(&h)?)?
+            }
+        };
+        if let Some(x) = into(&layer.down, &gated, &x)? {
+            return Ok(x);
+        }
+        let mut mlp = layer.down.forward(&gated)?;
         if let Some((_, post_ffn)) = &layer.post_norms {
             mlp = post_ffn.forward(&mlp)?;
         }
@@ -391,9 +434,24 @@ impl Model {
 
     /// Logits (f32) of residual rows `x`.
     pub(super) fn head(&self, x: &Tensor) -> Result<Tensor> {
+        let along = Along { norm: Some(&self.norm), ..Along::default() };
+        if let Some(mut p) = Linear::fused(&[&self.output], x, Fused::Each, along)? {
+            return Ok(p.parts.remove(0));
+        }
         let x = self.norm.forward(x)?;
         Ok(self.output.forward(&x)?.to_dtype(DType::F32)?)
     }
+}
+
+/// A layer's queries, keys and values ([`Model::qkv`]).
+pub(super) struct Qkv {
+    pub(super) q: Tensor,
+    pub(super) k: Tensor,
+    pub(super) v: Tensor,
+    /// q, k and v one after another in one buffer, when one launch wrote them so (the CUDA
+    /// graphs copy it into their fixed buffer at once).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) packed: Option<Tensor>,
 }
 
 /// Each token's RoPE rows in one step (global tables, and the local ones of sliding layers).

@@ -26,7 +26,7 @@ use candle_core::{DType, Device, Tensor};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaStream};
 
-use super::decoder::{Model, RopeRows};
+use super::decoder::{Model, Qkv, RopeRows};
 use crate::cache::{ModelCache, Step};
 use crate::error::{Error, Result};
 
@@ -54,6 +54,9 @@ struct Batch {
     positions: Tensor,
     /// Residual stream `[B, hidden]`.
     x: Tensor,
+    /// Queries, keys and values one after another (as the fused product writes them, so one
+    /// copy fills them); `q`, `k`, `v` are views of it.
+    qkv: Tensor,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -81,14 +84,20 @@ impl Batch {
         let (nh, nkv, hd) = (info.n_heads, info.identity.n_kv_heads, info.identity.head_dim);
         let z = |shape: &[usize], dtype: DType| Tensor::zeros(shape, dtype, dev);
         let zero_positions = z(&[b], DType::U32)?;
+        let qkv = z(&[b * (nh + 2 * nkv) * hd], DType::F32)?;
+        let part = |from: usize, heads: usize| -> Result<Tensor> {
+            Ok(qkv.narrow(0, b * from * hd, b * heads * hd)?.reshape((b, heads, hd))?)
+        };
+        let (q, k, v) = (part(0, nh)?, part(nh, nkv)?, part(nh + nkv, nkv)?);
         Ok(Self {
             ids: z(&[b], DType::U32)?,
             rope: model.rope_rows(&zero_positions)?,
             positions: zero_positions,
             x: z(&[b, info.hidden], DType::F32)?,
-            q: z(&[b, nh, hd], DType::F32)?,
-            k: z(&[b, nkv, hd], DType::F32)?,
-            v: z(&[b, nkv, hd], DType::F32)?,
+            qkv,
+            q,
+            k,
+            v,
             y: z(&[b, nh, hd], DType::F32)?,
             logits: z(&[b, info.vocab], DType::F32)?,
             graphs: Captured(Vec::new()),
@@ -120,11 +129,19 @@ impl Batch {
             model.residual(&model.layers[i - 1], &self.x, &self.y)?
         };
         if i < layers {
-            let (q, k, v) = model.qkv(&model.layers[i], &x, &self.rope)?;
-            self.q.slice_set(&q, 0, 0)?;
-            self.k.slice_set(&k, 0, 0)?;
-            self.v.slice_set(&v, 0, 0)?;
-            self.x.slice_set(&x, 0, 0)?;
+            let Qkv { q, k, v, packed } = model.qkv(&model.layers[i], &x, &self.rope)?;
+            match packed.filter(|p| p.elem_count() == self.qkv.elem_count()) {
+                Some(p) => self.qkv.slice_set(&p, 0, 0)?,
+                None => {
+                    self.q.slice_set(&q, 0, 0)?;
+                    self.k.slice_set(&k, 0, 0)?;
+                    self.v.slice_set(&v, 0, 0)?;
+                }
+            }
+            // The fused residual updates the stream where it lies.
+            if x.id() != self.x.id() {
+                self.x.slice_set(&x, 0, 0)?;
+            }
         } else {
             self.logits.slice_set(&model.head(&x)?, 0, 0)?;
         }

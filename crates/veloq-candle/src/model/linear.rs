@@ -50,6 +50,61 @@ impl Linear {
     }
 }
 
+/// What a fused product of several matrices writes ([`Linear::fused`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Fused {
+    /// Each matrix's output (a layer's q, k, v).
+    Each,
+    /// `act(x·gateᵀ) ⊙ (x·upᵀ)` of two matrices, SiLU or GELU (tanh).
+    GatedSilu,
+    GatedGeluTanh,
+}
+
+/// The small operations a fused product takes along (read by the CUDA GEMV only).
+#[derive(Clone, Copy, Default)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct Along<'a> {
+    /// RMS norm of the activations first.
+    pub(crate) norm: Option<&'a candle_nn::RmsNorm>,
+    /// Added to the output: the residual stream, `[rows, n]`; with `in_place`, updated where it
+    /// lies (the output is that tensor).
+    pub(crate) residual: Option<&'a Tensor>,
+    pub(crate) in_place: bool,
+    /// Interleaved RoPE on the first two outputs (q, k): each row's cos and sin, `[rows, 1,
+    /// head_dim / 2]`.
+    pub(crate) rope: Option<(&'a Tensor, &'a Tensor)>,
+}
+
+/// A fused product's outputs, each `[rows, n]`, and the one buffer they lie in, one after another.
+pub(crate) struct Products {
+    pub(crate) parts: Vec<Tensor>,
+    pub(crate) flat: Tensor,
+}
+
+impl Linear {
+    /// Several matrices applied to `x` in one launch with `along`'s operations, written as `how`
+    /// says: veloq's GEMV when every one is f16 on CUDA and the decode step's rows fit it (a
+    /// layer's products and the norms, adds and RoPE around them become four launches); `None`
+    /// otherwise, and the caller applies them one by one.
+    pub(crate) fn fused(ws: &[&Linear], x: &Tensor, how: Fused, along: Along) -> candle_core::Result<Option<Products>> {
+        #[cfg(feature = "cuda")]
+        {
+            let f16: Option<Vec<&Tensor>> = ws
+                .iter()
+                .map(|w| match w {
+                    Linear::Candle(QMatMul::TensorF16(t)) => Some(t),
+                    _ => None,
+                })
+                .collect();
+            if let Some(f16) = f16 {
+                return gemv::many(&f16, x, how, along);
+            }
+        }
+        let _ = (ws, x, how, along);
+        Ok(None)
+    }
+}
+
 impl From<QMatMul> for Linear {
     fn from(q: QMatMul) -> Self {
         Linear::Candle(q)
@@ -90,7 +145,9 @@ pub(crate) mod gemv {
     use candle_core::cuda_backend::CudaStorage;
     use candle_core::{DType, Layout, Shape, Tensor};
     use half::f16;
-    use veloq::kernels::cuda::{gemv_f16, GemvTune, GEMV_MAX_ROWS};
+    use veloq::kernels::cuda::{gemv_f16_many, gemv_many_fits, GemvEpilogue, GemvFused, GemvTune, GEMV_MAX_ROWS};
+
+    use super::{Along, Fused, Products};
 
     use crate::cache::CudaRuntime;
 
@@ -108,12 +165,7 @@ pub(crate) mod gemv {
         switch().load(Ordering::Relaxed)
     }
 
-    /// Activation rows up to which the GEMV replaces cuBLAS. The kernel takes up to
-    /// [`GEMV_MAX_ROWS`], but at 8 rows it re-reads each activation chunk from L1 for every few
-    /// weight rows and measured slower than cuBLAS (8B geometry, batch 8: 11.5 vs 8.6 ms a step).
-    const ROWS: usize = 1;
-
-    /// f32 activations of at most [`ROWS`] rows on CUDA, rows a multiple of 8 long.
+    /// f32 activations of at most [`GEMV_MAX_ROWS`] rows on CUDA, rows a multiple of 8 long.
     pub(super) fn applies(x: &Tensor, w: &Tensor) -> bool {
         let k = x.dims().last().copied().unwrap_or(0);
         enabled()
@@ -124,59 +176,203 @@ pub(crate) mod gemv {
             && w.dims()[1] == k
             && k.is_multiple_of(8)
             && w.is_contiguous()
-            && (1..=ROWS.min(GEMV_MAX_ROWS)).contains(&(x.elem_count() / k.max(1)))
+            && (1..=GEMV_MAX_ROWS).contains(&(x.elem_count() / k.max(1)))
     }
 
+    /// One matrix, nothing fused (callers checked [`applies`]).
     pub(super) fn forward(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+        match many(&[w], x, Fused::Each, Along::default())? {
+            Some(mut p) => Ok(p.parts.remove(0)),
+            None => candle_core::bail!("veloq's f16 GEMV does not take {:?} × {:?}", x.shape(), w.shape()),
+        }
+    }
+
+    /// [`super::Linear::fused`] for f16 weights: `None` when the GEMV does not take them.
+    pub(super) fn many(ws: &[&Tensor], x: &Tensor, how: Fused, along: Along) -> candle_core::Result<Option<Products>> {
+        let epilogue = match how {
+            Fused::Each => GemvEpilogue::Concat,
+            Fused::GatedSilu => GemvEpilogue::Silu,
+            Fused::GatedGeluTanh => GemvEpilogue::GeluTanh,
+        };
         let mut dims = x.dims().to_vec();
         let k = dims.pop().unwrap_or(0);
-        let rows = x.elem_count() / k;
+        if ws.is_empty() || !ws.iter().all(|w| applies(x, w)) {
+            return Ok(None);
+        }
+        let rows: Vec<usize> = ws.iter().map(|w| w.dims()[0]).collect();
+        let b = x.elem_count() / k;
+        let n = if epilogue == GemvEpilogue::Concat { rows.iter().sum() } else { rows[0] };
+        let f32_cuda = |t: &Tensor, len: usize| {
+            t.device().same_device(x.device()) && t.dtype() == DType::F32 && t.is_contiguous() && t.elem_count() == len
+        };
+        let rope_dim = along.rope.map(|(c, _)| 2 * c.dims().last().copied().unwrap_or(0));
+        let fits = gemv_many_fits(&rows, epilogue, rope_dim, GemvTune::for_rows(b))
+            && along.norm.is_none_or(|m| f32_cuda(m.weight(), k))
+            && along.residual.is_none_or(|r| f32_cuda(r, b * n))
+            && (!along.in_place || (along.residual.is_some() && rows.len() == 1))
+            && along
+                .rope
+                .is_none_or(|(c, s)| rope_dim.is_some_and(|d| f32_cuda(c, b * d / 2) && f32_cuda(s, b * d / 2)));
+        if !fits {
+            return Ok(None);
+        }
         let rt = CudaRuntime::new(x.device()).map_err(candle_core::Error::wrap)?;
-        let y = x.reshape((rows, k))?.contiguous()?.apply_op2_no_bwd(w, &Gemv { rt })?;
-        dims.push(w.dims()[0]);
-        y.reshape(dims)
+        let op = Many {
+            rt,
+            ws: ws.iter().map(|w| (*w).clone()).collect(),
+            epilogue,
+            norm: along.norm.map(|m| (m.weight().clone(), m.eps() as f32)),
+            residual: along.residual.filter(|_| !along.in_place).cloned(),
+            rope: along.rope.map(|(c, s)| (c.clone(), s.clone())),
+        };
+        let x = x.reshape((b, k))?.contiguous()?;
+        if let (true, Some(r)) = (along.in_place, along.residual) {
+            r.inplace_op2(&x, &op)?;
+            return Ok(Some(Products { parts: vec![r.clone()], flat: r.flatten_all()? }));
+        }
+        let y = x.apply_op1_no_bwd(&op)?;
+        // Matrix after matrix, each [b, n]: contiguous views.
+        let outs: Vec<usize> = if epilogue == GemvEpilogue::Concat { rows } else { vec![n] };
+        let mut parts = Vec::with_capacity(outs.len());
+        let mut off = 0;
+        for n in outs {
+            let mut d = dims.clone();
+            d.push(n);
+            parts.push(y.narrow(0, off, b * n)?.reshape(d)?);
+            off += b * n;
+        }
+        Ok(Some(Products { parts, flat: y }))
     }
 
-    struct Gemv {
+    /// The weights and the fused operations' operands ride in the op (candle's custom ops take
+    /// at most three): their storage is read-locked for the launch.
+    struct Many {
         rt: Arc<CudaRuntime>,
+        ws: Vec<Tensor>,
+        epilogue: GemvEpilogue,
+        norm: Option<(Tensor, f32)>,
+        residual: Option<Tensor>,
+        rope: Option<(Tensor, Tensor)>,
     }
 
-    impl candle_core::CustomOp2 for Gemv {
+    /// A contiguous CUDA tensor's elements.
+    fn cuda_view<'a, T: candle_core::cuda_backend::CudaDType>(
+        st: &'a candle_core::Storage,
+        l: &Layout,
+    ) -> candle_core::Result<cudarc::driver::CudaView<'a, T>> {
+        let (candle_core::Storage::Cuda(cs), Some((a, b))) = (st, l.contiguous_offsets()) else {
+            candle_core::bail!("veloq's f16 GEMV takes contiguous CUDA operands");
+        };
+        Ok(cs.as_cuda_slice::<T>()?.slice(a..b))
+    }
+
+    impl candle_core::CustomOp1 for Many {
         fn name(&self) -> &'static str {
-            "veloq-f16-gemv"
+            "veloq-f16-gemv-many"
         }
 
         fn cpu_fwd(
             &self,
             _: &candle_core::CpuStorage,
             _: &Layout,
-            _: &candle_core::CpuStorage,
-            _: &Layout,
         ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
             candle_core::bail!("veloq's f16 GEMV runs on CUDA only")
         }
 
-        fn cuda_fwd(
-            &self,
-            x: &CudaStorage,
-            xl: &Layout,
-            w: &CudaStorage,
-            wl: &Layout,
-        ) -> candle_core::Result<(CudaStorage, Shape)> {
-            let ((b, k), (n, _)) = (xl.shape().dims2()?, wl.shape().dims2()?);
-            let (Some((x0, x1)), Some((w0, w1))) = (xl.contiguous_offsets(), wl.contiguous_offsets()) else {
-                candle_core::bail!("veloq's f16 GEMV takes contiguous operands");
-            };
-            let xv = x.as_cuda_slice::<f32>()?.slice(x0..x1);
-            let wv = w.as_cuda_slice::<f16>()?.slice(w0..w1);
-            // SAFETY: f16 and u16 have the same size and alignment; the kernel reads f16 bits.
-            let wv = unsafe { wv.transmute::<u16>(wv.len()) }.expect("same size");
+        fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+            let (b, _) = xl.shape().dims2()?;
+            let n = self.outputs();
             let dev = x.device().clone();
             // SAFETY: the kernel writes every one of the b·n outputs before anything reads them.
             let mut y = unsafe { dev.alloc::<f32>(b * n) }?;
-            gemv_f16(self.rt.gpu(), &wv, &xv, &mut y.as_view_mut(), b, n, k, GemvTune::for_rows(b))
-                .map_err(candle_core::Error::wrap)?;
-            Ok((CudaStorage::wrap_cuda_slice(y, dev), Shape::from((b, n))))
+            self.launch(x, xl, &mut y.as_view_mut(), false)?;
+            Ok((CudaStorage::wrap_cuda_slice(y, dev), Shape::from(b * n)))
+        }
+    }
+
+    /// In place: the residual stream (the op's target) gains the product.
+    impl candle_core::InplaceOp2 for Many {
+        fn name(&self) -> &'static str {
+            "veloq-f16-gemv-accumulate"
+        }
+
+        fn cpu_fwd(
+            &self,
+            _: &mut candle_core::CpuStorage,
+            _: &Layout,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+        ) -> candle_core::Result<()> {
+            candle_core::bail!("veloq's f16 GEMV runs on CUDA only")
+        }
+
+        fn cuda_fwd(&self, r: &mut CudaStorage, rl: &Layout, x: &CudaStorage, xl: &Layout) -> candle_core::Result<()> {
+            let (b, _) = xl.shape().dims2()?;
+            let n = self.outputs();
+            let Some((r0, r1)) = rl.contiguous_offsets().filter(|(a, z)| z - a == b * n) else {
+                candle_core::bail!("veloq's f16 GEMV adds into a contiguous [{b}, {n}] stream");
+            };
+            let mut y = r.as_cuda_slice_mut::<f32>()?.slice_mut(r0..r1);
+            self.launch(x, xl, &mut y, true)
+        }
+    }
+
+    impl Many {
+        fn outputs(&self) -> usize {
+            let rows = self.ws.iter().map(|w| w.dims()[0]);
+            if self.epilogue == GemvEpilogue::Concat {
+                rows.sum()
+            } else {
+                rows.max().unwrap_or(0)
+            }
+        }
+
+        /// One launch writing (or, `accumulate`, adding to) `y`; every operand's storage
+        /// read-locked meanwhile.
+        fn launch(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+            y: &mut cudarc::driver::CudaViewMut<f32>,
+            accumulate: bool,
+        ) -> candle_core::Result<()> {
+            let (b, k) = xl.shape().dims2()?;
+            let Some((x0, x1)) = xl.contiguous_offsets() else {
+                candle_core::bail!("veloq's f16 GEMV takes contiguous operands");
+            };
+            let guards: Vec<_> = self.ws.iter().map(|w| w.storage_and_layout()).collect();
+            let mut views = Vec::with_capacity(guards.len());
+            for (st, l) in &guards {
+                let wv = cuda_view::<f16>(st, l)?;
+                // SAFETY: f16 and u16 have the same size and alignment; the kernel reads f16 bits.
+                let wv = unsafe { wv.transmute::<u16>(wv.len()) }.expect("same size");
+                views.push((wv, l.shape().dims()[0]));
+            }
+            let norm = self.norm.as_ref().map(|(w, eps)| (w.storage_and_layout(), *eps));
+            let residual = self.residual.as_ref().map(|r| r.storage_and_layout());
+            let rope = self.rope.as_ref().map(|(c, s)| (c.storage_and_layout(), s.storage_and_layout()));
+            let norm_v = norm
+                .as_ref()
+                .map(|((st, l), eps)| Ok::<_, candle_core::Error>((cuda_view::<f32>(st, l)?, *eps)))
+                .transpose()?;
+            let residual_v = residual.as_ref().map(|(st, l)| cuda_view::<f32>(st, l)).transpose()?;
+            let rope_v = rope
+                .as_ref()
+                .map(|((cs, cl), (ss, sl))| {
+                    let d = 2 * cl.shape().dims().last().copied().unwrap_or(0);
+                    Ok::<_, candle_core::Error>((cuda_view::<f32>(cs, cl)?, cuda_view::<f32>(ss, sl)?, d))
+                })
+                .transpose()?;
+            let fused = GemvFused {
+                norm: norm_v.as_ref().map(|(v, eps)| (v, *eps)),
+                residual: residual_v.as_ref(),
+                accumulate,
+                rope: rope_v.as_ref().map(|(c, s, d)| (c, s, *d)),
+            };
+            let xv = x.as_cuda_slice::<f32>()?.slice(x0..x1);
+            let ws: Vec<_> = views.iter().map(|(v, r)| (v, *r)).collect();
+            gemv_f16_many(self.rt.gpu(), &ws, &xv, y, b, k, self.epilogue, fused, GemvTune::for_rows(b))
+                .map_err(candle_core::Error::wrap)
         }
     }
 }

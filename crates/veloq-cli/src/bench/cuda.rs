@@ -16,7 +16,8 @@ use veloq::codec::codebook::Granularity;
 use veloq::codec::pack::unpack;
 use veloq::codec::vecinfer::VecInferCodec;
 use veloq::kernels::cuda::{
-    gemv_f16, AttentionScratch, GemvTune, Gpu, GpuAttention, GpuCodec, SplitKernel, GEMV_MAX_ROWS,
+    gemv_f16, gemv_f16_many, gemv_many_fits, AttentionScratch, GemvEpilogue, GemvFused, GemvTune, Gpu, GpuAttention,
+    GpuCodec, SplitKernel, GEMV_MAX_ROWS,
 };
 
 pub(super) use crate::synthetic::{codec, Rng};
@@ -128,36 +129,217 @@ macro_rules! dev {
 /// short row.
 const GEMV_SHAPES: [(usize, usize); 4] = [(1024, 4096), (4103, 136), (77, 4096), (14337, 512)];
 
-/// veloq's f16 GEMV against an f64 host reference on fresh random weights and activations, every
-/// row count: the largest error relative to the outputs' rms must stay at f32 rounding.
+/// Largest error of a GEMV relative to its outputs' rms: f32 rounding over k terms. Tensor cores
+/// add their products into the f32 accumulator without rounding to nearest: up to 4.6e-5 seen
+/// on an H200, still a tenth of what rounding the activations to f16 costs (the reference has
+/// them rounded).
+fn tolerance(tune: GemvTune) -> f64 {
+    if tune.tensor_cores {
+        1e-4
+    } else {
+        1e-5
+    }
+}
+
+/// The largest |y − want| over want's rms; NaN when an output is NaN (never written: the
+/// outputs are poisoned with NaN first).
+fn max_err_over_rms(y: &[f32], want: &[f64]) -> f64 {
+    let rms = (want.iter().map(|v| v * v).sum::<f64>() / want.len() as f64).sqrt();
+    let worst = y.iter().zip(want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0f64, |m, e| {
+        if e.is_nan() || m.is_nan() {
+            f64::NAN
+        } else {
+            m.max(e)
+        }
+    });
+    worst / rms
+}
+
+/// How a GEMV check adds a residual stream.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Res {
+    No,
+    Operand,
+    InPlace,
+}
+
+/// veloq's f16 GEMV against an f64 host reference on fresh random weights and activations, both
+/// kernels at every row count (their default shapes and one odd shape each): the largest error
+/// relative to the outputs' rms must stay at f32 rounding. The tensor-core kernel rounds the
+/// activations to f16 by contract, so its reference takes them rounded.
 fn check_gemv(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<serde_json::Value>> {
     let st = gpu.stream();
+    let tunes = [
+        GemvTune::for_rows(1),
+        GemvTune { tensor_cores: false, rows: 3, unroll: 4, threads: 96 },
+        GemvTune::for_rows(2),
+        GemvTune { tensor_cores: true, rows: 24, unroll: 3, threads: 64 },
+    ];
     let mut out = Vec::new();
     for b in 1..=GEMV_MAX_ROWS {
         for &(n, k) in &GEMV_SHAPES {
             let w = f16_bits(&rng.rows(n, k));
             let x = rng.rows(b, k);
             let (wd, xd) = (dev!(st.clone_htod(&w)), dev!(st.clone_htod(&x)));
-            let mut yd = dev!(st.alloc_zeros::<f32>(b * n));
-            gemv_f16(gpu, &wd.as_view(), &xd.as_view(), &mut yd.as_view_mut(), b, n, k, GemvTune::for_rows(b))?;
-            let y = dev!(st.clone_dtoh(&yd));
             let wf: Vec<f64> = w.iter().map(|&h| f16::from_bits(h).to_f64()).collect();
-            let want: Vec<f64> = (0..b * n)
-                .map(|i| {
-                    let (bi, ni) = (i / n, i % n);
-                    (0..k).map(|j| wf[ni * k + j] * x[bi * k + j] as f64).sum()
-                })
-                .collect();
-            let rms = (want.iter().map(|v| v * v).sum::<f64>() / want.len() as f64).sqrt();
-            let err = y.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max) / rms;
-            if err > 1e-5 {
-                bail!("f16 GEMV b {b}, n {n}, k {k}: max error {err:.2e} of the outputs' rms");
+            for tune in tunes {
+                let xr: Vec<f64> = if tune.tensor_cores {
+                    x.iter().map(|&v| f16::from_f32(v).to_f64()).collect()
+                } else {
+                    x.iter().map(|&v| v as f64).collect()
+                };
+                let mut yd = dev!(st.clone_htod(&vec![f32::NAN; b * n]));
+                gemv_f16(gpu, &wd.as_view(), &xd.as_view(), &mut yd.as_view_mut(), b, n, k, tune)?;
+                let y = dev!(st.clone_dtoh(&yd));
+                let want: Vec<f64> = (0..b * n)
+                    .map(|i| {
+                        let (bi, ni) = (i / n, i % n);
+                        (0..k).map(|j| wf[ni * k + j] * xr[bi * k + j]).sum()
+                    })
+                    .collect();
+                let err = max_err_over_rms(&y, &want);
+                if err.is_nan() || err > tolerance(tune) {
+                    bail!("f16 GEMV {tune:?}, b {b}, n {n}, k {k}: max error {err:.2e} of the outputs' rms");
+                }
+                out.push(json!({"check": "gemv_f16", "kernel": tune.kernel_name(), "rows": tune.rows,
+                    "unroll": tune.unroll, "threads": tune.threads, "b": b, "n": n, "k": k, "max_err_over_rms": err}));
             }
-            out.push(json!({"check": "gemv_f16", "b": b, "n": n, "k": k, "max_err_over_rms": err}));
         }
     }
-    let worst = out.iter().filter_map(|c| c["max_err_over_rms"].as_f64()).fold(0.0, f64::max);
-    println!("f16 GEMV: {} shapes (b 1..={GEMV_MAX_ROWS}), largest error {worst:.2e} of the outputs' rms", out.len());
+    // Several matrices in one launch, with the operations a decode layer fuses into them: q, k, v
+    // side by side (norm first, RoPE after), the gated MLP forms (norm first), a residual add.
+    let cases = [
+        (vec![240, 48, 77], 136, GemvEpilogue::Concat, true, Res::No, Some(16)),
+        (vec![240, 48, 77], 136, GemvEpilogue::Concat, false, Res::No, None),
+        (vec![1000, 1000], 512, GemvEpilogue::Silu, true, Res::No, None),
+        (vec![77, 77], 4096, GemvEpilogue::GeluTanh, false, Res::No, None),
+        (vec![1001], 1024, GemvEpilogue::Concat, false, Res::Operand, None),
+        (vec![4096], 4096, GemvEpilogue::Concat, false, Res::InPlace, None),
+    ];
+    for b in [1, 3, GEMV_MAX_ROWS] {
+        for (rows, k, epilogue, norm, res, rope) in &cases {
+            let (k, epilogue) = (*k, *epilogue);
+            let ws: Vec<Vec<u16>> = rows.iter().map(|&n| f16_bits(&rng.rows(n, k))).collect();
+            let x = rng.rows(b, k);
+            let gains: Vec<f32> = rng.rows(1, k).iter().map(|v| 1.0 + 0.1 * v).collect();
+            let n_out = if epilogue == GemvEpilogue::Concat { rows.iter().sum() } else { rows[0] };
+            let residual = rng.rows(b, n_out);
+            let half = rope.unwrap_or(2) / 2;
+            let angles = rng.rows(b, half);
+            let (cos, sin): (Vec<f32>, Vec<f32>) = angles.iter().map(|a| (a.cos(), a.sin())).unzip();
+            let wd = ws.iter().map(|w| Ok(dev!(st.clone_htod(w)))).collect::<Result<Vec<_>>>()?;
+            let [xd, gd, rd, cd, sd] = [&x, &gains, &residual, &cos, &sin].map(|v| st.clone_htod(v));
+            let [xd, gd, rd, cd, sd] = [dev!(xd), dev!(gd), dev!(rd), dev!(cd), dev!(sd)];
+            let eps = 1e-5f32;
+            for tune in tunes {
+                if !gemv_many_fits(rows, epilogue, *rope, tune) {
+                    continue;
+                }
+                // The activations the products see: normalised, then rounded to f16 on tensor cores.
+                let xr: Vec<f64> = x
+                    .chunks(k)
+                    .flat_map(|row| {
+                        let inv = if *norm {
+                            1.0 / (row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / k as f64 + eps as f64).sqrt()
+                        } else {
+                            1.0
+                        };
+                        row.iter()
+                            .zip(&gains)
+                            .map(move |(&v, &g)| if *norm { v as f64 * inv * g as f64 } else { v as f64 })
+                    })
+                    .map(|v| if tune.tensor_cores { f16::from_f64(v).to_f64() } else { v })
+                    .collect();
+                let dot = |w: &[u16], bi: usize, ni: usize| -> f64 {
+                    (0..k).map(|j| f16::from_bits(w[ni * k + j]).to_f64() * xr[bi * k + j]).sum()
+                };
+                let mut want: Vec<f64> = match epilogue {
+                    // Matrix after matrix, each [b, n], RoPE on the first two's row pairs.
+                    GemvEpilogue::Concat => ws
+                        .iter()
+                        .zip(rows)
+                        .enumerate()
+                        .flat_map(|(m, (w, &n))| {
+                            let dot = &dot;
+                            let (cos, sin) = (&cos, &sin);
+                            (0..b).flat_map(move |bi| {
+                                (0..n).map(move |ni| match rope {
+                                    Some(d) if m < 2 => {
+                                        let (p, even) = ((ni % d) / 2, ni - ni % 2);
+                                        let (x0, x1) = (dot(w, bi, even), dot(w, bi, even + 1));
+                                        let (c, s) = (cos[bi * half + p] as f64, sin[bi * half + p] as f64);
+                                        if ni % 2 == 0 {
+                                            x0 * c - x1 * s
+                                        } else {
+                                            x0 * s + x1 * c
+                                        }
+                                    }
+                                    _ => dot(w, bi, ni),
+                                })
+                            })
+                        })
+                        .collect(),
+                    _ => (0..b * rows[0])
+                        .map(|i| {
+                            let (bi, ni) = (i / rows[0], i % rows[0]);
+                            let (g, u) = (dot(&ws[0], bi, ni), dot(&ws[1], bi, ni));
+                            let act = if epilogue == GemvEpilogue::Silu {
+                                g / (1.0 + (-g).exp())
+                            } else {
+                                0.5 * g * (1.0 + (0.797_884_560_8 * (g + 0.044715 * g * g * g)).tanh())
+                            };
+                            act * u
+                        })
+                        .collect(),
+                };
+                if *res != Res::No {
+                    want.iter_mut().zip(&residual).for_each(|(w, r)| *w += *r as f64);
+                }
+                // Outputs poisoned first, or holding the stream they are added to.
+                let mut yd = dev!(st.clone_htod(&if *res == Res::InPlace {
+                    residual.clone()
+                } else {
+                    vec![f32::NAN; want.len()]
+                }));
+                let views: Vec<_> = wd.iter().map(|w| w.as_view()).collect();
+                let args: Vec<_> = views.iter().zip(rows).map(|(v, &n)| (v, n)).collect();
+                let (gv, rv, cv, sv) = (gd.as_view(), rd.as_view(), cd.as_view(), sd.as_view());
+                let fused = GemvFused {
+                    norm: norm.then_some((&gv, eps)),
+                    residual: (*res == Res::Operand).then_some(&rv),
+                    accumulate: *res == Res::InPlace,
+                    rope: rope.map(|d| (&cv, &sv, d)),
+                };
+                gemv_f16_many(gpu, &args, &xd.as_view(), &mut yd.as_view_mut(), b, k, epilogue, fused, tune)?;
+                let y = dev!(st.clone_dtoh(&yd));
+                let err = max_err_over_rms(&y, &want);
+                let res_name = match res {
+                    Res::No => "",
+                    Res::Operand => " +residual",
+                    Res::InPlace => " +=",
+                };
+                let what = format!(
+                    "{epilogue:?}{}{res_name}{}",
+                    if *norm { " +norm" } else { "" },
+                    if rope.is_some() { " +rope" } else { "" }
+                );
+                if err.is_nan() || err > tolerance(tune) {
+                    bail!("f16 GEMV {what} {tune:?}, b {b}, rows {rows:?}, k {k}: max error {err:.2e} of the outputs' rms");
+                }
+                out.push(json!({"check": "gemv_f16_many", "kernel": tune.kernel_name(), "form": what,
+                    "rows": tune.rows, "unroll": tune.unroll, "threads": tune.threads, "b": b, "matrices": rows, "k": k,
+                    "max_err_over_rms": err}));
+            }
+        }
+    }
+    for kernel in ["f16_gemv", "f16_gemv_mma"] {
+        let of = out.iter().filter(|c| c["kernel"] == kernel);
+        let worst = of.clone().filter_map(|c| c["max_err_over_rms"].as_f64()).fold(0.0, f64::max);
+        println!(
+            "{kernel}: {} products (b 1..={GEMV_MAX_ROWS}), largest error {worst:.2e} of the outputs' rms",
+            of.count()
+        );
+    }
     Ok(out)
 }
 
@@ -185,21 +367,24 @@ pub(super) fn copy_bandwidth(gpu: &Gpu) -> Result<f64> {
     Ok(2.0 * n as f64 / times[times.len() / 2])
 }
 
-/// Times the f16 GEMV's launch shapes on one activation row over a Llama-3.1-8B layer's weight
-/// matrices (L2 cleared before each rep), beside the device-to-device copy bandwidth measured
-/// here: GB/s per matrix, a layer's time and its ratio to the weights' bytes at the copy
-/// bandwidth. Every shape's outputs are checked against the default's. Prints the fastest as
-/// `best VELOQ_GEMV=R,U,T`.
+/// Times the f16 GEMV's launch shapes over a Llama-3.1-8B layer's weight matrices, one
+/// activation row (`f16_gemv`) and eight (`f16_gemv_mma`), beside the device-to-device copy
+/// bandwidth measured here. Per shape: GB/s of each matrix alone (L2 cleared before each rep:
+/// includes each launch's ramp and tail) and the layer's seven products back to back on distinct
+/// buffers, as a decode step issues them (436 MB, no clear needed), against the weights' bytes at
+/// the copy bandwidth. Every shape's outputs are checked against the default's. Prints the fastest
+/// layer as `best VELOQ_GEMV=R,U,T` and `best VELOQ_GEMV_MMA=R,U,T`.
 fn gemv_sweep(gpu: &Gpu, rng: &mut Rng, reps: usize) -> Result<()> {
     let st = gpu.stream();
     let bw = copy_bandwidth(gpu)?;
-    let mut clear = Clear::new(gpu, Timing::Queued)?;
+    let (mut clear, mut clean) = (Clear::new(gpu, Timing::Queued)?, Clear::new(gpu, Timing::QueuedClean)?);
+    // One host matrix per shape, uploaded once per use in the layer.
     let mats = GEMV_LAYER
         .iter()
         .map(|&(n, k, c)| {
-            let w = dev!(st.clone_htod(&f16_bits(&rng.rows(n, k))));
-            let x = dev!(st.clone_htod(&rng.rows(1, k)));
-            Ok((n, k, c, w, x))
+            let host = f16_bits(&rng.rows(n, k));
+            let copies = (0..c).map(|_| Ok(dev!(st.clone_htod(&host)))).collect::<Result<Vec<_>>>()?;
+            Ok((n, k, copies))
         })
         .collect::<Result<Vec<_>>>()?;
     let layer_bytes: usize = GEMV_LAYER.iter().map(|&(n, k, c)| n * k * 2 * c).sum();
@@ -209,52 +394,84 @@ fn gemv_sweep(gpu: &Gpu, rng: &mut Rng, reps: usize) -> Result<()> {
         bw / 1e12,
         layer_bytes / 1_000_000
     );
-    println!("| R,U,T | {} | layer ms | × floor |", GEMV_LAYER.map(|(n, k, _)| format!("{n}×{k} GB/s")).join(" | "));
-    println!("|---|---|---|---|---|---|---|");
-    let default = GemvTune::for_rows(1);
-    let mut want = Vec::new();
-    for (n, k, _, w, x) in &mats {
-        let mut y = dev!(st.alloc_zeros::<f32>(*n));
-        gemv_f16(gpu, &w.as_view(), &x.as_view(), &mut y.as_view_mut(), 1, *n, *k, default)?;
-        want.push(dev!(st.clone_dtoh(&y)));
-    }
-    let mut best: Option<(f64, GemvTune)> = None;
-    for rows_per_warp in [1, 2, 4] {
-        for unroll in [1, 2, 4] {
-            for threads in [128, 256] {
-                let tune = GemvTune { rows_per_warp, unroll, threads };
-                let (mut layer, mut cells) = (0.0, Vec::new());
-                for ((n, k, c, w, x), want) in mats.iter().zip(&want) {
-                    let mut y = dev!(st.alloc_zeros::<f32>(*n));
-                    let ms = time_ms(gpu, &mut clear, reps, || {
-                        Ok(gemv_f16(gpu, &w.as_view(), &x.as_view(), &mut y.as_view_mut(), 1, *n, *k, tune)?)
-                    })?;
-                    let got = dev!(st.clone_dtoh(&y));
-                    if rel_mse(want, &got) > 1e-10 {
-                        bail!("GEMV {tune:?} on {n}×{k} disagrees with the default shape");
-                    }
-                    layer += ms * *c as f64;
-                    cells.push(format!("{:.0}", (n * k * 2) as f64 / (ms * 1e-3) / 1e9));
+    for (b, env, tensor_cores) in [(1usize, "VELOQ_GEMV", false), (GEMV_MAX_ROWS, "VELOQ_GEMV_MMA", true)] {
+        // Every product reads the first b·k activations as [b, k].
+        let x = dev!(st.clone_htod(&rng.rows(b, 14336)));
+        let mut ys = mats
+            .iter()
+            .map(|(n, _, c)| c.iter().map(|_| Ok(dev!(st.alloc_zeros::<f32>(b * n)))).collect())
+            .collect::<Result<Vec<Vec<_>>>>()?;
+        let default = GemvTune::for_rows(b);
+        let run = |tune: GemvTune, ys: &mut [Vec<CudaSlice<f32>>]| -> Result<()> {
+            for ((n, k, ws), y) in mats.iter().zip(ys.iter_mut()) {
+                for (w, y) in ws.iter().zip(y.iter_mut()) {
+                    gemv_f16(gpu, &w.as_view(), &x.slice(..b * k), &mut y.as_view_mut(), b, *n, *k, tune)?;
                 }
-                println!(
-                    "| {rows_per_warp},{unroll},{threads} | {} | {layer:.3} | {:.2} |",
-                    cells.join(" | "),
-                    layer / floor_ms
-                );
-                if best.is_none_or(|(t, _)| layer < t) {
-                    best = Some((layer, tune));
+            }
+            Ok(())
+        };
+        run(default, &mut ys)?;
+        let want = ys.iter().map(|y| Ok(dev!(st.clone_dtoh(&y[0])))).collect::<Result<Vec<_>>>()?;
+        println!("\n{b} activation row(s), {}", default.kernel_name());
+        println!(
+            "| R,U,T | {} | layer ms | × floor |",
+            GEMV_LAYER.map(|(n, k, _)| format!("{n}×{k} GB/s")).join(" | ")
+        );
+        println!("|---|---|---|---|---|---|---|");
+        let rows: &[usize] = if tensor_cores { &[16, 32, 64] } else { &[1, 2, 4] };
+        let mut best: Option<(f64, GemvTune)> = None;
+        for &rows in rows {
+            for unroll in [1, 2] {
+                for threads in [256, 512, 1024] {
+                    let tune = GemvTune { tensor_cores, rows, unroll, threads };
+                    // Shapes past the device's limits (registers, shared memory) are skipped.
+                    if let Err(e) = run(tune, &mut ys) {
+                        println!(
+                            "| {rows},{unroll},{threads} | does not run: {} |",
+                            e.to_string().lines().last().unwrap_or("")
+                        );
+                        continue;
+                    }
+                    let mut cells = Vec::new();
+                    for (((n, k, ws), y), want) in mats.iter().zip(ys.iter_mut()).zip(&want) {
+                        let ms = time_ms(gpu, &mut clear, reps, || {
+                            Ok(gemv_f16(
+                                gpu,
+                                &ws[0].as_view(),
+                                &x.slice(..b * k),
+                                &mut y[0].as_view_mut(),
+                                b,
+                                *n,
+                                *k,
+                                tune,
+                            )?)
+                        })?;
+                        if rel_mse(want, &dev!(st.clone_dtoh(&y[0]))) > 1e-10 {
+                            bail!("GEMV {tune:?} on {n}×{k} disagrees with the default shape");
+                        }
+                        cells.push(format!("{:.0}", (n * k * 2) as f64 / (ms * 1e-3) / 1e9));
+                    }
+                    let layer = time_ms(gpu, &mut clean, reps, || run(tune, &mut ys))?;
+                    println!(
+                        "| {rows},{unroll},{threads} | {} | {layer:.3} | {:.2} |",
+                        cells.join(" | "),
+                        layer / floor_ms
+                    );
+                    if best.is_none_or(|(t, _)| layer < t) {
+                        best = Some((layer, tune));
+                    }
                 }
             }
         }
+        let (t, best) = best.expect("variants timed");
+        println!(
+            "best {env}={},{},{} ({t:.3} ms a layer, {:.2}× the floor; default {default:?})",
+            best.rows,
+            best.unroll,
+            best.threads,
+            t / floor_ms
+        );
     }
-    let (t, b) = best.expect("variants timed");
-    println!(
-        "best VELOQ_GEMV={},{},{} ({t:.3} ms a layer, {:.2}× the floor; default {default:?})",
-        b.rows_per_warp,
-        b.unroll,
-        b.threads,
-        t / floor_ms
-    );
     Ok(())
 }
 

@@ -227,8 +227,69 @@ fn graph_agreement(gpu: &Model, cfg: &CacheConfig, prompt: &[u32], n: usize) -> 
     if launched == 0 {
         anyhow::bail!("{}: the graph path launched no graph", cfg.name());
     }
+    // The same kernels replayed: any difference is a replay that read or wrote the wrong buffer.
+    if same < n || max_dlogit > 1e-3 {
+        anyhow::bail!(
+            "{}: CUDA graphs changed the output (tokens equal {same} of {n}, max |Δlogit| {max_dlogit})",
+            cfg.name()
+        );
+    }
     Ok(json!({"method": cfg.name(), "tokens": n, "equal_prefix": same, "max_abs_logit_diff": max_dlogit,
               "graph_launches": launched, "eager_tokens": eager, "graph_tokens": graphs}))
+}
+
+/// Batch decoding on CUDA, cuBLAS and eager steps against veloq's GEMV (tensor cores from 2
+/// rows, fused q/k/v and gated MLP) replayed from graphs: sequence s of the batch is the prompt
+/// less its last s tokens. Both round activations to f16 before the weights; cuBLAS rounds its
+/// outputs to f16 as well, so tokens may part at a near-tie. Fails when the first batched step's
+/// logits differ by more than 5% of their rms (a wrong product, not rounding).
+fn batch_agreement(gpu: &Model, cfg: &CacheConfig, prompt: &[u32], n: usize, batch: usize) -> Result<Value> {
+    // Per step: every sequence's token, and the batch's logits end to end.
+    type Run = (Vec<Vec<u32>>, Vec<Vec<f32>>);
+    let run = |fast: bool| -> Result<Run> {
+        gpu.set_cuda_graphs(fast);
+        veloq_candle::model::set_cuda_gemv(fast);
+        // Sized to the run, not the model's context (8 sequences of an 8B at 128k do not fit).
+        let sized = CacheConfig { capacity: Some(prompt.len() + n + 16), ..cfg.clone() };
+        let mut caches = sized.build_batch(gpu, batch)?;
+        let mut tokens = Vec::with_capacity(batch);
+        for s in 0..batch {
+            let p = &prompt[..prompt.len().saturating_sub(s).max(1)];
+            let l = gpu.forward_step(p, &Step::single(s, 0, p.len())?, &mut caches, Logits::Last)?;
+            tokens.push(argmax(&l.flatten_all()?.to_vec1::<f32>()?));
+        }
+        let (mut all_tokens, mut all_logits) = (Vec::new(), Vec::new());
+        for _ in 0..n {
+            let starts: Vec<usize> = (0..batch).map(|s| caches.len(s)).collect();
+            let l = gpu.forward_step(&tokens, &Step::decode(&starts)?, &mut caches, Logits::Last)?;
+            let rows = l.to_device(&Device::Cpu)?.to_vec2::<f32>()?;
+            tokens = rows.iter().map(|r| argmax(r)).collect();
+            all_tokens.push(tokens.clone());
+            all_logits.push(rows.concat());
+        }
+        Ok((all_tokens, all_logits))
+    };
+    let (slow, slow_logits) = run(false)?;
+    let (fast, fast_logits) = run(true)?;
+    gpu.set_cuda_graphs(true);
+    veloq_candle::model::set_cuda_gemv(true);
+    let same = slow.iter().zip(&fast).position(|(a, b)| a != b).unwrap_or(n);
+    let diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    let rms = (slow_logits[0].iter().map(|v| v * v).sum::<f32>() / slow_logits[0].len() as f32).sqrt();
+    let first = diff(&slow_logits[0], &fast_logits[0]);
+    let upto = slow_logits.iter().zip(&fast_logits).take(same + 1).map(|(a, b)| diff(a, b)).fold(0.0f32, f32::max);
+    println!(
+        "  {:<22} batch {batch}, GEMV + graphs vs cuBLAS eager: every sequence's tokens equal for {same} of {n} steps; \
+         first step max |Δlogit| {first:.4} (logits' rms {rms:.2}), {upto:.4} while equal",
+        cfg.name()
+    );
+    if first.is_nan() || first > 0.05 * rms {
+        anyhow::bail!("{}: batch {batch} logits differ by {first} (rms {rms}) on the first batched step", cfg.name());
+    }
+    Ok(
+        json!({"method": cfg.name(), "batch": batch, "steps": n, "equal_steps": same, "first_step_max_abs_logit_diff": first,
+              "logit_rms": rms, "max_abs_logit_diff_while_equal": upto, "cublas_tokens": slow, "gemv_tokens": fast}),
+    )
 }
 
 /// Whether `e` is the device running out of memory (a typed error from the caches or candle).
@@ -487,6 +548,7 @@ pub fn run(a: Args) -> Result<()> {
     let cal_path = a.files.calibration();
     let mut agree = Vec::new();
     let mut graphs_agree = Vec::new();
+    let mut batch_agree = Vec::new();
     let mut runs = Vec::new();
     let mut budget = Vec::new();
     for name in &a.models {
@@ -511,6 +573,10 @@ pub fn run(a: Args) -> Result<()> {
                         graph_agreement(&gpu_model, &cfg, &prompt, a.agree_tokens)
                             .with_context(|| format!("graphs vs eager, {}", cfg.name()))?,
                     );
+                    batch_agree.push(
+                        batch_agreement(&gpu_model, &cfg, &prompt, a.agree_tokens, 8)
+                            .with_context(|| format!("batch GEMV vs cuBLAS, {}", cfg.name()))?,
+                    );
                 }
                 (gpu_model, cal, "SmolLM2-135M (real weights)".to_string())
             }
@@ -518,6 +584,19 @@ pub fn run(a: Args) -> Result<()> {
                 let g = Geometry::LLAMA_3_1_8B;
                 let model = Model::synthetic("llama-3.1-8b-geometry-random", g, max_ctx, &dev, 7)?;
                 let cal = synthetic_calibration(&model, &mut rng)?;
+                println!("\n2. agreement, {LLAMA8B}: CUDA graphs vs eager (batch 1), cuBLAS vs veloq's GEMV (batch 8)");
+                let vocab = model.info.vocab as u64;
+                let prompt: Vec<u32> = (0..64u64).map(|i| (i * 7919 % vocab) as u32).collect();
+                for cfg in [CacheConfig::fp16(), CacheConfig::vecinfer(cal.clone())] {
+                    graphs_agree.push(
+                        graph_agreement(&model, &cfg, &prompt, a.agree_tokens.min(8))
+                            .with_context(|| format!("graphs vs eager, {}", cfg.name()))?,
+                    );
+                    batch_agree.push(
+                        batch_agreement(&model, &cfg, &prompt, a.agree_tokens.min(8), 8)
+                            .with_context(|| format!("batch GEMV vs cuBLAS, {}", cfg.name()))?,
+                    );
+                }
                 (model, cal, format!("{LLAMA8B} ({:.1} B parameters)", g.parameters() as f64 / 1e9))
             }
             other => anyhow::bail!("unknown model {other:?} (smollm2, llama8b)"),
@@ -600,7 +679,7 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     let out = json!({"bench": "runner", "device": gpu.name(), "steps": a.steps, "copy_bandwidth_bytes_s": bw,
-                     "paths": a.paths, "agreement": agree, "graphs_vs_eager": graphs_agree, "runs": runs, "budget": budget});
+                     "paths": a.paths, "agreement": agree, "graphs_vs_eager": graphs_agree, "batch_gemv_vs_cublas": batch_agree, "runs": runs, "budget": budget});
     write_json(&a.json, &out)?;
     if let Some(p) = &a.plot {
         // The figure is a convenience: a missing font must not lose the measurements (--replot).

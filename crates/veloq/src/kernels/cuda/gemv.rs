@@ -13,49 +13,96 @@ pub(super) const SOURCES: &[&str] = &[include_str!("gemv.cu")];
 /// Most activation rows one launch takes (the accumulators live in registers).
 pub const MAX_ROWS: usize = 8;
 
-/// A launch shape of the GEMV: output rows per warp (more share each load of x), 16-byte loads
-/// per row a lane has in flight, threads per block.
+/// A launch shape of the GEMV. `tensor_cores` picks `f16_gemv_mma` (activations rounded to f16,
+/// for batches: FMAs on f32 re-read each activation chunk once per weight row and lost to cuBLAS
+/// at 8 rows) over `f16_gemv` (f32 FMAs, exact products: one row). `rows` weight rows per block
+/// (a multiple of 8 with tensor cores), `unroll` 16-byte loads per row a thread has in flight,
+/// `threads` per block (its warps split each row's K).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemvTune {
-    pub rows_per_warp: usize,
+    pub tensor_cores: bool,
+    pub rows: usize,
     pub unroll: usize,
     pub threads: u32,
 }
 
 impl GemvTune {
-    /// The shape for `b` activation rows: `VELOQ_GEMV=R,U,T` if set (from `veloq bench cuda
-    /// --gemv-sweep` on the device at hand), else one row per warp, one load in flight, 256
-    /// threads for one row (the fastest of 18 shapes on an H200, 8B layer: 0.190 ms against 0.205
-    /// for R 2, U 2, 128 threads), R = clamp(b, 2, 4), U = 2, 128 threads for more rows.
+    /// The shape for `b` activation rows: `VELOQ_GEMV=R,U,T` (one row) or `VELOQ_GEMV_MMA=R,U,T`
+    /// (more) if set, from `veloq bench cuda --gemv-sweep` on the device at hand; else the
+    /// sweep's fastest on an H200 over an 8B layer's seven products in a row: one row R 2, U 1,
+    /// 512 threads (0.121 ms a layer, 1.16× its bytes at the copy bandwidth; the previous
+    /// one-warp-a-row kernel took 0.190), eight rows 16 rows a block, U 2, 512 threads (0.149 ms).
     pub fn for_rows(b: usize) -> Self {
-        static ENV: OnceLock<Option<(usize, usize, u32)>> = OnceLock::new();
-        let env = ENV.get_or_init(|| {
-            let v = std::env::var("VELOQ_GEMV").ok()?;
-            let p: Vec<usize> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
-            match p[..] {
-                [r, u, t]
-                    if (1..=8).contains(&r) && (1..=8).contains(&u) && t % 32 == 0 && (32..=1024).contains(&t) =>
-                {
-                    Some((r, u, t as u32))
-                }
-                _ => None,
-            }
-        });
-        match *env {
-            Some((rows_per_warp, unroll, threads)) => Self { rows_per_warp, unroll, threads },
-            None if b == 1 => Self { rows_per_warp: 1, unroll: 1, threads: 256 },
-            None => Self { rows_per_warp: b.clamp(2, 4), unroll: 2, threads: 128 },
+        static ENV: OnceLock<[Option<(usize, usize, u32)>; 2]> = OnceLock::new();
+        let env = ENV.get_or_init(|| ["VELOQ_GEMV", "VELOQ_GEMV_MMA"].map(|name| parse(&std::env::var(name).ok()?)));
+        let tensor_cores = b > 1;
+        let (rows, unroll, threads) = match env[tensor_cores as usize] {
+            Some(t) if !tensor_cores || t.0.is_multiple_of(8) => t,
+            _ if tensor_cores => (16, 2, 512),
+            _ => (2, 1, 512),
+        };
+        Self { tensor_cores, rows, unroll, threads }
+    }
+
+    /// The kernel this shape launches.
+    pub fn kernel_name(&self) -> &'static str {
+        if self.tensor_cores {
+            "f16_gemv_mma"
+        } else {
+            "f16_gemv"
         }
     }
 
     fn defines(&self, b: usize) -> Vec<(&'static str, i64)> {
-        vec![
-            ("B", b as i64),
-            ("R", self.rows_per_warp as i64),
-            ("U", self.unroll as i64),
-            ("THREADS", self.threads as i64),
-        ]
+        let rows = if self.tensor_cores { ("G", (self.rows / 8) as i64) } else { ("R", self.rows as i64) };
+        vec![("B", b as i64), rows, ("U", self.unroll as i64), ("THREADS", self.threads as i64)]
     }
+}
+
+/// `R,U,T` with R 1..=32, U 1..=8, T a multiple of 32 in 32..=1024.
+fn parse(v: &str) -> Option<(usize, usize, u32)> {
+    let p: Vec<usize> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+    match p[..] {
+        [r, u, t] if (1..=32).contains(&r) && (1..=8).contains(&u) && t % 32 == 0 && (32..=1024).contains(&t) => {
+            Some((r, u, t as u32))
+        }
+        _ => None,
+    }
+}
+
+/// What a launch over several matrices writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemvEpilogue {
+    /// Each matrix's outputs side by side: `y [b, Σ n]` (up to 3 matrices).
+    Concat,
+    /// Two matrices of one shape, gate and up: `y [b, n] = silu(x·gateᵀ) ⊙ (x·upᵀ)`.
+    Silu,
+    /// As [`GemvEpilogue::Silu`] with GELU (tanh form), Gemma's MLP.
+    GeluTanh,
+}
+
+impl GemvEpilogue {
+    fn gated(self) -> i64 {
+        match self {
+            GemvEpilogue::Concat => 0,
+            GemvEpilogue::Silu => 1,
+            GemvEpilogue::GeluTanh => 2,
+        }
+    }
+}
+
+/// The small operations around a product that its launch takes along (none by default).
+#[derive(Clone, Copy, Default)]
+pub struct GemvFused<'a> {
+    /// RMS-normalise each activation row first: the norm's weights `[k]` and eps.
+    pub norm: Option<(&'a CudaView<'a, f32>, f32)>,
+    /// Add the product to this residual stream (laid out as `y`).
+    pub residual: Option<&'a CudaView<'a, f32>>,
+    /// Add the product to what `y` holds (the residual stream updated in place).
+    pub accumulate: bool,
+    /// Rotate the first two matrices' rows (q, k; side by side only) by interleaved RoPE: cos and
+    /// sin rows `[b, head_dim / 2]` of each activation row's position, and head_dim.
+    pub rope: Option<(&'a CudaView<'a, f32>, &'a CudaView<'a, f32>, usize)>,
 }
 
 /// `y [b, n] = x [b, k] · w [n, k]ᵀ`: `w` f16 bits, `x` and `y` f32, contiguous. `k` a multiple of
@@ -71,35 +118,128 @@ pub fn gemv_f16(
     k: usize,
     tune: GemvTune,
 ) -> Result<()> {
-    if !(1..=MAX_ROWS).contains(&b) || !k.is_multiple_of(8) || n == 0 {
+    gemv_f16_many(gpu, &[(w, n)], x, y, b, k, GemvEpilogue::Concat, GemvFused::default(), tune)
+}
+
+/// Whether [`gemv_f16_many`] takes matrices of these row counts with this epilogue and shape:
+/// side by side, every matrix but the last a whole number of the shape's blocks; gated, two of
+/// one height. With RoPE of `rope_dim`, side by side, q and k whole heads, the rows of a block
+/// in pairs.
+pub fn gemv_many_fits(rows: &[usize], epilogue: GemvEpilogue, rope_dim: Option<usize>, tune: GemvTune) -> bool {
+    let shape = match epilogue {
+        GemvEpilogue::Concat => {
+            (1..=3).contains(&rows.len()) && rows[..rows.len() - 1].iter().all(|n| n.is_multiple_of(tune.rows))
+        }
+        _ => rows.len() == 2 && rows[0] == rows[1],
+    };
+    shape
+        && rope_dim.is_none_or(|d| {
+            epilogue == GemvEpilogue::Concat
+                && d > 0
+                && d.is_multiple_of(2)
+                && tune.rows.is_multiple_of(2)
+                && rows.iter().take(2).all(|n| n.is_multiple_of(d))
+        })
+}
+
+/// Several f16 matrices `(w [n, k], n)` applied to the same activations `x [b, k]` in one
+/// launch, written as `epilogue` says (side by side: matrix after matrix, each `[b, n]`), with
+/// `fused`'s operations. Same contract as [`gemv_f16`] otherwise.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_f16_many(
+    gpu: &Gpu,
+    ws: &[(&CudaView<u16>, usize)],
+    x: &CudaView<f32>,
+    y: &mut CudaViewMut<f32>,
+    b: usize,
+    k: usize,
+    epilogue: GemvEpilogue,
+    fused: GemvFused,
+    tune: GemvTune,
+) -> Result<()> {
+    let rows: Vec<usize> = ws.iter().map(|w| w.1).collect();
+    if !(1..=MAX_ROWS).contains(&b) || !k.is_multiple_of(8) || rows.contains(&0) {
         return Err(Error::Device(format!(
-            "f16 gemv takes 1..={MAX_ROWS} rows and k a multiple of 8; got b {b}, n {n}, k {k}"
+            "f16 gemv takes 1..={MAX_ROWS} rows and k a multiple of 8; got b {b}, matrices of {rows:?} rows, k {k}"
         )));
     }
-    if w.len() < n * k || x.len() < b * k || y.len() < b * n {
+    if tune.rows == 0 || (tune.tensor_cores && !tune.rows.is_multiple_of(8)) {
+        return Err(Error::Device(format!("f16 gemv: no launch shape {tune:?}")));
+    }
+    let rope_dim = fused.rope.map(|r| r.2);
+    if !gemv_many_fits(&rows, epilogue, rope_dim, tune) {
+        return Err(Error::Shape(format!("f16 gemv: matrices of {rows:?} rows do not fit {epilogue:?} with {tune:?}")));
+    }
+    let n = if epilogue == GemvEpilogue::Concat { rows.iter().sum() } else { rows[0] };
+    if ws.iter().any(|(w, r)| w.len() < r * k) || x.len() < b * k || y.len() < b * n {
         return Err(Error::Shape(format!(
-            "f16 gemv: buffers smaller than [{n}, {k}] weights, [{b}, {k}] → [{b}, {n}]"
+            "f16 gemv: buffers smaller than {rows:?} × {k} weights, [{b}, {k}] → [{b}, {n}]"
         )));
     }
-    let f = gpu.kernel(SOURCES, "f16_gemv", &tune.defines(b), 0)?;
-    let per_block = (tune.threads as usize / 32) * tune.rows_per_warp;
+    let short = |what: &str| Error::Shape(format!("f16 gemv: {what} shorter than the product needs"));
+    if fused.norm.is_some_and(|(g, _)| g.len() < k) {
+        return Err(short("norm weights"));
+    }
+    if fused.residual.is_some_and(|r| r.len() < b * n) {
+        return Err(short("residual"));
+    }
+    if fused.accumulate && fused.residual.is_some() {
+        return Err(Error::Shape("f16 gemv: a residual operand and accumulation into y are exclusive".into()));
+    }
+    if fused.rope.is_some_and(|(c, s, d)| c.len() < b * d / 2 || s.len() < b * d / 2) {
+        return Err(short("RoPE rows"));
+    }
+    let mut defines = tune.defines(b);
+    defines.extend([
+        ("GATED", epilogue.gated()),
+        ("NORM", fused.norm.is_some() as i64),
+        ("RES", if fused.accumulate { 2 } else { fused.residual.is_some() as i64 }),
+        ("ROPE", rope_dim.unwrap_or(0) as i64),
+    ]);
+    let f = gpu.kernel(SOURCES, tune.kernel_name(), &defines, 0)?;
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(per_block) as u32, 1, 1),
+        grid_dim: (n.div_ceil(tune.rows) as u32, 1, 1),
         block_dim: (tune.threads, 1, 1),
         shared_mem_bytes: 0,
     };
-    let (n_i, k_i) = (n as i32, k as i32);
+    let w = |i: usize| ws.get(i).unwrap_or(&ws[0]).0;
+    let (n1, n2) = (rows[0], rows.get(1).copied().unwrap_or(0));
+    let [n_i, n1_i, n2_i, k_i] = [n, n1, n2, k].map(|v| v as i32);
+    let eps = fused.norm.map_or(0.0, |n| n.1);
+    // Operands a define leaves out are never read; x stands in for them.
+    let (res, norm) = (fused.residual.unwrap_or(x), fused.norm.map_or(x, |n| n.0));
+    let (cos, sin) = fused.rope.map_or((x, x), |(c, s, _)| (c, s));
     let mut l = gpu.stream().launch_builder(&f);
-    l.arg(w).arg(x).arg(y).arg(&n_i).arg(&k_i);
-    // SAFETY: arguments in f16_gemv's order (w, x, y, N, K); the checks above bound every read
-    // (rows < n, chunks < k/8) and write (b·n outputs).
+    l.arg(w(0)).arg(w(1)).arg(w(2)).arg(x).arg(y).arg(res).arg(norm).arg(cos).arg(sin);
+    l.arg(&n_i).arg(&n1_i).arg(&n2_i).arg(&k_i).arg(&eps);
+    // SAFETY: arguments in both kernels' order (w, w2, w3, x, y, residual, norm weights, cos,
+    // sin, N, N1, N2, K, eps); the checks above bound every read (each matrix's rows, chunks <
+    // k/8, a block reads one matrix or the same rows of two when gated; norm weights < k; residual
+    // as y; RoPE rows b·head_dim/2) and write (b·n outputs). Matrices not given are never read.
     unsafe { l.launch(cfg) }.map_err(dev_err)?;
     Ok(())
 }
 
-/// Defines of every row count (and a few launch shapes), for the NVRTC compile check.
-pub(super) fn example_defines() -> Vec<Vec<(&'static str, i64)>> {
-    let tuned =
-        [(1, 4, 256), (4, 1, 64)].map(|(r, u, t)| GemvTune { rows_per_warp: r, unroll: u, threads: t }.defines(1));
-    (1..=MAX_ROWS).map(|b| GemvTune::for_rows(b).defines(b)).chain(tuned).collect()
+/// (kernel, defines) of every row count and a few launch shapes, for the NVRTC compile check.
+pub(super) fn example_defines() -> Vec<(&'static str, Vec<(&'static str, i64)>)> {
+    let tuned = [(false, 2, 4, 128), (true, 32, 1, 64), (true, 8, 8, 512)]
+        .map(|(tensor_cores, rows, unroll, threads)| GemvTune { tensor_cores, rows, unroll, threads });
+    let shapes: Vec<(usize, GemvTune)> = (1..=MAX_ROWS)
+        .map(|b| (b, GemvTune::for_rows(b)))
+        .chain(tuned.map(|t| (if t.tensor_cores { MAX_ROWS } else { 1 }, t)))
+        .collect();
+    shapes
+        .into_iter()
+        .flat_map(|(b, t)| {
+            // The layer's four forms: q/k/v (norm, RoPE), output (residual), gate/up (norm,
+            // gated), down (residual); and the bare product.
+            [(0, 1, 0, 128), (0, 0, 1, 0), (0, 0, 2, 0), (1, 1, 0, 0), (2, 1, 0, 0), (0, 0, 0, 0)].map(
+                move |(gated, norm, res, rope)| {
+                    let mut d = t.defines(b);
+                    d.extend([("GATED", gated), ("NORM", norm), ("RES", res), ("ROPE", rope)]);
+                    (t.kernel_name(), d)
+                },
+            )
+        })
+        .collect()
 }

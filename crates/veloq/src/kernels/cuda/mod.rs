@@ -15,7 +15,7 @@ pub use attention::{
     AttentionScratch, Coded, GpuAttention, SplitKernel, Window, WindowMap, DEFAULT_THREADS, MAX_WINDOW,
 };
 pub use dense::GpuDenseAttention;
-pub use gemv::{gemv_f16, GemvTune, MAX_ROWS as GEMV_MAX_ROWS};
+pub use gemv::{gemv_f16, gemv_f16_many, gemv_many_fits, GemvEpilogue, GemvFused, GemvTune, MAX_ROWS as GEMV_MAX_ROWS};
 pub use prefill::{GpuPrefill, PrefillOut, Source, Split};
 pub use quantize::{GpuCodec, RowMap};
 pub use window::{PutMap, PutRows};
@@ -211,7 +211,7 @@ pub fn compile_check(arch: &'static str) -> Result<()> {
     let window = std::iter::once(("vq_window_put", window::SOURCES, vec![("D", 128)]));
     let dense = dense::example_defines().into_iter().map(|d| ("f16_attend_split", dense::SOURCES, d));
     let quantize = std::iter::once(("vq_quantize", quantize::SOURCES, quantize::example_defines()));
-    let gemv = gemv::example_defines().into_iter().map(|d| ("f16_gemv", gemv::SOURCES, d));
+    let gemv = gemv::example_defines().into_iter().map(|(name, d)| (name, gemv::SOURCES, d));
     let prefill = prefill::example_defines()
         .into_iter()
         .flat_map(|d| [("vq_prefill_codes", prefill::SOURCES, d.clone()), ("f16_prefill_rows", prefill::SOURCES, d)]);
