@@ -1,9 +1,10 @@
 //! The forward pass's weight matrices: candle's quantized matmul, except for Q4_1 weights on the
 //! CPU, which go to veloq's kernel (`veloq::kernels::cpu::q4_1`: candle has no SIMD path for
 //! Q4_1, and SmolLM2's common GGUF is Q4_1), and f16 weights on CUDA applied to a decode step's
-//! one row, which go to veloq's GEMV (`veloq::kernels::cuda::gemv_f16`: one launch with f32 in
-//! and out, where candle's path is cast, cuBLAS GEMM, cast; on an H200 it still reads the weights
-//! at 1.75–2.9 TB/s, well below the copy bandwidth).
+//! rows (1–8), which go to veloq's GEMV (`veloq::kernels::cuda::gemv_f16_many`: one launch, f32 in
+//! and out, where candle's path is cast, cuBLAS GEMM, cast). [`Linear::fused`] also folds the
+//! norms, RoPE, residual adds and gated MLP around a layer's products into them: an 8B layer is
+//! four launches, whose weights an H200 reads at 1.15× the copy-bandwidth floor (one row).
 
 use std::sync::Arc;
 
