@@ -2,7 +2,9 @@
 //! user sees. In one run (the caches' correctness on CUDA is the conformance suite's,
 //! `tests/conformance.rs`, which the device smoke script runs):
 //! 2. agreement: greedy SmolLM2 on the CPU and on CUDA (fp16 and VecInfer), and the CUDA logits
-//!    teacher-forced on the CPU's tokens; on CUDA, CUDA graphs off and on;
+//!    teacher-forced on the CPU's tokens; on CUDA (SmolLM2 and the 8B), CUDA graphs off and on
+//!    (must be identical), and a batch of 8 through veloq's GEMV + graphs against cuBLAS eager
+//!    (within rounding);
 //! 3. decode tok/s, peak allocator memory and launches per layer-step at each context and batch,
 //!    on the real SmolLM2 and on a random-weight Llama-3.1-8B geometry, on each decode path
 //!    (`--paths`: eager, CUDA graphs, with or without veloq's GEMV) beside the bytes floor (the
