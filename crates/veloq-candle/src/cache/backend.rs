@@ -79,6 +79,12 @@ pub trait Backend: Send + Sync {
         compose(self, q, views, input, scale)
     }
 
+    /// [`attend`](Self::attend) into `out` (`[tokens, q heads, head_dim]` f32, contiguous):
+    /// backends whose kernels can write there directly override it.
+    fn attend_into(&self, q: &Tensor, views: &[SeqView], input: &Self::Input, scale: f32, out: &Tensor) -> Result<()> {
+        super::copy_into(out, &self.attend(q, views, input, scale)?)
+    }
+
     /// Bytes really held: rows and codes as allocated, and the codecs' tables.
     fn resident_bytes(&self) -> usize;
 

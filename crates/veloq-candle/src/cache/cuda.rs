@@ -298,6 +298,39 @@ impl CudaBackend {
         Ok(State { o: o.broadcast_mul(&w)?.sum(0)?, l: (l_s * w)?.sum(0)?, m: m.squeeze(0)? })
     }
 
+    /// Attention of every view into `out` rows `[tokens, q heads, D]` in step order: decodable
+    /// views through the decode kernels (a launch per group stored alike), the rest through the
+    /// portable pieces and copied in.
+    fn attend_to(
+        &self,
+        q: &Tensor,
+        views: &[SeqView],
+        input: &TensorInput,
+        scale: f32,
+        out: &mut CudaViewMut<f32>,
+    ) -> Result<()> {
+        let (fast, slow): (Vec<SeqView>, Vec<SeqView>) = views.iter().cloned().partition(|v| self.decodable(v));
+        let Heads { q: hq, dim: d, .. } = self.base.heads;
+        let qf = q.to_dtype(DType::F32)?.contiguous()?;
+        with_view::<f32, _>(&qf, |qv| {
+            for g in groups(&fast, Self::alike) {
+                let launches = self.decode_group(&qv, g, scale, out)?;
+                self.rt.count(launches);
+            }
+            Ok(())
+        })?;
+        for v in &slow {
+            let part = compose(self, q, std::slice::from_ref(v), input, scale)?.contiguous()?;
+            let r = v.queries.start * hq * d..v.queries.end * hq * d;
+            with_view::<f32, _>(&part, |src| {
+                let mut dst = out.slice_mut(r.clone());
+                self.rt.gpu().stream().memcpy_dtod(&src, &mut dst).map_err(veloq::Error::from)?;
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
+
     /// Whether the decode kernels take a view, and which views decode together with it.
     fn decodable(&self, v: &SeqView) -> bool {
         v.queries.len() == 1
@@ -539,36 +572,29 @@ impl Backend for CudaBackend {
     /// Sequences with one query and all rows stored go to the decode kernels (together where
     /// their storage is alike); the rest to the portable pieces; outputs land in step order.
     fn attend(&self, q: &Tensor, views: &[SeqView], input: &TensorInput, scale: f32) -> Result<Tensor> {
-        let (fast, slow): (Vec<SeqView>, Vec<SeqView>) = views.iter().cloned().partition(|v| self.decodable(v));
-        if fast.is_empty() {
+        if !views.iter().any(|v| self.decodable(v)) {
             return compose(self, q, views, input, scale);
         }
         let Heads { q: hq, dim: d, .. } = self.base.heads;
         let n = q.dim(0)?;
-        let qf = q.to_dtype(DType::F32)?.contiguous()?;
-        let gpu = self.rt.gpu();
-        // SAFETY: every row is written before it is read: the decode groups write theirs, the
-        // other views' rows are copied in below, and every packed row belongs to one view.
-        let mut out = unsafe { gpu.stream().alloc::<f32>(n * hq * d) }.map_err(veloq::Error::from)?;
-        with_view::<f32, _>(&qf, |qv| {
-            let mut view = out.as_view_mut();
-            for g in groups(&fast, Self::alike) {
-                let launches = self.decode_group(&qv, g, scale, &mut view)?;
-                self.rt.count(launches);
-            }
-            Ok(())
-        })?;
-        for v in &slow {
-            let part = compose(self, q, std::slice::from_ref(v), input, scale)?.contiguous()?;
-            let r = v.queries.start * hq * d..v.queries.end * hq * d;
-            with_view::<f32, _>(&part, |src| {
-                let mut dst = out.slice_mut(r.clone());
-                gpu.stream().memcpy_dtod(&src, &mut dst).map_err(veloq::Error::from)?;
-                Ok(())
-            })?;
-        }
+        // SAFETY: `attend_to` writes every row before anything reads it.
+        let mut out = unsafe { self.rt.gpu().stream().alloc::<f32>(n * hq * d) }.map_err(veloq::Error::from)?;
+        self.attend_to(q, views, input, scale, &mut out.as_view_mut())?;
         let storage = CudaStorage::wrap_cuda_slice(out, self.rt.device.clone());
         Ok(Tensor::from_storage(Storage::Cuda(storage), (n, hq, d), BackpropOp::none(), false))
+    }
+
+    /// The decode kernels write straight into `out` (a graph's fixed buffer: no copy after).
+    fn attend_into(&self, q: &Tensor, views: &[SeqView], input: &TensorInput, scale: f32, out: &Tensor) -> Result<()> {
+        let Heads { q: hq, dim: d, .. } = self.base.heads;
+        let fits = out.dtype() == DType::F32
+            && out.is_contiguous()
+            && out.device().same_device(&self.base.device)
+            && out.dims() == [q.dim(0)?, hq, d];
+        if !fits || !views.iter().any(|v| self.decodable(v)) {
+            return super::copy_into(out, &self.attend(q, views, input, scale)?);
+        }
+        write::<f32>(out, |o| self.attend_to(q, views, input, scale, o))
     }
 
     fn resident_bytes(&self) -> usize {

@@ -6,7 +6,7 @@
 use candle_core::Tensor;
 
 use super::backend::{Backend, Heads};
-use super::residency::{Move, Policy, Residency};
+use super::residency::{Move, Policy, Residency, SeqView};
 use super::step::Step;
 use super::LayerCache;
 use crate::error::{Error, Result};
@@ -48,6 +48,14 @@ impl<B: Backend> KvCache<B> {
                 self.heads.dim
             ))),
         }
+    }
+
+    /// What attention over the appended step reads: the sequences' views and the step's input.
+    fn attention_inputs(&self, q: &Tensor, step: &Step) -> Result<(Vec<SeqView>, &B::Input)> {
+        self.check("queries", q, step.tokens(), self.heads.q)?;
+        let views = self.residency.views(step)?;
+        let input = self.input.as_ref().ok_or_else(|| Error::Config("attend before append".into()))?;
+        Ok((views, input))
     }
 
     fn run(&mut self, moves: Vec<Move>) -> Result<()> {
@@ -97,10 +105,13 @@ impl<B: Backend> LayerCache for KvCache<B> {
     }
 
     fn attend(&self, q: &Tensor, step: &Step, scale: f32) -> Result<Tensor> {
-        self.check("queries", q, step.tokens(), self.heads.q)?;
-        let views = self.residency.views(step)?;
-        let input = self.input.as_ref().ok_or_else(|| Error::Config("attend before append".into()))?;
+        let (views, input) = self.attention_inputs(q, step)?;
         self.backend.attend(q, &views, input, scale)
+    }
+
+    fn attend_into(&self, q: &Tensor, step: &Step, scale: f32, out: &Tensor) -> Result<()> {
+        let (views, input) = self.attention_inputs(q, step)?;
+        self.backend.attend_into(q, &views, input, scale, out)
     }
 
     fn commit(&mut self) -> Result<()> {

@@ -53,6 +53,12 @@ pub trait LayerCache: Send {
     /// their sequences hold: query `i` of a sequence starting at `start` sees positions
     /// `..=start + i` (on sliding-window layers, only the window's). Changes nothing.
     fn attend(&self, q: &Tensor, step: &Step, scale: f32) -> Result<Tensor>;
+    /// [`attend`](Self::attend) written into `out` (`[tokens, q heads, head_dim]` f32,
+    /// contiguous): a replayed CUDA graph reads attention from a buffer that never moves, and a
+    /// backend with a fused decode kernel writes it there directly instead of through a copy.
+    fn attend_into(&self, q: &Tensor, step: &Step, scale: f32, out: &Tensor) -> Result<()> {
+        copy_into(out, &self.attend(q, step, scale)?)
+    }
     /// Settles the appended step: rows beyond the recent window become codes. Call after attend.
     fn commit(&mut self) -> Result<()>;
     /// Sequence slots.
@@ -68,6 +74,14 @@ pub trait LayerCache: Send {
     /// budgets per request. Device backends reserve every slot up front, so theirs is the slot's
     /// reservation whatever the length.
     fn sequence_bytes(&self, positions: usize) -> usize;
+}
+
+/// Copies an attention output into the buffer an `attend_into` names (same shape).
+pub(crate) fn copy_into(out: &Tensor, y: &Tensor) -> Result<()> {
+    if out.dims() != y.dims() {
+        return Err(Error::Shape(format!("attention output {:?} into a buffer of {:?}", y.dims(), out.dims())));
+    }
+    Ok(out.slice_set(&y.contiguous()?, 0, 0)?)
 }
 
 /// Every layer's cache of one model, for the same sequence slots.

@@ -19,6 +19,8 @@ use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::RmsNorm;
 
+#[cfg(feature = "cuda")]
+use super::graph::StepPhases;
 use super::linear::{Along, Fused, Linear};
 use super::ModelInfo;
 use crate::cache::{ModelCache, Step};
@@ -246,6 +248,19 @@ impl Model {
         self.graphs.launches()
     }
 
+    /// Starts (sums from zero) or stops timing CUDA-graph decode steps part by part with CUDA
+    /// events: the segments' products, rows in, attention, flushes (see [`StepPhases`]).
+    #[cfg(feature = "cuda")]
+    pub fn set_step_phases(&self, on: bool) {
+        self.graphs.set_phases(on)
+    }
+
+    /// What timed graph steps spent in each part since [`set_step_phases`](Self::set_step_phases).
+    #[cfg(feature = "cuda")]
+    pub fn step_phases(&self) -> Option<StepPhases> {
+        self.graphs.phases()
+    }
+
     /// Bytes of the weight matrices a decode step reads (every layer's and the output head; the
     /// embedding table contributes one row per token, not counted).
     pub fn weight_bytes(&self) -> usize {
@@ -300,7 +315,7 @@ impl Model {
         let rope = self.rope_rows(&Tensor::new(step.positions().as_slice(), &self.device)?)?;
         let scale = self.attn_scale as f32;
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let Qkv { q, k, v, .. } = self.qkv(layer, &x, &rope)?;
+            let Qkv { q, k, v, .. } = self.qkv(layer, &x, &rope, None)?;
             cache.append(&k, &v, step)?;
             let y = cache.attend(&q, step, scale)?; // [tokens, nh, hd]
             cache.commit()?;
@@ -333,8 +348,10 @@ impl Model {
     }
 
     /// A layer's queries `[tokens, heads, D]`, keys and values `[tokens, kv heads, D]` (f32,
-    /// contiguous, RoPE applied) from the residual stream.
-    pub(super) fn qkv(&self, layer: &Layer, x: &Tensor, rope: &RopeRows) -> Result<Qkv> {
+    /// contiguous, RoPE applied) from the residual stream. Where one launch writes all three,
+    /// it writes them into `into` when given (q, k, v one after another: a CUDA graph's fixed
+    /// buffer) and `packed` is that buffer.
+    pub(super) fn qkv(&self, layer: &Layer, x: &Tensor, rope: &RopeRows, into: Option<&Tensor>) -> Result<Qkv> {
         let info = &self.info;
         let (nh, nkv, hd) = (info.n_heads, info.identity.n_kv_heads, info.identity.head_dim);
         let n = x.dim(0)?;
@@ -355,8 +372,13 @@ impl Model {
         // The norm, the three products and (interleaved) RoPE in one launch where veloq's GEMV
         // takes the weights; nothing may sit between them (biases, Gemma's q/k norms).
         if layer.bias.is_none() && layer.qk_norm.is_none() {
-            let along =
-                Along { norm: Some(&layer.attn_norm), rope: (!self.neox).then_some((cos, sin)), ..Along::default() };
+            let rope_fused = !self.neox;
+            let along = Along {
+                norm: Some(&layer.attn_norm),
+                rope: rope_fused.then_some((cos, sin)),
+                into: into.filter(|_| rope_fused),
+                ..Along::default()
+            };
             if let Some(out) = Linear::fused(&[&layer.wq, &layer.wk, &layer.wv], x, Fused::Each, along)? {
                 let p = &out.parts;
                 let (q, k, v) = (p[0].reshape((n, nh, hd))?, p[1].reshape((n, nkv, hd))?, p[2].reshape((n, nkv, hd))?);
@@ -448,8 +470,8 @@ pub(super) struct Qkv {
     pub(super) q: Tensor,
     pub(super) k: Tensor,
     pub(super) v: Tensor,
-    /// q, k and v one after another in one buffer, when one launch wrote them so (the CUDA
-    /// graphs copy it into their fixed buffer at once).
+    /// q, k and v one after another in one buffer, when one launch wrote them so (the buffer
+    /// `Model::qkv` was given, or one the CUDA graphs copy into theirs at once).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(super) packed: Option<Tensor>,
 }

@@ -38,12 +38,101 @@ pub(crate) struct Graphs {
     /// the kernels it was captured with).
     batches: Mutex<HashMap<(usize, bool), Batch>>,
     launches: AtomicUsize,
+    /// Set while steps are being timed part by part ([`Model::set_step_phases`]).
+    clock: Mutex<Option<Clock>>,
 }
 
 impl Default for Graphs {
     fn default() -> Self {
         let on = std::env::var("VELOQ_CUDA_GRAPHS").map_or(true, |v| v != "0");
-        Self { on: AtomicBool::new(on), batches: Mutex::new(HashMap::new()), launches: AtomicUsize::new(0) }
+        Self {
+            on: AtomicBool::new(on),
+            batches: Mutex::new(HashMap::new()),
+            launches: AtomicUsize::new(0),
+            clock: Mutex::new(None),
+        }
+    }
+}
+
+/// Where graph steps' GPU time went, from CUDA events recorded between their parts (each
+/// interval, the gaps before its launches included, counts to the part that ends it), summed over
+/// [`steps`](Self::steps). The events themselves cost a few µs a layer: compare the total with a
+/// step timed without them.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepPhases {
+    /// Steps measured.
+    pub steps: usize,
+    /// The segments replayed from graphs: every layer's products with the norms, RoPE, residual
+    /// adds and MLP fused or captured with them, the embedding and the head (ms).
+    pub segments_ms: f64,
+    /// The step's keys and values into the caches' f16 rows (ms).
+    pub rows_in_ms: f64,
+    /// Attention over the caches, into the graphs' buffer (ms).
+    pub attention_ms: f64,
+    /// Commits: rows past the recent window into codes, on the steps that flush (ms).
+    pub flush_ms: f64,
+    /// Token ids and positions in, logits out (ms).
+    pub io_ms: f64,
+}
+
+impl StepPhases {
+    /// GPU time of the steps, all parts.
+    pub fn total_ms(&self) -> f64 {
+        self.segments_ms + self.rows_in_ms + self.attention_ms + self.flush_ms + self.io_ms
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Part {
+    Start,
+    Segments,
+    RowsIn,
+    Attention,
+    Flush,
+    Io,
+}
+
+/// Events reused step after step, and the sums so far.
+#[derive(Default)]
+struct Clock {
+    events: Vec<cudarc::driver::CudaEvent>,
+    parts: Vec<Part>,
+    sums: StepPhases,
+}
+
+impl Clock {
+    /// Records the end of `part` (or, `Part::Start`, the step's beginning) on `stream`.
+    fn mark(&mut self, stream: &Arc<CudaStream>, part: Part) -> Result<()> {
+        let err = |e| Error::Config(format!("CUDA event: {e:?}"));
+        if matches!(part, Part::Start) {
+            self.parts.clear();
+        }
+        let n = self.parts.len();
+        if self.events.len() == n {
+            let timing = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+            self.events.push(stream.context().new_event(Some(timing)).map_err(err)?);
+        }
+        self.events[n].record(stream).map_err(err)?;
+        self.parts.push(part);
+        Ok(())
+    }
+
+    /// Waits for the step's last event and adds its intervals to the sums.
+    fn finish(&mut self) -> Result<()> {
+        let err = |e| Error::Config(format!("CUDA event: {e:?}"));
+        for i in 1..self.parts.len() {
+            let ms = self.events[i - 1].elapsed_ms(&self.events[i]).map_err(err)? as f64;
+            let s = &mut self.sums;
+            match self.parts[i] {
+                Part::Segments => s.segments_ms += ms,
+                Part::RowsIn => s.rows_in_ms += ms,
+                Part::Attention => s.attention_ms += ms,
+                Part::Flush => s.flush_ms += ms,
+                Part::Io | Part::Start => s.io_ms += ms,
+            }
+        }
+        self.sums.steps += 1;
+        Ok(())
     }
 }
 
@@ -54,13 +143,13 @@ struct Batch {
     positions: Tensor,
     /// Residual stream `[B, hidden]`.
     x: Tensor,
-    /// Queries, keys and values one after another (as the fused product writes them, so one
-    /// copy fills them); `q`, `k`, `v` are views of it.
+    /// Queries, keys and values one after another, as the fused product writes them (into this
+    /// buffer); `q`, `k`, `v` are views of it.
     qkv: Tensor,
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    /// Attention output `[B, heads, D]`, copied in after each layer's attention.
+    /// Attention output `[B, heads, D]`, written by each layer's attention.
     y: Tensor,
     rope: RopeRows,
     logits: Tensor,
@@ -129,8 +218,10 @@ impl Batch {
             model.residual(&model.layers[i - 1], &self.x, &self.y)?
         };
         if i < layers {
-            let Qkv { q, k, v, packed } = model.qkv(&model.layers[i], &x, &self.rope)?;
+            let Qkv { q, k, v, packed } = model.qkv(&model.layers[i], &x, &self.rope, Some(&self.qkv))?;
             match packed.filter(|p| p.elem_count() == self.qkv.elem_count()) {
+                // The fused product wrote them where they belong (`qkv` is flat: the same tensor).
+                Some(p) if p.id() == self.qkv.id() => {}
                 Some(p) => self.qkv.slice_set(&p, 0, 0)?,
                 None => {
                     self.q.slice_set(&q, 0, 0)?;
@@ -183,6 +274,16 @@ impl Graphs {
         self.launches.load(Ordering::Relaxed)
     }
 
+    /// Starts (from zero) or stops timing graph steps part by part.
+    pub(crate) fn set_phases(&self, on: bool) {
+        *self.clock.lock().expect("clock lock") = on.then(Clock::default);
+    }
+
+    /// The parts' times since [`set_phases`](Self::set_phases) turned timing on.
+    pub(crate) fn phases(&self) -> Option<StepPhases> {
+        self.clock.lock().expect("clock lock").as_ref().map(|c| c.sums)
+    }
+
     /// A decode step (one new token per sequence) through the graphs: logits `[sequences,
     /// vocab]`; `None` when graphs do not apply (off, not CUDA, several tokens for a sequence)
     /// and the caller runs the step eagerly.
@@ -208,21 +309,29 @@ impl Graphs {
             return Ok(None);
         }
         let dev = model.device();
+        let stream = cuda.cuda_stream();
+        let mut clock = self.clock.lock().expect("clock lock");
+        // Events mark the parts' ends while timing (never inside a capture).
+        let mut mark = |part: Part| clock.as_mut().map_or(Ok(()), |c| c.mark(&stream, part));
+        mark(Part::Start)?;
         batch.ids.slice_set(&Tensor::new(tokens, dev)?, 0, 0)?;
         batch.positions.slice_set(&Tensor::new(step.positions().as_slice(), dev)?, 0, 0)?;
-        let stream = cuda.cuda_stream();
+        mark(Part::Io)?;
         let scale = model.attn_scale as f32;
         let caches = cache.layers_mut();
         for i in 0..=model.layers.len() {
             if i > 0 {
                 let c = &mut caches[i - 1];
                 c.append(&batch.k, &batch.v, step)?;
-                let y = c.attend(&batch.q, step, scale)?;
+                mark(Part::RowsIn)?;
+                c.attend_into(&batch.q, step, scale, &batch.y)?;
+                mark(Part::Attention)?;
                 c.commit()?;
-                batch.y.slice_set(&y.contiguous()?, 0, 0)?;
+                mark(Part::Flush)?;
             }
             if let Some(g) = batch.graphs.0.get(i) {
                 self.replay(g)?;
+                mark(Part::Segments)?;
                 continue;
             }
             if batch.warm && !batch.broken {
@@ -230,6 +339,7 @@ impl Graphs {
                     Ok(g) => {
                         self.replay(&g)?;
                         batch.graphs.0.push(g);
+                        mark(Part::Segments)?;
                         continue;
                     }
                     Err(why) => {
@@ -240,9 +350,15 @@ impl Graphs {
                 }
             }
             batch.segment(model, cuda, i)?;
+            mark(Part::Segments)?;
         }
         batch.warm = true;
-        Ok(Some(batch.logits.copy()?))
+        let logits = batch.logits.copy()?;
+        mark(Part::Io)?;
+        if let Some(c) = clock.as_mut() {
+            c.finish()?;
+        }
+        Ok(Some(logits))
     }
 
     fn replay(&self, g: &CudaGraph) -> Result<()> {

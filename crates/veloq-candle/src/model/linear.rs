@@ -4,7 +4,8 @@
 //! rows (1–8), which go to veloq's GEMV (`veloq::kernels::cuda::gemv_f16_many`: one launch, f32 in
 //! and out, where candle's path is cast, cuBLAS GEMM, cast). [`Linear::fused`] also folds the
 //! norms, RoPE, residual adds and gated MLP around a layer's products into them: an 8B layer is
-//! four launches, whose weights an H200 reads at 1.15× the copy-bandwidth floor (one row).
+//! four launches, whose weights an H200 reads at 1.21× the copy-bandwidth floor (one row, as a
+//! decode step replays them), and writes q/k/v into a buffer the caller names (a CUDA graph's).
 
 use std::sync::Arc;
 
@@ -74,6 +75,9 @@ pub(crate) struct Along<'a> {
     /// Interleaved RoPE on the first two outputs (q, k): each row's cos and sin, `[rows, 1,
     /// head_dim / 2]`.
     pub(crate) rope: Option<(&'a Tensor, &'a Tensor)>,
+    /// Written into this contiguous buffer (every output, one after another) instead of a new
+    /// one: a CUDA graph's fixed buffer, so nothing copies them there after.
+    pub(crate) into: Option<&'a Tensor>,
 }
 
 /// A fused product's outputs, each `[rows, n]`, and the one buffer they lie in, one after another.
@@ -210,7 +214,8 @@ pub(crate) mod gemv {
         let fits = gemv_many_fits(&rows, epilogue, rope_dim, GemvTune::for_rows(b))
             && along.norm.is_none_or(|m| f32_cuda(m.weight(), k))
             && along.residual.is_none_or(|r| f32_cuda(r, b * n))
-            && (!along.in_place || (along.residual.is_some() && rows.len() == 1))
+            && (!along.in_place || (along.residual.is_some() && rows.len() == 1 && along.into.is_none()))
+            && along.into.is_none_or(|t| f32_cuda(t, b * n))
             && along
                 .rope
                 .is_none_or(|(c, s)| rope_dim.is_some_and(|d| f32_cuda(c, b * d / 2) && f32_cuda(s, b * d / 2)));
@@ -225,13 +230,20 @@ pub(crate) mod gemv {
             norm: along.norm.map(|m| (m.weight().clone(), m.eps() as f32)),
             residual: along.residual.filter(|_| !along.in_place).cloned(),
             rope: along.rope.map(|(c, s)| (c.clone(), s.clone())),
+            accumulate: along.in_place,
         };
         let x = x.reshape((b, k))?.contiguous()?;
         if let (true, Some(r)) = (along.in_place, along.residual) {
             r.inplace_op2(&x, &op)?;
             return Ok(Some(Products { parts: vec![r.clone()], flat: r.flatten_all()? }));
         }
-        let y = x.apply_op1_no_bwd(&op)?;
+        let y = match along.into {
+            Some(t) => {
+                t.inplace_op2(&x, &op)?;
+                t.flatten_all()?
+            }
+            None => x.apply_op1_no_bwd(&op)?,
+        };
         // Matrix after matrix, each [b, n]: contiguous views.
         let outs: Vec<usize> = if epilogue == GemvEpilogue::Concat { rows } else { vec![n] };
         let mut parts = Vec::with_capacity(outs.len());
@@ -254,6 +266,8 @@ pub(crate) mod gemv {
         norm: Option<(Tensor, f32)>,
         residual: Option<Tensor>,
         rope: Option<(Tensor, Tensor)>,
+        /// In place: add to the target (the residual stream) rather than overwrite it.
+        accumulate: bool,
     }
 
     /// A contiguous CUDA tensor's elements.
@@ -291,10 +305,11 @@ pub(crate) mod gemv {
         }
     }
 
-    /// In place: the residual stream (the op's target) gains the product.
+    /// In place: the residual stream (the op's target) gains the product, or (not `accumulate`)
+    /// the target, a fixed buffer, takes it.
     impl candle_core::InplaceOp2 for Many {
         fn name(&self) -> &'static str {
-            "veloq-f16-gemv-accumulate"
+            "veloq-f16-gemv-in-place"
         }
 
         fn cpu_fwd(
@@ -311,10 +326,10 @@ pub(crate) mod gemv {
             let (b, _) = xl.shape().dims2()?;
             let n = self.outputs();
             let Some((r0, r1)) = rl.contiguous_offsets().filter(|(a, z)| z - a == b * n) else {
-                candle_core::bail!("veloq's f16 GEMV adds into a contiguous [{b}, {n}] stream");
+                candle_core::bail!("veloq's f16 GEMV writes into contiguous buffers of [{b}, {n}]");
             };
             let mut y = r.as_cuda_slice_mut::<f32>()?.slice_mut(r0..r1);
-            self.launch(x, xl, &mut y, true)
+            self.launch(x, xl, &mut y, self.accumulate)
         }
     }
 

@@ -9,6 +9,8 @@ mod synthetic;
 mod tokenizer;
 
 pub use decoder::{Logits, Model};
+#[cfg(feature = "cuda")]
+pub use graph::StepPhases;
 /// Whether f16 weights on CUDA take veloq's GEMV for decode steps (on by default, `VELOQ_CUDA_GEMV=0`
 /// turns it off): off, candle's matmul (cuBLAS), the path before it.
 #[cfg(feature = "cuda")]

@@ -33,7 +33,8 @@ pub struct Args {
     #[arg(long, value_enum, default_value = "queued")]
     timing: Timing,
     /// Time the f16 GEMV's launch shapes on the 8B geometry's weights (after the checks) and
-    /// nothing else; prints the fastest as `best VELOQ_GEMV=R,U,T`.
+    /// nothing else: the seven plain products, then the four fused launches as a decode step
+    /// replays them; prints the fastest of the latter as `best VELOQ_GEMV=R,U,T`.
     #[arg(long)]
     gemv_sweep: bool,
     /// Skip timing (correctness only).
@@ -465,11 +466,214 @@ fn gemv_sweep(gpu: &Gpu, rng: &mut Rng, reps: usize) -> Result<()> {
         }
         let (t, best) = best.expect("variants timed");
         println!(
-            "best {env}={},{},{} ({t:.3} ms a layer, {:.2}× the floor; default {default:?})",
+            "fastest plain {env}={},{},{} ({t:.3} ms a layer, {:.2}× the floor; default {default:?})",
             best.rows,
             best.unroll,
             best.threads,
             t / floor_ms
+        );
+    }
+    step_layers(gpu, rng, reps, &mats, floor_ms)
+}
+
+/// Layers of their own weights in a step (more than L2 holds), for [`step_layers`].
+const STEP_LAYERS: usize = 8;
+
+/// The 8B decode layer as a step issues it — four launches with the fused operations (norm, q/k/v
+/// side by side and RoPE; the output projection adding into the stream; norm and the gated
+/// pair; the down projection adding) — over [`STEP_LAYERS`] layers of distinct weights, for every
+/// launch shape: eagerly, replayed from one CUDA graph per layer (as the decode step's segments
+/// are), and so with three small launches between the graphs (where the step puts the cache's
+/// rows in, attends and commits). The last is how a step runs them, and picks the shape: the
+/// plain products' ranking above does not carry over (one row: 2,1,512 was fastest there, and in
+/// a step 2,2,256 took 4.05 ms of segments against its 4.88).
+fn step_layers(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    reps: usize,
+    mats: &[(usize, usize, Vec<CudaSlice<u16>>)],
+    floor_ms: f64,
+) -> Result<()> {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    // The legacy default stream cannot be captured: a stream of its own.
+    let gpu = &Gpu::from_stream(dev!(gpu.stream().context().new_stream()))?;
+    let st = gpu.stream();
+    let (mut clean, hidden, inter, head_dim) = (Clear::new(gpu, Timing::QueuedClean)?, 4096usize, 14336usize, 128usize);
+    // Layer l's matrices: q, k, v, o, gate, up, down (copies of the sweep's, each layer its own).
+    let layers = (0..STEP_LAYERS)
+        .map(|_| {
+            let mut w = Vec::new();
+            for (_, _, copies) in mats {
+                for c in copies {
+                    let mut d = dev!(st.alloc_zeros::<u16>(c.len()));
+                    dev!(st.memcpy_dtod(c, &mut d));
+                    w.push(d);
+                }
+            }
+            Ok(w)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    dev!(st.synchronize());
+    // GEMV_LAYER's order: q, o (4096×4096), k, v (1024×4096), gate, up, down.
+    let (q, o, k, v, gate, up, down) = (0, 1, 2, 3, 4, 5, 6);
+    let shapes = [
+        (hidden, hidden),
+        (hidden, hidden),
+        (1024, hidden),
+        (1024, hidden),
+        (inter, hidden),
+        (inter, hidden),
+        (hidden, inter),
+    ];
+    for (b, env, tensor_cores) in [(1usize, "VELOQ_GEMV", false), (GEMV_MAX_ROWS, "VELOQ_GEMV_MMA", true)] {
+        let up_h = |v: Vec<f32>| -> Result<CudaSlice<f32>> { Ok(dev!(st.clone_htod(&v))) };
+        let mut x = up_h(rng.rows(b, hidden).iter().map(|v| v * 0.01).collect())?;
+        let attn = up_h(rng.rows(b, hidden))?;
+        let norm = up_h((0..hidden).map(|i| 1.0 + (i % 7) as f32 * 0.01).collect())?;
+        let angles: Vec<f32> = (0..b * head_dim / 2).map(|i| i as f32 * 0.37).collect();
+        let (cos, sin) =
+            (up_h(angles.iter().map(|a| a.cos()).collect())?, up_h(angles.iter().map(|a| a.sin()).collect())?);
+        let mut qkv = dev!(st.alloc_zeros::<f32>(b * (hidden + 2048)));
+        let mut h = dev!(st.alloc_zeros::<f32>(b * inter));
+        let mut small = dev!(st.alloc_zeros::<f32>(b * hidden));
+        let mut outs =
+            shapes.iter().map(|&(n, _)| Ok(dev!(st.alloc_zeros::<f32>(b * n)))).collect::<Result<Vec<_>>>()?;
+        println!("\nthe decode layer as a step issues it (4 fused launches), {b} activation row(s), {STEP_LAYERS} layers of their own weights, ms a layer");
+        println!("| R,U,T | 7 products | 4 fused, eager | 4 fused, a graph per layer | + 3 small launches between graphs | × floor (last) |");
+        println!("|---|---|---|---|---|---|");
+        let rows: &[usize] = if tensor_cores { &[16, 32] } else { &[1, 2, 4] };
+        let mut best: Option<(f64, GemvTune)> = None;
+        for &rows in rows {
+            for unroll in [1, 2] {
+                for threads in [256, 512, 1024] {
+                    let tune = GemvTune { tensor_cores, rows, unroll, threads };
+                    let plain = time_ms(gpu, &mut clean, reps, || {
+                        for w in &layers {
+                            for ((m, y), &(n, kk)) in w.iter().zip(outs.iter_mut()).zip(&shapes) {
+                                let xin = if kk == inter { h.slice(..b * kk) } else { attn.slice(..b * kk) };
+                                gemv_f16(gpu, &m.as_view(), &xin, &mut y.as_view_mut(), b, n, kk, tune)?;
+                            }
+                        }
+                        Ok(())
+                    });
+                    let Ok(plain) = plain else {
+                        println!("| {rows},{unroll},{threads} | does not run |");
+                        continue;
+                    };
+                    let (norm_v, cos_v, sin_v, attn_v) = (norm.as_view(), cos.as_view(), sin.as_view(), attn.as_view());
+                    let mut layer = |l: usize, x: &mut CudaSlice<f32>| -> Result<()> {
+                        let wv: Vec<_> = layers[l].iter().map(|m| m.as_view()).collect();
+                        let along = GemvFused {
+                            norm: Some((&norm_v, 1e-5)),
+                            rope: Some((&cos_v, &sin_v, head_dim)),
+                            ..GemvFused::default()
+                        };
+                        let qkv_w = [(&wv[q], hidden), (&wv[k], 1024), (&wv[v], 1024)];
+                        gemv_f16_many(
+                            gpu,
+                            &qkv_w,
+                            &x.as_view(),
+                            &mut qkv.as_view_mut(),
+                            b,
+                            hidden,
+                            GemvEpilogue::Concat,
+                            along,
+                            tune,
+                        )?;
+                        let add = GemvFused { accumulate: true, ..GemvFused::default() };
+                        gemv_f16_many(
+                            gpu,
+                            &[(&wv[o], hidden)],
+                            &attn_v,
+                            &mut x.as_view_mut(),
+                            b,
+                            hidden,
+                            GemvEpilogue::Concat,
+                            add,
+                            tune,
+                        )?;
+                        let normed = GemvFused { norm: Some((&norm_v, 1e-5)), ..GemvFused::default() };
+                        let pair = [(&wv[gate], inter), (&wv[up], inter)];
+                        gemv_f16_many(
+                            gpu,
+                            &pair,
+                            &x.as_view(),
+                            &mut h.as_view_mut(),
+                            b,
+                            hidden,
+                            GemvEpilogue::Silu,
+                            normed,
+                            tune,
+                        )?;
+                        gemv_f16_many(
+                            gpu,
+                            &[(&wv[down], hidden)],
+                            &h.as_view(),
+                            &mut x.as_view_mut(),
+                            b,
+                            inter,
+                            GemvEpilogue::Concat,
+                            add,
+                            tune,
+                        )?;
+                        Ok(())
+                    };
+                    let per = STEP_LAYERS as f64;
+                    let eager =
+                        match time_ms(gpu, &mut clean, reps, || (0..STEP_LAYERS).try_for_each(|l| layer(l, &mut x))) {
+                            Ok(t) => t / per,
+                            Err(e) => {
+                                println!(
+                                    "| {rows},{unroll},{threads} | {plain:.3} | fused forms do not run: {} |",
+                                    e.to_string().lines().last().unwrap_or("")
+                                );
+                                continue;
+                            }
+                        };
+                    let mut graphs = Vec::with_capacity(STEP_LAYERS);
+                    // cudarc's cross-stream events would wait on work outside the capture, which
+                    // the driver refuses; everything here is on one stream.
+                    // SAFETY: no buffer is used by another stream while tracking is off.
+                    unsafe { st.context().disable_event_tracking() };
+                    for l in 0..STEP_LAYERS {
+                        dev!(st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL));
+                        let body = layer(l, &mut x);
+                        let g = st.end_capture(CUgraphInstantiate_flags(0));
+                        body?;
+                        graphs.push(dev!(g).context("the capture recorded nothing")?);
+                    }
+                    let replayed =
+                        time_ms(gpu, &mut clean, reps, || graphs.iter().try_for_each(|g| Ok(dev!(g.launch()))))? / per;
+                    let between = time_ms(gpu, &mut clean, reps, || {
+                        for g in &graphs {
+                            for _ in 0..3 {
+                                dev!(st.memcpy_dtod(&attn, &mut small));
+                            }
+                            dev!(g.launch());
+                        }
+                        Ok(())
+                    })? / per;
+                    // SAFETY: as above; tracking resumes for what follows.
+                    unsafe { st.context().enable_event_tracking() };
+                    println!(
+                        "| {rows},{unroll},{threads} | {:.3} | {eager:.3} | {replayed:.3} | {between:.3} | {:.2} |",
+                        plain / per,
+                        between / floor_ms
+                    );
+                    if best.is_none_or(|(t, _)| between < t) {
+                        best = Some((between, tune));
+                    }
+                }
+            }
+        }
+        let (t, best) = best.context("no launch shape ran")?;
+        println!(
+            "best {env}={},{},{} ({t:.3} ms a layer as a step runs it, {:.2}× the floor; default {:?})",
+            best.rows,
+            best.unroll,
+            best.threads,
+            t / floor_ms,
+            GemvTune::for_rows(b)
         );
     }
     Ok(())

@@ -10,7 +10,8 @@
 //!    (`--paths`: eager, CUDA graphs, with or without veloq's GEMV) beside the bytes floor (the
 //!    weights and the caches' resident bytes at the copy bandwidth measured in the same run).
 //!    Caches are filled with random keys and values (speed does not depend on their values), then
-//!    the model decodes;
+//!    the model decodes; each graph path's step is then timed part by part (CUDA events between
+//!    the segments' products, rows in, attention and flushes);
 //! 4. the longest context each cache fits in a fixed memory budget (allocated and measured).
 
 use std::path::PathBuf;
@@ -334,6 +335,9 @@ fn step(model: &Model, caches: &mut ModelCache, tokens: &mut Vec<u32>) -> Result
 /// Untimed decode steps before timing (host clocks and caches settle).
 const WARMUP: usize = 4;
 
+/// Graph steps timed part by part after the medians (two flushes of an 8-row block among them).
+const PHASE_STEPS: usize = 16;
+
 /// A decode path: whether the step replays CUDA graphs and whether f16 weights take veloq's GEMV.
 #[derive(Clone)]
 struct Path {
@@ -384,8 +388,10 @@ fn cases(
 ) -> Result<Vec<Value>> {
     let dev = model.device();
     let np = paths.len();
-    let sized: Vec<CacheConfig> =
-        methods.iter().map(|m| CacheConfig { capacity: Some(ctx + (steps + WARMUP) * np + 8), ..m.clone() }).collect();
+    let sized: Vec<CacheConfig> = methods
+        .iter()
+        .map(|m| CacheConfig { capacity: Some(ctx + (steps + WARMUP + PHASE_STEPS) * np + 8), ..m.clone() })
+        .collect();
     let build = |cfg: &CacheConfig| -> Result<ModelCache> {
         let mut caches = cfg.build_batch(model, batch)?;
         fill(model, &mut caches, batch, ctx)?;
@@ -445,6 +451,19 @@ fn cases(
             launches[k] += rt.launches() + model.cuda_graph_launches() - l0;
         }
     }
+    // Where a graph step's GPU time goes: more steps, CUDA events between the parts (so not in
+    // the medians above).
+    let mut phases = vec![None; pairs.len()];
+    for (k, t) in tokens.iter_mut().enumerate() {
+        if paths[pairs[k].1].graphs {
+            model.set_step_phases(true);
+            for _ in 0..PHASE_STEPS {
+                run(k, t)?;
+            }
+            phases[k] = model.step_phases();
+            model.set_step_phases(false);
+        }
+    }
     let layers = model.info.identity.n_layers;
     let weights = model.weight_bytes();
     let mut rows = Vec::new();
@@ -470,6 +489,13 @@ fn cases(
                     row["bytes_per_step"] = json!({"weights": weights, "kv_resident": kv});
                     row["floor_ms"] = json!(bytes as f64 / bw * 1e3);
                     row["vs_floor"] = json!(median / (bytes as f64 / bw));
+                    if let Some(ph) = phases[k].filter(|ph| ph.steps > 0) {
+                        let per = |ms: f64| ms / ph.steps as f64;
+                        row["phases_ms_per_step"] = json!({
+                            "steps": ph.steps, "segments": per(ph.segments_ms), "rows_in": per(ph.rows_in_ms),
+                            "attention": per(ph.attention_ms), "flush": per(ph.flush_ms), "io": per(ph.io_ms),
+                            "total": per(ph.total_ms())});
+                    }
                     rows.push(row);
                 }
             }
@@ -546,7 +572,9 @@ pub fn run(a: Args) -> Result<()> {
     let mut rng = Rng(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos() as u64 | 1);
 
     let model_path = a.files.model();
-    let max_ctx = a.contexts.iter().max().copied().unwrap_or(1024) + a.steps + 64;
+    // Every path's steps and the timed-by-part ones advance the same caches.
+    let max_ctx =
+        a.contexts.iter().max().copied().unwrap_or(1024) + (a.steps + WARMUP + PHASE_STEPS) * a.paths.len() + 64;
     let cal_path = a.files.calibration();
     let mut agree = Vec::new();
     let mut graphs_agree = Vec::new();
@@ -645,6 +673,20 @@ pub fn run(a: Args) -> Result<()> {
                                     vs(get(mi, 0, "tok_s").map(|b| tps / b), 6),
                                     vs(get(0, pi, "peak_bytes").map(|b| peak / b), 7),
                                 );
+                                let ph = &row["phases_ms_per_step"];
+                                if let Some(total) = ph["total"].as_f64() {
+                                    let f = |k: &str| ph[k].as_f64().unwrap_or(0.0);
+                                    println!(
+                                        "{:>15} GPU ms/step by part (events between them, {} steps): segments {:.3}, rows in {:.3}, attention {:.3}, flush {:.3}, ids/logits {:.3} = {total:.3}",
+                                        "",
+                                        ph["steps"],
+                                        f("segments"),
+                                        f("rows_in"),
+                                        f("attention"),
+                                        f("flush"),
+                                        f("io")
+                                    );
+                                }
                             }
                             _ => {
                                 println!("{batch:>5} {ctx:>7} | {:>22} {path:>13} does not fit in GPU memory", m.name())

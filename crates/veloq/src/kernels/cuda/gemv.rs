@@ -29,17 +29,19 @@ pub struct GemvTune {
 impl GemvTune {
     /// The shape for `b` activation rows: `VELOQ_GEMV=R,U,T` (one row) or `VELOQ_GEMV_MMA=R,U,T`
     /// (more) if set, from `veloq bench cuda --gemv-sweep` on the device at hand; else the
-    /// sweep's fastest on an H200 over an 8B layer's seven products in a row: one row R 2, U 1,
-    /// 512 threads (0.121 ms a layer, 1.16× its bytes at the copy bandwidth; the previous
-    /// one-warp-a-row kernel took 0.190), eight rows 16 rows a block, U 2, 512 threads (0.149 ms).
+    /// sweep's fastest on an H200 for an 8B layer as a decode step issues it (the four fused
+    /// launches of 8 layers, replayed from graphs with small launches between): one row R 2, U
+    /// 2, 256 threads (0.126 ms a layer, 1.21× its bytes at the copy bandwidth; 2,1,512, the
+    /// fastest on the seven plain products, took 0.147 in a step), eight rows 32 rows a block,
+    /// U 1, 512 threads (0.155 ms; 16,2,512 0.167).
     pub fn for_rows(b: usize) -> Self {
         static ENV: OnceLock<[Option<(usize, usize, u32)>; 2]> = OnceLock::new();
         let env = ENV.get_or_init(|| ["VELOQ_GEMV", "VELOQ_GEMV_MMA"].map(|name| parse(&std::env::var(name).ok()?)));
         let tensor_cores = b > 1;
         let (rows, unroll, threads) = match env[tensor_cores as usize] {
             Some(t) if !tensor_cores || t.0.is_multiple_of(8) => t,
-            _ if tensor_cores => (16, 2, 512),
-            _ => (2, 1, 512),
+            _ if tensor_cores => (32, 1, 512),
+            _ => (2, 2, 256),
         };
         Self { tensor_cores, rows, unroll, threads }
     }

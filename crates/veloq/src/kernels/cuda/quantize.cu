@@ -5,7 +5,8 @@
 // Defines: D, SD, K (centroids), BITS, M (= D/SD, a multiple of 8), BOOKS (1 or M), HEADS, ROWS
 // (rows per tile), CENTER, SMOOTH, ROTATE.
 //
-// Block: a tile of ROWS rows. Phase A: each warp transforms rows into shared memory. Phase B:
+// Block: tiles of `tile_rows` ≤ ROWS rows (the host makes them smaller when there are few rows, so a
+// flush of a few ring rows spreads over the multiprocessors instead of one block). Phase A: each warp transforms rows into shared memory. Phase B:
 // every thread searches (row, sub-space) pairs two at a time against the codebook in shared
 // memory (all lanes read the same centroid at once: a broadcast, used for both). Phase C: groups of 8 codes are packed
 // into BITS bytes each (8 codes always end on a byte boundary).
@@ -32,7 +33,7 @@ struct RowMap {
 
 extern "C" __global__ void __launch_bounds__(256) vq_quantize(
     const unsigned short* __restrict__ x, const float* __restrict__ mean, const float* __restrict__ inv_scale,
-    const float* __restrict__ books, const float* __restrict__ norms, unsigned char* __restrict__ out, int n_rows, RowMap map) {
+    const float* __restrict__ books, const float* __restrict__ norms, unsigned char* __restrict__ out, int n_rows, int tile_rows, RowMap map) {
     extern __shared__ float smem[];
     float* cb = smem;                                   // [BOOKS][K][SD]
     float* nb = cb + BOOKS * K * SD;                    // [BOOKS][K]
@@ -42,8 +43,8 @@ extern "C" __global__ void __launch_bounds__(256) vq_quantize(
     for (int i = threadIdx.x; i < BOOKS * K; i += blockDim.x) nb[i] = norms[i];
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-    for (int row0 = blockIdx.x * ROWS; row0 < n_rows; row0 += gridDim.x * ROWS) {
-        const int rows = min(ROWS, n_rows - row0);
+    for (int row0 = blockIdx.x * tile_rows; row0 < n_rows; row0 += gridDim.x * tile_rows) {
+        const int rows = min(tile_rows, n_rows - row0);
         for (int r = warp; r < rows; r += nwarps) {
             const int row = row0 + r, head = map.head(row);
             const size_t src = map.in_row(row);

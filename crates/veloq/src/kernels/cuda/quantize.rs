@@ -196,10 +196,12 @@ impl GpuCodec {
         }
         let smem = self.smem();
         let f = self.function(gpu)?;
-        let tiles = rows.div_ceil(ROWS) as u32;
-        let blocks = tiles.min(gpu.multiprocessors() * 8);
+        // Few rows (a flush of the ring's oldest): smaller tiles, a block per multiprocessor, not
+        // one or two blocks searching every row alone.
+        let tile = rows.div_ceil(gpu.multiprocessors() as usize).clamp(1, ROWS);
+        let blocks = (rows.div_ceil(tile) as u32).min(gpu.multiprocessors() * 8);
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: smem as u32 };
-        let n = rows as i32;
+        let (n, tile) = (rows as i32, tile as i32);
         let mut launch = gpu.stream().launch_builder(f);
         launch
             .arg(x)
@@ -209,9 +211,10 @@ impl GpuCodec {
             .arg(&self.norms)
             .arg(out)
             .arg(&n)
+            .arg(&tile)
             .arg(&map);
         // SAFETY: arguments in vq_quantize's order (x, mean, inv_scale, books, norms, out, n_rows,
-        // map); `RowMap` is `repr(C)` as the kernel declares it, and the checks above keep the
+        // tile ≤ ROWS, map); `RowMap` is `repr(C)` as the kernel declares it, and the checks above keep the
         // last input and output row of every stream inside `x` and `out`.
         unsafe { launch.launch(cfg) }.map_err(dev_err)?;
         Ok(())
