@@ -295,3 +295,82 @@ pub fn heatmap(path: &Path, lengths: &[usize], depths: &[f64], panels: &[Heat]) 
     root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }
+
+/// One panel of stacked bars: a title and, per bar, its label, its parts' values (in the order of
+/// the figure's part names, bottom first) and a reference level drawn as a black tick.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // drawn by `bench runner` (CUDA builds)
+pub struct Stacks {
+    pub title: String,
+    pub bars: Vec<(String, Vec<f64>, Option<f64>)>,
+}
+
+/// Stacked bars, one panel per [`Stacks`]: what each bar's total is made of (`parts` names the
+/// layers, bottom first) beside its reference level (the bytes floor of a decode step).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub fn stacked(path: &Path, device: &str, y_desc: &str, parts: &[&str], panels: &[Stacks]) -> Result<()> {
+    font()?;
+    let cols = panels.len().clamp(1, 2);
+    let rows = panels.len().div_ceil(cols).max(1);
+    let root = BitMapBackend::new(path, (640 * cols as u32, 440 * rows as u32)).into_drawing_area();
+    root.fill(&WHITE)?;
+    for (panel, area) in panels.iter().zip(root.split_evenly((rows, cols))) {
+        let n = panel.bars.len();
+        let top = |b: &(String, Vec<f64>, Option<f64>)| b.1.iter().sum::<f64>().max(b.2.unwrap_or(0.0));
+        let ymax = panel.bars.iter().map(top).fold(0.0, f64::max);
+        if n == 0 || ymax <= 0.0 {
+            continue;
+        }
+        let labels: Vec<&str> = panel.bars.iter().map(|b| b.0.as_str()).collect();
+        let mut chart = ChartBuilder::on(&area)
+            .margin(12)
+            .caption(format!("{} — {device}", panel.title), ("sans-serif", 15))
+            .x_label_area_size(36)
+            .y_label_area_size(56)
+            .build_cartesian_2d(-0.5..n as f64 - 0.5, 0.0..ymax * 1.35)?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(n + 1)
+            .x_label_formatter(&|x| {
+                let i = x.round() as usize;
+                if (x - i as f64).abs() < 1e-9 && i < n {
+                    labels[i].to_string()
+                } else {
+                    String::new()
+                }
+            })
+            .y_desc(y_desc)
+            .draw()?;
+        for (p, name) in parts.iter().enumerate() {
+            let color = COLORS[p % COLORS.len()];
+            let rects = panel.bars.iter().enumerate().map(|(i, b)| {
+                let below: f64 = b.1[..p].iter().sum();
+                let x = i as f64;
+                Rectangle::new(
+                    [(x - 0.35, below), (x + 0.35, below + b.1.get(p).copied().unwrap_or(0.0))],
+                    color.filled(),
+                )
+            });
+            chart
+                .draw_series(rects)?
+                .label(*name)
+                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
+        }
+        let ticks = panel.bars.iter().enumerate().filter_map(|(i, b)| {
+            let x = i as f64;
+            b.2.map(|f| PathElement::new(vec![(x - 0.45, f), (x + 0.45, f)], BLACK.stroke_width(3)))
+        });
+        chart
+            .draw_series(ticks)?
+            .label("bytes floor")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 14, y)], BLACK.stroke_width(3)));
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperLeft)
+            .draw()?;
+    }
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}

@@ -119,14 +119,55 @@ fn anchor_lines(panels: &mut crate::plot::Panels, anchor: &Value) {
     }
 }
 
+/// The parts of a graph step, bottom first, as `phases_ms_per_step` names them.
+const PARTS: [(&str, &str); 5] = [
+    ("segments", "segments (products, head)"),
+    ("rows_in", "rows in"),
+    ("attention", "attention"),
+    ("flush", "flushes"),
+    ("io", "ids, logits"),
+];
+
+/// Stacked bars of where the default path's step goes, per (model, batch): a bar per (context,
+/// method), the bytes floor beside it.
+fn parts_figure(runs: &[Value]) -> Vec<crate::plot::Stacks> {
+    let mut panels: Vec<crate::plot::Stacks> = Vec::new();
+    for r in runs.iter().filter(|r| r["path"] == "graphs" && r["phases_ms_per_step"].is_object()) {
+        let model = r["model"].as_str().unwrap_or("?");
+        let title = format!("{}, batch {}: GPU ms a step", model.split(" (").next().unwrap_or(model), r["batch"]);
+        let ctx = r["context"].as_u64().unwrap_or(0);
+        let method = if r["method"].as_str().unwrap_or("").starts_with("vecinfer") { "VQ" } else { "fp16" };
+        let ph = &r["phases_ms_per_step"];
+        let bar = (
+            format!("{}k {method}", ctx / 1024),
+            PARTS.map(|(k, _)| ph[k].as_f64().unwrap_or(0.0)).to_vec(),
+            r["floor_ms"].as_f64(),
+        );
+        match panels.iter_mut().find(|p| p.title == title) {
+            Some(p) => p.bars.push(bar),
+            None => panels.push(crate::plot::Stacks { title, bars: vec![bar] }),
+        }
+    }
+    panels
+}
+
 fn plot(path: &std::path::Path, json: &Value, anchor: Option<&Value>) -> Result<()> {
     let runs = json["runs"].as_array().cloned().unwrap_or_default();
     let mut panels = figure(&runs);
     if let Some(a) = anchor {
         anchor_lines(&mut panels, a);
     }
-    crate::plot::speed(path, json["device"].as_str().unwrap_or("GPU"), "context (tokens)", "decode tokens/s", &panels)?;
+    let device = json["device"].as_str().unwrap_or("GPU");
+    crate::plot::speed(path, device, "context (tokens)", "decode tokens/s", &panels)?;
     eprintln!("wrote {}", path.display());
+    // Beside it, `<name>-parts.png`: where each graph step's time goes.
+    let parts = parts_figure(&runs);
+    if !parts.is_empty() {
+        let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("runner");
+        let out = path.with_file_name(format!("{stem}-parts.png"));
+        crate::plot::stacked(&out, device, "ms per decode step", &PARTS.map(|(_, name)| name), &parts)?;
+        eprintln!("wrote {}", out.display());
+    }
     Ok(())
 }
 
