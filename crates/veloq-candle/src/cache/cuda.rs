@@ -577,7 +577,8 @@ impl Backend for CudaBackend {
         }
         let Heads { q: hq, dim: d, .. } = self.base.heads;
         let n = q.dim(0)?;
-        // SAFETY: `attend_to` writes every row before anything reads it.
+        // SAFETY: `attend_to` writes every row before anything reads it (every packed row belongs
+        // to one view, and every view is written: by its decode group or copied in).
         let mut out = unsafe { self.rt.gpu().stream().alloc::<f32>(n * hq * d) }.map_err(veloq::Error::from)?;
         self.attend_to(q, views, input, scale, &mut out.as_view_mut())?;
         let storage = CudaStorage::wrap_cuda_slice(out, self.rt.device.clone());
