@@ -35,6 +35,17 @@ fn font() -> Result<()> {
         .map_err(|e| anyhow!(e))
 }
 
+/// The figures' legend: a white box with a black border at `at`.
+fn legend<'a, DB, CT>(chart: &mut ChartContext<'a, DB, CT>, at: SeriesLabelPosition) -> Result<()>
+where
+    DB: DrawingBackend + 'a,
+    DB::ErrorType: 'static,
+    CT: CoordTranslate,
+{
+    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(at).draw()?;
+    Ok(())
+}
+
 /// Method family for the figure: `vq-2` → `vq`; ablations (`vq-2/no-rotate`) stay single points.
 fn family(label: &str) -> (&str, bool) {
     (label.split('-').next().unwrap_or(label), label.contains('/') || label.starts_with("vq-k"))
@@ -123,12 +134,7 @@ pub fn quality(path: &Path, ctx: usize, scores: &[MethodScore]) -> Result<()> {
                 chart.draw_series([Text::new(a.1.to_string(), (a.2 + 0.1, y.max(floor)), ("sans-serif", 12))])?;
             }
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::UpperRight)
-            .draw()?;
+        legend(&mut chart, SeriesLabelPosition::UpperRight)?;
     }
     root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())
@@ -172,12 +178,7 @@ pub fn attention(path: &Path, series: &[AttentionSeries]) -> Result<()> {
             .label(format!("SDPA fp16, batch {b}"))
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(1)));
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()?;
+    legend(&mut chart, SeriesLabelPosition::UpperLeft)?;
     root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }
@@ -216,12 +217,7 @@ pub fn speed(path: &Path, device: &str, x_desc: &str, y_desc: &str, panels: &Pan
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
             chart.draw_series(line.iter().map(|&p| Circle::new(p, 4, color.filled())))?;
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::UpperRight)
-            .draw()?;
+        legend(&mut chart, SeriesLabelPosition::UpperRight)?;
     }
     root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())
@@ -364,12 +360,7 @@ pub fn stacked(path: &Path, device: &str, y_desc: &str, parts: &[&str], panels: 
             .draw_series(ticks)?
             .label("bytes floor")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 14, y)], BLACK.stroke_width(3)));
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::UpperLeft)
-            .draw()?;
+        legend(&mut chart, SeriesLabelPosition::UpperLeft)?;
     }
     root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())
