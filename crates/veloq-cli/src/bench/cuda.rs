@@ -499,7 +499,10 @@ fn step_layers(
     let gpu = &Gpu::from_stream(dev!(gpu.stream().context().new_stream()))?;
     let st = gpu.stream();
     let (mut clean, hidden, inter, head_dim) = (Clear::new(gpu, Timing::QueuedClean)?, 4096usize, 14336usize, 128usize);
-    // Layer l's matrices: q, k, v, o, gate, up, down (copies of the sweep's, each layer its own).
+    // Layer l's matrices in GEMV_LAYER's order, q, o (4096×4096), k, v (1024×4096), gate, up,
+    // down (copies of the sweep's, each layer its own), and their (n, k).
+    let shapes: Vec<(usize, usize)> =
+        mats.iter().flat_map(|(n, k, copies)| std::iter::repeat_n((*n, *k), copies.len())).collect();
     let layers = (0..STEP_LAYERS)
         .map(|_| {
             let mut w = Vec::new();
@@ -514,17 +517,7 @@ fn step_layers(
         })
         .collect::<Result<Vec<_>>>()?;
     dev!(st.synchronize());
-    // GEMV_LAYER's order: q, o (4096×4096), k, v (1024×4096), gate, up, down.
     let (q, o, k, v, gate, up, down) = (0, 1, 2, 3, 4, 5, 6);
-    let shapes = [
-        (hidden, hidden),
-        (hidden, hidden),
-        (1024, hidden),
-        (1024, hidden),
-        (inter, hidden),
-        (inter, hidden),
-        (hidden, inter),
-    ];
     for (b, env, tensor_cores) in [(1usize, "VELOQ_GEMV", false), (GEMV_MAX_ROWS, "VELOQ_GEMV_MMA", true)] {
         let up_h = |v: Vec<f32>| -> Result<CudaSlice<f32>> { Ok(dev!(st.clone_htod(&v))) };
         let mut x = up_h(rng.rows(b, hidden).iter().map(|v| v * 0.01).collect())?;
