@@ -20,7 +20,9 @@ pub fn parse(s: &str) -> Result<Device> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(cuda) = &dev {
         // SAFETY: the runner puts all work (candle's and veloq's kernels) on this device's one
-        // stream, so cudarc's per-buffer event tracking only adds driver calls to every launch.
+        // stream, except the caches' flushes, which veloq orders itself with events (a second
+        // stream and an event per layer, `veloq_candle::cache::cuda`); cudarc's per-buffer event
+        // tracking would only add driver calls to every launch.
         unsafe { cuda.disable_event_tracking() };
     }
     Ok(dev)

@@ -3,7 +3,9 @@
 //! model's own launches:
 //! - new rows into the f16 sink and ring (`window.cu`, keys and values in one launch for every
 //!   sequence whose rows go to the same place, e.g. a batch decoding together);
-//! - codes from ring rows or from a step's rows (`quantize.cu`, one launch per codec);
+//! - codes from ring rows or from a step's rows (`quantize.cu`, keys and values in one launch);
+//!   a decode step's flush of ring rows runs on a second stream (see [`CudaRuntime`]), off the
+//!   step's critical path;
 //! - decode attention (one query per sequence, its rows all stored): over codes and f16 rows in
 //!   one launch on tensor cores (`attention_mma.cu`, merging in its last block per stream), two on
 //!   lookup tables; over an fp16 cache, flash-decoding (`dense.cu`, two launches).
@@ -14,21 +16,22 @@
 //! sliding windows, truncation into codes — is the portable backend's tiled candle ops over the
 //! same tensors.
 
+use std::cell::RefCell;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendDevice;
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Device, Layout, Storage, Tensor};
-use cudarc::driver::{CudaView, CudaViewMut};
+use cudarc::driver::{CudaEvent, CudaView, CudaViewMut};
 use half::f16;
 
 use veloq::codec::vecinfer::VecInferCodec;
 use veloq::kernels::cuda::{
-    AttentionScratch, Coded, Gpu, GpuAttention, GpuCodec, GpuDenseAttention, GpuPrefill, PrefillOut, PutMap, PutRows,
-    RowMap, Source, Split, Window, WindowMap, MAX_WINDOW,
+    quantize_jobs, AttentionScratch, Coded, Gpu, GpuAttention, GpuCodec, GpuDenseAttention, GpuPrefill, PrefillOut,
+    PutMap, PutRows, QuantizeJob, RowMap, Source, Split, Window, WindowMap, MAX_WINDOW,
 };
 
 use super::backend::{compose, Backend, Heads};
@@ -39,8 +42,17 @@ use crate::error::{Error, Result};
 
 /// veloq's kernels on one candle CUDA device, shared by the layers of a model: one scratch for
 /// the attention partials (layers run one after another) and a count of the launches issued.
+///
+/// Flushes (the ring's oldest rows into codes, every few decode steps) go to a second stream:
+/// nothing in the rest of the step reads them, so they run beside the next layers' products
+/// instead of between them, and a layer's next use of its storage waits for them (an event per
+/// layer). Only when cudarc's per-buffer event tracking is off (as the CLI runs): with it on, a
+/// second stream would make cudarc track every launch of the process. `VELOQ_FLUSH_STREAM=0`
+/// (or [`set_flushes_aside`](Self::set_flushes_aside)) keeps them on the main stream.
 pub struct CudaRuntime {
     gpu: Gpu,
+    flush: Option<Gpu>,
+    aside: AtomicBool,
     device: CudaDevice,
     scratch: Mutex<Option<AttentionScratch>>,
     launches: AtomicUsize,
@@ -59,7 +71,20 @@ impl CudaRuntime {
             return Ok(rt.clone());
         }
         let gpu = Gpu::from_stream(cuda.cuda_stream())?;
-        let rt = Arc::new(Self { gpu, device: cuda.clone(), scratch: Mutex::new(None), launches: AtomicUsize::new(0) });
+        let ctx = gpu.context();
+        let flush = match ctx.is_event_tracking() {
+            false => Some(Gpu::from_stream(ctx.new_stream().map_err(veloq::Error::from)?)?),
+            true => None,
+        };
+        let aside = std::env::var("VELOQ_FLUSH_STREAM").map_or(true, |v| v != "0");
+        let rt = Arc::new(Self {
+            gpu,
+            flush,
+            aside: AtomicBool::new(aside),
+            device: cuda.clone(),
+            scratch: Mutex::new(None),
+            launches: AtomicUsize::new(0),
+        });
         all.push(rt.clone());
         Ok(rt)
     }
@@ -67,6 +92,17 @@ impl CudaRuntime {
     /// The GPU handle the kernels launch on.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// Whether flushes run on their own stream.
+    pub fn flushes_aside(&self) -> bool {
+        self.flush.is_some() && self.aside.load(Ordering::Relaxed)
+    }
+
+    /// Flushes on their own stream (where event tracking is off) or on the main one, from the
+    /// next flush on (for comparisons in one process).
+    pub fn set_flushes_aside(&self, on: bool) {
+        self.aside.store(on, Ordering::Relaxed);
     }
 
     /// Kernel launches veloq has issued on this device (candle's own ops not counted).
@@ -143,6 +179,18 @@ fn write<T: CudaDType>(t: &Tensor, f: impl Fn(&mut CudaViewMut<T>) -> Result<()>
     Ok(t.inplace_op1(&Write { f: &f, _elem: PhantomData })?)
 }
 
+/// [`write`] into two tensors at once (one kernel writing both: key and value codes).
+fn write2<T: CudaDType>(
+    a: &Tensor,
+    b: &Tensor,
+    f: impl Fn(&mut CudaViewMut<T>, &mut CudaViewMut<T>) -> Result<()>,
+) -> Result<()> {
+    write::<T>(a, |va| {
+        let va = RefCell::new(va);
+        write::<T>(b, |vb| f(&mut va.borrow_mut(), vb))
+    })
+}
+
 /// Queries per prefill launch: a whole 512-token chunk in one (the tensor ops around a launch
 /// cost more than the kernel at short contexts); the partials stay a few MiB.
 const KERNEL_QUERY_TILE: usize = 1024;
@@ -162,6 +210,18 @@ pub struct CudaBackend {
     attention: Attention,
     /// Codes per sequence (the stride of the code tensors), for coded layers.
     capacity: usize,
+    /// A flush on the runtime's flush stream: `ready` marks the main stream's work it follows
+    /// (the rows it codes), `done` its end, which the main stream waits for before it next
+    /// touches this layer's storage (`pending` until then).
+    flushed: Option<(CudaEvent, CudaEvent)>,
+    pending: AtomicBool,
+}
+
+impl Drop for CudaBackend {
+    /// Storage is freed on the main stream: a flush still writing it must finish first.
+    fn drop(&mut self) {
+        let _ = self.join();
+    }
 }
 
 /// Runs of consecutive items that a predicate says belong together (`same(first, next, offset)`).
@@ -184,7 +244,15 @@ impl CudaBackend {
         attn.prepare(rt.gpu())?;
         let prefill = GpuPrefill::rows(rt.gpu(), heads.kv, heads.dim, heads.q)?;
         let attention = Attention::Dense(attn, prefill);
-        Ok(Self { put: PutRows::new(rt.gpu(), heads.dim)?, base, rt, attention, capacity: 0 })
+        Ok(Self {
+            put: PutRows::new(rt.gpu(), heads.dim)?,
+            base,
+            rt,
+            attention,
+            capacity: 0,
+            flushed: None,
+            pending: AtomicBool::new(false),
+        })
     }
 
     /// A VecInfer layer: codes for `capacity` positions per sequence beside `rows` f16 rows (sink
@@ -212,7 +280,85 @@ impl CudaBackend {
         attn.values.prepare(gpu)?;
         let prefill = GpuPrefill::codes(gpu, &attn.keys, &attn.values, heads.q)?;
         let attention = Attention::Coded(Box::new(attn), prefill);
-        Ok(Self { put: PutRows::new(gpu, heads.dim)?, base, rt, attention, capacity })
+        let flushed = match rt.flush {
+            Some(_) => {
+                let event = || gpu.context().new_event(None).map_err(veloq::Error::from);
+                Some((event()?, event()?))
+            }
+            None => None,
+        };
+        Ok(Self {
+            put: PutRows::new(gpu, heads.dim)?,
+            base,
+            rt,
+            attention,
+            capacity,
+            flushed,
+            pending: AtomicBool::new(false),
+        })
+    }
+
+    /// Codes `streams` streams of keys `xk` and values `xv` (f16 bits) where `map` says into the
+    /// codes of sequences from `slot` on, on `gpu`'s stream. Returns the launches issued.
+    fn code(
+        &self,
+        gpu: &Gpu,
+        xk: &CudaView<u16>,
+        xv: &CudaView<u16>,
+        slot: usize,
+        streams: usize,
+        map: RowMap,
+    ) -> Result<usize> {
+        let Attention::Coded(attn, _) = &self.attention else {
+            return Err(Error::Config("a dense cache holds no codes".into()));
+        };
+        let c = self.base.vecinfer_codes()?;
+        let (kv, cap) = (self.base.heads.kv, self.capacity);
+        let n = std::cell::Cell::new(0);
+        write2::<u8>(&c.key_codes, &c.value_codes, |ko, vo| {
+            let mut ko = ko.slice_mut(slot * kv * cap * attn.keys.row_bytes()..);
+            let mut vo = vo.slice_mut(slot * kv * cap * attn.values.row_bytes()..);
+            let mut jobs = [
+                QuantizeJob { codec: &attn.keys, x: xk, out: &mut ko },
+                QuantizeJob { codec: &attn.values, x: xv, out: &mut vo },
+            ];
+            n.set(quantize_jobs(gpu, &mut jobs, streams, map, None)?);
+            Ok(())
+        })?;
+        Ok(n.get())
+    }
+
+    /// Starts a flush on the flush stream, after the main stream's work so far: the stream's GPU
+    /// handle, or `None` to flush on the main stream.
+    fn flush_begin(&self) -> Result<Option<&Gpu>> {
+        let (Some(aside), Some((ready, _))) = (&self.rt.flush, &self.flushed) else {
+            return Ok(None);
+        };
+        if !self.rt.flushes_aside() {
+            return Ok(None);
+        }
+        ready.record(self.rt.gpu().stream()).map_err(veloq::Error::from)?;
+        aside.stream().wait(ready).map_err(veloq::Error::from)?;
+        Ok(Some(aside))
+    }
+
+    /// Marks the end of the flush just issued; the main stream waits for it at its next use.
+    fn flush_end(&self) -> Result<()> {
+        if let (Some(aside), Some((_, done))) = (&self.rt.flush, &self.flushed) {
+            done.record(aside.stream()).map_err(veloq::Error::from)?;
+            self.pending.store(true, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Orders the main stream after this layer's last flush, if one is still pending.
+    fn join(&self) -> Result<()> {
+        if let Some((_, done)) = &self.flushed {
+            if self.pending.swap(false, Ordering::AcqRel) {
+                self.rt.gpu().stream().wait(done).map_err(veloq::Error::from)?;
+            }
+        }
+        Ok(())
     }
 
     fn dims(&self) -> Result<(usize, usize)> {
@@ -358,6 +504,7 @@ impl Backend for CudaBackend {
     /// One launch per run of puts that write alike (consecutive slots and source rows, same
     /// destination and length): a batch decoding together puts its rows in one launch.
     fn put_rows(&mut self, input: &TensorInput, puts: &[Put]) -> Result<()> {
+        self.join()?;
         let (slots, rows) = self.dims()?;
         let Heads { kv, dim: d, .. } = self.base.heads;
         let plane = slots * kv * rows * d;
@@ -393,16 +540,17 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    /// Ring spans of sequences laid out alike code in one launch per codec; rows from the step's
-    /// input one sequence at a time.
+    /// Ring spans of sequences laid out alike code in one launch (keys and values together), on
+    /// the flush stream when there is one; rows from the step's input one sequence at a time, on
+    /// the main stream (the input is the step's, freed there).
     fn quantize(&mut self, input: &TensorInput, spans: &[Quantize]) -> Result<()> {
-        let Attention::Coded(attn, _) = &self.attention else {
+        self.join()?;
+        if !matches!(self.attention, Attention::Coded(..)) {
             return Err(Error::Config("a dense cache holds no codes".into()));
-        };
-        let c = self.base.vecinfer_codes()?;
+        }
         let (slots, rows) = self.dims()?;
         let Heads { kv, dim: d, .. } = self.base.heads;
-        let (gpu, cap, plane) = (self.rt.gpu(), self.capacity, slots * kv * rows * d);
+        let (main, cap, plane) = (self.rt.gpu(), self.capacity, slots * kv * rows * d);
         for g in groups(spans, |a, b, k| {
             b.slot == a.slot + k && (b.at, b.ring) == (a.at, a.ring) && a.input.1 == 0 && b.input.1 == 0
         }) {
@@ -415,26 +563,16 @@ impl Backend for CudaBackend {
                     in_off: base as i32,
                     ..RowMap::streams(q.ring.1, rows, start, cap, q.at)
                 };
-                with_view::<f16, _>(&self.base.rows, |all| {
+                let aside = self.flush_begin()?;
+                let gpu = aside.unwrap_or(main);
+                let r = with_view::<f16, _>(&self.base.rows, |all| {
                     let off = q.slot * kv * rows * d;
-                    for (codec, codes, at) in
-                        [(&attn.keys, &c.key_codes, off), (&attn.values, &c.value_codes, plane + off)]
-                    {
-                        let x = bits(&all.slice(at..));
-                        let row = codec.row_bytes();
-                        write::<u8>(codes, |out| {
-                            Ok(codec.quantize_mapped(
-                                gpu,
-                                &x,
-                                streams,
-                                map,
-                                &mut out.slice_mut(q.slot * kv * cap * row..),
-                            )?)
-                        })?;
-                    }
-                    Ok(())
-                })?;
-                self.rt.count(2);
+                    self.code(gpu, &bits(&all.slice(off..)), &bits(&all.slice(plane + off..)), q.slot, streams, map)
+                });
+                if aside.is_some() {
+                    self.flush_end()?;
+                }
+                self.rt.count(r?);
             }
             if q.input.1 > 0 {
                 // Token-major input: vector t of head h is row (src + t)·kv + h.
@@ -450,27 +588,17 @@ impl Backend for CudaBackend {
                     in_off: 0,
                 };
                 let (k16, v16) = input.half()?;
-                for (codec, codes, x) in [(&attn.keys, &c.key_codes, k16), (&attn.values, &c.value_codes, v16)] {
-                    let row = codec.row_bytes();
-                    with_view::<f16, _>(x, |x| {
-                        write::<u8>(codes, |out| {
-                            Ok(codec.quantize_mapped(
-                                gpu,
-                                &bits(&x),
-                                kv,
-                                map,
-                                &mut out.slice_mut(q.slot * kv * cap * row..),
-                            )?)
-                        })
-                    })?;
-                }
-                self.rt.count(2);
+                let n = with_view::<f16, _>(k16, |xk| {
+                    with_view::<f16, _>(v16, |xv| self.code(main, &bits(&xk), &bits(&xv), q.slot, kv, map))
+                })?;
+                self.rt.count(n);
             }
         }
         Ok(())
     }
 
     fn restore(&mut self, restore: &Restore) -> Result<()> {
+        self.join()?;
         self.base.restore(restore)
     }
 
@@ -478,6 +606,7 @@ impl Backend for CudaBackend {
     /// queries, splits merged and mapped back to value space in tensor ops; scratch is the
     /// splits' partials, independent of the context length.
     fn attend_codes(&self, q: &Tensor, views: &[SeqView], scale: f32) -> Result<TensorPartial> {
+        self.join()?;
         let Attention::Coded(attn, prefill) = &self.attention else {
             return self.base.attend_codes(q, views, scale);
         };
@@ -521,6 +650,7 @@ impl Backend for CudaBackend {
     /// mask in the kernel), a launch per (tile of queries, run of rows). Steps with rows waiting
     /// in the input (a ring too small for the step) and sliding windows take the portable path.
     fn attend_rows(&self, q: &Tensor, views: &[SeqView], input: &TensorInput, scale: f32) -> Result<TensorPartial> {
+        self.join()?;
         let Attention::Dense(_, prefill) = &self.attention else {
             return self.base.attend_rows(q, views, input, scale);
         };
@@ -572,6 +702,7 @@ impl Backend for CudaBackend {
     /// Sequences with one query and all rows stored go to the decode kernels (together where
     /// their storage is alike); the rest to the portable pieces; outputs land in step order.
     fn attend(&self, q: &Tensor, views: &[SeqView], input: &TensorInput, scale: f32) -> Result<Tensor> {
+        self.join()?;
         if !views.iter().any(|v| self.decodable(v)) {
             return compose(self, q, views, input, scale);
         }
@@ -587,6 +718,7 @@ impl Backend for CudaBackend {
 
     /// The decode kernels write straight into `out` (a graph's fixed buffer: no copy after).
     fn attend_into(&self, q: &Tensor, views: &[SeqView], input: &TensorInput, scale: f32, out: &Tensor) -> Result<()> {
+        self.join()?;
         let Heads { q: hq, dim: d, .. } = self.base.heads;
         let fits = out.dtype() == DType::F32
             && out.is_contiguous()

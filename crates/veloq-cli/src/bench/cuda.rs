@@ -16,8 +16,8 @@ use veloq::codec::codebook::Granularity;
 use veloq::codec::pack::unpack;
 use veloq::codec::vecinfer::VecInferCodec;
 use veloq::kernels::cuda::{
-    gemv_f16, gemv_f16_many, gemv_many_fits, AttentionScratch, GemvEpilogue, GemvFused, GemvTune, Gpu, GpuAttention,
-    GpuCodec, SplitKernel, GEMV_MAX_ROWS,
+    gemv_f16, gemv_f16_many, gemv_many_fits, quantize_jobs, AttentionScratch, GemvEpilogue, GemvFused, GemvTune, Gpu,
+    GpuAttention, GpuCodec, QuantizeJob, RowMap, SplitKernel, GEMV_MAX_ROWS,
 };
 
 pub(super) use crate::synthetic::{codec, Rng};
@@ -778,39 +778,115 @@ fn time_ms(gpu: &Gpu, clear: &mut Clear, reps: usize, mut f: impl FnMut() -> Res
     Ok(t[t.len() / 2])
 }
 
-/// GPU codes vs the CPU encoder on one shape: code agreement and reconstruction error.
+/// GPU codes vs the CPU encoder on one shape: code agreement and reconstruction error. With
+/// `pair`, a key and a value codec of the shape (different centering and smoothing) code the same
+/// rows in one launch, as a cache's flush does, and each is compared with its own CPU encoder.
 fn check_quantize(
     gpu: &Gpu,
     rng: &mut Rng,
     (s, d, h, sd, bits, g): (usize, usize, usize, usize, u32, Granularity),
+    pair: bool,
 ) -> Result<serde_json::Value> {
-    let c = codec(rng, h, d, sd, bits, g, true)?;
-    let gc = GpuCodec::upload(gpu, &c)?;
+    let codecs = if pair {
+        vec![codec(rng, h, d, sd, bits, g, true)?, codec(rng, h, d, sd, bits, g, false)?]
+    } else {
+        vec![codec(rng, h, d, sd, bits, g, true)?]
+    };
+    let gcs = codecs.iter().map(|c| GpuCodec::upload(gpu, c)).collect::<veloq::Result<Vec<_>>>()?;
     let x = rng.rows(s * h, d);
     let xh: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
-    let want = c.encode_vec(&xh)?;
     let st = gpu.stream();
     let xd = dev!(st.clone_htod(&f16_bits(&x)));
-    let mut out = dev!(st.clone_htod(&vec![0xABu8; gc.code_bytes(s * h)]));
-    gc.quantize(gpu, &xd, s * h, &mut out)?;
-    let got: Vec<u8> = dev!(st.clone_dtoh(&out));
+    let mut outs = gcs
+        .iter()
+        .map(|gc| Ok(dev!(st.clone_htod(&vec![0xABu8; gc.code_bytes(s * h)]))))
+        .collect::<Result<Vec<_>>>()?;
+    let launches = match &mut outs[..] {
+        [o] => {
+            gcs[0].quantize(gpu, &xd, s * h, o)?;
+            1
+        }
+        [ko, vo] => {
+            let (x, mut ko, mut vo) = (xd.as_view(), ko.as_view_mut(), vo.as_view_mut());
+            let mut jobs = [
+                QuantizeJob { codec: &gcs[0], x: &x, out: &mut ko },
+                QuantizeJob { codec: &gcs[1], x: &x, out: &mut vo },
+            ];
+            quantize_jobs(gpu, &mut jobs, h, RowMap::tokens(s, h), None)?
+        }
+        _ => unreachable!("one or two codecs"),
+    };
     let m = s * h * d / sd;
-    let (mut a, mut b) = (vec![0u16; m], vec![0u16; m]);
-    unpack(&want, bits, &mut a)?;
-    unpack(&got, bits, &mut b)?;
-    let differ = a.iter().zip(&b).filter(|(p, q)| p != q).count();
     let xf: Vec<f32> = xh.iter().map(|v| v.to_f32()).collect();
-    let (mut ya, mut yb) = (vec![0.0f32; x.len()], vec![0.0f32; x.len()]);
-    c.decode(&want, &mut ya)?;
-    c.decode(&got, &mut yb)?;
-    let (ea, eb) = (rel_mse(&xf, &ya), rel_mse(&xf, &yb));
-    let ok = (differ as f64) <= 1e-3 * m as f64 && (eb - ea).abs() <= 0.01 * ea;
-    println!("quantize S={s:<5} D={d:<3} H={h} sd={sd} {bits:>2}b {:<12} codes differing {differ}/{m}, rel MSE cpu {ea:.5} gpu {eb:.5} {}", g.name(), if ok { "ok" } else { "FAIL" });
+    let (mut differ, mut worst) = (0, 0.0f64);
+    let mut mse = Vec::new();
+    for (c, out) in codecs.iter().zip(&outs) {
+        let want = c.encode_vec(&xh)?;
+        let got: Vec<u8> = dev!(st.clone_dtoh(out));
+        let (mut a, mut b) = (vec![0u16; m], vec![0u16; m]);
+        unpack(&want, bits, &mut a)?;
+        unpack(&got, bits, &mut b)?;
+        differ += a.iter().zip(&b).filter(|(p, q)| p != q).count();
+        let (mut ya, mut yb) = (vec![0.0f32; x.len()], vec![0.0f32; x.len()]);
+        c.decode(&want, &mut ya)?;
+        c.decode(&got, &mut yb)?;
+        let (ea, eb) = (rel_mse(&xf, &ya), rel_mse(&xf, &yb));
+        worst = worst.max((eb - ea).abs() / ea);
+        mse.push((ea, eb));
+    }
+    let ok = (differ as f64) <= 1e-3 * (m * codecs.len()) as f64 && worst <= 0.01;
+    let what = if pair { format!("keys+values, {launches} launch") } else { "keys".into() };
+    let shown: Vec<String> = mse.iter().map(|(a, b)| format!("{a:.5}/{b:.5}")).collect();
+    println!(
+        "quantize S={s:<5} D={d:<3} H={h} sd={sd} {bits:>2}b {:<12} {what}: codes differing {differ}/{}, rel MSE cpu/gpu {} {}",
+        g.name(),
+        m * codecs.len(),
+        shown.join(" "),
+        if ok { "ok" } else { "FAIL" }
+    );
     if !ok {
         bail!("quantize mismatch beyond near-ties");
     }
+    Ok(json!({"S": s, "D": d, "H": h, "sub_dim": sd, "bits": bits, "granularity": g.name(), "pair": pair,
+        "launches": launches, "codes": m * codecs.len(), "differing": differ, "rel_mse_cpu_gpu": mse}))
+}
+
+/// A flush of the ring's oldest rows (`t` vectors of `h` kv heads, keys and values): two launches
+/// with one thread per search (before the sixteenth session's flush work) against one launch with
+/// the searches spread, timed back to back in this call.
+fn time_flush(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    clear: &mut Clear,
+    reps: usize,
+    (t, h, d): (usize, usize, usize),
+) -> Result<serde_json::Value> {
+    let (kc, vc) =
+        (codec(rng, h, d, 4, 8, Granularity::PerLayer, true)?, codec(rng, h, d, 4, 8, Granularity::PerLayer, false)?);
+    let (kg, vg) = (GpuCodec::upload(gpu, &kc)?, GpuCodec::upload(gpu, &vc)?);
+    let st = gpu.stream();
+    let xd = dev!(st.clone_htod(&f16_bits(&rng.rows(t * h, d))));
+    let mut ko = dev!(st.alloc_zeros::<u8>(kg.code_bytes(t * h)));
+    let mut vo = dev!(st.alloc_zeros::<u8>(vg.code_bytes(t * h)));
+    let map = RowMap::tokens(t, h);
+    let mut run = |fused: bool, slices: Option<u32>| -> Result<f64> {
+        time_ms(gpu, clear, reps, || {
+            let (x, mut k, mut v) = (xd.as_view(), ko.as_view_mut(), vo.as_view_mut());
+            if fused {
+                let mut jobs =
+                    [QuantizeJob { codec: &kg, x: &x, out: &mut k }, QuantizeJob { codec: &vg, x: &x, out: &mut v }];
+                quantize_jobs(gpu, &mut jobs, h, map, slices)?;
+            } else {
+                quantize_jobs(gpu, &mut [QuantizeJob { codec: &kg, x: &x, out: &mut k }], h, map, slices)?;
+                quantize_jobs(gpu, &mut [QuantizeJob { codec: &vg, x: &x, out: &mut v }], h, map, slices)?;
+            }
+            Ok(())
+        })
+    };
+    let (before, spread, one) = (run(false, Some(1))?, run(false, None)?, run(true, None)?);
+    println!("| {t}×{h}, D {d} | {before:.4} | {spread:.4} | {one:.4} | {:.2}× |", before / one);
     Ok(
-        json!({"S": s, "D": d, "H": h, "sub_dim": sd, "bits": bits, "granularity": g.name(), "codes": m, "differing": differ, "rel_mse_cpu": ea, "rel_mse_gpu": eb}),
+        json!({"t": t, "heads": h, "D": d, "two_launches_one_thread_ms": before, "two_launches_spread_ms": spread, "one_launch_ms": one}),
     )
 }
 
@@ -830,13 +906,24 @@ fn head_major(codes: &[u8], b: usize, s: usize, h: usize, m: usize) -> Vec<u8> {
 }
 
 /// Quantize checks: (S, D, H, sub_dim, bits, granularity).
-const QUANTIZE_CHECKS: [(usize, usize, usize, usize, u32, Granularity); 5] = [
+/// Quantize checks (S, D, H, sub_dim, bits, books): many rows (one thread per search) and few
+/// (a flush: searches spread over 8–32 threads), every bit width and both book granularities.
+const QUANTIZE_CHECKS: [(usize, usize, usize, usize, u32, Granularity); 10] = [
     (1001, 64, 4, 4, 8, Granularity::PerLayer),
     (777, 128, 8, 8, 8, Granularity::PerLayer),
     (513, 256, 4, 4, 8, Granularity::PerLayer),
     (301, 128, 8, 8, 12, Granularity::PerLayer),
     (257, 128, 2, 4, 6, Granularity::PerSubspace),
+    (8, 128, 8, 4, 8, Granularity::PerLayer),
+    (1, 64, 4, 4, 6, Granularity::PerLayer),
+    (3, 256, 1, 4, 8, Granularity::PerLayer),
+    (5, 128, 8, 8, 12, Granularity::PerLayer),
+    (2, 128, 2, 4, 6, Granularity::PerSubspace),
 ];
+
+/// Keys and values in one launch: a flush, and many rows.
+const QUANTIZE_PAIR_CHECKS: [(usize, usize, usize, usize, u32, Granularity); 2] =
+    [(8, 128, 8, 4, 8, Granularity::PerLayer), (611, 64, 4, 4, 8, Granularity::PerLayer)];
 
 /// Attention checks: GQA 1–4 and 8, D 64/128/256, odd and empty code counts, windows 0–31.
 const ATTENTION_CHECKS: [AttnCase; 9] = [
@@ -1007,7 +1094,10 @@ pub fn run(a: Args) -> Result<()> {
     let (quantize_checks, attention_checks): (&[_], &[_]) =
         if a.skip_checks { (&[], &[]) } else { (&QUANTIZE_CHECKS, &ATTENTION_CHECKS) };
     for &shape in quantize_checks {
-        checks.push(check_quantize(&gpu, &mut rng, shape)?);
+        checks.push(check_quantize(&gpu, &mut rng, shape, false)?);
+    }
+    for &shape in if a.skip_checks { &[][..] } else { &QUANTIZE_PAIR_CHECKS[..] } {
+        checks.push(check_quantize(&gpu, &mut rng, shape, true)?);
     }
     if !a.skip_checks {
         checks.extend(check_gemv(&gpu, &mut rng)?);
@@ -1052,6 +1142,14 @@ pub fn run(a: Args) -> Result<()> {
             json!({"S": s, "D": d, "H": h, "sub_dim": sd, "ms": ms, "sub_vectors": n, "flops": flops, "bytes": bytes}),
         );
     }
+    let mut flushes = Vec::new();
+    if !a.skip_quantize {
+        println!("\n| flush t×kv heads (keys + values) | 2 launches, 1 thread a search ms | 2 launches, spread ms | 1 launch, spread ms | first ÷ last |");
+        println!("|---|---|---|---|---|");
+        for shape in [(8, 8, 128), (8, 64, 128), (8, 1, 256)] {
+            flushes.push(time_flush(&gpu, &mut rng, &mut clear, a.reps, shape)?);
+        }
+    }
     // Decode attention timing: Llama-3.1-8B geometry, 2-bit codes (256 centroids of 4).
     println!("\n| attention B,S (Hq 32, Hkv 8, D 128) | kernel | ms | code MiB | GB/s | splits |");
     println!("|---|---|---|---|---|---|");
@@ -1070,7 +1168,7 @@ pub fn run(a: Args) -> Result<()> {
     let timing = a.timing.to_possible_value().map(|v| v.get_name().to_string());
     write_json(
         &a.json,
-        &json!({"gpu": gpu.name(), "seed": seed, "timing": timing, "checks": checks, "quantize": qt, "attention": at}),
+        &json!({"gpu": gpu.name(), "seed": seed, "timing": timing, "checks": checks, "quantize": qt, "flushes": flushes, "attention": at}),
     )
 }
 

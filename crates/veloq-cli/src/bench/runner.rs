@@ -57,7 +57,9 @@ pub struct Args {
     prompt: String,
     /// Decode paths to time side by side: `graphs` (the default: segments between attention
     /// calls replayed from CUDA graphs, f16 weights through veloq's GEMV), `eager` (every
-    /// operation issued one by one, cuBLAS: the path before both), `graphs-cublas`, `eager-gemv`.
+    /// operation issued one by one, cuBLAS, flushes on the main stream: the path before all of
+    /// it), `graphs-cublas`, `eager-gemv`, `graphs-flush-inline` (graphs with the flushes on the
+    /// main stream, between the layers' work).
     #[arg(long, value_delimiter = ',', default_value = "eager,graphs")]
     paths: Vec<String>,
     /// Models to time: smollm2 (the real file) and/or llama8b (random weights, f16).
@@ -282,17 +284,33 @@ fn graph_agreement(gpu: &Model, cfg: &CacheConfig, prompt: &[u32], n: usize) -> 
               "graph_launches": launched, "eager_tokens": eager, "graph_tokens": graphs}))
 }
 
+/// Decode steps past the agreement's in the flush-stream check: with the default window (sink 4,
+/// window 16, flush block 8) a short prompt reaches its first flush within 28 positions.
+const FLUSH_CHECK_STEPS: usize = 40;
+
 /// Batch decoding on CUDA, cuBLAS and eager steps against veloq's GEMV (tensor cores from 2
 /// rows, fused q/k/v and gated MLP) replayed from graphs: sequence s of the batch is the prompt
 /// less its last s tokens. Both round activations to f16 before the weights; cuBLAS rounds its
 /// outputs to f16 as well, so tokens may part at a near-tie. Fails when the first batched step's
-/// logits differ by more than 5% of their rms (a wrong product, not rounding).
-fn batch_agreement(gpu: &Model, cfg: &CacheConfig, prompt: &[u32], n: usize, batch: usize) -> Result<Value> {
+/// logits differ by more than 5% of their rms (a wrong product, not rounding). The GEMV run goes
+/// on for [`FLUSH_CHECK_STEPS`] more steps (a few flushes of every layer, whatever the prompt) and
+/// is repeated with the caches' flushes on the main stream: the same arithmetic, so its logits
+/// must be identical (a flush on its own stream that raced the step would change them).
+fn batch_agreement(
+    gpu: &Model,
+    rt: &CudaRuntime,
+    cfg: &CacheConfig,
+    prompt: &[u32],
+    n: usize,
+    batch: usize,
+) -> Result<Value> {
     // Per step: every sequence's token, and the batch's logits end to end.
     type Run = (Vec<Vec<u32>>, Vec<Vec<f32>>);
-    let run = |fast: bool| -> Result<Run> {
+    let aside = rt.flushes_aside();
+    let run = |fast: bool, flush_aside: bool, n: usize| -> Result<Run> {
         gpu.set_cuda_graphs(fast);
         veloq_candle::model::set_cuda_gemv(fast);
+        rt.set_flushes_aside(flush_aside);
         // Sized to the run, not the model's context (8 sequences of an 8B at 128k do not fit).
         let sized = CacheConfig { capacity: Some(prompt.len() + n + 16), ..cfg.clone() };
         let mut caches = sized.build_batch(gpu, batch)?;
@@ -313,10 +331,16 @@ fn batch_agreement(gpu: &Model, cfg: &CacheConfig, prompt: &[u32], n: usize, bat
         }
         Ok((all_tokens, all_logits))
     };
-    let (slow, slow_logits) = run(false)?;
-    let (fast, fast_logits) = run(true)?;
+    let m = n + FLUSH_CHECK_STEPS;
+    let (slow, slow_logits) = run(false, aside, n)?;
+    let (mut fast, mut fast_logits) = run(true, aside, m)?;
+    let (inline, inline_logits) = run(true, false, m)?;
     gpu.set_cuda_graphs(true);
     veloq_candle::model::set_cuda_gemv(true);
+    rt.set_flushes_aside(aside);
+    let stream_same = inline == fast && inline_logits == fast_logits;
+    fast.truncate(n);
+    fast_logits.truncate(n);
     let same = slow.iter().zip(&fast).position(|(a, b)| a != b).unwrap_or(n);
     let diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
     let rms = (slow_logits[0].iter().map(|v| v * v).sum::<f32>() / slow_logits[0].len() as f32).sqrt();
@@ -324,15 +348,21 @@ fn batch_agreement(gpu: &Model, cfg: &CacheConfig, prompt: &[u32], n: usize, bat
     let upto = slow_logits.iter().zip(&fast_logits).take(same + 1).map(|(a, b)| diff(a, b)).fold(0.0f32, f32::max);
     println!(
         "  {:<22} batch {batch}, GEMV + graphs vs cuBLAS eager: every sequence's tokens equal for {same} of {n} steps; \
-         first step max |Δlogit| {first:.4} (logits' rms {rms:.2}), {upto:.4} while equal",
-        cfg.name()
+         first step max |Δlogit| {first:.4} (logits' rms {rms:.2}), {upto:.4} while equal; flushes on {} vs main stream: {}",
+        cfg.name(),
+        if aside { "their own" } else { "the main" },
+        if stream_same { format!("logits identical over {m} steps") } else { "DIFFER".into() }
     );
+    if !stream_same {
+        anyhow::bail!("{}: batch {batch} logits depend on which stream flushes", cfg.name());
+    }
     if first.is_nan() || first > 0.05 * rms {
         anyhow::bail!("{}: batch {batch} logits differ by {first} (rms {rms}) on the first batched step", cfg.name());
     }
     Ok(
         json!({"method": cfg.name(), "batch": batch, "steps": n, "equal_steps": same, "first_step_max_abs_logit_diff": first,
-              "logit_rms": rms, "max_abs_logit_diff_while_equal": upto, "cublas_tokens": slow, "gemv_tokens": fast}),
+              "logit_rms": rms, "max_abs_logit_diff_while_equal": upto, "cublas_tokens": slow, "gemv_tokens": fast,
+              "flushes_aside": aside, "flush_stream_identical": stream_same}),
     )
 }
 
@@ -379,18 +409,21 @@ const WARMUP: usize = 4;
 /// Graph steps timed part by part after the medians (two flushes of an 8-row block among them).
 const PHASE_STEPS: usize = 16;
 
-/// A decode path: whether the step replays CUDA graphs and whether f16 weights take veloq's GEMV.
+/// A decode path: whether the step replays CUDA graphs, whether f16 weights take veloq's GEMV,
+/// and whether flushes run on their own stream.
 #[derive(Clone)]
 struct Path {
     name: String,
     graphs: bool,
     gemv: bool,
+    flush_aside: bool,
 }
 
 impl Path {
-    fn set(&self, model: &Model) {
+    fn set(&self, model: &Model, rt: &CudaRuntime) {
         model.set_cuda_graphs(self.graphs);
         veloq_candle::model::set_cuda_gemv(self.gemv);
+        rt.set_flushes_aside(self.flush_aside);
     }
 }
 
@@ -398,14 +431,17 @@ fn parse_paths(names: &[String]) -> Result<Vec<Path>> {
     names
         .iter()
         .map(|p| {
-            let (graphs, gemv) = match p.as_str() {
-                "eager" => (false, false),
-                "eager-gemv" => (false, true),
-                "graphs-cublas" => (true, false),
-                "graphs" => (true, true),
-                other => anyhow::bail!("unknown decode path {other:?} (eager, eager-gemv, graphs-cublas, graphs)"),
+            let (graphs, gemv, flush_aside) = match p.as_str() {
+                "eager" => (false, false, false),
+                "eager-gemv" => (false, true, true),
+                "graphs-cublas" => (true, false, true),
+                "graphs" => (true, true, true),
+                "graphs-flush-inline" => (true, true, false),
+                other => anyhow::bail!(
+                    "unknown decode path {other:?} (eager, eager-gemv, graphs-cublas, graphs, graphs-flush-inline)"
+                ),
             };
-            Ok(Path { name: p.clone(), graphs, gemv })
+            Ok(Path { name: p.clone(), graphs, gemv, flush_aside })
         })
         .collect()
 }
@@ -439,7 +475,7 @@ fn cases(
         Ok(caches)
     };
     if let Some(p) = paths.last() {
-        p.set(model);
+        p.set(model, rt);
     }
     // Memory, one method at a time.
     let mut mem = Vec::new();
@@ -471,7 +507,7 @@ fn cases(
     let mut tokens = vec![vec![1u32; batch]; pairs.len()];
     let mut run = |k: usize, tokens: &mut Vec<u32>| -> Result<()> {
         let (m, p) = pairs[k];
-        paths[p].set(model);
+        paths[p].set(model, rt);
         step(model, &mut caches[m], tokens)
     };
     for _ in 0..WARMUP {
@@ -645,7 +681,7 @@ pub fn run(a: Args) -> Result<()> {
                             .with_context(|| format!("graphs vs eager, {}", cfg.name()))?,
                     );
                     batch_agree.push(
-                        batch_agreement(&gpu_model, &cfg, &prompt, a.agree_tokens, 8)
+                        batch_agreement(&gpu_model, &rt, &cfg, &prompt, a.agree_tokens, 8)
                             .with_context(|| format!("batch GEMV vs cuBLAS, {}", cfg.name()))?,
                     );
                 }
@@ -664,7 +700,7 @@ pub fn run(a: Args) -> Result<()> {
                             .with_context(|| format!("graphs vs eager, {}", cfg.name()))?,
                     );
                     batch_agree.push(
-                        batch_agreement(&model, &cfg, &prompt, a.agree_tokens.min(8), 8)
+                        batch_agreement(&model, &rt, &cfg, &prompt, a.agree_tokens.min(8), 8)
                             .with_context(|| format!("batch GEMV vs cuBLAS, {}", cfg.name()))?,
                     );
                 }

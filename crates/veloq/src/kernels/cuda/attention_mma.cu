@@ -29,7 +29,7 @@
 // replica's, is one byte permute of the code word.
 //
 // Defines: D (64, 128 or 256), HQ, HKV, G (= HQ / HKV ≤ 8), CENTER_K, SMOOTH_K, CENTER_V, SMOOTH_V,
-// ROTATE, WARPS.
+// ROTATE, WARPS, MIN_BLOCKS.
 // Layouts: q [B][HQ][D] f32; codes [B·HKV][stride][D/4] u8; books [256][4] f16; partials as
 // vq_attend_split: part_o [B][HQ][nsplit][D], part_ml [B][HQ][nsplit][2] (natural-log max, sum);
 // done [B·HKV] blocks finished per stream (zero between launches).
@@ -109,12 +109,8 @@ __device__ __forceinline__ void load_v(unsigned (&w)[VW], const unsigned char* p
 #endif
 }
 
-// Two blocks per multiprocessor (16 warps) where the registers allow it; head_dim 256 needs more.
-#if D == 256
-#define MIN_BLOCKS 1
-#else
-#define MIN_BLOCKS 2
-#endif
+// MIN_BLOCKS (host, which plans the splits' waves by it): blocks per multiprocessor, capping the
+// registers per thread: 2 (16 warps, 128 registers), 1 at head_dim 256 (it needs more).
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_mma(
     const float* __restrict__ q, const unsigned char* __restrict__ kcodes, const unsigned char* __restrict__ vcodes,

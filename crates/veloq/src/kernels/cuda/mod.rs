@@ -17,7 +17,7 @@ pub use attention::{
 pub use dense::GpuDenseAttention;
 pub use gemv::{gemv_f16, gemv_f16_many, gemv_many_fits, GemvEpilogue, GemvFused, GemvTune, MAX_ROWS as GEMV_MAX_ROWS};
 pub use prefill::{GpuPrefill, PrefillOut, Source, Split};
-pub use quantize::{GpuCodec, RowMap};
+pub use quantize::{quantize_jobs, GpuCodec, QuantizeJob, RowMap};
 pub use window::{PutMap, PutRows};
 
 use std::collections::HashMap;

@@ -99,8 +99,6 @@ impl GpuCodec {
             ("BOOKS", self.books as i64),
             ("HEADS", self.heads as i64),
             ("ROWS", ROWS as i64),
-            ("CENTER", self.center as i64),
-            ("SMOOTH", self.smooth as i64),
             ("ROTATE", self.rotate as i64),
         ]
     }
@@ -139,18 +137,7 @@ impl GpuCodec {
         if !rows.is_multiple_of(self.heads) {
             return Err(Error::Shape(format!("quantize: {rows} rows are not whole tokens of {} heads", self.heads)));
         }
-        let tokens = rows / self.heads;
-        let map = RowMap {
-            t: tokens as i32,
-            in_hs: 1,
-            in_ts: self.heads as i32,
-            in_base: 0,
-            out_hs: 1,
-            out_ts: self.heads as i32,
-            out_base: 0,
-            in_wrap: 0,
-            in_off: 0,
-        };
+        let map = RowMap::tokens(rows / self.heads, self.heads);
         self.quantize_mapped(gpu, &x.as_view(), self.heads, map, &mut out.as_view_mut())
     }
 
@@ -164,11 +151,17 @@ impl GpuCodec {
         map: RowMap,
         out: &mut CudaViewMut<u8>,
     ) -> Result<()> {
+        quantize_jobs(gpu, &mut [QuantizeJob { codec: self, x, out }], streams, map, None).map(|_| ())
+    }
+
+    /// The centering and smoothing bits of the kernel's `flags` for job `job`.
+    fn flags(&self, job: usize) -> i32 {
+        ((self.center as i32) | (self.smooth as i32) << 1) << (2 * job)
+    }
+
+    /// Whether `x` and `out` hold every row `map` reads and writes for `streams` streams.
+    fn check_rows(&self, x: &CudaView<u16>, out: &CudaViewMut<u8>, streams: usize, map: RowMap) -> Result<()> {
         let t = map.t.max(0) as usize;
-        let rows = streams * t;
-        if rows == 0 {
-            return Ok(());
-        }
         let last = |hs: i64, ts: i32, base: i32| (streams as i64 - 1) * hs + (base as i64 + t as i64 - 1) * ts as i64;
         let last_in = if map.in_wrap > 0 {
             last(map.in_hs, map.in_ts, map.in_off + map.in_wrap - t as i32)
@@ -194,31 +187,103 @@ impl GpuCodec {
                 out.len() / self.row_bytes()
             )));
         }
-        let smem = self.smem();
-        let f = self.function(gpu)?;
-        // Few rows (a flush of the ring's oldest): smaller tiles, a block per multiprocessor, not
-        // one or two blocks searching every row alone.
-        let tile = rows.div_ceil(gpu.multiprocessors() as usize).clamp(1, ROWS);
-        let blocks = (rows.div_ceil(tile) as u32).min(gpu.multiprocessors() * 8);
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: smem as u32 };
-        let (n, tile) = (rows as i32, tile as i32);
-        let mut launch = gpu.stream().launch_builder(f);
-        launch
-            .arg(x)
-            .arg(&self.mean)
-            .arg(&self.inv_scale)
-            .arg(&self.centroids)
-            .arg(&self.norms)
-            .arg(out)
-            .arg(&n)
-            .arg(&tile)
-            .arg(&map);
-        // SAFETY: arguments in vq_quantize's order (x, mean, inv_scale, books, norms, out, n_rows,
-        // tile ≤ ROWS, map); `RowMap` is `repr(C)` as the kernel declares it, and the checks above keep the
-        // last input and output row of every stream inside `x` and `out`.
-        unsafe { launch.launch(cfg) }.map_err(dev_err)?;
         Ok(())
     }
+}
+
+/// One codec's part of a quantize launch: the rows it reads and the codes it writes.
+pub struct QuantizeJob<'a, 'x, 'o> {
+    pub codec: &'a GpuCodec,
+    pub x: &'a CudaView<'x, u16>,
+    pub out: &'a mut CudaViewMut<'o, u8>,
+}
+
+/// Threads that share one nearest-centroid search when a tile holds `items` (row, sub-space)
+/// pairs: enough that the block's threads all search (two pairs a group), a power of two ≤ 32
+/// (the shuffles stay inside a warp) and ≤ the centroids.
+fn slices(items: usize, centroids: usize) -> u32 {
+    let want = (2 * THREADS as usize / items.max(1)).clamp(1, 32.min(centroids));
+    1 << want.ilog2()
+}
+
+/// A device pointer that is never dereferenced.
+const NULL: u64 = 0;
+
+/// Encodes the same rows (`map`, `streams` streams) for each of `jobs` (one or two: a layer's
+/// keys and values) in one launch when their codecs share a kernel (same geometry; centering and
+/// smoothing may differ), else one launch each. `slices` overrides the threads per search
+/// (default: [`slices`]). Returns the launches issued.
+pub fn quantize_jobs(
+    gpu: &Gpu,
+    jobs: &mut [QuantizeJob],
+    streams: usize,
+    map: RowMap,
+    slices: Option<u32>,
+) -> Result<usize> {
+    if jobs.is_empty() || jobs.len() > 2 {
+        return Err(Error::Shape(format!("quantize: {} jobs in one launch (1 or 2)", jobs.len())));
+    }
+    let rows = streams * map.t.max(0) as usize;
+    if rows == 0 {
+        return Ok(0);
+    }
+    for j in jobs.iter() {
+        j.codec.check_rows(j.x, j.out, streams, map)?;
+    }
+    if jobs.len() == 2 && jobs[0].codec.defines() != jobs[1].codec.defines() {
+        let (a, b) = jobs.split_at_mut(1);
+        return Ok(quantize_jobs(gpu, a, streams, map, slices)? + quantize_jobs(gpu, b, streams, map, slices)?);
+    }
+    let c = jobs[0].codec;
+    let f = c.function(gpu)?;
+    // Few rows (a flush of the ring's oldest): smaller tiles, a block per multiprocessor, not
+    // one or two blocks searching every row alone, and each search spread over a group of threads.
+    let tile = rows.div_ceil(gpu.multiprocessors() as usize).clamp(1, ROWS);
+    let blocks = (rows.div_ceil(tile) as u32).min(gpu.multiprocessors() * 8);
+    let slices = slices.unwrap_or_else(|| self::slices(tile * c.subspaces(), c.centroids()));
+    if !slices.is_power_of_two() || slices > 32 || slices as usize > c.centroids() {
+        return Err(Error::Shape(format!(
+            "quantize: {slices} threads per search (a power of two ≤ 32 and ≤ the centroids)"
+        )));
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, jobs.len() as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: c.smem() as u32,
+    };
+    let flags = jobs.iter().enumerate().fold(0, |f, (i, j)| f | j.codec.flags(i));
+    let (n, tile) = (rows as i32, tile as i32);
+    let (first, second) = jobs.split_at_mut(1);
+    let a = &mut first[0];
+    // Without a second job its arguments are never read (gridDim.y is 1): job 0's again, and a
+    // null output.
+    let (ca, xa) = (a.codec, a.x);
+    let (cb, xb) = second.first().map_or((ca, xa), |b| (b.codec, b.x));
+    let mut launch = gpu.stream().launch_builder(f);
+    launch
+        .arg(xa)
+        .arg(xb)
+        .arg(&ca.mean)
+        .arg(&cb.mean)
+        .arg(&ca.inv_scale)
+        .arg(&cb.inv_scale)
+        .arg(&ca.centroids)
+        .arg(&cb.centroids)
+        .arg(&ca.norms)
+        .arg(&cb.norms)
+        .arg(&mut *a.out);
+    match second.first_mut() {
+        Some(b) => launch.arg(&mut *b.out),
+        None => launch.arg(&NULL),
+    };
+    launch.arg(&flags).arg(&n).arg(&tile).arg(&slices).arg(&map);
+    // SAFETY: arguments in vq_quantize's order (inputs, means, inverse scales, books, norms and
+    // outputs of jobs 0 and 1, flags, n_rows, tile ≤ ROWS, slices a power of two ≤ min(32, K),
+    // map); the jobs' codecs have the kernel's defines (checked above); `RowMap` is `repr(C)` as
+    // the kernel declares it, and `check_rows` kept every job's last input and output row inside
+    // its buffers.
+    unsafe { launch.launch(cfg) }.map_err(dev_err)?;
+    Ok(1)
 }
 
 /// Where the quantize kernel reads and writes (mirrors `RowMap` in `quantize.cu`): vector `t` of
@@ -241,6 +306,21 @@ pub struct RowMap {
 }
 
 impl RowMap {
+    /// `t` tokens of `heads` head vectors, token-major (`[t, heads]` rows), in and out.
+    pub fn tokens(t: usize, heads: usize) -> Self {
+        Self {
+            t: t as i32,
+            in_hs: 1,
+            in_ts: heads as i32,
+            in_base: 0,
+            out_hs: 1,
+            out_ts: heads as i32,
+            out_base: 0,
+            in_wrap: 0,
+            in_off: 0,
+        }
+    }
+
     /// `t` vectors per stream from rows `in_base..` of `[streams, in_hs]` rows to rows
     /// `out_base..` of `[streams, out_hs]` rows (both head-major).
     pub fn streams(t: usize, in_hs: usize, in_base: usize, out_hs: usize, out_base: usize) -> Self {
@@ -271,8 +351,6 @@ pub(super) fn example_defines() -> Vec<(&'static str, i64)> {
         ("BOOKS", 1),
         ("HEADS", 8),
         ("ROWS", 32),
-        ("CENTER", 1),
-        ("SMOOTH", 1),
         ("ROTATE", 1),
     ]
     .to_vec()
