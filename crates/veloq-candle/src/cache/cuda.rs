@@ -16,7 +16,7 @@
 //! sliding windows, truncation into codes — is the portable backend's tiled candle ops over the
 //! same tensors.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -314,7 +314,7 @@ impl CudaBackend {
         };
         let c = self.base.vecinfer_codes()?;
         let (kv, cap) = (self.base.heads.kv, self.capacity);
-        let n = std::cell::Cell::new(0);
+        let n = Cell::new(0);
         write2::<u8>(&c.key_codes, &c.value_codes, |ko, vo| {
             let mut ko = ko.slice_mut(slot * kv * cap * attn.keys.row_bytes()..);
             let mut vo = vo.slice_mut(slot * kv * cap * attn.values.row_bytes()..);

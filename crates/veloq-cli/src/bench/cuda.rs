@@ -801,20 +801,12 @@ fn check_quantize(
         .iter()
         .map(|gc| Ok(dev!(st.clone_htod(&vec![0xABu8; gc.code_bytes(s * h)]))))
         .collect::<Result<Vec<_>>>()?;
-    let launches = match &mut outs[..] {
-        [o] => {
-            gcs[0].quantize(gpu, &xd, s * h, o)?;
-            1
-        }
-        [ko, vo] => {
-            let (x, mut ko, mut vo) = (xd.as_view(), ko.as_view_mut(), vo.as_view_mut());
-            let mut jobs = [
-                QuantizeJob { codec: &gcs[0], x: &x, out: &mut ko },
-                QuantizeJob { codec: &gcs[1], x: &x, out: &mut vo },
-            ];
-            quantize_jobs(gpu, &mut jobs, h, RowMap::tokens(s, h), None)?
-        }
-        _ => unreachable!("one or two codecs"),
+    let launches = {
+        let x = xd.as_view();
+        let mut views: Vec<_> = outs.iter_mut().map(|o| o.as_view_mut()).collect();
+        let mut jobs: Vec<_> =
+            gcs.iter().zip(&mut views).map(|(codec, out)| QuantizeJob { codec, x: &x, out }).collect();
+        quantize_jobs(gpu, &mut jobs, h, RowMap::tokens(s, h), None)?
     };
     let m = s * h * d / sd;
     let xf: Vec<f32> = xh.iter().map(|v| v.to_f32()).collect();
@@ -852,8 +844,8 @@ fn check_quantize(
 }
 
 /// A flush of the ring's oldest rows (`t` vectors of `h` kv heads, keys and values): two launches
-/// with one thread per search (before the sixteenth session's flush work) against one launch with
-/// the searches spread, timed back to back in this call.
+/// with one thread per search (how flushes ran before), two with the searches spread, and one
+/// launch for both, timed back to back in this call.
 fn time_flush(
     gpu: &Gpu,
     rng: &mut Rng,

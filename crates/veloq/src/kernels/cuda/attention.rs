@@ -28,9 +28,17 @@ const MIN_CHUNK: usize = 256;
 pub const MAX_WINDOW: usize = 64;
 /// Threads per tensor-core split block (its warp partials must fit over the two 32 KiB codebooks).
 const MMA_THREADS: u32 = 256;
-/// Tensor-core blocks per multiprocessor (one at head_dim 256: its registers). Three (80
-/// registers, a few spilled, 24 warps per SM) were 1.3–1.8× slower on the H200 (NOTES.md).
-const MMA_BLOCKS: usize = 2;
+/// Tensor-core blocks resident per multiprocessor at `head_dim`: the kernel's `MIN_BLOCKS` (which
+/// caps its registers) and the split count's waves, from one place. Two; one at head_dim 256 (its
+/// registers). Three (80 registers, a few spilled, 24 warps per SM) were 1.3–1.8× slower on the
+/// H200 (NOTES.md).
+fn mma_blocks(head_dim: usize) -> usize {
+    if head_dim == 256 {
+        1
+    } else {
+        2
+    }
+}
 /// Most positions per tensor-core split (nothing in shared memory grows with it; more splits only
 /// fill the GPU).
 const MMA_MAX_SPLIT: usize = 16384;
@@ -64,9 +72,6 @@ pub struct GpuAttention {
     half_values: bool,
     kernel: SplitKernel,
     fuse_merge: bool,
-    /// Tensor-core blocks resident per multiprocessor: the kernel's `MIN_BLOCKS` (which caps its
-    /// registers) and the split count's waves, from one number.
-    mma_blocks: usize,
     /// The plan and its compiled split and merge kernels, found once (a decode step should not
     /// rebuild define lists and cache keys per layer).
     prepared: OnceLock<(Plan, CudaFunction, CudaFunction)>,
@@ -144,7 +149,6 @@ impl GpuAttention {
     pub fn new(keys: GpuCodec, values: GpuCodec, q_heads: usize) -> Result<Self> {
         let (kg, vg) = (Geometry::of(&keys), Geometry::of(&values));
         let kernel = if mma_geometry(&kg, &vg, q_heads) { SplitKernel::TensorCores } else { SplitKernel::Tables };
-        let mma_blocks = if kg.head_dim == 256 { 1 } else { MMA_BLOCKS };
         check_geometry(kg, vg, q_heads).map_err(Error::Device)?;
         Ok(Self {
             keys,
@@ -154,7 +158,6 @@ impl GpuAttention {
             half_values: false,
             kernel,
             fuse_merge: true,
-            mma_blocks,
             prepared: OnceLock::new(),
         })
     }
@@ -236,7 +239,6 @@ impl GpuAttention {
             threads: self.threads,
             half_values: self.half_values,
             kernel: self.kernel,
-            mma_blocks: self.mma_blocks,
         }
     }
 
@@ -282,7 +284,7 @@ impl GpuAttention {
         let sms = gpu.multiprocessors() as usize;
         let (blocks, most, per_sm) = match self.kernel {
             // As many per SM as the kernel's registers allow (`MIN_BLOCKS` in the kernel).
-            SplitKernel::TensorCores => (batch * self.keys.heads, MMA_MAX_SPLIT, self.mma_blocks),
+            SplitKernel::TensorCores => (batch * self.keys.heads, MMA_MAX_SPLIT, mma_blocks(self.keys.head_dim)),
             SplitKernel::Tables => (batch * self.keys.heads * (self.group() / gb), MAX_SPLIT, 1),
         };
         let slots = sms * per_sm;
@@ -515,8 +517,6 @@ pub(super) struct Plan {
     /// Value pass in packed f16 (`VALUES_F16`).
     half_values: bool,
     kernel: SplitKernel,
-    /// Tensor-core blocks per SM (`MIN_BLOCKS`).
-    mma_blocks: usize,
 }
 
 impl Plan {
@@ -540,7 +540,6 @@ impl Plan {
             threads: DEFAULT_THREADS,
             half_values: false,
             kernel,
-            mma_blocks: MMA_BLOCKS,
         }
     }
 
@@ -649,7 +648,7 @@ impl Plan {
             ("CENTER_K", b(self.center.0)),
             ("SMOOTH_K", b(self.smooth.0)),
             ("WARPS", (MMA_THREADS / 32) as i64),
-            ("MIN_BLOCKS", self.mma_blocks as i64),
+            ("MIN_BLOCKS", mma_blocks(self.d) as i64),
         ]);
         d
     }
@@ -714,16 +713,7 @@ pub(super) fn example_mma_defines() -> Vec<Vec<(&'static str, i64)>> {
     [
         base,
         Plan { d: 64, q_heads: 9, kv_heads: 3, ..base },
-        Plan {
-            d: 256,
-            q_heads: 8,
-            kv_heads: 1,
-            center: (false, false),
-            smooth: (false, false),
-            rotate: false,
-            mma_blocks: 1,
-            ..base
-        },
+        Plan { d: 256, q_heads: 8, kv_heads: 1, center: (false, false), smooth: (false, false), rotate: false, ..base },
         Plan { q_heads: 4, kv_heads: 4, ..base },
     ]
     .iter()
