@@ -215,6 +215,9 @@ pub struct CudaBackend {
     /// touches this layer's storage (`pending` until then).
     flushed: Option<(CudaEvent, CudaEvent)>,
     pending: AtomicBool,
+    /// The main stream's last launch was this layer's put of new rows (nothing since): the
+    /// decode attention after it may start while it runs (`Window::just_written`).
+    put_last: AtomicBool,
 }
 
 impl Drop for CudaBackend {
@@ -252,6 +255,7 @@ impl CudaBackend {
             capacity: 0,
             flushed: None,
             pending: AtomicBool::new(false),
+            put_last: AtomicBool::new(false),
         })
     }
 
@@ -295,6 +299,7 @@ impl CudaBackend {
             capacity,
             flushed,
             pending: AtomicBool::new(false),
+            put_last: AtomicBool::new(false),
         })
     }
 
@@ -353,6 +358,7 @@ impl CudaBackend {
 
     /// Orders the main stream after this layer's last flush, if one is still pending.
     fn join(&self) -> Result<()> {
+        self.put_last.store(false, Ordering::Relaxed);
         if let Some((_, done)) = &self.flushed {
             if self.pending.swap(false, Ordering::AcqRel) {
                 self.rt.gpu().stream().wait(done).map_err(veloq::Error::from)?;
@@ -367,12 +373,14 @@ impl CudaBackend {
     }
 
     /// Decode attention for `group` (consecutive slots and query rows, storage alike) into `out`
-    /// rows `[tokens, q heads, D]`. Returns the launches issued.
+    /// rows `[tokens, q heads, D]`; `after_put`: the stream's last launch was the put of this
+    /// step's rows. Returns the launches issued.
     fn decode_group(
         &self,
         q: &CudaView<f32>,
         group: &[SeqView],
         scale: f32,
+        after_put: bool,
         out: &mut CudaViewMut<f32>,
     ) -> Result<usize> {
         let Heads { q: hq, kv, dim: d } = self.base.heads;
@@ -389,8 +397,11 @@ impl CudaBackend {
                 Attention::Dense(attn, _) => {
                     let len = first.ring_len;
                     let nsplit = attn.splits(gpu, b, len);
+                    // The put wrote each sequence's new rows, its last (decodable: one query).
+                    let fresh = after_put.then(|| len - first.queries.len());
                     self.rt.with_scratch(b * hq * nsplit, b * kv, d, |scratch| {
-                        attn.attend(gpu, &q, &wk, &wv, b, len, rows, scale, scratch, &mut out).map_err(Error::from)
+                        attn.attend(gpu, &q, &wk, &wv, b, len, rows, scale, fresh, scratch, &mut out)
+                            .map_err(Error::from)
                     })?;
                     Ok(2)
                 }
@@ -404,7 +415,7 @@ impl CudaBackend {
                         ring_len: first.ring_len as i32,
                         ring_cap: first.ring.wrap as i32,
                     };
-                    let window = Window { keys: wk, values: wv, rows, map };
+                    let window = Window { keys: wk, values: wv, rows, map, just_written: after_put };
                     let (mk, mv) = (c.keys.subspaces(), c.values.subspaces());
                     with_view::<u8, _>(&c.key_codes, |kc| {
                         with_view::<u8, _>(&c.value_codes, |vc| {
@@ -453,14 +464,18 @@ impl CudaBackend {
         views: &[SeqView],
         input: &TensorInput,
         scale: f32,
+        after_put: bool,
         out: &mut CudaViewMut<f32>,
     ) -> Result<()> {
         let (fast, slow): (Vec<SeqView>, Vec<SeqView>) = views.iter().cloned().partition(|v| self.decodable(v));
         let Heads { q: hq, dim: d, .. } = self.base.heads;
+        // Only the first group follows the put directly, and only if the queries need no
+        // conversion (which would be a launch between).
+        let mut after_put = after_put && q.dtype() == DType::F32 && q.is_contiguous();
         let qf = q.to_dtype(DType::F32)?.contiguous()?;
         with_view::<f32, _>(&qf, |qv| {
             for g in groups(&fast, Self::alike) {
-                let launches = self.decode_group(&qv, g, scale, out)?;
+                let launches = self.decode_group(&qv, g, scale, std::mem::take(&mut after_put), out)?;
                 self.rt.count(launches);
             }
             Ok(())
@@ -536,6 +551,7 @@ impl Backend for CudaBackend {
                 })
             })?;
             self.rt.count(1);
+            self.put_last.store(true, Ordering::Relaxed);
         }
         Ok(())
     }
@@ -702,6 +718,7 @@ impl Backend for CudaBackend {
     /// Sequences with one query and all rows stored go to the decode kernels (together where
     /// their storage is alike); the rest to the portable pieces; outputs land in step order.
     fn attend(&self, q: &Tensor, views: &[SeqView], input: &TensorInput, scale: f32) -> Result<Tensor> {
+        let after_put = self.put_last.load(Ordering::Relaxed);
         self.join()?;
         if !views.iter().any(|v| self.decodable(v)) {
             return compose(self, q, views, input, scale);
@@ -711,13 +728,14 @@ impl Backend for CudaBackend {
         // SAFETY: `attend_to` writes every row before anything reads it (every packed row belongs
         // to one view, and every view is written: by its decode group or copied in).
         let mut out = unsafe { self.rt.gpu().stream().alloc::<f32>(n * hq * d) }.map_err(veloq::Error::from)?;
-        self.attend_to(q, views, input, scale, &mut out.as_view_mut())?;
+        self.attend_to(q, views, input, scale, after_put, &mut out.as_view_mut())?;
         let storage = CudaStorage::wrap_cuda_slice(out, self.rt.device.clone());
         Ok(Tensor::from_storage(Storage::Cuda(storage), (n, hq, d), BackpropOp::none(), false))
     }
 
     /// The decode kernels write straight into `out` (a graph's fixed buffer: no copy after).
     fn attend_into(&self, q: &Tensor, views: &[SeqView], input: &TensorInput, scale: f32, out: &Tensor) -> Result<()> {
+        let after_put = self.put_last.load(Ordering::Relaxed);
         self.join()?;
         let Heads { q: hq, dim: d, .. } = self.base.heads;
         let fits = out.dtype() == DType::F32
@@ -727,7 +745,7 @@ impl Backend for CudaBackend {
         if !fits || !views.iter().any(|v| self.decodable(v)) {
             return super::copy_into(out, &self.attend(q, views, input, scale)?);
         }
-        write::<f32>(out, |o| self.attend_to(q, views, input, scale, o))
+        write::<f32>(out, |o| self.attend_to(q, views, input, scale, after_put, o))
     }
 
     fn resident_bytes(&self) -> usize {

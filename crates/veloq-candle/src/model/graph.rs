@@ -34,9 +34,9 @@ use crate::error::{Error, Result};
 /// them off).
 pub(crate) struct Graphs {
     on: AtomicBool,
-    /// By batch size and whether f16 weights took veloq's GEMV when captured (a graph replays
-    /// the kernels it was captured with).
-    batches: Mutex<HashMap<(usize, bool), Batch>>,
+    /// By batch size, whether f16 weights took veloq's GEMV and whether launches overlapped
+    /// when captured (a graph replays the kernels and edges it was captured with).
+    batches: Mutex<HashMap<(usize, bool, bool), Batch>>,
     launches: AtomicUsize,
     /// Set while steps are being timed part by part ([`Model::set_step_phases`]).
     clock: Mutex<Option<Clock>>,
@@ -299,7 +299,7 @@ impl Graphs {
             return Ok(None);
         }
         let b = tokens.len();
-        let key = (b, super::linear::gemv::enabled());
+        let key = (b, super::linear::gemv::enabled(), veloq::kernels::cuda::overlapped_launches());
         let mut batches = self.batches.lock().expect("graph lock");
         let batch = match batches.entry(key) {
             Entry::Occupied(e) => e.into_mut(),

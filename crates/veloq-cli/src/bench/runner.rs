@@ -59,7 +59,8 @@ pub struct Args {
     /// calls replayed from CUDA graphs, f16 weights through veloq's GEMV), `eager` (every
     /// operation issued one by one, cuBLAS, flushes on the main stream: the path before all of
     /// it), `graphs-cublas`, `eager-gemv`, `graphs-flush-inline` (graphs with the flushes on the
-    /// main stream, between the layers' work).
+    /// main stream, between the layers' work), `graphs-serial` (graphs with every kernel launched
+    /// after the last has finished: no programmatic dependent launch).
     #[arg(long, value_delimiter = ',', default_value = "eager,graphs")]
     paths: Vec<String>,
     /// Models to time: smollm2 (the real file) and/or llama8b (random weights, f16).
@@ -294,8 +295,10 @@ const FLUSH_CHECK_STEPS: usize = 40;
 /// outputs to f16 as well, so tokens may part at a near-tie. Fails when the first batched step's
 /// logits differ by more than 5% of their rms (a wrong product, not rounding). The GEMV run goes
 /// on for [`FLUSH_CHECK_STEPS`] more steps (a few flushes of every layer, whatever the prompt) and
-/// is repeated with the caches' flushes on the main stream: the same arithmetic, so its logits
-/// must be identical (a flush on its own stream that raced the step would change them).
+/// is repeated with the caches' flushes on the main stream and with every kernel launched after
+/// its predecessor ended (no programmatic dependent launch): the same arithmetic, so the logits
+/// must be identical (a flush on its own stream, or a kernel started early, that raced the step
+/// would change them).
 fn batch_agreement(
     gpu: &Model,
     rt: &CudaRuntime,
@@ -307,10 +310,12 @@ fn batch_agreement(
     // Per step: every sequence's token, and the batch's logits end to end.
     type Run = (Vec<Vec<u32>>, Vec<Vec<f32>>);
     let aside = rt.flushes_aside();
-    let run = |fast: bool, flush_aside: bool, n: usize| -> Result<Run> {
+    let overlap = veloq::kernels::cuda::overlapped_launches();
+    let run = |fast: bool, flush_aside: bool, overlapped: bool, n: usize| -> Result<Run> {
         gpu.set_cuda_graphs(fast);
         veloq_candle::model::set_cuda_gemv(fast);
         rt.set_flushes_aside(flush_aside);
+        veloq::kernels::cuda::set_overlapped_launches(overlapped);
         // Sized to the run, not the model's context (8 sequences of an 8B at 128k do not fit).
         let sized = CacheConfig { capacity: Some(prompt.len() + n + 16), ..cfg.clone() };
         let mut caches = sized.build_batch(gpu, batch)?;
@@ -332,13 +337,16 @@ fn batch_agreement(
         Ok((all_tokens, all_logits))
     };
     let m = n + FLUSH_CHECK_STEPS;
-    let (slow, slow_logits) = run(false, aside, n)?;
-    let (mut fast, mut fast_logits) = run(true, aside, m)?;
-    let (inline, inline_logits) = run(true, false, m)?;
+    let (slow, slow_logits) = run(false, aside, overlap, n)?;
+    let (mut fast, mut fast_logits) = run(true, aside, overlap, m)?;
+    let (inline, inline_logits) = run(true, false, overlap, m)?;
+    let (serial, serial_logits) = run(true, aside, !overlap, m)?;
     gpu.set_cuda_graphs(true);
     veloq_candle::model::set_cuda_gemv(true);
     rt.set_flushes_aside(aside);
+    veloq::kernels::cuda::set_overlapped_launches(overlap);
     let stream_same = inline == fast && inline_logits == fast_logits;
+    let launch_same = serial == fast && serial_logits == fast_logits;
     fast.truncate(n);
     fast_logits.truncate(n);
     let same = slow.iter().zip(&fast).position(|(a, b)| a != b).unwrap_or(n);
@@ -348,13 +356,19 @@ fn batch_agreement(
     let upto = slow_logits.iter().zip(&fast_logits).take(same + 1).map(|(a, b)| diff(a, b)).fold(0.0f32, f32::max);
     println!(
         "  {:<22} batch {batch}, GEMV + graphs vs cuBLAS eager: every sequence's tokens equal for {same} of {n} steps; \
-         first step max |Δlogit| {first:.4} (logits' rms {rms:.2}), {upto:.4} while equal; flushes on {} vs main stream: {}",
+         first step max |Δlogit| {first:.4} (logits' rms {rms:.2}), {upto:.4} while equal; flushes on {} vs main stream: {};          launches {} vs {}: {}",
         cfg.name(),
         if aside { "their own" } else { "the main" },
-        if stream_same { format!("logits identical over {m} steps") } else { "DIFFER".into() }
+        if stream_same { format!("logits identical over {m} steps") } else { "DIFFER".into() },
+        if overlap { "overlapped" } else { "serial" },
+        if overlap { "serial" } else { "overlapped" },
+        if launch_same { format!("identical over {m} steps") } else { "DIFFER".into() }
     );
     if !stream_same {
         anyhow::bail!("{}: batch {batch} logits depend on which stream flushes", cfg.name());
+    }
+    if !launch_same {
+        anyhow::bail!("{}: batch {batch} logits depend on whether launches overlap", cfg.name());
     }
     if first.is_nan() || first > 0.05 * rms {
         anyhow::bail!("{}: batch {batch} logits differ by {first} (rms {rms}) on the first batched step", cfg.name());
@@ -362,7 +376,8 @@ fn batch_agreement(
     Ok(
         json!({"method": cfg.name(), "batch": batch, "steps": n, "equal_steps": same, "first_step_max_abs_logit_diff": first,
               "logit_rms": rms, "max_abs_logit_diff_while_equal": upto, "cublas_tokens": slow, "gemv_tokens": fast,
-              "flushes_aside": aside, "flush_stream_identical": stream_same}),
+              "flushes_aside": aside, "flush_stream_identical": stream_same, "overlapped_launches": overlap,
+              "launch_overlap_identical": launch_same}),
     )
 }
 
@@ -410,13 +425,15 @@ const WARMUP: usize = 4;
 const PHASE_STEPS: usize = 16;
 
 /// A decode path: whether the step replays CUDA graphs, whether f16 weights take veloq's GEMV,
-/// and whether flushes run on their own stream.
+/// whether flushes run on their own stream and whether kernels start before their predecessor
+/// ends (programmatic dependent launch).
 #[derive(Clone)]
 struct Path {
     name: String,
     graphs: bool,
     gemv: bool,
     flush_aside: bool,
+    overlap: bool,
 }
 
 impl Path {
@@ -424,6 +441,7 @@ impl Path {
         model.set_cuda_graphs(self.graphs);
         veloq_candle::model::set_cuda_gemv(self.gemv);
         rt.set_flushes_aside(self.flush_aside);
+        veloq::kernels::cuda::set_overlapped_launches(self.overlap);
     }
 }
 
@@ -431,17 +449,18 @@ fn parse_paths(names: &[String]) -> Result<Vec<Path>> {
     names
         .iter()
         .map(|p| {
-            let (graphs, gemv, flush_aside) = match p.as_str() {
-                "eager" => (false, false, false),
-                "eager-gemv" => (false, true, true),
-                "graphs-cublas" => (true, false, true),
-                "graphs" => (true, true, true),
-                "graphs-flush-inline" => (true, true, false),
+            let (graphs, gemv, flush_aside, overlap) = match p.as_str() {
+                "eager" => (false, false, false, false),
+                "eager-gemv" => (false, true, true, true),
+                "graphs-cublas" => (true, false, true, true),
+                "graphs" => (true, true, true, true),
+                "graphs-flush-inline" => (true, true, false, true),
+                "graphs-serial" => (true, true, true, false),
                 other => anyhow::bail!(
-                    "unknown decode path {other:?} (eager, eager-gemv, graphs-cublas, graphs, graphs-flush-inline)"
+                    "unknown decode path {other:?} (eager, eager-gemv, graphs-cublas, graphs, graphs-flush-inline, graphs-serial)"
                 ),
             };
-            Ok(Path { name: p.clone(), graphs, gemv, flush_aside })
+            Ok(Path { name: p.clone(), graphs, gemv, flush_aside, overlap })
         })
         .collect()
 }

@@ -133,9 +133,33 @@ fn gather_index(c: &Tensor, g: usize, t: usize) -> Result<Tensor> {
     Ok(c.unsqueeze(1)?.broadcast_as((kv * g, t, m, n))?.contiguous()?)
 }
 
+/// Queries from which [`codes_state`] scores decoded chunks instead of lookup tables.
+const DECODED_FROM_QUERIES: usize = 8;
+
 /// Partial of queries `qs` (`[Hq, t, D]` f32, scaled) over `len` coded positions of one sequence
 /// (`codes`: key and value codes `[kv, ≥len, M]`), in value space. `[Hq, t, ·]` state.
+///
+/// A few queries (decode) go through per-query lookup tables: M·K entries per query head, then a
+/// gather per position and sub-space. Past [`DECODED_FROM_QUERIES`] (prefill) the tables are the
+/// larger work, 16× more with 4096-centroid books, and each chunk of codes is decoded instead into
+/// code-space centroid rows `[kv, n, D]` (scratch of one chunk; nothing is stored) and scored and
+/// summed by matmuls. The same arithmetic up to summation order.
 pub fn codes_state(
+    qs: &Tensor,
+    keys: (&TensorCodec, &Tensor),
+    values: (&TensorCodec, &Tensor),
+    len: usize,
+) -> Result<State> {
+    if qs.dim(1)? >= DECODED_FROM_QUERIES {
+        decoded_codes_state(qs, keys, values, len)
+    } else {
+        table_codes_state(qs, keys, values, len)
+    }
+}
+
+/// [`codes_state`] by lookup tables: scores gathered per sub-space, weights summed per centroid
+/// (`scatter_add`), decoded once at the end.
+fn table_codes_state(
     qs: &Tensor,
     keys: (&TensorCodec, &Tensor),
     values: (&TensorCodec, &Tensor),
@@ -167,6 +191,39 @@ pub fn codes_state(
     let o = vc.decode_sums(&w.reshape((hq * t, mv, kv_c))?)?.reshape((hq, t, d))?;
     state.o = value_space(&o, &state.l, vc)?;
     Ok(state)
+}
+
+/// [`codes_state`] by decoded chunks: scores q̃·ĉ (+ the centering offset) and code-space value
+/// sums, rotated back once at the end.
+fn decoded_codes_state(
+    qs: &Tensor,
+    keys: (&TensorCodec, &Tensor),
+    values: (&TensorCodec, &Tensor),
+    len: usize,
+) -> Result<State> {
+    let (hq, t, d) = qs.dims3()?;
+    let (kc, vc) = (keys.0, values.0);
+    let kv = kc.heads;
+    let gt = hq / kv * t;
+    let (qt, offset) = code_space_queries(qs, kc)?;
+    // Row g·t + i of kv head h: query i of head h·G + g.
+    let qh = qt.reshape((kv, gt, d))?;
+    let offset = offset.map(|o| o.reshape((kv, gt, 1))).transpose()?;
+    let mut state = State::empty(kv, gt, d, qs.device())?;
+    for s0 in (0..len).step_by(ROW_CHUNK) {
+        let n = ROW_CHUNK.min(len - s0);
+        let rows = |c: &TensorCodec, codes: &Tensor| -> Result<Tensor> {
+            Ok(c.centroid_rows(&codes.narrow(1, s0, n)?)?.reshape((kv, n, d))?)
+        };
+        let mut s = qh.matmul(&rows(kc, keys.1)?.t()?)?; // [kv, G·t, n]
+        if let Some(off) = &offset {
+            s = s.broadcast_add(off)?;
+        }
+        state.fold(&s, &rows(vc, values.1)?)?;
+    }
+    let back = |x: &Tensor| -> Result<Tensor> { Ok(x.reshape((hq, t, ()))?) };
+    let (o, l) = (back(&state.o)?, back(&state.l)?);
+    Ok(State { o: value_space(&o, &l, vc)?, m: back(&state.m)?, l })
 }
 
 /// Queries `qs` (`[Hq, t, D]`, scaled) in the keys' code space, q̃ = H(s ⊙ q), and the offset
@@ -210,4 +267,70 @@ pub fn per_q_head(t: &Tensor, g: usize) -> Result<Tensor> {
     let mut out = vec![kv * g];
     out.extend(&rest);
     Ok(t.unsqueeze(1)?.broadcast_as(shape)?.contiguous()?.reshape(out)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Tensor};
+    use veloq::codec::codebook::{Codebook, CodebookSet, Granularity, PqShape};
+    use veloq::codec::smooth::SmoothScales;
+    use veloq::codec::vecinfer::VecInferCodec;
+
+    use super::*;
+
+    fn normal(n: usize) -> Vec<f32> {
+        Tensor::randn(0f32, 1.0, n, &Device::Cpu).unwrap().to_vec1().unwrap()
+    }
+
+    /// A codec with random books, mean and smoothing scales.
+    fn codec(bits: u32, sub_dim: usize, granularity: Granularity, kv: usize, d: usize) -> TensorCodec {
+        let shape = PqShape::new(sub_dim, bits).unwrap();
+        let m = d / sub_dim;
+        let count = if granularity == Granularity::PerLayer { 1 } else { m };
+        let books = (0..count).map(|_| Codebook::new(sub_dim, normal(shape.centroids() * sub_dim)).unwrap()).collect();
+        let books = CodebookSet::new(shape, granularity, m, books).unwrap();
+        let scales = normal(kv * d).iter().map(|x| 0.5 + x.abs()).collect();
+        let smooth = SmoothScales::new(kv, d, scales).unwrap();
+        let codec = VecInferCodec::new(kv, d, Some(normal(kv * d)), Some(smooth), true, books).unwrap();
+        TensorCodec::new(&codec, &Device::Cpu).unwrap()
+    }
+
+    fn codes(c: &TensorCodec, kv: usize, len: usize) -> Tensor {
+        let k = c.centroids as f32;
+        let u = Tensor::rand(0f32, k, (kv, len, c.subspaces()), &Device::Cpu).unwrap();
+        u.floor().unwrap().minimum(k - 1.0).unwrap().to_dtype(DType::U32).unwrap()
+    }
+
+    fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
+        let (a, b) =
+            (a.flatten_all().unwrap().to_vec1::<f32>().unwrap(), b.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+        a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max) / scale
+    }
+
+    /// Decoded chunks and lookup tables are two evaluations of one sum: the same outputs and
+    /// maxima for many queries over codes crossing chunk boundaries, with 256- and 4096-centroid
+    /// books, per layer and per sub-space, the keys centered, smoothed and rotated.
+    #[test]
+    fn decoded_chunks_match_lookup_tables() {
+        let (kv, g, d, t) = (2, 3, 32, DECODED_FROM_QUERIES + 1);
+        for (bits, sub_dim, granularity, len) in [
+            (8, 4, Granularity::PerLayer, ROW_CHUNK + 77),
+            (12, 4, Granularity::PerSubspace, 700),
+            (8, 8, Granularity::PerSubspace, 2 * ROW_CHUNK + 5),
+        ] {
+            let (kc, vc) = (codec(bits, sub_dim, granularity, kv, d), codec(bits, sub_dim, granularity, kv, d));
+            let (kcodes, vcodes) = (codes(&kc, kv, len + 9), codes(&vc, kv, len + 9));
+            let qs = Tensor::randn(0f32, 0.3, (kv * g, t, d), &Device::Cpu).unwrap();
+            let a = decoded_codes_state(&qs, (&kc, &kcodes), (&vc, &vcodes), len).unwrap();
+            let b = table_codes_state(&qs, (&kc, &kcodes), (&vc, &vcodes), len).unwrap();
+            let (out, m) = (max_rel(&a.finish().unwrap(), &b.finish().unwrap()), max_rel(&a.m, &b.m));
+            assert!(
+                out < 1e-4 && m < 1e-4,
+                "{bits}-bit books of {sub_dim}, {granularity:?}: outputs {out}, maxima {m}"
+            );
+            // Not a degenerate case: the outputs vary across queries.
+            assert!(b.finish().unwrap().flatten_all().unwrap().var(0).unwrap().to_scalar::<f32>().unwrap() > 1e-6);
+        }
+    }
 }

@@ -132,7 +132,7 @@ impl TensorCodec {
     }
 
     /// Centroid rows of `codes` (`[..., M]`) as `[rows, M, sd]` in code space.
-    fn centroid_rows(&self, codes: &Tensor) -> Result<Tensor> {
+    pub(crate) fn centroid_rows(&self, codes: &Tensor) -> Result<Tensor> {
         let m = self.subspaces();
         let flat = codes.to_dtype(DType::U32)?.flatten_all()?;
         let rows = flat.dim(0)? / m;

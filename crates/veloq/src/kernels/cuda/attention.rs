@@ -5,8 +5,9 @@
 
 use std::sync::OnceLock;
 
-use cudarc::driver::{CudaFunction, CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig};
 
+use super::launch::Launch;
 use super::quantize::GpuCodec;
 use super::{dev_err, Gpu};
 use crate::codec::codebook::Granularity;
@@ -317,7 +318,13 @@ impl GpuAttention {
         out: &mut CudaSlice<f32>,
     ) -> Result<usize> {
         let codes = Coded { keys: kcodes.as_view(), values: vcodes.as_view(), len: s, stride: s };
-        let window = Window { keys: window_k.as_view(), values: window_v.as_view(), rows: w, map: WindowMap::all(w) };
+        let window = Window {
+            keys: window_k.as_view(),
+            values: window_v.as_view(),
+            rows: w,
+            map: WindowMap::all(w),
+            just_written: false,
+        };
         self.attend_cache(gpu, &q.as_view(), batch, &codes, &window, scale, scratch, &mut out.as_view_mut())
     }
 
@@ -389,32 +396,41 @@ impl GpuAttention {
                     }
                 }
             };
-            let mut l = gpu.stream().launch_builder(split_fn);
-            l.arg(q).arg(&codes.keys).arg(&codes.values);
+            let mut l = Launch::new(gpu.stream(), split_fn);
+            l.buf(q).buf(&codes.keys).buf(&codes.values);
             match plan.kernel {
-                SplitKernel::TensorCores => l.arg(&k.centroids_f16).arg(&v.centroids_f16),
-                SplitKernel::Tables => l.arg(&k.centroids).arg(&v.centroids),
+                SplitKernel::TensorCores => l.buf(&k.centroids_f16).buf(&v.centroids_f16),
+                SplitKernel::Tables => l.buf(&k.centroids).buf(&v.centroids),
             };
-            l.arg(&k.mean).arg(&k.scale);
-            l.arg(&mut scratch.part_o).arg(&mut scratch.part_ml).arg(&s_i).arg(&stride).arg(&split_i).arg(&scale);
-            let fuse = fused as i32;
-            if plan.kernel == SplitKernel::TensorCores {
-                l.arg(&window.keys)
-                    .arg(&window.values)
-                    .arg(&v.mean)
-                    .arg(&v.scale)
-                    .arg(&mut *out)
-                    .arg(&w_i)
-                    .arg(&window.map)
-                    .arg(&mut scratch.done)
-                    .arg(&fuse);
+            l.buf(&k.mean).buf(&k.scale);
+            l.buf_mut(&mut scratch.part_o)
+                .buf_mut(&mut scratch.part_ml)
+                .val(&s_i)
+                .val(&stride)
+                .val(&split_i)
+                .val(&scale);
+            let (fuse, early) = (fused as i32, window.just_written as i32);
+            let tensor_cores = plan.kernel == SplitKernel::TensorCores;
+            if tensor_cores {
+                l.buf(&window.keys)
+                    .buf(&window.values)
+                    .buf(&v.mean)
+                    .buf(&v.scale)
+                    .buf_mut(&mut *out)
+                    .val(&w_i)
+                    .val(&window.map)
+                    .buf_mut(&mut scratch.done)
+                    .val(&fuse)
+                    .val(&early);
             }
             // SAFETY: the arguments follow the split kernel's signature in order (vq_attend_mma:
             // q, key and value codes, f16 books, key mean and scale, partials, S, stride, split,
-            // scale, then window rows, value mean and scale, out, W, map, counters, fuse;
+            // scale, then window rows, value mean and scale, out, W, map, counters, fuse, early;
             // vq_attend_split stops after scale); the size checks above keep every stream's codes,
-            // rows, partials and outputs inside their buffers, and `WindowMap` is `repr(C)`.
-            unsafe { l.launch(cfg) }.map_err(dev_err)?;
+            // rows, partials and outputs inside their buffers, and `WindowMap` is `repr(C)`. Only
+            // the tensor-core kernel is launched overlapped: it waits before the reads its
+            // predecessor may write (all of them unless `just_written`, else the window rows).
+            unsafe { l.run(cfg, tensor_cores && gpu.overlaps()) }?;
             if fused {
                 return Ok(1);
             }
@@ -425,20 +441,21 @@ impl GpuAttention {
             block_dim: (Plan::merge_threads(self.group()), 1, 1),
             shared_mem_bytes: merge_smem as u32,
         };
-        let mut l = gpu.stream().launch_builder(merge_fn);
-        l.arg(q)
-            .arg(&scratch.part_o)
-            .arg(&scratch.part_ml)
-            .arg(&window.keys)
-            .arg(&window.values)
-            .arg(&v.mean)
-            .arg(&v.scale)
-            .arg(out);
-        l.arg(&nsplit_i).arg(&w_i).arg(&window.map).arg(&scale);
+        let mut l = Launch::new(gpu.stream(), merge_fn);
+        l.buf(q)
+            .buf(&scratch.part_o)
+            .buf(&scratch.part_ml)
+            .buf(&window.keys)
+            .buf(&window.values)
+            .buf(&v.mean)
+            .buf(&v.scale)
+            .buf_mut(out);
+        l.val(&nsplit_i).val(&w_i).val(&window.map).val(&scale);
         // SAFETY: the arguments follow vq_attend_merge's signature (q, part_o, part_ml, window
         // keys and values, value mean and scale, out, nsplit, W, map, scale); one block per
-        // stream reads `nsplit` partials per query head, all inside the checked scratch.
-        unsafe { l.launch(cfg) }.map_err(dev_err)?;
+        // stream reads `nsplit` partials per query head, all inside the checked scratch. It
+        // waits for its predecessors before reading anything (merge_stream).
+        unsafe { l.run(cfg, gpu.overlaps()) }?;
         Ok(1 + usize::from(nsplit > 0))
     }
 }
@@ -466,11 +483,15 @@ pub struct Coded<'a> {
 }
 
 /// A cache's f16 rows: `[streams, rows, head_dim]` each, `map` says which rows hold positions.
+/// `just_written`: the launch right before the attention's in the stream wrote some of these rows
+/// and nothing else the attention reads (a decode step's put), so the split kernel scores codes
+/// while it runs (launch.rs); false makes no such promise.
 pub struct Window<'a> {
     pub keys: CudaView<'a, u16>,
     pub values: CudaView<'a, u16>,
     pub rows: usize,
     pub map: WindowMap,
+    pub just_written: bool,
 }
 
 /// Which f16 rows of a stream hold positions (mirrors `WindowMap` in `attention.cu`): rows

@@ -2,7 +2,9 @@
 // sub-vectors of 4 with 256 centroids (2 bits per element) and GQA groups of up to 8 heads.
 // It writes the same partials as vq_attend_split; with `fuse` (when the merge's shared memory fits
 // in the kernel's), the last of a stream's blocks to finish merges them with the window rows
-// (merge_stream, merge.cu) into the output: one launch per layer.
+// (merge_stream, merge.cu) into the output: one launch per layer. Launched to overlap the kernel
+// before it (launch.rs): with `early` (that kernel wrote window rows only) the splits run before
+// waiting for it.
 //
 // Block (split, stream). Each warp walks its own run of the split 16 positions at a time with an
 // online softmax; the block folds its warps' (max, sum, code-space D-vector) per head at the end.
@@ -117,7 +119,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
     const uint2* __restrict__ kbook, const uint2* __restrict__ vbook, const float* __restrict__ kmean,
     const float* __restrict__ kscale, float* part_o, float* part_ml, int S, long long stride, int split, float scale,
     const unsigned short* __restrict__ wk, const unsigned short* __restrict__ wv, const float* __restrict__ vmean,
-    const float* __restrict__ vscale, float* __restrict__ out, int W, WindowMap wmap, unsigned* __restrict__ done, int fuse) {
+    const float* __restrict__ vscale, float* __restrict__ out, int W, WindowMap wmap, unsigned* __restrict__ done, int fuse, int early) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     uint2* books = (uint2*)smem_raw;        // [256][key, value][16] centroids, f16 × 4
     float* qt = (float*)(books + 256 * 32); // [G][D] queries in code space, log2 units
@@ -130,6 +132,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, qd = lane & 3, rl = lane & 15;
     const int t0 = sp * split, t1 = min(S, t0 + split), n = max(0, t1 - t0);
+    // Overlapped launch (launch.rs): with `early` the host vouches that the kernel before this
+    // one writes only window rows, which only the merge reads (it waits there); else wait now.
+    grid_launch_dependents();
+    if (!early) grid_wait();
 
     // This warp's run: whole steps of 16 positions.
     const int per = ((n + WARPS - 1) / WARPS + 15) & ~15;

@@ -4,6 +4,25 @@
 #define FULL_MASK 0xffffffffu
 #define NEG_MAX (-3.402823466e38f)
 
+// Programmatic dependent launch (launch.rs): a kernel signals on entry that the next one in the
+// stream may be scheduled, and waits for its predecessors (their completion and their writes)
+// before touching memory they may write or read. Both are no-ops for a kernel launched plainly.
+__device__ __forceinline__ void grid_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 __device__ __forceinline__ float h2f(unsigned short h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));

@@ -13,7 +13,7 @@ constexpr int NGRP = THREADS / VL;       // position groups in the value pass
 
 extern "C" __global__ void __launch_bounds__(THREADS) f16_attend_split(
     const float* __restrict__ q, const unsigned short* __restrict__ k, const unsigned short* __restrict__ v,
-    float* __restrict__ part_o, float* __restrict__ part_ml, int S, long long stride, int split, float scale) {
+    float* __restrict__ part_o, float* __restrict__ part_ml, int S, long long stride, int split, float scale, int fresh) {
     extern __shared__ __align__(16) float sc[];  // [G][split] scores, then weights; then [NGRP][G][D]
     __shared__ float qs[G][D];
     __shared__ float red[G][THREADS / 32];
@@ -22,6 +22,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) f16_attend_split(
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nsplit = gridDim.x;
     const int t0 = sp * split, n = max(0, min(S, t0 + split) - t0);
+    // Overlapped launch (launch.rs): the kernel before may have written rows from `fresh` on
+    // (0: anything), so only the blocks that read those wait for it.
+    grid_launch_dependents();
+    if (fresh == 0 || t0 + n > fresh) grid_wait();
     for (int i = tid; i < G * D; i += THREADS) qs[i / D][i % D] = q[((size_t)b * HQ + h * G + i / D) * D + i % D] * scale;
     __syncthreads();
     const unsigned short* kb = k + ((size_t)bh * stride + t0) * D;
@@ -157,6 +161,7 @@ extern "C" __global__ void __launch_bounds__(128) f16_attend_merge(
     extern __shared__ float w[];  // [nsplit]
     __shared__ float red[4];
     const int qh = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    grid_wait();  // the split kernel's partials
     const size_t base = ((size_t)b * HQ + qh) * nsplit;
     float m = -3.402823466e38f;
     for (int s = tid; s < nsplit; s += 128) m = fmaxf(m, part_ml[(base + s) * 2]);

@@ -4,10 +4,11 @@
 
 use std::sync::OnceLock;
 
-use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig};
 
 use super::attention::AttentionScratch;
-use super::{dev_err, Gpu};
+use super::launch::Launch;
+use super::Gpu;
 use crate::error::{Error, Result};
 
 pub(super) const SOURCES: &[&str] = &[include_str!("dense.cu")];
@@ -76,6 +77,9 @@ impl GpuDenseAttention {
 
     /// `q` (`[batch, q_heads, D]` f32) over the first `s` positions of `k`/`v` (f16 bits,
     /// `[batch·kv_heads, stride, D]`), into `out` (`[batch, q_heads, D]`). Two launches.
+    /// `fresh`: the launch right before this one in the stream wrote rows from this position on
+    /// and nothing else the attention reads (a decode step's put), so splits before it run while
+    /// it does (launch.rs); `None` makes no such promise.
     #[allow(clippy::too_many_arguments)]
     pub fn attend(
         &self,
@@ -87,6 +91,7 @@ impl GpuDenseAttention {
         s: usize,
         stride: usize,
         scale: f32,
+        fresh: Option<usize>,
         scratch: &mut AttentionScratch,
         out: &mut CudaViewMut<f32>,
     ) -> Result<()> {
@@ -111,35 +116,40 @@ impl GpuDenseAttention {
         let smem = (g * split).max(ngrp * g * d) * 4;
         let (split_fn, merge_fn) = self.kernels(gpu)?;
         let (s_i, stride_i, split_i) = (s as i32, stride as i64, split as i32);
+        // 0: every block waits for the launch before it (nothing vouched for).
+        let fresh_i = fresh.map_or(0, |f| f.min(s)) as i32;
         let cfg = LaunchConfig {
             grid_dim: (nsplit as u32, streams as u32, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let mut l = gpu.stream().launch_builder(split_fn);
-        l.arg(q)
-            .arg(k)
-            .arg(v)
-            .arg(&mut scratch.part_o)
-            .arg(&mut scratch.part_ml)
-            .arg(&s_i)
-            .arg(&stride_i)
-            .arg(&split_i)
-            .arg(&scale);
+        let mut l = Launch::new(gpu.stream(), split_fn);
+        l.buf(q)
+            .buf(k)
+            .buf(v)
+            .buf_mut(&mut scratch.part_o)
+            .buf_mut(&mut scratch.part_ml)
+            .val(&s_i)
+            .val(&stride_i)
+            .val(&split_i)
+            .val(&scale)
+            .val(&fresh_i);
         // SAFETY: arguments in f16_attend_split's order (q, k, v, part_o, part_ml, S, stride,
-        // split, scale); the checks above bound every stream's rows and every partial.
-        unsafe { l.launch(cfg) }.map_err(dev_err)?;
+        // split, scale, fresh); the checks above bound every stream's rows and every partial.
+        // Overlapped: a block whose rows reach `fresh` (every block when it is 0) waits first.
+        unsafe { l.run(cfg, gpu.overlaps()) }?;
         let cfg = LaunchConfig {
             grid_dim: (self.q_heads as u32, batch as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: (nsplit * 4) as u32,
         };
         let nsplit_i = nsplit as i32;
-        let mut l = gpu.stream().launch_builder(merge_fn);
-        l.arg(&scratch.part_o).arg(&scratch.part_ml).arg(out).arg(&nsplit_i);
+        let mut l = Launch::new(gpu.stream(), merge_fn);
+        l.buf(&scratch.part_o).buf(&scratch.part_ml).buf_mut(out).val(&nsplit_i);
         // SAFETY: arguments in f16_attend_merge's order (part_o, part_ml, out, nsplit); one
-        // block per (query head, sequence) reads its `nsplit` partials and writes its output row.
-        unsafe { l.launch(cfg) }.map_err(dev_err)?;
+        // block per (query head, sequence) reads its `nsplit` partials and writes its output row,
+        // after waiting for the split kernel.
+        unsafe { l.run(cfg, gpu.overlaps()) }?;
         Ok(())
     }
 }

@@ -18,6 +18,9 @@
 //   ROPE:    (head_dim) rows of w and w2 (q, k) rotated as pairs (2i, 2i+1) of each head, the
 //            interleaved RoPE of Llama GGUFs, by each activation row's cos/sin [B][head_dim/2].
 //
+// Launched to overlap the previous kernel (launch.rs): a block signals its dependents on entry,
+// prefetches its first weight chunks into L2 and waits for x's writer before anything else.
+//
 // f16_gemv (defines B 1..8, R rows per block, U, THREADS): f32 FMAs on f32 activations; the norm
 // scale (Σx² gathered from the same loads) multiplies the sums at the end.
 // f16_gemv_mma (defines B 1..8, G n8 tiles per block, U, THREADS): tensor cores, activations
@@ -106,6 +109,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) f16_gemv(GEMV_PARAMS) {
     const GemvArgs a = GEMV_ARGS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n0 = blockIdx.x * R;
+    grid_launch_dependents();
     const BlockMatrix bm = block_matrix(a, n0);
     float acc[MATS * R][B];
     float ss[B];
@@ -122,6 +126,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) f16_gemv(GEMV_PARAMS) {
         wr[r] = reinterpret_cast<const uint4*>((r < R ? bm.w : a.w2) + (size_t)n * K);
     }
     const int chunks = K / 8;
+    // Weights are never written: their first chunks are requested before waiting for the kernel
+    // that writes x (launch.rs), so the memory stream does not stop between two products.
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const int c = threadIdx.x + THREADS * u;
+#pragma unroll
+        for (int r = 0; r < MATS * R; r++)
+            if (c < chunks) prefetch_l2(wr[r] + c);
+    }
+    grid_wait();
     // Chunk c of every row: the block's threads read THREADS consecutive chunks at a time.
     for (int c0 = threadIdx.x; c0 < chunks; c0 += THREADS * U) {
         uint4 wv[U][MATS * R];
@@ -214,7 +228,24 @@ extern "C" __global__ void __launch_bounds__(THREADS) f16_gemv_mma(GEMV_PARAMS) 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, c = lane & 3;
     const int n0 = blockIdx.x * 8 * G;
+    grid_launch_dependents();
     const BlockMatrix bm = block_matrix(a, n0);
+    const unsigned short* wr[MATS * G];
+#pragma unroll
+    for (int j = 0; j < MATS * G; j++) {
+        const int n = bm.local + 8 * (j % G) + g;
+        wr[j] = (j < G ? bm.w : a.w2) + (size_t)(n < bm.rows ? n : bm.rows - 1) * K;  // tail rows re-read the last
+    }
+    const int steps = (K + 31) / 32;
+    // The first weight chunks requested before waiting for x's writer (as in f16_gemv).
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const int k = (warp + WARPS * u) * 32 + 8 * c;
+#pragma unroll
+        for (int j = 0; j < MATS * G; j++)
+            if (warp + WARPS * u < steps && k < K) prefetch_l2(wr[j] + k);
+    }
+    grid_wait();
 
 #if NORM
     // Each activation row's 1/rms, before anything is rounded to f16.
@@ -234,14 +265,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) f16_gemv_mma(GEMV_PARAMS) 
     float acc[MATS * G][4];
 #pragma unroll
     for (int j = 0; j < MATS * G; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    const unsigned short* wr[MATS * G];
-#pragma unroll
-    for (int j = 0; j < MATS * G; j++) {
-        const int n = bm.local + 8 * (j % G) + g;
-        wr[j] = (j < G ? bm.w : a.w2) + (size_t)(n < bm.rows ? n : bm.rows - 1) * K;  // tail rows re-read the last
-    }
     const float* xr = a.x + (size_t)(g < B ? g : 0) * K;
-    const int steps = (K + 31) / 32;
     for (int s0 = warp; s0 < steps; s0 += WARPS * U) {
         uint4 wv[U][MATS * G], xv[U];
 #pragma unroll

@@ -4,9 +4,10 @@
 
 use std::sync::OnceLock;
 
-use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig};
 
-use super::{dev_err, Gpu};
+use super::launch::Launch;
+use super::Gpu;
 use crate::error::{Error, Result};
 
 pub(super) const SOURCES: &[&str] = &[include_str!("gemv.cu")];
@@ -211,15 +212,15 @@ pub fn gemv_f16_many(
     // Operands a define leaves out are never read; x stands in for them.
     let (res, norm) = (fused.residual.unwrap_or(x), fused.norm.map_or(x, |n| n.0));
     let (cos, sin) = fused.rope.map_or((x, x), |(c, s, _)| (c, s));
-    let mut l = gpu.stream().launch_builder(&f);
-    l.arg(w(0)).arg(w(1)).arg(w(2)).arg(x).arg(y).arg(res).arg(norm).arg(cos).arg(sin);
-    l.arg(&n_i).arg(&n1_i).arg(&n2_i).arg(&k_i).arg(&eps);
+    let mut l = Launch::new(gpu.stream(), &f);
+    l.buf(w(0)).buf(w(1)).buf(w(2)).buf(x).buf_mut(y).buf(res).buf(norm).buf(cos).buf(sin);
+    l.val(&n_i).val(&n1_i).val(&n2_i).val(&k_i).val(&eps);
     // SAFETY: arguments in both kernels' order (w, w2, w3, x, y, residual, norm weights, cos,
     // sin, N, N1, N2, K, eps); the checks above bound every read (each matrix's rows, chunks <
     // k/8, a block reads one matrix or the same rows of two when gated; norm weights < k; residual
     // as y; RoPE rows b·head_dim/2) and write (b·n outputs). Matrices not given are never read.
-    unsafe { l.launch(cfg) }.map_err(dev_err)?;
-    Ok(())
+    // Overlapped: before `grid_wait` the kernels only prefetch weights, which nothing writes.
+    unsafe { l.run(cfg, gpu.overlaps()) }
 }
 
 /// (kernel, defines) of every row count and a few launch shapes, for the NVRTC compile check.

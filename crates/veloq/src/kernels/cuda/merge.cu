@@ -44,6 +44,8 @@ __device__ __noinline__ void merge_stream(const float* __restrict__ q, const flo
     float* wsm = (float*)(rows + 2 * W * D);        // [G][nsplit] split weights
     float* oc = wsm + G * nsplit;                   // [G][D] code-space sums
     float* lsum = oc + G * D;                       // [G] code mass
+    // Window rows (and, launched alone, the splits' partials) come from the kernels before.
+    grid_wait();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const bool head = warp < G;
     const size_t row0 = (size_t)b * HQ + h * G;     // first query head's row

@@ -7,6 +7,7 @@
 mod attention;
 mod dense;
 mod gemv;
+mod launch;
 mod prefill;
 mod quantize;
 mod window;
@@ -16,6 +17,7 @@ pub use attention::{
 };
 pub use dense::GpuDenseAttention;
 pub use gemv::{gemv_f16, gemv_f16_many, gemv_many_fits, GemvEpilogue, GemvFused, GemvTune, MAX_ROWS as GEMV_MAX_ROWS};
+pub use launch::{overlapped_launches, set_overlapped_launches};
 pub use prefill::{GpuPrefill, PrefillOut, Source, Split};
 pub use quantize::{quantize_jobs, GpuCodec, QuantizeJob, RowMap};
 pub use window::{PutMap, PutRows};
@@ -62,6 +64,7 @@ pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     arch: &'static str,
+    major: i32,
     sms: u32,
     max_smem: usize,
     kernels: Mutex<HashMap<String, CudaFunction>>,
@@ -87,7 +90,7 @@ impl Gpu {
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(dev_err)? as usize;
         let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
-        Ok(Self { ctx, stream, arch, sms, max_smem, kernels: Mutex::new(HashMap::new()) })
+        Ok(Self { ctx, stream, arch, major, sms, max_smem, kernels: Mutex::new(HashMap::new()) })
     }
 
     /// Device memory of the default pool (where stream-ordered allocations such as candle's and
@@ -143,6 +146,11 @@ impl Gpu {
     }
     pub fn multiprocessors(&self) -> u32 {
         self.sms
+    }
+    /// Whether launches here may overlap their predecessor's tail ([`launch`]): sm_90 and later,
+    /// while [`overlapped_launches`] is on.
+    pub fn overlaps(&self) -> bool {
+        self.major >= 9 && overlapped_launches()
     }
     pub fn name(&self) -> String {
         self.ctx.name().unwrap_or_else(|_| "unknown GPU".into())

@@ -12,6 +12,7 @@ struct PutMap {
 
 extern "C" __global__ void vq_window_put(const float* __restrict__ k, const float* __restrict__ v, unsigned short* __restrict__ w,
                                           long long plane, int W, PutMap map) {
+    grid_launch_dependents();  // the attention after it scores codes meanwhile (launch.rs)
     unsigned short* wk = w;
     unsigned short* wv = w + plane;
     const int stream = blockIdx.x, i = blockIdx.y;
