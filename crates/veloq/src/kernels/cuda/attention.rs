@@ -409,7 +409,9 @@ impl GpuAttention {
                 .val(&stride)
                 .val(&split_i)
                 .val(&scale);
-            let (fuse, early) = (fused as i32, window.just_written as i32);
+            // Early only when this launch merges: a separate merge waits for the split kernel,
+            // whose end must then imply the put's (its blocks wait when not early).
+            let (fuse, early) = (fused as i32, (fused && window.just_written) as i32);
             let tensor_cores = plan.kernel == SplitKernel::TensorCores;
             if tensor_cores {
                 l.buf(&window.keys)
@@ -485,7 +487,7 @@ pub struct Coded<'a> {
 /// A cache's f16 rows: `[streams, rows, head_dim]` each, `map` says which rows hold positions.
 /// `just_written`: the launch right before the attention's in the stream wrote some of these rows
 /// and nothing else the attention reads (a decode step's put), so the split kernel scores codes
-/// while it runs (launch.rs); false makes no such promise.
+/// while it runs when it also merges (launch.rs); false makes no such promise.
 pub struct Window<'a> {
     pub keys: CudaView<'a, u16>,
     pub values: CudaView<'a, u16>,

@@ -133,7 +133,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
     const int g = lane >> 2, qd = lane & 3, rl = lane & 15;
     const int t0 = sp * split, t1 = min(S, t0 + split), n = max(0, t1 - t0);
     // Overlapped launch (launch.rs): with `early` the host vouches that the kernel before this
-    // one writes only window rows, which only the merge reads (it waits there); else wait now.
+    // one writes only window rows, which only the fused merge reads (it waits there); else wait
+    // now (a separate merge waits for this kernel, so its end must cover the one before).
     grid_launch_dependents();
     if (!early) grid_wait();
 
