@@ -356,15 +356,17 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Orders the main stream after this layer's last flush, if one is still pending.
-    fn join(&self) -> Result<()> {
-        self.put_last.store(false, Ordering::Relaxed);
+    /// Orders the main stream after this layer's last flush, if one is still pending. Every entry
+    /// point that launches calls it first, so it also ends "the put was the last launch": it
+    /// returns whether that held until now.
+    fn join(&self) -> Result<bool> {
+        let after_put = self.put_last.swap(false, Ordering::Relaxed);
         if let Some((_, done)) = &self.flushed {
             if self.pending.swap(false, Ordering::AcqRel) {
                 self.rt.gpu().stream().wait(done).map_err(veloq::Error::from)?;
             }
         }
-        Ok(())
+        Ok(after_put)
     }
 
     fn dims(&self) -> Result<(usize, usize)> {
@@ -718,8 +720,7 @@ impl Backend for CudaBackend {
     /// Sequences with one query and all rows stored go to the decode kernels (together where
     /// their storage is alike); the rest to the portable pieces; outputs land in step order.
     fn attend(&self, q: &Tensor, views: &[SeqView], input: &TensorInput, scale: f32) -> Result<Tensor> {
-        let after_put = self.put_last.load(Ordering::Relaxed);
-        self.join()?;
+        let after_put = self.join()?;
         if !views.iter().any(|v| self.decodable(v)) {
             return compose(self, q, views, input, scale);
         }
@@ -735,8 +736,7 @@ impl Backend for CudaBackend {
 
     /// The decode kernels write straight into `out` (a graph's fixed buffer: no copy after).
     fn attend_into(&self, q: &Tensor, views: &[SeqView], input: &TensorInput, scale: f32, out: &Tensor) -> Result<()> {
-        let after_put = self.put_last.load(Ordering::Relaxed);
-        self.join()?;
+        let after_put = self.join()?;
         let Heads { q: hq, dim: d, .. } = self.base.heads;
         let fits = out.dtype() == DType::F32
             && out.is_contiguous()

@@ -356,7 +356,8 @@ fn batch_agreement(
     let upto = slow_logits.iter().zip(&fast_logits).take(same + 1).map(|(a, b)| diff(a, b)).fold(0.0f32, f32::max);
     println!(
         "  {:<22} batch {batch}, GEMV + graphs vs cuBLAS eager: every sequence's tokens equal for {same} of {n} steps; \
-         first step max |Δlogit| {first:.4} (logits' rms {rms:.2}), {upto:.4} while equal; flushes on {} vs main stream: {};          launches {} vs {}: {}",
+         first step max |Δlogit| {first:.4} (logits' rms {rms:.2}), {upto:.4} while equal; flushes on {} vs main stream: {}; \
+         launches {} vs {}: {}",
         cfg.name(),
         if aside { "their own" } else { "the main" },
         if stream_same { format!("logits identical over {m} steps") } else { "DIFFER".into() },
