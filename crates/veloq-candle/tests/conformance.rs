@@ -221,6 +221,8 @@ struct Shadow {
     keys: Vec<Vec<Vec<f32>>>,
     values: Vec<Vec<Vec<f32>>>,
     coded: Vec<usize>,
+    /// Per slot: the first position a truncation brought back from codes, while it is held.
+    restored: Vec<Option<usize>>,
 }
 
 fn round_f16(x: &[f32]) -> Vec<f32> {
@@ -263,10 +265,14 @@ impl Shadow {
     fn truncate(&mut self, slot: usize, len: usize) {
         self.keys[slot].truncate(len);
         self.values[slot].truncate(len);
+        self.restored[slot] = self.restored[slot].filter(|&p| p < len);
         let sink = self.sink(slot);
         if len < sink + self.coded[slot] {
             let into = len.saturating_sub(sink);
             let keep = into / self.window.block * self.window.block;
+            if sink + keep < len {
+                self.restored[slot] = Some(self.restored[slot].map_or(sink + keep, |p| p.min(sink + keep)));
+            }
             for p in sink + keep..len {
                 self.keys[slot][p] = round_f16(&self.keys[slot][p]);
                 self.values[slot][p] = round_f16(&self.values[slot][p]);
@@ -351,6 +357,7 @@ impl Case {
             keys: vec![Vec::new(); slots],
             values: vec![Vec::new(); slots],
             coded: vec![0; slots],
+            restored: vec![None; slots],
         };
         Some(Case { cache, shadow, heads, device, kind, method, vecinfer })
     }
@@ -359,10 +366,17 @@ impl Case {
     /// decode kernel scores with f16 centroids on tensor cores; a wrong code path or mask errs by
     /// O(1). Rows are drawn without near-ties ([`clear_codes`]), so every search picks the
     /// reference's codes.
-    fn bound(&self) -> f64 {
+    ///
+    /// Rows a truncation brought back from codes were decoded through a rotation, which the
+    /// portable backend applies by a matmul and the CPU codec by a butterfly: an element whose
+    /// decoded value sits on an f16 rounding midpoint may come back one f16 step (2⁻¹⁰ relative)
+    /// from the reference's, which alone moves an output by up to a few 1e-4. Steps that attend
+    /// such rows are held to 2e-3 there; a lost or misplaced row errs by O(0.1).
+    fn bound(&self, restored: bool) -> f64 {
         match (self.kind, self.method) {
             (Kind::Cuda, Method::VecInfer) => 1e-2,
             (Kind::Cuda, _) => 2e-3,
+            (Kind::Portable, Method::VecInfer | Method::LloydMax) if restored => 2e-3,
             _ => 1e-4,
         }
     }
@@ -469,17 +483,24 @@ impl Case {
     }
 
     fn check(&mut self, what: &str, seqs: &[(usize, usize)], rng: &mut Rng, seed: u64) {
+        let restored = seqs.iter().any(|&(slot, _)| self.shadow.restored[slot].is_some());
         let e = self.step(seqs, rng);
         if std::env::var("CONFORMANCE_VERBOSE").is_ok() {
-            eprintln!("{:?} {:?} {what}: {e:.2e}", self.kind, self.method);
+            eprintln!(
+                "{:?} {:?} {what}: {e:.2e}{}",
+                self.kind,
+                self.method,
+                if restored { " (restored rows)" } else { "" }
+            );
         }
+        let bound = self.bound(restored);
         assert!(
-            e <= self.bound(),
+            e <= bound,
             "seed {seed}, {:?} {:?} {:?}, {what}: relative error {e:.2e} > {:.0e}",
             self.kind,
             self.method,
             self.heads,
-            self.bound()
+            bound
         );
     }
 
