@@ -15,9 +15,7 @@ use rayon::prelude::*;
 
 use veloq::codec::block::BlockCodec;
 use veloq::codec::vecinfer::VecInferCodec;
-use veloq::kernels::cpu::attention::{
-    codes, rows, CodeBlocks, CodesScratch, LutCodec, RowsScratch, Segment, Softmax, GEMM_QUERIES,
-};
+use veloq::kernels::cpu::attention::{codes, rows, CodeBlocks, CodesScratch, LutCodec, RowsScratch, Segment, Softmax};
 
 use super::backend::{Backend, Heads};
 use super::residency::{Footprint, Put, Quantize, Restore, RowSource, SeqView};
@@ -27,6 +25,12 @@ use crate::error::{Error, Result};
 const ROW_BLOCK: usize = 256;
 /// Queries per task (each with every query head of its kv group).
 const QUERY_TILE: usize = 16;
+/// A task's queries over codes: one through its own lookup tables, up to this many in groups of
+/// interleaved tables ([`codes::attend_group`]), more through decoded tiles and matrix products
+/// (`benches/attend_codes.rs`, this CPU, 4,096 positions: groups 1.6× faster than tables at 3
+/// queries and 1.8× at 4; at 8, groups 1.0–1.1 ms, tiles 1.1–1.6; at 16 tiles win, 1.5–2.0 ms
+/// against 1.9–2.1).
+const CODE_GROUP_QUERIES: usize = 2 * codes::GROUP;
 
 /// Key and value codecs of a coded cache on the CPU.
 enum Codecs {
@@ -320,19 +324,19 @@ impl CpuBackend {
                     len: v.coded,
                 };
                 let mut scratch = CodesScratch::default();
-                if stats.len() >= GEMM_QUERIES {
-                    let (mut cs, mut ca) = (vec![Softmax::EMPTY; stats.len()], vec![0.0f32; acc.len()]);
-                    codes::attend_many(keys, values, &blocks, h, qs, &mut cs, &mut ca, &mut scratch);
-                    for (i, st) in stats.iter_mut().enumerate() {
-                        st.merge(&mut acc[i * d..(i + 1) * d], cs[i], &ca[i * d..(i + 1) * d]);
+                let (mut cs, mut ca) = (vec![Softmax::EMPTY; stats.len()], vec![0.0f32; acc.len()]);
+                match stats.len() {
+                    1 => cs[0] = codes::attend(keys, values, &blocks, h, qs, &mut ca, &mut scratch),
+                    n if n <= CODE_GROUP_QUERIES => {
+                        let chunks = qs.chunks(codes::GROUP * d).zip(cs.chunks_mut(codes::GROUP));
+                        for ((q, st), o) in chunks.zip(ca.chunks_mut(codes::GROUP * d)) {
+                            codes::attend_group(keys, values, &blocks, h, q, st, o, &mut scratch);
+                        }
                     }
-                } else {
-                    let mut out = vec![0.0f32; d];
-                    for (i, st) in stats.iter_mut().enumerate() {
-                        let c =
-                            codes::attend(keys, values, &blocks, h, &qs[i * d..(i + 1) * d], &mut out, &mut scratch);
-                        st.merge(&mut acc[i * d..(i + 1) * d], c, &out);
-                    }
+                    _ => codes::attend_many(keys, values, &blocks, h, qs, &mut cs, &mut ca, &mut scratch),
+                }
+                for (i, st) in stats.iter_mut().enumerate() {
+                    st.merge(&mut acc[i * d..(i + 1) * d], cs[i], &ca[i * d..(i + 1) * d]);
                 }
             }
             Codecs::Decode { keys, values } => {

@@ -1,9 +1,12 @@
 //! Attention over VecInfer codes without rebuilding keys or values in model space. The query moves
 //! into code space once (q̃ = H(s ⊙ q)); values are summed in code space and rotated back once at
-//! the end. Two forms, chosen by the number of queries that share the codes:
+//! the end. Three forms, chosen by the number of queries that share the codes:
 //! - [`attend`], one query (decode): a lookup table LUT[j][c] = q̃_j · C_j[c] (plus q·μ for the
 //!   keys' centering) scores each position as Σ_j LUT[j][code_j]; values are summed per centroid
 //!   (W[j][c] += p) and decoded once. Per position: 2 × subspaces table reads, no multiply.
+//! - [`attend_group`], up to [`GROUP`] queries (a GQA group's heads at decode): the same with the
+//!   queries' tables and sums interleaved, LUT[j][c] = [f32; GROUP], so a code is one read and one
+//!   4-wide add for all of them (measured: `benches/attend_codes.rs`).
 //! - [`attend_many`], a block of queries (prefill chunks, follow-up turns): a tile of positions is
 //!   decoded into code space (centroids copied, nothing rotated) in scratch and shared by all the
 //!   queries as two matrix products. Measured on SmolLM2's 2k-token prefill (9 query heads, 16
@@ -98,11 +101,17 @@ impl Packed<'_> {
     }
 }
 
-/// Caller-owned scratch of [`attend`] and [`attend_many`].
+/// Queries [`attend_group`] takes in one pass (its table entries are `[f32; GROUP]`).
+pub const GROUP: usize = 4;
+
+/// Caller-owned scratch of [`attend`], [`attend_group`] and [`attend_many`].
 #[derive(Default)]
 pub struct CodesScratch {
     qt: Vec<f32>,
     lut: Vec<f32>,
+    lut4: Vec<[f32; GROUP]>,
+    w4: Vec<[f32; GROUP]>,
+    p4: Vec<[f32; GROUP]>,
     p: Vec<f32>,
     w: Vec<f32>,
     rot: Vec<f32>,
@@ -190,6 +199,114 @@ pub fn attend_many(
     }
     for (i, st) in stats.iter().enumerate() {
         vc.transform().inverse_weighted(h, &mut acc[i * d..(i + 1) * d], st.l);
+    }
+}
+
+/// [`attend`] for up to [`GROUP`] queries `qs` (`t × head_dim`, scaled) over kv head `h` in one
+/// pass over the codes: each query's softmax partial in `stats` (`t` of them, reset here) and its
+/// weighted value sum in `acc` (`t × head_dim`, value space), as [`attend_many`] returns them.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_group(
+    keys: &LutCodec,
+    values: &LutCodec,
+    codes: &CodeBlocks,
+    h: usize,
+    qs: &[f32],
+    stats: &mut [Softmax],
+    acc: &mut [f32],
+    s: &mut CodesScratch,
+) {
+    let (kc, vc) = (&*keys.codec, &*values.codec);
+    let d = kc.head_dim();
+    let t = stats.len();
+    assert!(t <= GROUP && qs.len() == t * d && acc.len() == t * d, "attend_group takes at most {GROUP} queries");
+    acc.fill(0.0);
+    stats.fill(Softmax::EMPTY);
+    if codes.len == 0 || t == 0 {
+        return;
+    }
+    let (m, sd, kk, kbits) = (kc.subspaces(), kc.shape().sub_dim, kc.shape().centroids(), kc.shape().bits);
+    let (mv, sdv, vk, vbits) = (vc.subspaces(), vc.shape().sub_dim, vc.shape().centroids(), vc.shape().bits);
+    let (block, heads) = (codes.block, codes.heads);
+    s.qt.resize(t * d, 0.0);
+    for i in 0..t {
+        kc.transform_query(h, &qs[i * d..(i + 1) * d], &mut s.qt[i * d..(i + 1) * d]);
+    }
+    // The queries' tables interleaved; lanes past `t` stay zero (they score 0 and weigh nothing
+    // that is read back).
+    s.lut4.clear();
+    s.lut4.resize(m * kk, [0.0; GROUP]);
+    for (j, row) in s.lut4.chunks_exact_mut(kk).enumerate() {
+        let bt = keys.book_t(j);
+        for e in 0..sd {
+            let mut qd = [0.0f32; GROUP];
+            for (i, x) in qd.iter_mut().enumerate().take(t) {
+                *x = s.qt[i * d + j * sd + e];
+            }
+            for (l, &c) in row.iter_mut().zip(&bt[e * kk..(e + 1) * kk]) {
+                for i in 0..GROUP {
+                    l[i] += c * qd[i];
+                }
+            }
+        }
+    }
+    for i in 0..t {
+        let offset = kc.transform().query_offset(h, &qs[i * d..(i + 1) * d]);
+        s.lut4[..kk].iter_mut().for_each(|l| l[i] += offset);
+    }
+    s.w4.clear();
+    s.w4.resize(mv * vk, [0.0; GROUP]);
+    s.p4.resize(TILE, [0.0; GROUP]);
+    s.p.resize(TILE, 0.0);
+    let (kpacked, vpacked) = (
+        Packed { blocks: codes.keys, block, heads, bits: kbits, m },
+        Packed { blocks: codes.values, block, heads, bits: vbits, m: mv },
+    );
+    for t0 in (0..codes.len).step_by(TILE) {
+        let t1 = (t0 + TILE).min(codes.len);
+        let p4 = &mut s.p4[..t1 - t0];
+        for (t, pv) in (t0..t1).zip(p4.iter_mut()) {
+            let mut sum = [0.0f32; GROUP];
+            let mut add = |l: &[f32; GROUP]| (0..GROUP).for_each(|i| sum[i] += l[i]);
+            if kbits == 8 {
+                let row = &codes.keys[t / block][((t % block) * heads + h) * m..][..m];
+                row.iter().enumerate().for_each(|(j, &c)| add(&s.lut4[j * kk + c as usize]));
+            } else {
+                (0..m).for_each(|j| add(&s.lut4[j * kk + kpacked.get(t, h, j)]));
+            }
+            *pv = sum;
+        }
+        // Each query's online softmax over its lane; when its maximum moves, its lane of the
+        // sums is rescaled as `fold` rescales the sum of weights.
+        for (i, st) in stats.iter_mut().enumerate() {
+            let p = &mut s.p[..t1 - t0];
+            p.iter_mut().zip(p4.iter()).for_each(|(x, pv)| *x = pv[i]);
+            let before = *st;
+            st.fold(p, &mut []);
+            if before.l != 0.0 && st.m != before.m {
+                let f = (before.m - st.m).exp();
+                s.w4.iter_mut().for_each(|w| w[i] *= f);
+            }
+            p.iter().zip(p4.iter_mut()).for_each(|(x, pv)| pv[i] = *x);
+        }
+        for (t, pv) in (t0..t1).zip(p4.iter()) {
+            let add = |w: &mut [f32; GROUP]| (0..GROUP).for_each(|i| w[i] += pv[i]);
+            if vbits == 8 {
+                let row = &codes.values[t / block][((t % block) * heads + h) * mv..][..mv];
+                row.iter().enumerate().for_each(|(j, &c)| add(&mut s.w4[j * vk + c as usize]));
+            } else {
+                (0..mv).for_each(|j| add(&mut s.w4[j * vk + vpacked.get(t, h, j)]));
+            }
+        }
+    }
+    for (i, (st, out)) in stats.iter().zip(acc.chunks_exact_mut(d)).enumerate() {
+        for j in 0..mv {
+            let (bt, w) = (values.book_t(j), &s.w4[j * vk..(j + 1) * vk]);
+            for e in 0..sdv {
+                out[j * sdv + e] = w.iter().zip(&bt[e * vk..(e + 1) * vk]).map(|(w, c)| w[i] * c).sum();
+            }
+        }
+        vc.transform().inverse_weighted(h, out, st.l);
     }
 }
 
@@ -314,24 +431,34 @@ mod tests {
             let (kl, vl) = (LutCodec::new(kc.clone()), LutCodec::new(vc.clone()));
             let mut scratch = CodesScratch::default();
             for h in 0..heads {
-                // Five queries: each through the lookup tables, and all five as one block.
+                // Five queries: each through its lookup tables, all five as one block, and in groups.
                 let qs = normal(&mut r, 5 * d, 0.2);
                 let mut many = vec![0.0f32; qs.len()];
                 let mut many_stats = vec![Softmax::EMPTY; 5];
                 attend_many(&kl, &vl, &codes, h, &qs, &mut many_stats, &mut many, &mut scratch);
+                // The first four as one group, the fifth as a group of one.
+                let mut group = vec![0.0f32; qs.len()];
+                let mut group_stats = [Softmax::EMPTY; 5];
+                for (i0, i1) in [(0, GROUP), (GROUP, 5)] {
+                    let (qg, og) = (&qs[i0 * d..i1 * d], &mut group[i0 * d..i1 * d]);
+                    attend_group(&kl, &vl, &codes, h, qg, &mut group_stats[i0..i1], og, &mut scratch);
+                }
                 for i in 0..5 {
                     let q = &qs[i * d..(i + 1) * d];
                     let mut out = vec![0.0f32; d];
                     let stat = attend(&kl, &vl, &codes, h, q, &mut out, &mut scratch);
                     stat.finish(&mut out);
                     many_stats[i].finish(&mut many[i * d..(i + 1) * d]);
+                    group_stats[i].finish(&mut group[i * d..(i + 1) * d]);
                     let score =
                         |t: usize| (0..d).map(|e| q[e] as f64 * kd[(t * heads + h) * d + e] as f64).sum::<f64>();
                     let mx = (0..len).map(score).fold(f64::NEG_INFINITY, f64::max);
                     let total: f64 = (0..len).map(|t| (score(t) - mx).exp()).sum();
-                    for (what, st, o) in
-                        [("table", stat, &out[..]), ("block", many_stats[i], &many[i * d..(i + 1) * d])]
-                    {
+                    for (what, st, o) in [
+                        ("table", stat, &out[..]),
+                        ("block", many_stats[i], &many[i * d..(i + 1) * d]),
+                        ("group", group_stats[i], &group[i * d..(i + 1) * d]),
+                    ] {
                         let l = st.l as f64 * (st.m as f64 - mx).exp();
                         assert!((l - total).abs() <= 1e-3 * total, "seed {seed} {what}: weight {l} vs {total}");
                         let (mut err, mut norm) = (0.0f64, 0.0f64);
