@@ -276,15 +276,13 @@ pub fn attend_group(
             }
             *pv = sum;
         }
-        // Each query's online softmax over its lane; when its maximum moves, its lane of the
-        // sums is rescaled as `fold` rescales the sum of weights.
+        // Each query's online softmax over its lane; its lane of the sums is rescaled when its
+        // maximum moves.
         for (i, st) in stats.iter_mut().enumerate() {
             let p = &mut s.p[..t1 - t0];
             p.iter_mut().zip(p4.iter()).for_each(|(x, pv)| *x = pv[i]);
-            let before = *st;
-            st.fold(p, &mut []);
-            if before.l != 0.0 && st.m != before.m {
-                let f = (before.m - st.m).exp();
+            let f = st.fold_weights(p);
+            if f != 1.0 {
                 s.w4.iter_mut().for_each(|w| w[i] *= f);
             }
             p.iter().zip(p4.iter_mut()).for_each(|(x, pv)| pv[i] = *x);

@@ -26,13 +26,21 @@ impl Softmax {
     /// are rescaled first.
     #[inline]
     pub fn fold(&mut self, scores: &mut [f32], acc: &mut [f32]) {
-        let top = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        if top > self.m {
-            self.rescale(top, acc);
+        let f = self.fold_weights(scores);
+        if f != 1.0 {
+            acc.iter_mut().for_each(|a| *a *= f);
         }
+    }
+
+    /// [`fold`](Self::fold) for a weighted sum the caller keeps in its own layout: returns the
+    /// factor that sum must be scaled by (1 when the maximum did not move or nothing was summed).
+    #[inline]
+    pub fn fold_weights(&mut self, scores: &mut [f32]) -> f32 {
+        let top = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let f = if top > self.m { self.move_max(top) } else { 1.0 };
         if self.m == f32::NEG_INFINITY {
             scores.fill(0.0);
-            return;
+            return f;
         }
         let m = self.m;
         let mut sum = 0.0;
@@ -41,17 +49,26 @@ impl Softmax {
             sum += *s;
         }
         self.l += sum;
+        f
+    }
+
+    /// Moves the reference maximum up to `m`, rescaling the sum; returns the factor for what the
+    /// earlier weights accumulated (1 when there were none).
+    #[inline]
+    fn move_max(&mut self, m: f32) -> f32 {
+        let f = if self.l != 0.0 { (self.m - m).exp() } else { 1.0 };
+        self.l *= f;
+        self.m = m;
+        f
     }
 
     /// Moves the reference maximum up to `m`, rescaling the sum and `acc`.
     #[inline]
     fn rescale(&mut self, m: f32, acc: &mut [f32]) {
-        if self.l != 0.0 {
-            let f = (self.m - m).exp();
-            self.l *= f;
+        let f = self.move_max(m);
+        if f != 1.0 {
             acc.iter_mut().for_each(|a| *a *= f);
         }
-        self.m = m;
     }
 
     /// Merges another partial (`other`, its weighted sum `other_acc`) into this one (`acc`).
