@@ -28,6 +28,9 @@ use veloq::codec::vecinfer::{CodecSpec, VecInferCodec};
 use veloq_candle::cache::{CpuBackend, Heads, KvCache, LayerCache, Policy, SeqStep, Step, TensorBackend};
 use veloq_candle::Error;
 
+mod support;
+use support::shadow::{round_f16, Shadow, Window, DEFAULT_WINDOW};
+
 /// Where a cache runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
@@ -47,16 +50,6 @@ enum Method {
     Kivi,
     LloydMax,
 }
-
-/// The storage policy knobs of a coded cache.
-#[derive(Clone, Copy, Debug)]
-struct Window {
-    sink: usize,
-    keep: usize,
-    block: usize,
-}
-
-const DEFAULT_WINDOW: Window = Window { sink: 4, keep: 16, block: 8 };
 
 /// A fresh seed each run, or `CONFORMANCE_SEED` to replay the one a failure printed.
 fn seed() -> u64 {
@@ -211,77 +204,6 @@ fn clear_levels(codec: &dyn BlockCodec, row: &[f32]) -> bool {
     })
 }
 
-/// What each position of each sequence should hold: its value (f32 of the stored f16, or decoded
-/// from codes) and whether it is coded. An independent statement of the storage policy.
-struct Shadow {
-    window: Window,
-    sliding: Option<usize>,
-    codecs: Option<(Arc<dyn BlockCodec>, Arc<dyn BlockCodec>)>,
-    /// Per slot: keys and values `[positions][kv·D]`, and the coded count after the sink.
-    keys: Vec<Vec<Vec<f32>>>,
-    values: Vec<Vec<Vec<f32>>>,
-    coded: Vec<usize>,
-    /// Per slot: the first position a truncation brought back from codes, while it is held.
-    restored: Vec<Option<usize>>,
-}
-
-fn round_f16(x: &[f32]) -> Vec<f32> {
-    x.iter().map(|&v| f16::from_f32(v).to_f32()).collect()
-}
-
-impl Shadow {
-    fn sink(&self, slot: usize) -> usize {
-        self.window.sink.min(self.keys[slot].len())
-    }
-
-    /// After a commit: code whole blocks until `keep`–`keep + block − 1` recent positions remain.
-    fn commit(&mut self, slot: usize) {
-        let Some((kc, vc)) = self.codecs.clone() else { return };
-        let (w, len, sink) = (self.window, self.keys[slot].len(), self.sink(slot));
-        if len < w.sink {
-            return;
-        }
-        let recent = len - sink - self.coded[slot];
-        if recent < w.keep + w.block {
-            return;
-        }
-        let n = (recent - w.keep) / w.block * w.block;
-        for b0 in (self.coded[slot]..self.coded[slot] + n).step_by(w.block) {
-            let p0 = sink + b0;
-            for (rows, codec) in [(&mut self.keys[slot], &kc), (&mut self.values[slot], &vc)] {
-                let flat: Vec<f32> = rows[p0..p0 + w.block].concat();
-                let mut out = vec![0.0f32; flat.len()];
-                codec.decode(&codec.encode_vec(&flat).unwrap(), &mut out).unwrap();
-                let row = flat.len() / w.block;
-                for i in 0..w.block {
-                    rows[p0 + i] = out[i * row..(i + 1) * row].to_vec();
-                }
-            }
-        }
-        self.coded[slot] += n;
-    }
-
-    /// A truncation: positions cut out of the codes come back as f16 rows.
-    fn truncate(&mut self, slot: usize, len: usize) {
-        self.keys[slot].truncate(len);
-        self.values[slot].truncate(len);
-        self.restored[slot] = self.restored[slot].filter(|&p| p < len);
-        let sink = self.sink(slot);
-        if len < sink + self.coded[slot] {
-            let into = len.saturating_sub(sink);
-            let keep = into / self.window.block * self.window.block;
-            if sink + keep < len {
-                self.restored[slot] = Some(self.restored[slot].map_or(sink + keep, |p| p.min(sink + keep)));
-            }
-            for p in sink + keep..len {
-                self.keys[slot][p] = round_f16(&self.keys[slot][p]);
-                self.values[slot][p] = round_f16(&self.values[slot][p]);
-            }
-            self.coded[slot] = keep;
-        }
-    }
-}
-
 impl Case {
     fn new(kind: Kind, method: Method, heads: Heads, slots: usize, window: Window, rng: &mut Rng) -> Option<Case> {
         let device = device(kind)?;
@@ -350,15 +272,8 @@ impl Case {
                 &device,
             ),
         };
-        let shadow = Shadow {
-            window,
-            sliding: if let Method::Sliding(w) = method { Some(w) } else { None },
-            codecs: codecs.map(|c| (c.0, c.1)),
-            keys: vec![Vec::new(); slots],
-            values: vec![Vec::new(); slots],
-            coded: vec![0; slots],
-            restored: vec![None; slots],
-        };
+        let sliding = if let Method::Sliding(w) = method { Some(w) } else { None };
+        let shadow = Shadow::new(slots, window, sliding, codecs.map(|c| (c.0, c.1)));
         Some(Case { cache, shadow, heads, device, kind, method, vecinfer })
     }
 
@@ -414,10 +329,7 @@ impl Case {
         let mut worst = 0.0f64;
         for (i, s) in step.seqs().iter().enumerate() {
             let r = step.rows(i);
-            for j in r.clone() {
-                self.shadow.keys[s.slot].push(round_f16(&k[j * row..(j + 1) * row]));
-                self.shadow.values[s.slot].push(round_f16(&v[j * row..(j + 1) * row]));
-            }
+            self.shadow.push(s.slot, &k[r.start * row..r.end * row], &v[r.start * row..r.end * row], row);
             if !check {
                 continue;
             }
@@ -457,29 +369,7 @@ impl Case {
     /// f64 attention of `q` (`[t, hq, D]`, queries at positions `start..`) over what `slot` holds.
     fn reference(&self, slot: usize, start: usize, q: &[f32]) -> Vec<f64> {
         let Heads { q: hq, kv, dim: d } = self.heads;
-        let g = hq / kv;
-        let t = q.len() / (hq * d);
-        let (keys, values) = (&self.shadow.keys[slot], &self.shadow.values[slot]);
-        let mut out = vec![0.0f64; q.len()];
-        for i in 0..t {
-            let p = start + i;
-            let lo = self.shadow.sliding.map_or(0, |w| (p + 1).saturating_sub(w));
-            for qh in 0..hq {
-                let h = qh / g;
-                let qv = &q[(i * hq + qh) * d..][..d];
-                let scores: Vec<f64> = (lo..=p)
-                    .map(|pos| 0.125 * (0..d).map(|e| qv[e] as f64 * keys[pos][h * d + e] as f64).sum::<f64>())
-                    .collect();
-                let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-                let total: f64 = w.iter().sum();
-                for e in 0..d {
-                    out[(i * hq + qh) * d + e] =
-                        (lo..=p).zip(&w).map(|(pos, wi)| wi * values[pos][h * d + e] as f64).sum::<f64>() / total;
-                }
-            }
-        }
-        out
+        self.shadow.attend(slot, start, q, (hq, kv, d), 0.125)
     }
 
     fn check(&mut self, what: &str, seqs: &[(usize, usize)], rng: &mut Rng, seed: u64) {

@@ -2,13 +2,15 @@
 //! .ci/run calls): fp16 and VecInfer generation, resident memory, logit agreement, clear errors.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::OnceLock;
 
 use veloq::artifact::{Calibration, ModelIdentity};
+use veloq::codec::block::BlockCodec;
 use veloq::codec::codebook::PqShape;
 use veloq::codec::vecinfer::CodecSpec;
 use veloq::kernels::select::KernelChoice;
-use veloq_candle::cache::{ModelCache, SeqStep, Step};
+use veloq_candle::cache::{LayerCache, ModelCache, SeqStep, Step};
 use veloq_candle::chat::Chat;
 use veloq_candle::collect::{calibrate, collect_activations};
 use veloq_candle::config::CacheConfig;
@@ -16,6 +18,11 @@ use veloq_candle::generate::{generate, GenerateOptions};
 use veloq_candle::model::{encode, Logits, Model};
 use veloq_candle::prefill::prefill as chunked;
 use veloq_candle::Error;
+
+mod support;
+use support::lockstep::{Lockstep, Worst};
+use support::shadow::{Window, DEFAULT_WINDOW};
+use support::shadow_cache::ShadowCache;
 
 fn cache_dir() -> PathBuf {
     veloq::artifact::default_dir()
@@ -263,53 +270,99 @@ fn argmax(l: &[f32]) -> usize {
     l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0
 }
 
-/// A 900-token prompt fed in chunks of 128 (the earlier chunks already codes while the later run)
-/// gives the one-shot prefill's next-token logits: fp16 to rounding, VecInfer within the 2-bit
-/// codec's bound (one-shot attends its own rows exactly; chunked attends the earlier chunks'
-/// codes). Progress is reported after every chunk.
+/// The VecInfer caches of the fixture's calibration, each in lockstep with a [`ShadowCache`]:
+/// what the storage policy says it holds (sinks and recent rows in f16, older positions decoded
+/// from the CPU codec's codes) attended in f64. Every layer's attention is checked against it on
+/// every step, whatever the codec's quality on this machine's calibration (see [`Lockstep`]).
+fn lockstep_caches(f: &Fixture, window: Window) -> (ModelCache, Worst) {
+    let id = &f.model.info.identity;
+    let worst = Worst::default();
+    let real = CacheConfig::vecinfer(f.calibration.clone()).build(&f.model).unwrap().into_layers();
+    let layers = real
+        .into_iter()
+        .zip(&f.calibration.layers)
+        .map(|(real, l)| {
+            let (k, v): (Arc<dyn BlockCodec>, Arc<dyn BlockCodec>) =
+                (Arc::new(l.keys.clone()), Arc::new(l.values.clone()));
+            assert_eq!((k.block_tokens(), v.block_tokens()), (1, 1), "VecInfer codes every position alone");
+            let shadow = ShadowCache::new(1, id.n_kv_heads, id.head_dim, window, Some((k, v)));
+            Box::new(Lockstep::new(real, shadow, worst.clone())) as Box<dyn LayerCache>
+        })
+        .collect();
+    (ModelCache::new(layers).unwrap(), worst)
+}
+
+/// The CPU kernels' attention against the f64 reference over the same rows and codes: f32
+/// rounding (the conformance suite's bound). Holding a different position in f16 or in codes
+/// than the policy says errs by the codec's error at that position, 1e-3 or more.
+const LOCKSTEP_BOUND: f64 = 1e-4;
+
+/// A 900-token prompt fed in chunks of 128 (the earlier chunks already codes while the later run):
+/// on fp16 it gives the one-shot prefill's next-token logits to rounding; on VecInfer every layer
+/// attends what the policy's reference holds (the earlier chunks' codes, exactly) (chunked and one-shot
+/// VecInfer differ by the codec's error, which depends on the calibration: 0.971–0.997 in logit
+/// cosine over ten k-means seeds on one machine, so not a bound any CPU can be held to).
+/// Progress is reported after every chunk.
 #[test]
 fn chunked_prefill_equals_one_shot() {
     let f = fixture();
     let ids = encode(&f.tok, &text("emma.txt")).unwrap();
     let ids = &ids[5000..5900];
-    for (config, bound) in [(CacheConfig::fp16(), 0.9999), (CacheConfig::vecinfer(f.calibration.clone()), 0.99)] {
-        let mut one = config.build(&f.model).unwrap();
-        let a = last_logits(chunked(&f.model, &mut one, 0, ids, ids.len(), &mut |_, _| {}).unwrap());
-        let mut parts = config.build(&f.model).unwrap();
+    let want: Vec<(usize, usize)> = (1..=7).map(|i| (i * 128, 900)).chain([(900, 900)]).collect();
+    let feed = |caches: &mut ModelCache, chunk: usize| {
         let mut seen = Vec::new();
-        let b = last_logits(chunked(&f.model, &mut parts, 0, ids, 128, &mut |d, t| seen.push((d, t))).unwrap());
-        let want: Vec<(usize, usize)> = (1..=7).map(|i| (i * 128, 900)).chain([(900, 900)]).collect();
-        assert_eq!(seen, want);
-        assert_eq!((one.len(0), parts.len(0)), (900, 900));
-        let c = cosine(&a, &b);
-        println!("{}: chunked vs one-shot logit cosine {c:.6}, argmax {} vs {}", config.name(), argmax(&a), argmax(&b));
-        assert!(c >= bound, "{}: cosine {c} < {bound}", config.name());
-        assert_eq!(argmax(&a), argmax(&b), "{}", config.name());
-    }
+        let l = last_logits(chunked(&f.model, caches, 0, ids, chunk, &mut |d, t| seen.push((d, t))).unwrap());
+        assert_eq!(caches.len(0), 900);
+        (l, seen)
+    };
+    let (fp16_one, _) = feed(&mut CacheConfig::fp16().build(&f.model).unwrap(), ids.len());
+    let (fp16_parts, seen) = feed(&mut CacheConfig::fp16().build(&f.model).unwrap(), 128);
+    assert_eq!(seen, want);
+    let c = cosine(&fp16_one, &fp16_parts);
+    println!("fp16: chunked vs one-shot logit cosine {c:.6}, argmax {} vs {}", argmax(&fp16_one), argmax(&fp16_parts));
+    assert!(c >= 0.9999, "fp16: cosine {c}");
+    assert_eq!(argmax(&fp16_one), argmax(&fp16_parts));
+
+    let (mut caches, worst) = lockstep_caches(f, DEFAULT_WINDOW);
+    let (vq, seen) = feed(&mut caches, 128);
+    assert_eq!(seen, want);
+    println!(
+        "vecinfer: chunked prefill's attention vs the policy's reference: worst relative error {:.2e} (logit cosine to fp16 one-shot {:.6}: the codec's error)",
+        worst.get(),
+        cosine(&vq, &fp16_one)
+    );
+    assert!(worst.get() <= LOCKSTEP_BOUND, "vecinfer: chunked prefill vs the policy's reference: {:.2e}", worst.get());
 }
 
 /// A follow-up turn appended after positions are codes (a 300-token first turn, a 10-token reply
-/// fed token by token, a 40-token second turn in one step) gives the logits of feeding the whole
-/// conversation at once: fp16 to rounding, VecInfer within the codec's bound.
+/// fed token by token, a 40-token second turn in one step): fp16 gives the logits of feeding the
+/// whole conversation at once to rounding; VecInfer attends what its reference holds at every step
+/// (turn-wise and single-feed VecInfer attend different positions through codes: 0.94–0.995 apart
+/// over ten k-means seeds).
 #[test]
 fn follow_up_turn_after_codes_equals_a_single_feed() {
     let f = fixture();
     let ids = encode(&f.tok, &text("emma.txt")).unwrap();
     let ids = &ids[9000..9350];
-    for (config, bound) in [(CacheConfig::fp16(), 0.9999), (CacheConfig::vecinfer(f.calibration.clone()), 0.99)] {
-        let mut turns = config.build(&f.model).unwrap();
-        chunked(&f.model, &mut turns, 0, &ids[..300], 512, &mut |_, _| {}).unwrap();
+    let turns = |caches: &mut ModelCache| {
+        chunked(&f.model, caches, 0, &ids[..300], 512, &mut |_, _| {}).unwrap();
         for &t in &ids[300..310] {
-            f.model.forward(&[t], &mut turns, false).unwrap();
+            f.model.forward(&[t], caches, false).unwrap();
         }
-        let a = last_logits(chunked(&f.model, &mut turns, 0, &ids[310..], 512, &mut |_, _| {}).unwrap());
-        let mut single = config.build(&f.model).unwrap();
-        let b = last_logits(chunked(&f.model, &mut single, 0, ids, 512, &mut |_, _| {}).unwrap());
-        let c = cosine(&a, &b);
-        println!("{}: turn-wise vs single feed logit cosine {c:.6}", config.name());
-        assert!(c >= bound, "{}: cosine {c} < {bound}", config.name());
-        assert_eq!(argmax(&a), argmax(&b), "{}", config.name());
-    }
+        last_logits(chunked(&f.model, caches, 0, &ids[310..], 512, &mut |_, _| {}).unwrap())
+    };
+    let a = turns(&mut CacheConfig::fp16().build(&f.model).unwrap());
+    let mut single = CacheConfig::fp16().build(&f.model).unwrap();
+    let b = last_logits(chunked(&f.model, &mut single, 0, ids, 512, &mut |_, _| {}).unwrap());
+    let c = cosine(&a, &b);
+    println!("fp16: turn-wise vs single feed logit cosine {c:.6}");
+    assert!(c >= 0.9999, "fp16: cosine {c}");
+    assert_eq!(argmax(&a), argmax(&b));
+
+    let (mut caches, worst) = lockstep_caches(f, DEFAULT_WINDOW);
+    turns(&mut caches);
+    println!("vecinfer: turn-wise attention vs the policy's reference: worst relative error {:.2e}", worst.get());
+    assert!(worst.get() <= LOCKSTEP_BOUND, "vecinfer: follow-up turn vs the policy's reference: {:.2e}", worst.get());
 }
 
 /// `Chat` keeps the conversation in the caches: the second turn feeds only its own tokens, the
