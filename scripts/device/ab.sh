@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # A kernel change against the binary before it, side by side in one device call: the new binary's
-# kernel checks (`veloq bench cuda`, fused and separate merges), then the attention kernels timed
+# kernel checks (`veloq-lab bench cuda`, fused and separate merges), then the attention kernels timed
 # old/new/old/new on the same grid, the conformance suite's CUDA pairs on the new build, and the
-# 8B-geometry decode (`veloq bench runner`, batch 1, graphs) old/new/old/new.
+# 8B-geometry decode (`veloq-lab bench runner`, batch 1, graphs, vq-2) old/new/old/new.
 #
-#   scripts/device/ab.sh VELOQ_OLD VELOQ_NEW CONFORMANCE_TESTS [OUT_DIR]
+#   scripts/device/ab.sh LAB_OLD LAB_NEW CONFORMANCE_TESTS [OUT_DIR]
 #
-# Binaries built here with --features cuda (../shared/DEVICE.md); OUT_DIR defaults to $OUT. Env:
+# veloq-lab binaries built here with --features cuda (../shared/DEVICE.md; a binary from before
+# the lab split is `veloq`, whose `bench` takes the same arguments); OUT_DIR defaults to $OUT. Env:
 # AB_BENCH (the `bench cuda` grid), AB_RUNNER (the `bench runner` arguments). Exits non-zero when
 # a check or a conformance test fails. Writes ab-checks.txt, ab-kernels.txt, conformance.txt,
 # ab-runner.txt and ab-summary.txt.
@@ -36,7 +37,7 @@ for r in 1 2; do
   done
 done > "$out/ab-kernels.txt" 2>&1
 grep -E "^==|^\| [0-9]+," "$out/ab-kernels.txt" | tee -a "$summary"
-if VELOQ_REQUIRE_GPU=1 "$conformance" --test-threads 1 cuda > "$out/conformance.txt" 2>&1; then
+if "$conformance" --test-threads 1 cuda > "$out/conformance.txt" 2>&1; then
   grep -E "test result" "$out/conformance.txt" | tee -a "$summary"
 else
   grep -E "FAILED|panicked|test result" "$out/conformance.txt" | head -20 | tee -a "$summary"

@@ -5,11 +5,11 @@
 #             ~5k-token prompt, and `--dequantize` (f32 weights); the two texts must be equal;
 #   f16w:     f16 weights (the GEMV's path, fused layer): GEMV on and off, every method, and
 #             `bench runner` on them (batch 8 through tensor cores against cuBLAS);
-#   runner:   the kernel checks (`veloq bench cuda --check-only`), then `veloq bench runner` on
+#   runner:   the kernel checks (`veloq-lab bench cuda --check-only`), then `veloq-lab bench runner` on
 #             the real SmolLM2 (agreement CPU/CUDA and graphs/eager, decode speed; SMOL_ARGS);
-#   runner8b: the GEMV's launch shapes timed on the 8B layer's matrices (`veloq bench cuda
+#   runner8b: the GEMV's launch shapes timed on the 8B layer's matrices (`veloq-lab bench cuda
 #             --gemv-sweep`, the fastest exported as VELOQ_GEMV / VELOQ_GEMV_MMA; SWEEP=0 skips
-#             it), then `veloq bench runner` on the
+#             it), then `veloq-lab bench runner` on the
 #             random 8B geometry: decode on every path side by side, the bytes floor at the copy
 #             bandwidth measured in the same run, memory budget;
 #   hf:       the anchor, Hugging Face transformers + torch.compile(mode="reduce-overhead") on the
@@ -17,11 +17,13 @@
 #
 #   scripts/device/graphs.sh VELOQ MODEL.gguf CALIBRATION TEXT OUT_DIR [extra bench runner args]
 #
-# VELOQ is built here with --features cuda (../shared/DEVICE.md). Exits non-zero when a run
+# VELOQ is built here with --features cuda (../shared/DEVICE.md), veloq-lab beside it (or
+# $VELOQ_LAB); CALIBRATION is the vq-4 one. Exits non-zero when a run
 # fails or graphs change a text.
 set -uo pipefail
 veloq=$1 model=$2 cal=$3 text=$4 out=$5
 shift 5
+lab=${VELOQ_LAB:-$(dirname "$veloq")/veloq-lab}
 stages=${STAGES:-generate f16w runner runner8b hf}
 mkdir -p "$out"
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
@@ -38,7 +40,7 @@ logs=$(mktemp -d)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$summary"
 
 if [[ " $stages " == *" generate "* ]]; then
-  for run in "fp16" "vecinfer" "kivi --bits 2" "rlm --bits 4" "fp16 --dequantize" "vecinfer --dequantize"; do
+  for run in "fp16" "vq-4" "kivi-2" "rlm-4" "fp16 --dequantize" "vq-4 --dequantize"; do
     for which in short long; do
       prompt=$short
       [ "$which" = long ] && prompt=$long
@@ -66,7 +68,7 @@ if [[ " $stages " == *" generate "* ]]; then
   # f16 weights (candle's CANDLE_DEQUANTIZE_ALL_F16): veloq's GEMV against cuBLAS, graphs on.
   # Different arithmetic (f32 activations in the GEMV, f16 in cuBLAS): a text may part at a
   # near-tie, reported, not failed.
-  for m in fp16 vecinfer; do
+  for m in fp16 vq-4; do
     for g in 0 1; do
       CANDLE_DEQUANTIZE_ALL_F16=1 VELOQ_CUDA_GEMV=$g "$veloq" generate --device cuda --model "$model" --calibration "$cal" \
         --method $m --max-tokens 48 --max-context 8192 --prompt "$short" > "$logs/gen-f16w-$m-gemv$g.txt" 2>&1 || failed=1
@@ -74,7 +76,7 @@ if [[ " $stages " == *" generate "* ]]; then
     same=$(diff <(grep -vE '^\[' "$logs/gen-f16w-$m-gemv0.txt") <(grep -vE '^\[' "$logs/gen-f16w-$m-gemv1.txt") > /dev/null && echo same || echo differs)
     echo "f16 weights, $m: GEMV vs cuBLAS text $same | cuBLAS: $(grep -E '^\[' "$logs/gen-f16w-$m-gemv0.txt" | tail -1) | GEMV: $(grep -E '^\[' "$logs/gen-f16w-$m-gemv1.txt" | tail -1)" | tee -a "$summary"
   done
-  echo "one text: $(head -c 300 "$logs/gen-vecinfer_short-g1.txt" | tr '\n' ' ')" | tee -a "$summary"
+  echo "one text: $(head -c 300 "$logs/gen-vq_4_short-g1.txt" | tr '\n' ' ')" | tee -a "$summary"
 fi
 
 if [[ " $stages " == *" f16w "* ]]; then
@@ -82,7 +84,7 @@ if [[ " $stages " == *" f16w "* ]]; then
   # residual adds and the gated MLP fused into four launches a layer): GEMV on and off (cuBLAS,
   # candle's norms and RoPE), every method, short and long prompts. Different arithmetic (f32
   # activations in the one-row GEMV, f16 in cuBLAS): a text may part at a near-tie, reported.
-  for run in "fp16" "vecinfer" "kivi --bits 2" "rlm --bits 4"; do
+  for run in "fp16" "vq-4" "kivi-2" "rlm-4"; do
     for which in short long; do
       prompt=$short
       [ "$which" = long ] && prompt=$long
@@ -109,7 +111,7 @@ if [[ " $stages " == *" f16w "* ]]; then
   done
   # Batches on the real weights in f16: veloq's GEMV (tensor cores from 2 rows) + graphs against
   # cuBLAS eager, and decode speed.
-  CANDLE_DEQUANTIZE_ALL_F16=1 "$veloq" bench runner --model "$model" --calibration "$cal" --models smollm2 \
+  CANDLE_DEQUANTIZE_ALL_F16=1 "$lab" bench runner --model "$model" --calibration "$cal" --method vq-4 --models smollm2 \
     --contexts 1024 --batches 1,8 --steps 12 --agree-tokens 32 --json "$out/bench-runner-smollm2-f16w-h200.json" \
     > "$logs/bench-runner-smollm2-f16w-h200.txt" 2>&1 || { echo "FAIL  bench runner smollm2 f16 weights (rc $?)" | tee -a "$summary"; failed=1; }
   grep -E "greedy|batch|tok/s|graphs|eager|rror" "$logs/bench-runner-smollm2-f16w-h200.txt" | tee -a "$summary"
@@ -117,12 +119,12 @@ fi
 
 if [[ " $stages " == *" runner "* ]]; then
   # Kernel checks first (quantize, attention, GEMV against host references).
-  "$veloq" bench cuda --check-only > "$logs/bench-cuda-checks.txt" 2>&1 || { echo "FAIL  kernel checks" | tee -a "$summary"; failed=1; }
+  "$lab" bench cuda --check-only > "$logs/bench-cuda-checks.txt" 2>&1 || { echo "FAIL  kernel checks" | tee -a "$summary"; failed=1; }
   grep -E "gemv|GEMV|FAIL|rror" "$logs/bench-cuda-checks.txt" | head -5 | tee -a "$summary"
   # The real SmolLM2 (agreement: CPU vs CUDA, graphs vs eager) with its own arguments, then the
   # 8B geometry with the script's extra arguments.
   # shellcheck disable=SC2086
-  "$veloq" bench runner --model "$model" --calibration "$cal" --models smollm2 ${SMOL_ARGS:---contexts 1024 --batches 1,8} \
+  "$lab" bench runner --model "$model" --calibration "$cal" --method vq-4 --models smollm2 ${SMOL_ARGS:---contexts 1024 --batches 1,8} \
     --json "$logs/bench-runner-graphs-smollm2-h200.json" > "$logs/bench-runner-graphs-smollm2-h200.txt" 2>&1 \
     || { echo "FAIL  bench runner smollm2 (rc $?)" | tee -a "$summary"; failed=1; }
   grep -E "greedy|tok/s|graphs|eager" "$logs/bench-runner-graphs-smollm2-h200.txt" | tee -a "$summary"
@@ -132,14 +134,14 @@ if [[ " $stages " == *" runner8b "* ]]; then
   # The GEMV's launch shapes on the 8B layer's matrices; the fastest is what the runner uses
   # (SWEEP=0: the built-in defaults, the sweep run in another call).
   if [ "${SWEEP:-1}" != 0 ]; then
-    "$veloq" bench cuda --gemv-sweep --skip-checks > "$out/gemv-sweep-h200.txt" 2>&1 || { echo "FAIL  GEMV sweep" | tee -a "$summary"; failed=1; }
+    "$lab" bench cuda --gemv-sweep --skip-checks > "$out/gemv-sweep-h200.txt" 2>&1 || { echo "FAIL  GEMV sweep" | tee -a "$summary"; failed=1; }
     grep -E "^copy|^best" "$out/gemv-sweep-h200.txt" | tee -a "$summary"
     best=$(sed -nE 's/^best VELOQ_GEMV=([0-9]+,[0-9]+,[0-9]+).*/\1/p' "$out/gemv-sweep-h200.txt")
     [ -n "$best" ] && export VELOQ_GEMV=$best
     best=$(sed -nE 's/^best VELOQ_GEMV_MMA=([0-9]+,[0-9]+,[0-9]+).*/\1/p' "$out/gemv-sweep-h200.txt")
     [ -n "$best" ] && export VELOQ_GEMV_MMA=$best
   fi
-  "$veloq" bench runner --model "$model" --calibration "$cal" --models llama8b \
+  "$lab" bench runner --model "$model" --calibration "$cal" --models llama8b \
     --json "$out/bench-runner-graphs-h200.json" --plot "$out/bench-runner-graphs-h200.png" "$@" \
     > "$out/bench-runner-graphs-h200.txt" 2>&1 || { echo "FAIL  bench runner (rc $?)" | tee -a "$summary"; failed=1; }
   tail -n 60 "$out/bench-runner-graphs-h200.txt"
@@ -151,7 +153,7 @@ if [[ " $stages " == *" hf "* ]]; then
     | grep -vE '^W[0-9]{4} |Warning|warn\(' | tee "$out/hf-decode-h200.txt" | tail -n 20
   # The anchor beside veloq's lines in the runner's figure.
   if [ -f "$out/bench-runner-graphs-h200.json" ]; then
-    "$veloq" bench runner --replot "$out/bench-runner-graphs-h200.json" --anchor "$out/hf-decode-h200.json" \
+    "$lab" bench runner --replot "$out/bench-runner-graphs-h200.json" --anchor "$out/hf-decode-h200.json" \
       --plot "$out/bench-runner-graphs-h200.png" || true
   fi
 fi

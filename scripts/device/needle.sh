@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# The needle-in-a-haystack grid on a GPU, in one device call: `veloq eval needle --device cuda`
+# The needle-in-a-haystack grid on a GPU, in one device call: `veloq-lab eval needle --device cuda`
 # with every prompt of a grid cell batched (16 cache slots), first checked against batch 1 on a
 # few prompts (the batched answers must be the same text), then the whole grid.
 #
-#   scripts/device/needle.sh VELOQ MODEL CACHE_DIR OUT_DIR "CHECK ARGS" [GRID ARGS…]
+#   scripts/device/needle.sh VELOQ_LAB MODEL CACHE_DIR OUT_DIR "CHECK ARGS" [GRID ARGS…]
 #
-# CHECK ARGS and GRID ARGS are `veloq eval needle` arguments: a small grid for the batch check
+# CHECK ARGS and GRID ARGS are `veloq-lab eval needle` arguments: a small grid for the batch check
 # (e.g. "--lengths 1024 --depths 0,50,100 --keys 2 --methods vq-k4v2") and the real one.
 #
-# VELOQ is built here with --features cuda (../shared/DEVICE.md). CACHE_DIR becomes VELOQ_CACHE: it
+# VELOQ_LAB is built here with --features cuda (../shared/DEVICE.md). CACHE_DIR becomes VELOQ_CACHE: it
 # holds austen/emma.txt and austen/persuasion.txt (scripts/fetch-data) and eval/, the methods'
 # calibrations made here beforehand with the same --lengths, --methods and --calib-tokens:
-#   veloq eval needle --lengths … --methods … --calibrate-only      (then copy ~/.cache/veloq/eval)
+#   veloq-lab eval needle --lengths … --methods … --calibrate-only      (then copy ~/.cache/veloq/eval)
 # so the device spends its time on the grid, not on k-means. Writes OUT_DIR/needle.{txt,json,png}
 # (the JSON after every method, so a run cut short keeps what it finished; `--replot` draws it).
 set -uo pipefail

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# `veloq bench serve` on a GPU in one device call: the server and its clients both on the device,
+# `veloq-lab bench serve` on a GPU in one device call: the server and its clients both on the device,
 # SmolLM2 (the real file, fp16 vs VecInfer) and the Llama-3.1-8B geometry (random weights and
 # codebooks, fp16 vs 2-bit VecInfer), each at its own KV budget.
 #
-#   scripts/device/serve.sh VELOQ MODEL.gguf CALIBRATION CACHE_DIR OUT_DIR [SMOL_BUDGET] [L8B_BUDGET]
+#   scripts/device/serve.sh VELOQ_LAB MODEL.gguf CALIBRATION CACHE_DIR OUT_DIR [SMOL_BUDGET] [L8B_BUDGET]
 #
-# VELOQ is built here with --features cuda (../shared/DEVICE.md). CACHE_DIR becomes VELOQ_CACHE
-# (austen/emma.txt for the prompts). GPU caches reserve every slot's context, so the servers run
+# VELOQ_LAB is built here with --features cuda (../shared/DEVICE.md). CACHE_DIR becomes VELOQ_CACHE
+# (austen/emma.txt for the prompts); CALIBRATION is the vq-4 one. GPU caches reserve every slot's context, so the servers run
 # with --max-context 4096, the capacity load's context. ALSO names more SmolLM2 calibrations
 # (comma separated) served side by side. Writes OUT_DIR/serve-{smollm2,llama8b}.*
 set -uo pipefail

@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
 # The CUDA smoke check, in one device call: what a user types (`veloq generate --device cuda`) for
-# fp16 and VecInfer (kernels auto and forbid) and the scalar baselines KIVI and rotation +
-# Lloyd–Max (auto: on CUDA they have only the portable path), with a short prompt and a ~5k-token one, on the real
-# SmolLM2; then the cache conformance suite's CUDA pairs (tests/conformance.rs, built with
-# `--features cuda`), which must find the GPU. Run it before resolving anything that touches CUDA.
+# fp16 and VecInfer vq-4 (kernels auto and forbid) and the scalar baselines kivi-2 and rlm-4
+# (auto: on CUDA they have only the portable path), with a short prompt and a ~5k-token one, on
+# the real SmolLM2; then the kernel tests (veloq-lab's tests/cuda_kernels.rs: quantize, GEMV and
+# attention over codes against the CPU path) and the cache conformance suite's CUDA pairs
+# (veloq-candle's tests/conformance.rs), both of which fail without a GPU. Run it before
+# resolving anything that touches CUDA.
 #
-#   scripts/device/smoke.sh VELOQ CONFORMANCE_TESTS MODEL.gguf CALIBRATION TEXT [OUT_DIR]
+#   scripts/device/smoke.sh VELOQ CONFORMANCE_TESTS KERNEL_TESTS MODEL.gguf CALIBRATION TEXT [OUT_DIR]
 #
-# VELOQ and CONFORMANCE_TESTS are binaries built here with --features cuda (see ../shared/DEVICE.md):
+# CALIBRATION is the model's vq-4 calibration (`veloq calibrate --method vq-4`). The binaries are
+# built here with --features cuda (see ../shared/DEVICE.md):
 #   cargo build --release -p veloq-cli --features cuda --target-dir target-cuda
 #   cargo test --release -p veloq-candle --features cuda --target-dir target-cuda --test conformance --no-run
+#   cargo test --release -p veloq-lab --features cuda --target-dir target-cuda --test cuda_kernels --no-run
 # TEXT is a plain-text novel (scripts/fetch-data); its first ~21,000 characters make the long
 # prompt. Every run's output goes to OUT_DIR (default $OUT, else /tmp/veloq-smoke); the script
 # exits non-zero if any run fails, produces no tokens, or a conformance test fails.
 set -uo pipefail
-veloq=$1 conformance=$2 model=$3 calibration=$4 text=$5
-out=${6:-${OUT:-/tmp/veloq-smoke}}
+veloq=$1 conformance=$2 kernels=$3 model=$4 calibration=$5 text=$6
+out=${7:-${OUT:-/tmp/veloq-smoke}}
 mkdir -p "$out"
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 short="Explain in two sentences why the sky is blue."
@@ -27,40 +31,45 @@ summary="$out/smoke-summary.txt"
 : > "$summary"
 # Start-up: the first process compiles veloq's kernels (NVRTC) into an empty disk cache, the
 # second loads them from it (the prefill rate of a short prompt shows the difference).
-export VELOQ_KERNEL_CACHE
-VELOQ_KERNEL_CACHE=$(mktemp -d)
+kernel_cache=$(mktemp -d)
 for run in cold warm; do
   start=$(date +%s.%N)
-  "$veloq" generate --device cuda --model "$model" --calibration "$calibration" --method vecinfer \
-    --max-tokens 8 --max-context 8192 --prompt "$short" > "$out/startup-$run.txt" 2>&1
+  "$veloq" generate --device cuda --model "$model" --calibration "$calibration" --method vq-4 \
+    --kernel-cache "$kernel_cache" --max-tokens 8 --max-context 8192 --prompt "$short" > "$out/startup-$run.txt" 2>&1
   secs=$(awk "BEGIN { printf \"%.1f\", $(date +%s.%N) - $start }")
-  echo "start-up $run: ${secs}s in all, $(ls "$VELOQ_KERNEL_CACHE" | wc -l) kernels on disk: $(grep -E '^\[' "$out/startup-$run.txt" | tail -1)" | tee -a "$summary"
+  echo "start-up $run: ${secs}s in all, $(ls "$kernel_cache" | wc -l) kernels on disk: $(grep -E '^\[' "$out/startup-$run.txt" | tail -1)" | tee -a "$summary"
 done
-for run in "fp16 auto" "fp16 forbid" "vecinfer auto" "vecinfer forbid" "kivi auto --bits 2" "rlm auto --bits 4"; do
-  read -r method kernels extra <<< "$run"
+for run in "fp16 auto" "fp16 forbid" "vq-4 auto" "vq-4 forbid" "kivi-2 auto" "rlm-4 auto"; do
+  read -r method kernel_choice <<< "$run"
   for which in short long; do
     prompt=$short
     [ "$which" = long ] && prompt=$long
-    log="$out/generate-$method-$kernels-$which.txt"
+    log="$out/generate-$method-$kernel_choice-$which.txt"
     start=$(date +%s.%N)
-    # shellcheck disable=SC2086
-    "$veloq" generate --device cuda --model "$model" --calibration "$calibration" --method "$method" $extra \
-      --kernels "$kernels" --max-tokens 48 --max-context 8192 --prompt "$prompt" > "$log" 2>&1
+    "$veloq" generate --device cuda --model "$model" --calibration "$calibration" --method "$method" \
+      --kernels "$kernel_choice" --max-tokens 48 --max-context 8192 --prompt "$prompt" > "$log" 2>&1
     rc=$?
     secs=$(awk "BEGIN { printf \"%.1f\", $(date +%s.%N) - $start }")
     stats=$(grep -E '^\[' "$log" | tail -1)
     tokens=$(echo "$stats" | sed -nE 's/.*generated ([0-9]+) tok.*/\1/p')
     if [ $rc -ne 0 ] || [ -z "$tokens" ] || [ "$tokens" -lt 1 ]; then
-      echo "FAIL  $method $kernels $which (rc $rc): $(tail -3 "$log" | tr '\n' ' ')" | tee -a "$summary"
+      echo "FAIL  $method $kernel_choice $which (rc $rc): $(tail -3 "$log" | tr '\n' ' ')" | tee -a "$summary"
       failed=1
     else
-      echo "ok    $method $kernels $which (${secs}s): $stats" | tee -a "$summary"
+      echo "ok    $method $kernel_choice $which (${secs}s): $stats" | tee -a "$summary"
       echo "      $(head -c 300 "$log" | tr '\n' ' ')" | tee -a "$summary"
     fi
   done
 done
+echo "== kernel tests" | tee -a "$summary"
+if "$kernels" --test-threads 1 > "$out/kernel-tests.txt" 2>&1; then
+  grep -E "test result" "$out/kernel-tests.txt" | tee -a "$summary"
+else
+  grep -E "FAILED|panicked|test result" "$out/kernel-tests.txt" | head -20 | tee -a "$summary"
+  failed=1
+fi
 echo "== conformance suite, CUDA pairs" | tee -a "$summary"
-if VELOQ_REQUIRE_GPU=1 "$conformance" --test-threads 1 cuda > "$out/conformance-cuda.txt" 2>&1; then
+if "$conformance" --test-threads 1 cuda > "$out/conformance-cuda.txt" 2>&1; then
   grep -E "test result" "$out/conformance-cuda.txt" | tee -a "$summary"
 else
   grep -E "FAILED|panicked|test result" "$out/conformance-cuda.txt" | head -20 | tee -a "$summary"

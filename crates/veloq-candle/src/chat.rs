@@ -7,11 +7,12 @@ use tokenizers::Tokenizer;
 use crate::cache::ModelCache;
 use crate::error::{Error, Result};
 use crate::generate::{generate_ids, prompt_ids, Event, Finish, GenerateOptions, GenerateOutput};
-use crate::model::{encode, ChatTemplate, Model};
+use crate::model::{encode, ChatTemplate};
+use crate::runner::Forward;
 
 /// A conversation with a model, in slot 0 of its caches.
 pub struct Chat<'m> {
-    model: &'m Model,
+    model: &'m dyn Forward,
     tok: &'m Tokenizer,
     caches: ModelCache,
     template: ChatTemplate,
@@ -24,8 +25,8 @@ pub struct Chat<'m> {
 
 impl<'m> Chat<'m> {
     /// A new conversation in the model's chat template (raw text when it has none).
-    pub fn new(model: &'m Model, tok: &'m Tokenizer, caches: ModelCache) -> Self {
-        let template = ChatTemplate::detect(tok);
+    pub fn new(model: &'m dyn Forward, tok: &'m Tokenizer, caches: ModelCache) -> Self {
+        let template = model.model().info.arch.chat_template(tok);
         Self { model, tok, caches, template, unfed: Vec::new(), history: Vec::new() }
     }
 
@@ -40,13 +41,14 @@ impl<'m> Chat<'m> {
         let fed = self.caches.len(0);
         let mut ids = self.unfed.clone();
         if self.history.is_empty() {
-            ids.extend(prompt_ids(self.model, self.tok, user, true)?);
+            ids.extend(prompt_ids(self.model.model(), self.tok, user, true)?);
         } else {
             ids.extend(encode(self.tok, &self.template.turn(user))?);
         }
         let need = fed + ids.len() + 1;
-        if need > self.model.max_context() {
-            return Err(Error::ContextOverflow { requested: need, max: self.model.max_context() });
+        let max = self.model.model().max_context();
+        if need > max {
+            return Err(Error::ContextOverflow { requested: need, max });
         }
         let out = generate_ids(self.model, self.tok, &mut self.caches, &ids, opts, on_event).inspect_err(|_| {
             let _ = self.caches.truncate(0, fed);

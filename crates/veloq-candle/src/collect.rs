@@ -12,12 +12,14 @@ use veloq::codec::vecinfer::CodecSpec;
 use crate::cache::{LayerCache, ModelCache, Step};
 use crate::config::CacheConfig;
 use crate::error::{Error, Result};
-use crate::model::Model;
+use crate::model::{Logits, Model};
 
 /// Every layer's activations over some text, and that text's fingerprint (which the calibration
 /// carries, so evaluation can refuse to score on it).
 pub struct Activations {
+    /// Per layer, in layer order.
     pub layers: Vec<LayerActivations>,
+    /// Shingles of the text, so evaluation can refuse to score on it.
     pub text: TextFingerprint,
 }
 
@@ -26,13 +28,18 @@ pub struct Activations {
 /// the attention scale the model used.
 #[derive(Default)]
 pub struct LayerActivations {
+    /// Keys `[tokens, kv heads, head_dim]`, post-RoPE.
     pub keys: Vec<f32>,
+    /// Values `[tokens, kv heads, head_dim]`.
     pub values: Vec<f32>,
+    /// Queries `[tokens, heads, head_dim]`, when recorded.
     pub queries: Vec<f32>,
+    /// The attention scale the layer used.
     pub scale: f32,
     /// Sum of squared queries per (query head, channel) and the query rows summed: always kept
     /// (query-weighted smoothing calibrates from them), cheap next to the keys.
     pub query_sq: Vec<f64>,
+    /// Query rows summed into `query_sq`.
     pub query_rows: usize,
 }
 
@@ -145,7 +152,7 @@ pub fn record(
             .map(|(inner, s)| Box::new(Recorder { inner, sink: s.clone(), queries }) as Box<dyn LayerCache>)
             .collect();
         let mut caches = ModelCache::new(layers)?;
-        model.forward(chunk, &mut caches, false)?;
+        model.forward(chunk, &mut caches, Logits::Last)?;
         done += chunk.len();
         progress(done);
     }

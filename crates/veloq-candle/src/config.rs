@@ -1,4 +1,5 @@
-//! The library's front door: pick a method, build one cache per layer for a loaded model.
+//! Caches for a loaded model: a [`Method`] with its calibration, window and kernel switch, built
+//! into one cache per layer on the model's device.
 //!
 //! ```no_run
 //! # use veloq_candle::{config::CacheConfig, model::Model, generate::{generate, GenerateOptions}};
@@ -22,6 +23,7 @@ use veloq::kernels::select::KernelChoice;
 
 use crate::cache::{Backend, CpuBackend, Heads, KvCache, LayerCache, ModelCache, Policy, TensorBackend};
 use crate::error::{Error, Result};
+use crate::method::Method;
 use crate::model::Model;
 
 /// The f16 rows a coded cache keeps beside its codes.
@@ -44,22 +46,14 @@ impl Default for WindowConfig {
     }
 }
 
-#[derive(Clone, Debug)]
-pub enum Method {
-    /// Uncompressed f16 keys and values (the reference).
-    Fp16,
-    /// VecInfer codes with a calibration for this model.
-    VecInfer(Arc<Calibration>),
-    /// KIVI-style asymmetric scalar quantization: keys per channel over `group` tokens, values
-    /// per token over `group` channels.
-    Kivi { bits: u32, group: usize },
-    /// Calibration-free randomised Hadamard rotation + Gaussian Lloyd–Max levels (keys and values).
-    RotLloydMax { bits: u32, seed: u64 },
-}
-
+/// A method with what building its caches takes: the calibration of a VecInfer method, the f16
+/// window beside the codes, the kernel switch and the positions a device reserves per sequence.
 #[derive(Clone, Debug)]
 pub struct CacheConfig {
+    /// What the caches store.
     pub method: Method,
+    /// The codebooks of a VecInfer method (`None` for the others).
+    pub calibration: Option<Arc<Calibration>>,
     /// The f16 window of recent positions and the flush block (rounded up per method to a
     /// multiple of the codec's block, e.g. KIVI's key group).
     pub window: WindowConfig,
@@ -74,52 +68,62 @@ pub struct CacheConfig {
 type LayerPair = (Arc<dyn BlockCodec>, Arc<dyn BlockCodec>);
 
 impl CacheConfig {
-    pub fn fp16() -> Self {
-        Self { method: Method::Fp16, window: WindowConfig::default(), kernels: KernelChoice::Auto, capacity: None }
-    }
-
-    pub fn vecinfer(calibration: Calibration) -> Self {
-        Self {
-            method: Method::VecInfer(Arc::new(calibration)),
-            window: WindowConfig::default(),
-            kernels: KernelChoice::Auto,
-            capacity: None,
+    /// The caches of `method`, with the calibration a VecInfer method needs (trained for the same
+    /// specs: shapes, centering, smoothing, rotation, granularity); the default window (no sinks
+    /// for `/no-sink` methods) and kernels.
+    pub fn new(method: Method, calibration: Option<Calibration>) -> Result<Self> {
+        let window = match method {
+            Method::VecInfer(v) if !v.sink => WindowConfig { sink: 0, ..WindowConfig::default() },
+            _ => WindowConfig::default(),
+        };
+        match (&method, &calibration) {
+            (Method::VecInfer(v), Some(cal)) if (cal.keys, cal.values) != (v.keys, v.values) => {
+                return Err(Error::CalibrationMismatch(format!(
+                    "the calibration was trained for {}, the method is {method}",
+                    Method::of_calibration(cal)
+                )))
+            }
+            (Method::VecInfer(_), None) => {
+                return Err(Error::CalibrationMismatch(format!(
+                    "{method} needs a calibration (veloq calibrate --method {method})"
+                )))
+            }
+            (m, Some(_)) if !m.needs_calibration() => {
+                return Err(Error::CalibrationMismatch(format!("{m} takes no calibration")))
+            }
+            _ => {}
         }
+        Ok(Self { method, calibration: calibration.map(Arc::new), window, kernels: KernelChoice::Auto, capacity: None })
     }
 
-    /// Loads a calibration artifact and checks it was made for `model`.
+    /// Uncompressed f16 caches.
+    pub fn fp16() -> Self {
+        Self::new(Method::Fp16, None).expect("fp16 takes no calibration")
+    }
+
+    /// VecInfer caches with `calibration`'s codebooks (the method it was trained for).
+    pub fn vecinfer(calibration: Calibration) -> Self {
+        Self::new(Method::of_calibration(&calibration), Some(calibration)).expect("a calibration's own method")
+    }
+
+    /// Loads a calibration artifact, checks it was made for `model`, and takes its method.
     pub fn vecinfer_from_file(path: &Path, model: &Model) -> Result<Self> {
         Ok(Self::vecinfer(Calibration::load_for(path, &model.info.identity)?))
     }
 
+    /// KIVI caches of `bits`-bit codes in groups of `group`.
     pub fn kivi(bits: u32, group: usize) -> Self {
-        Self {
-            method: Method::Kivi { bits, group },
-            window: WindowConfig::default(),
-            kernels: KernelChoice::Auto,
-            capacity: None,
-        }
+        Self::new(Method::Kivi { bits, group }, None).expect("KIVI takes no calibration")
     }
 
+    /// Rotation + Lloyd–Max caches of `bits`-bit levels.
     pub fn rot_lloyd_max(bits: u32) -> Self {
-        Self {
-            method: Method::RotLloydMax { bits, seed: 0 },
-            window: WindowConfig::default(),
-            kernels: KernelChoice::Auto,
-            capacity: None,
-        }
+        Self::new(Method::RotLloydMax { bits }, None).expect("Lloyd–Max takes no calibration")
     }
 
+    /// The method's name (`vq-4`, `fp16`, `kivi-2`…).
     pub fn name(&self) -> String {
-        match &self.method {
-            Method::Fp16 => "fp16".into(),
-            Method::VecInfer(c) => format!(
-                "vecinfer-k{}b{}-v{}b{}",
-                c.keys.shape.sub_dim, c.keys.shape.bits, c.values.shape.sub_dim, c.values.shape.bits
-            ),
-            Method::Kivi { bits, group } => format!("kivi-{bits}b-g{group}"),
-            Method::RotLloydMax { bits, .. } => format!("rot-lloydmax-{bits}b"),
-        }
+        self.method.to_string()
     }
 
     /// Each layer's codecs (`None` for fp16).
@@ -127,24 +131,27 @@ impl CacheConfig {
         let id = &model.info.identity;
         let (h, d) = (id.n_kv_heads, id.head_dim);
         let layers = 0..id.n_layers;
-        Ok(Some(match &self.method {
-            Method::Fp16 => return Ok(None),
-            Method::VecInfer(cal) => {
+        Ok(Some(match (&self.method, &self.calibration) {
+            (Method::Fp16, _) => return Ok(None),
+            (Method::VecInfer(_), None) => {
+                return Err(Error::CalibrationMismatch("VecInfer without a calibration".into()))
+            }
+            (Method::VecInfer(_), Some(cal)) => {
                 check_calibration(cal, model)?;
                 cal.layers
                     .iter()
                     .map(|l| (Arc::new(l.keys.clone()) as Arc<dyn BlockCodec>, Arc::new(l.values.clone()) as _))
                     .collect()
             }
-            &Method::Kivi { bits, group } => {
+            (&Method::Kivi { bits, group }, _) => {
                 let k: Arc<dyn BlockCodec> = Arc::new(KiviCodec::new(h, d, bits, group, KiviAxis::PerChannel)?);
                 let v: Arc<dyn BlockCodec> = Arc::new(KiviCodec::new(h, d, bits, group, KiviAxis::PerToken)?);
                 layers.map(|_| (k.clone(), v.clone())).collect()
             }
-            &Method::RotLloydMax { bits, seed } => layers
+            (&Method::RotLloydMax { bits }, _) => layers
                 .map(|i| {
-                    let k = LloydMaxCodec::new(h, d, bits, seed.wrapping_add(2 * i as u64))?;
-                    let v = LloydMaxCodec::new(h, d, bits, seed.wrapping_add(2 * i as u64 + 1))?;
+                    let k = LloydMaxCodec::new(h, d, bits, 2 * i as u64)?;
+                    let v = LloydMaxCodec::new(h, d, bits, 2 * i as u64 + 1)?;
                     Ok((Arc::new(k) as Arc<dyn BlockCodec>, Arc::new(v) as _))
                 })
                 .collect::<Result<_>>()?,
@@ -195,8 +202,8 @@ impl CacheConfig {
         let dev = model.device();
         let capacity = self.capacity.unwrap_or(model.max_context());
         let dense_fused = self.kernels.resolve(dense_kernels(dev))?;
-        let vecinfer_fused = match &self.method {
-            Method::VecInfer(cal) => {
+        let vecinfer_fused = match &self.calibration {
+            Some(cal) => {
                 check_calibration(cal, model)?;
                 Some(self.kernels.resolve(fused_available(dev, cal, heads.q))?)
             }
@@ -245,9 +252,9 @@ impl CacheConfig {
                 layers.push(dense(Policy::sliding(window, capacity))?);
                 continue;
             }
-            layers.push(match (&self.method, &baselines) {
-                (Method::Fp16, _) => dense(Policy::dense(capacity))?,
-                (Method::VecInfer(cal), _) => {
+            layers.push(match (&self.method, &self.calibration, &baselines) {
+                (Method::Fp16, _, _) => dense(Policy::dense(capacity))?,
+                (Method::VecInfer(_), Some(cal), _) => {
                     let l = &cal.layers[i];
                     let block = lcm(lcm(w.flush_block, l.keys.block_tokens()), l.values.block_tokens());
                     let policy = Policy::coded(w.sink, w.window, block, capacity);
@@ -281,7 +288,7 @@ impl CacheConfig {
                         )?,
                     }
                 }
-                (_, Some(pairs)) => {
+                (_, _, Some(pairs)) => {
                     let (k, v) = pairs[i].clone();
                     let block = lcm(lcm(w.flush_block, k.block_tokens()), v.block_tokens());
                     let policy = Policy::coded(w.sink, w.window, block, capacity);
@@ -297,7 +304,7 @@ impl CacheConfig {
                         )?
                     }
                 }
-                (_, None) => return Err(Error::Config(format!("{} has no codecs", self.name()))),
+                _ => return Err(Error::CalibrationMismatch(format!("{} has no codecs", self.name()))),
             });
         }
         ModelCache::new(layers)
@@ -349,7 +356,7 @@ fn check_calibration(cal: &Calibration, model: &Model) -> Result<()> {
         || m.n_kv_heads != id.n_kv_heads
         || m.head_dim != id.head_dim
     {
-        return Err(Error::Config(format!(
+        return Err(Error::CalibrationMismatch(format!(
             "calibration is for {} ({} layers, {} kv-heads, head_dim {}), the model is {} ({} layers, {} kv-heads, head_dim {})",
             m.name, m.n_layers, m.n_kv_heads, m.head_dim, id.name, id.n_layers, id.n_kv_heads, id.head_dim
         )));

@@ -22,8 +22,35 @@ pub enum Error {
         reason: String,
     },
     /// A GGUF architecture the runner does not implement.
-    #[error("unsupported architecture {0:?} (supported: llama, mistral, qwen2, gemma3; Llama 3, SmolLM2 and Falcon3 GGUFs use llama)")]
-    Architecture(String),
+    #[error("unsupported architecture {name:?} (supported: {supported}; Llama 3, SmolLM2, Mistral and Falcon3 GGUFs use llama)")]
+    Architecture {
+        /// The file's `general.architecture`.
+        name: String,
+        /// The names the decoder runs.
+        supported: String,
+    },
+    /// A method name outside the vocabulary ([`Method`](crate::Method)'s `FromStr`).
+    #[error("{0}")]
+    Method(String),
+    /// A calibration that does not fit the method or the model, or a method without the
+    /// calibration it needs.
+    #[error("calibration: {0}")]
+    CalibrationMismatch(String),
+    /// A device that cannot be opened or used as asked (not compiled in, not present, no fused
+    /// kernels for it).
+    #[error("device: {0}")]
+    Device(String),
+    /// The CUDA driver refused an operation of the runner (an event, a graph).
+    #[error("CUDA: {0}")]
+    Cuda(String),
+    /// A token id outside the vocabulary.
+    #[error("token id {id} outside the vocabulary of {vocab}")]
+    Token {
+        /// The id.
+        id: u32,
+        /// Tokens in the vocabulary.
+        vocab: usize,
+    },
     /// A vocabulary that cannot become a tokenizer, or text it cannot encode.
     #[error("tokenizer: {0}")]
     Tokenizer(String),

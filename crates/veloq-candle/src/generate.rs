@@ -9,16 +9,21 @@ use tokenizers::Tokenizer;
 use crate::cache::ModelCache;
 use crate::config::fp16_bytes;
 use crate::error::{Error, Result};
-use crate::model::{decode, encode, ChatTemplate, Model, Role};
+use crate::model::{decode, encode, Logits, Model, Role};
 use crate::prefill::{prefill, DEFAULT_CHUNK};
+use crate::runner::Forward;
 use crate::text::TextStream;
 
 #[derive(Clone, Debug)]
+/// How [`generate`] samples and feeds the prompt.
 pub struct GenerateOptions {
+    /// Tokens to generate at most.
     pub max_tokens: usize,
     /// 0 = greedy.
     pub temperature: f64,
+    /// Nucleus sampling mass, in (0, 1].
     pub top_p: Option<f64>,
+    /// Seed of the sampler.
     pub seed: u64,
     /// Wrap the prompt in the model's chat template when it has one.
     pub chat: bool,
@@ -85,7 +90,13 @@ pub fn sampler(temperature: f64, top_p: Option<f64>, seed: u64) -> LogitsProcess
 #[derive(Clone, Copy, Debug)]
 pub enum Event<'a> {
     /// `done` of `total` prompt tokens are in the caches.
-    Prefilled { done: usize, total: usize },
+    /// `done` of `total` prompt tokens are in the caches.
+    Prefilled {
+        /// Prompt tokens fed so far.
+        done: usize,
+        /// Prompt tokens in all.
+        total: usize,
+    },
     /// New text of the completion.
     Text(&'a str),
 }
@@ -102,12 +113,19 @@ pub enum Finish {
 }
 
 #[derive(Clone, Debug)]
+/// What a generation produced, and how fast.
 pub struct GenerateOutput {
+    /// Tokens fed before generating.
     pub prompt_tokens: usize,
+    /// Generated tokens (the end-of-sequence one included).
     pub tokens: Vec<u32>,
+    /// Their text.
     pub text: String,
+    /// Why it stopped.
     pub finish: Finish,
+    /// Seconds of prefill (to the first token).
     pub prefill_s: f64,
+    /// Seconds of decode after it.
     pub decode_s: f64,
     /// Bytes the caches hold at the end.
     pub kv_resident_bytes: usize,
@@ -116,23 +134,26 @@ pub struct GenerateOutput {
 }
 
 impl GenerateOutput {
+    /// Prompt tokens per second of prefill.
     pub fn prefill_tok_s(&self) -> f64 {
         self.prompt_tokens as f64 / self.prefill_s
     }
+    /// Generated tokens per second of decode (the first token is the prefill's).
     pub fn decode_tok_s(&self) -> f64 {
         self.tokens.len().saturating_sub(1) as f64 / self.decode_s
     }
 }
 
+/// Generates after `prompt` (in the chat template when `opts.chat`), streaming the text to `on_text`.
 pub fn generate(
-    model: &Model,
+    model: &dyn Forward,
     tok: &Tokenizer,
     caches: &mut ModelCache,
     prompt: &str,
     opts: &GenerateOptions,
     on_text: &mut dyn FnMut(&str),
 ) -> Result<GenerateOutput> {
-    let prompt_ids = prompt_ids(model, tok, prompt, opts.chat)?;
+    let prompt_ids = prompt_ids(model.model(), tok, prompt, opts.chat)?;
     generate_ids(model, tok, caches, &prompt_ids, opts, &mut |e| {
         if let Event::Text(s) = e {
             on_text(s)
@@ -143,7 +164,7 @@ pub fn generate(
 /// The token ids `generate` feeds for `prompt`: in the chat template when `chat`, after a BOS when
 /// the model asks for one.
 pub fn prompt_ids(model: &Model, tok: &Tokenizer, prompt: &str, chat: bool) -> Result<Vec<u32>> {
-    let text = if chat { ChatTemplate::detect(tok).apply(prompt) } else { prompt.to_string() };
+    let text = if chat { model.info.arch.chat_template(tok).apply(prompt) } else { prompt.to_string() };
     let mut ids = encode(tok, &text)?;
     with_bos(model, &mut ids);
     Ok(ids)
@@ -152,7 +173,7 @@ pub fn prompt_ids(model: &Model, tok: &Tokenizer, prompt: &str, chat: bool) -> R
 /// The token ids of a conversation in the model's chat template, up to its next reply, after a
 /// BOS when the model asks for one.
 pub fn chat_ids(model: &Model, tok: &Tokenizer, messages: &[(Role, &str)]) -> Result<Vec<u32>> {
-    let mut ids = encode(tok, &ChatTemplate::detect(tok).render(messages))?;
+    let mut ids = encode(tok, &model.info.arch.chat_template(tok).render(messages))?;
     with_bos(model, &mut ids);
     Ok(ids)
 }
@@ -170,7 +191,7 @@ pub fn with_bos(model: &Model, ids: &mut Vec<u32>) {
 /// them. The last generated token is not fed back (nothing attends to it yet): a follow-up turn
 /// starts with it, see [`crate::chat::Chat`].
 pub fn generate_ids(
-    model: &Model,
+    runner: &dyn Forward,
     tok: &Tokenizer,
     caches: &mut ModelCache,
     prompt_ids: &[u32],
@@ -178,9 +199,10 @@ pub fn generate_ids(
     on_event: &mut dyn FnMut(Event<'_>),
 ) -> Result<GenerateOutput> {
     opts.validate()?;
+    let model = runner.model();
     let mut proc = sampler(opts.temperature, opts.top_p, opts.seed);
     let start = Instant::now();
-    let logits = prefill(model, caches, 0, prompt_ids, opts.prefill_chunk, &mut |done, total| {
+    let logits = prefill(runner, caches, 0, prompt_ids, opts.prefill_chunk, &mut |done, total| {
         on_event(Event::Prefilled { done, total })
     })?;
     let mut next = proc.sample(&logits)?;
@@ -203,7 +225,7 @@ pub fn generate_ids(
         if caches.len(0) >= model.max_context() {
             break Finish::Context;
         }
-        let logits = model.forward(&[next], caches, false)?.squeeze(0)?;
+        let logits = runner.forward(&[next], caches, Logits::Last)?.squeeze(0)?;
         next = proc.sample(&logits)?;
     };
     let rest = text.finish();

@@ -8,7 +8,8 @@ use candle_core::Tensor;
 
 use crate::cache::{ModelCache, Step};
 use crate::error::{Error, Result};
-use crate::model::{Logits, Model};
+use crate::model::Logits;
+use crate::runner::Forward;
 
 /// llama.cpp's default micro-batch: large enough that the weight pass is a real matrix product,
 /// small enough that a chunk's activations stay a few MiB.
@@ -19,7 +20,7 @@ pub const DEFAULT_CHUNK: usize = 512;
 /// chunk. On any error the slot is truncated back to where it was, so a refused prompt (over the
 /// context, a bad token id) loses nothing already in the cache.
 pub fn prefill(
-    model: &Model,
+    model: &dyn Forward,
     caches: &mut ModelCache,
     slot: usize,
     tokens: &[u32],
@@ -37,8 +38,9 @@ pub fn prefill(
     }
     let start = caches.len(slot);
     let requested = start + tokens.len();
-    if requested > model.max_context() {
-        return Err(Error::ContextOverflow { requested, max: model.max_context() });
+    let max = model.model().max_context();
+    if requested > max {
+        return Err(Error::ContextOverflow { requested, max });
     }
     let mut run = |caches: &mut ModelCache| -> Result<Tensor> {
         let mut logits = None;

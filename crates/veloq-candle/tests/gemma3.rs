@@ -11,7 +11,10 @@ use veloq::codec::codebook::PqShape;
 use veloq::codec::vecinfer::CodecSpec;
 use veloq_candle::collect::{calibrate, collect_activations};
 use veloq_candle::config::{fp16_bytes, CacheConfig};
-use veloq_candle::model::Model;
+use veloq_candle::model::source::GgufFile;
+use veloq_candle::model::{LoadOptions, Logits, Model};
+
+mod support;
 
 const VOCAB: usize = 256;
 
@@ -24,7 +27,8 @@ fn read_u32(ext: &str) -> Vec<u32> {
 }
 
 fn reference() -> (Model, Vec<u32>, Vec<f32>) {
-    let (model, _) = Model::load(&fixture("gguf"), 64, &Device::Cpu).unwrap();
+    let mut file = GgufFile::open(&fixture("gguf")).unwrap();
+    let model = Model::load(&mut file, &LoadOptions::new(64), &Device::Cpu).unwrap();
     let tokens = read_u32("tokens.u32");
     let logits = read_u32("logits.f32").into_iter().map(f32::from_bits).collect();
     (model, tokens, logits)
@@ -61,11 +65,11 @@ fn gemma3_logits_match_the_reference_forward_pass() {
     let (model, tokens, want) = reference();
     let t = tokens.len();
     let mut caches = CacheConfig::fp16().build(&model).unwrap();
-    let all = model.forward(&tokens, &mut caches, true).unwrap().to_vec2::<f32>().unwrap();
+    let all = model.forward(&tokens, &mut caches, Logits::All).unwrap().to_vec2::<f32>().unwrap();
     let mut caches = CacheConfig::fp16().build(&model).unwrap();
     let mut worst = 0.0f32;
     for (p, &tok) in tokens.iter().enumerate() {
-        let step = model.forward(&[tok], &mut caches, false).unwrap().to_vec2::<f32>().unwrap();
+        let step = model.forward(&[tok], &mut caches, Logits::Last).unwrap().to_vec2::<f32>().unwrap();
         let want = &want[p * VOCAB..(p + 1) * VOCAB];
         for (how, ours) in [("prefill", &all[p]), ("decode", &step[0])] {
             let e = rel_err(ours, want);
@@ -96,8 +100,8 @@ fn gemma3_with_vecinfer_codes_the_global_layer() {
         calibrate(&model, &acts, CodecSpec::keys(shape), CodecSpec::values(shape), 0, &mut |_| {}).unwrap();
     let mut fp = CacheConfig::fp16().build(&model).unwrap();
     let mut vq = CacheConfig::vecinfer(cal).build(&model).unwrap();
-    let a = model.forward(&tokens, &mut fp, false).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let b = model.forward(&tokens, &mut vq, false).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let a = model.forward(&tokens, &mut fp, Logits::Last).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let b = model.forward(&tokens, &mut vq, Logits::Last).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let dot: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
     let cos = dot / (a.iter().map(|x| x * x).sum::<f32>().sqrt() * b.iter().map(|x| x * x).sum::<f32>().sqrt());
     assert!(cos > 0.95, "cosine {cos}");
@@ -124,7 +128,7 @@ fn gemma3_with_vecinfer_codes_the_global_layer() {
 #[test]
 fn real_gemma3_follows_llama_cpp_greedy_tokens() {
     use veloq_candle::generate::{generate_ids, prompt_ids, GenerateOptions};
-    let path = veloq::artifact::default_dir().join("gemma-3-270m-q4_k_m.gguf");
+    let path = support::cache_dir().join("gemma-3-270m-q4_k_m.gguf");
     if !path.exists() {
         eprintln!("skipped: {} absent (scripts/fetch-data fetches it)", path.display());
         return;
@@ -156,7 +160,7 @@ fn real_gemma3_follows_llama_cpp_greedy_tokens() {
         let ids = prompt_ids(&model, &tok, prompt, false).unwrap();
         assert_eq!(ids, want_prompt, "tokenization of {prompt:?} (with BOS)");
         let mut caches = CacheConfig::fp16().build(&model).unwrap();
-        let mut logits = model.forward(&ids, &mut caches, false).unwrap();
+        let mut logits = model.forward(&ids, &mut caches, Logits::Last).unwrap();
         for (i, &t) in want.iter().enumerate() {
             let l: Vec<f32> = logits.squeeze(0).unwrap().to_vec1().unwrap();
             let top = argmax(&l);
@@ -166,7 +170,7 @@ fn real_gemma3_follows_llama_cpp_greedy_tokens() {
                 l[top],
                 l[t as usize]
             );
-            logits = model.forward(&[t], &mut caches, false).unwrap();
+            logits = model.forward(&[t], &mut caches, Logits::Last).unwrap();
         }
         if exact {
             let mut caches = CacheConfig::fp16().build(&model).unwrap();

@@ -25,7 +25,7 @@ use support::shadow::{Window, DEFAULT_WINDOW};
 use support::shadow_cache::ShadowCache;
 
 fn cache_dir() -> PathBuf {
-    veloq::artifact::default_dir()
+    support::cache_dir()
 }
 
 fn model_path() -> PathBuf {
@@ -90,9 +90,9 @@ fn fp16_and_vecinfer_generate_coherent_text() {
 
 fn prefill(f: &Fixture, config: &CacheConfig, ids: &[u32]) -> (ModelCache, Vec<f32>) {
     let mut caches = config.build(&f.model).unwrap();
-    f.model.forward(&ids[..ids.len() - 1], &mut caches, false).unwrap();
+    f.model.forward(&ids[..ids.len() - 1], &mut caches, Logits::Last).unwrap();
     // The step after the prompt: with 1,023 positions cached, VecInfer attends over codes.
-    let logits = f.model.forward(&ids[ids.len() - 1..], &mut caches, false).unwrap();
+    let logits = f.model.forward(&ids[ids.len() - 1..], &mut caches, Logits::Last).unwrap();
     (caches, logits.flatten_all().unwrap().to_vec1::<f32>().unwrap())
 }
 
@@ -143,8 +143,8 @@ fn portable_path_matches_fused_on_the_real_model() {
         let fused = CacheConfig { kernels: KernelChoice::Require, ..method.clone() };
         let portable = CacheConfig { kernels: KernelChoice::Forbid, ..method };
         let (mut a, mut b) = (fused.build(&f.model).unwrap(), portable.build(&f.model).unwrap());
-        f.model.forward(&ids[..280], &mut a, false).unwrap();
-        f.model.forward(&ids[..280], &mut b, false).unwrap();
+        f.model.forward(&ids[..280], &mut a, Logits::Last).unwrap();
+        f.model.forward(&ids[..280], &mut b, Logits::Last).unwrap();
         // The two paths attend over the same codes (the searches agree on every code of this
         // text) within 2e-6 of each other, but the Q4_1 matmuls quantize activations to 8 bits,
         // which turns such rounding into logit changes: the fp16 cache's two paths differ by up
@@ -155,8 +155,10 @@ fn portable_path_matches_fused_on_the_real_model() {
         let (mut worst, mut sum, mut same, mut clear) = (1.0f64, 0.0f64, 0, 0);
         let n = ids.len() - 280;
         for (i, &tok) in ids[280..].iter().enumerate() {
-            let la = f.model.forward(&[tok], &mut a, false).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            let lb = f.model.forward(&[tok], &mut b, false).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let la =
+                f.model.forward(&[tok], &mut a, Logits::Last).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let lb =
+                f.model.forward(&[tok], &mut b, Logits::Last).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let c = cosine(&la, &lb);
             worst = worst.min(c);
             sum += c;
@@ -215,7 +217,7 @@ fn prompt_over_the_maximum_context_is_refused() {
     let ids = encode(&tok, &text("emma.txt")[..4000]).unwrap();
     assert!(ids.len() > 64);
     let mut caches = CacheConfig::fp16().build(&model).unwrap();
-    match model.forward(&ids, &mut caches, false) {
+    match model.forward(&ids, &mut caches, Logits::Last) {
         Err(Error::ContextOverflow { requested, max }) => assert_eq!((requested, max), (ids.len(), 64)),
         other => panic!("expected a context overflow, got {:?}", other.map(|_| ())),
     }
@@ -245,7 +247,7 @@ fn ragged_batches_match_single_sequences() {
         }
         for (s, prompt) in prompts.iter().enumerate() {
             let mut alone = config.build(m).unwrap();
-            let mut l = m.forward(prompt, &mut alone, false).unwrap();
+            let mut l = m.forward(prompt, &mut alone, Logits::Last).unwrap();
             for (step, batch_logits) in logits.iter().enumerate() {
                 let b = batch_logits.narrow(0, s, 1).unwrap();
                 let err = (&l - &b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
@@ -255,7 +257,7 @@ fn ragged_batches_match_single_sequences() {
                 if step < fed.len() {
                     let top = l.squeeze(0).unwrap().argmax(0).unwrap().to_scalar::<u32>().unwrap();
                     assert_eq!(top, fed[step][s], "{} sequence {s}, step {step}: greedy token differs", config.name());
-                    l = m.forward(&[top], &mut alone, false).unwrap();
+                    l = m.forward(&[top], &mut alone, Logits::Last).unwrap();
                 }
             }
         }
@@ -347,7 +349,7 @@ fn follow_up_turn_after_codes_equals_a_single_feed() {
     let turns = |caches: &mut ModelCache| {
         chunked(&f.model, caches, 0, &ids[..300], 512, &mut |_, _| {}).unwrap();
         for &t in &ids[300..310] {
-            f.model.forward(&[t], caches, false).unwrap();
+            f.model.forward(&[t], caches, Logits::Last).unwrap();
         }
         last_logits(chunked(&f.model, caches, 0, &ids[310..], 512, &mut |_, _| {}).unwrap())
     };
@@ -387,7 +389,7 @@ fn chat_keeps_history_in_the_caches() {
         let second_prompt_end = after_first + second.prompt_tokens;
         let mut fresh = config.build(&f.model).unwrap();
         let l = last_logits(chunked(&f.model, &mut fresh, 0, &hist[..second_prompt_end], 512, &mut |_, _| {}).unwrap());
-        if matches!(config.method, veloq_candle::config::Method::Fp16) {
+        if matches!(config.method, veloq_candle::Method::Fp16) {
             assert_eq!(argmax(&l) as u32, second.tokens[0], "fp16: single feed of the history disagrees");
         }
         let over = "word ".repeat(3000);

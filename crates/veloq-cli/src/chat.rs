@@ -8,25 +8,30 @@ use clap::Args as ClapArgs;
 
 use veloq_candle::chat::Chat;
 
-use crate::generate::{kv_report, Printer, Runtime, Sampling};
+use crate::args::Run;
+use crate::generate::{kv_report, Printer, Sampling};
 
+/// `veloq chat`'s flags.
 #[derive(ClapArgs)]
 pub struct Args {
     #[command(flatten)]
-    pub runtime: Runtime,
+    /// Model and caches.
+    pub run: Run,
     #[command(flatten)]
+    /// Sampling.
     pub sampling: Sampling,
 }
 
 const HELP: &str = "commands: /reset (forget the conversation), /stats (KV memory, speed), /quit";
 
+/// Runs the conversation.
 pub fn run(a: Args) -> Result<()> {
     let opts = a.sampling.options(true)?;
-    let l = a.runtime.load()?;
-    let caches = l.config.build(&l.model)?;
-    let mut chat = Chat::new(&l.model, &l.tok, caches);
+    let l = a.run.load()?;
+    let caches = l.cache.build(l.model())?;
+    let mut chat = Chat::new(&l.runner, &l.tokenizer, caches);
     let mut last: Option<veloq_candle::generate::GenerateOutput> = None;
-    eprintln!("[{}] {HELP}", l.config.name());
+    eprintln!("[{}] {HELP}", l.cache.name());
     let stdin = std::io::stdin();
     loop {
         eprint!("> ");

@@ -1,21 +1,11 @@
-//! The `veloq` command-line tool.
+//! The `veloq` command-line tool: generate, chat, calibrate, serve. Benchmarks and evaluations
+//! are the lab's (`veloq-lab`).
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-mod bench;
-mod calibrate;
-mod chat;
-mod device;
-mod eval;
-mod generate;
-mod needle;
-mod plot;
-mod serve;
-mod synthetic;
-
-#[global_allocator]
-static ALLOC: veloq::measure::CountingAlloc = veloq::measure::CountingAlloc;
+use veloq_candle::Method;
+use veloq_cli::{calibrate, chat, generate, serve};
 
 #[derive(Parser)]
 #[command(name = "veloq", version, about = "Compressed KV caches for LLM inference")]
@@ -32,22 +22,24 @@ enum Command {
     Chat(chat::Args),
     /// Calibrate VecInfer codebooks on the model's own keys and values over real text.
     Calibrate(calibrate::Args),
-    /// Quality on real text: perplexity, KL and top-1 agreement vs fp16 for every method.
-    Eval(eval::Args),
     /// An OpenAI-compatible server: continuous batching inside a KV memory budget.
     Serve(serve::Args),
-    /// Benchmarks, measured side by side in one run.
-    #[command(subcommand)]
-    Bench(bench::BenchCommand),
+    /// The cache methods, with what they store and their bits per element.
+    Methods,
 }
 
 fn main() -> Result<()> {
     match Cli::parse().command {
-        Command::Bench(b) => bench::run(b),
         Command::Generate(a) => generate::run(a),
         Command::Chat(a) => chat::run(a),
         Command::Calibrate(a) => calibrate::run(a),
-        Command::Eval(a) => eval::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Methods => {
+            for m in Method::catalogue() {
+                println!("{:<20} {}", m.to_string(), m.describe(64));
+            }
+            println!("(bits per element at head_dim 64; rlm's per-row scale costs 16/head_dim)");
+            Ok(())
+        }
     }
 }

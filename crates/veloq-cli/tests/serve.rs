@@ -274,7 +274,7 @@ fn a_load_over_a_small_budget_queues_finishes_and_frees_everything() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = std::env::temp_dir().join(format!("veloq-serve-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let cal = dir.join("smollm2.vecinfer.safetensors");
+    let cal = dir.join("smollm2.vq-4.safetensors");
     let status = veloq()
         .args(["calibrate", "--tokens", "2048", "--window", "2048", "--out"])
         .arg(&cal)
@@ -284,7 +284,7 @@ fn a_load_over_a_small_budget_queues_finishes_and_frees_everything() {
         .unwrap();
     assert!(status.success(), "calibration failed");
     // First learn what one sequence of 256 positions costs, then give room for three and a half.
-    let probe = Server::start(&["--method", "vecinfer", "--calibration", cal.to_str().unwrap()]);
+    let probe = Server::start(&["--method", "vq-4", "--calibration", cal.to_str().unwrap()]);
     let (_, models) = probe.json("GET", "/v1/models", &json!(null));
     let v = &models["data"][0]["veloq"];
     let shared = v["kv_shared_bytes"].as_u64().unwrap();
@@ -292,8 +292,7 @@ fn a_load_over_a_small_budget_queues_finishes_and_frees_everything() {
     assert_eq!(v["kv_sequence_bytes"][0]["positions"], 256);
     drop(probe);
     let budget = (shared + 3 * seq + seq / 2).to_string();
-    let server =
-        Server::start(&["--method", "vecinfer", "--calibration", cal.to_str().unwrap(), "--kv-budget", &budget]);
+    let server = Server::start(&["--method", "vq-4", "--calibration", cal.to_str().unwrap(), "--kv-budget", &budget]);
     // Ten clients at once, each reaching exactly 256 positions (232 prompt tokens + 24).
     let prompts: Vec<Vec<u32>> =
         (0..10).map(|i| (0..232).map(|j| 1000 + ((i * 31 + j * 7) % 5000) as u32).collect()).collect();

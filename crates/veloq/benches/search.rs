@@ -9,9 +9,9 @@ use rand_xoshiro::Xoshiro256PlusPlus;
 use veloq::calibrate::{kmeans, KMeansConfig};
 use veloq::codec::codebook::{Codebook, CodebookSet, Granularity, PqShape};
 use veloq::codec::pack::packed_len;
-use veloq::kernels::cpu::search::search_rows;
-use veloq::kernels::reference::search_rows_naive;
-use veloq::kernels::Metric;
+use veloq::codec::search::reference::search_rows_naive;
+use veloq::codec::search::search_rows;
+use veloq::codec::search::Metric;
 
 fn normal(n: usize, seed: u64) -> Vec<f32> {
     let mut r = Xoshiro256PlusPlus::seed_from_u64(seed);

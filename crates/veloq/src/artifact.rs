@@ -10,7 +10,7 @@
 //! the metadata, and [`Calibration::load_for`] checks the metadata against the model in hand.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use safetensors::{tensor::TensorView, Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
@@ -22,16 +22,23 @@ use crate::codec::smooth::{SmoothRule, SmoothScales, MIN_SCALE};
 use crate::codec::vecinfer::{CodecSpec, VecInferCodec};
 use crate::error::{Error, Result};
 
+/// The `format` field of every artifact.
 pub const FORMAT: &str = "veloq.vecinfer";
+/// Artifacts this version reads and writes.
 pub const FORMAT_VERSION: u32 = 1;
 
 /// What a calibration was made for: the model's name and the geometry its codecs depend on.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelIdentity {
+    /// `general.name` (or the file's stem).
     pub name: String,
+    /// GGUF `general.architecture`.
     pub architecture: String,
+    /// Decoder blocks.
     pub n_layers: usize,
+    /// Key/value heads.
     pub n_kv_heads: usize,
+    /// Channels per head.
     pub head_dim: usize,
 }
 
@@ -57,20 +64,28 @@ impl ModelIdentity {
 /// The key and value codecs of one layer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerCodecs {
+    /// The keys' codec.
     pub keys: VecInferCodec,
+    /// The values' codec.
     pub values: VecInferCodec,
 }
 
 /// A complete calibration for one model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Calibration {
+    /// The model it was calibrated on.
     pub model: ModelIdentity,
+    /// What the key codecs were trained as.
     pub keys: CodecSpec,
+    /// What the value codecs were trained as.
     pub values: CodecSpec,
+    /// k-means seed.
     pub seed: u64,
+    /// Tokens of text the activations came from.
     pub calibration_tokens: usize,
     /// Shingles of the calibration text, so evaluation can refuse to run on it.
     pub text: TextFingerprint,
+    /// Per layer, in layer order.
     pub layers: Vec<LayerCodecs>,
 }
 
@@ -360,14 +375,6 @@ fn read_f32(st: &SafeTensors, name: &str, shape: &[usize]) -> std::result::Resul
         return Err(format!("tensor {name} holds a non-finite value ({}) at index {i}", data[i]));
     }
     Ok(data)
-}
-
-/// Where calibrations go by default: `$VELOQ_CACHE` or `~/.cache/veloq`.
-pub fn default_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("VELOQ_CACHE") {
-        return PathBuf::from(d);
-    }
-    std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(".")).join(".cache/veloq")
 }
 
 #[cfg(test)]

@@ -5,8 +5,11 @@ use half::{bf16, f16};
 
 /// A storage type that widens to f32 without loss.
 pub trait Element: Copy + Send + Sync + 'static {
+    /// The type's name, for messages.
     const NAME: &'static str;
+    /// Widens to f32.
     fn to_f32(self) -> f32;
+    /// Narrows from f32 (round to nearest).
     fn from_f32(v: f32) -> Self;
     /// Widens `src` into `dst` (same length).
     #[inline]

@@ -14,10 +14,24 @@ pub enum Error {
     Config(String),
     /// Input data containing NaN or infinity where finite values are required.
     #[error("non-finite value in {what} at index {index}: {value}")]
-    NonFinite { what: String, index: usize, value: f32 },
+    /// A NaN or infinity where finite numbers are required.
+    NonFinite {
+        /// Which input.
+        what: String,
+        /// The first bad element.
+        index: usize,
+        /// Its value.
+        value: f32,
+    },
     /// An artifact that cannot be read or does not match what the caller expects.
     #[error("calibration artifact {path}: {reason}")]
-    Artifact { path: PathBuf, reason: String },
+    /// A calibration file that cannot be used.
+    Artifact {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A GPU that is missing, refused a call, or cannot run this configuration.
     #[error("GPU: {0}")]
     Device(String),
@@ -25,13 +39,17 @@ pub enum Error {
     #[error("GPU out of memory: {0}")]
     OutOfMemory(String),
     #[error("I/O on {path}: {source}")]
+    /// A file that could not be read or written.
     Io {
+        /// The file.
         path: PathBuf,
         #[source]
+        /// Why.
         source: std::io::Error,
     },
 }
 
+/// Results of the codec crate.
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// Fails with [`Error::NonFinite`] at the first NaN or infinity in `data`.

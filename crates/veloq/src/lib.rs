@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! veloq: KV-cache compression for LLM inference.
 //!
 //! This crate is the framework-free core: codec math (Hadamard rotation, smoothing, product VQ,
@@ -10,7 +11,7 @@ pub mod codec;
 pub mod element;
 pub mod error;
 pub mod kernels;
-pub mod measure;
+pub mod paths;
 
 #[cfg(test)]
 mod testing;

@@ -38,6 +38,7 @@ use super::backend::{compose, Backend, Heads};
 use super::residency::{Put, Quantize, Restore, RowRun, RowSource, SeqView};
 use super::tensor::attention::{code_space_queries, value_space, State};
 use super::tensor::{TensorBackend, TensorInput, TensorPartial};
+use crate::cuda_options::CudaOptions;
 use crate::error::{Error, Result};
 
 /// veloq's kernels on one candle CUDA device, shared by the layers of a model: one scratch for
@@ -46,41 +47,59 @@ use crate::error::{Error, Result};
 /// Flushes (the ring's oldest rows into codes, every few decode steps) go to a second stream:
 /// nothing in the rest of the step reads them, so they run beside the next layers' products
 /// instead of between them, and a layer's next use of its storage waits for them (an event per
-/// layer). Only when cudarc's per-buffer event tracking is off (as the CLI runs): with it on, a
-/// second stream would make cudarc track every launch of the process. `VELOQ_FLUSH_STREAM=0`
-/// (or [`set_flushes_aside`](Self::set_flushes_aside)) keeps them on the main stream.
+/// layer). Only when cudarc's per-buffer event tracking is off (as a device opened through
+/// [`runtime::Device::open`](crate::runtime::Device::open) runs): with it on, a second stream would
+/// make cudarc track every launch of the process. [`CudaOptions::flush_stream`] off (or
+/// [`set_flushes_aside`](Self::set_flushes_aside)) keeps them on the main stream.
 pub struct CudaRuntime {
     gpu: Gpu,
     flush: Option<Gpu>,
     aside: AtomicBool,
+    /// [`CudaOptions::gemv`]: f16 weights of a decode step take veloq's GEMV.
+    gemv: AtomicBool,
     device: CudaDevice,
     scratch: Mutex<Option<AttentionScratch>>,
     launches: AtomicUsize,
 }
 
 impl CudaRuntime {
-    /// The runtime of `device`, one per device and process (kernels compile once); an error for
-    /// other devices.
+    /// The runtime of `device`, one per device and process (kernels compile once), with the
+    /// options it was configured with ([`configure`](Self::configure); the defaults otherwise);
+    /// an error for other devices.
     pub fn new(device: &Device) -> Result<Arc<Self>> {
+        Self::registry(device, None)
+    }
+
+    /// The runtime of `device` with `options` from now on (created if it is the first use).
+    pub fn configure(device: &Device, options: &CudaOptions) -> Result<Arc<Self>> {
+        Self::registry(device, Some(options))
+    }
+
+    fn registry(device: &Device, options: Option<&CudaOptions>) -> Result<Arc<Self>> {
         static RUNTIMES: Mutex<Vec<Arc<CudaRuntime>>> = Mutex::new(Vec::new());
         let Device::Cuda(cuda) = device else {
-            return Err(Error::Config(format!("veloq's CUDA kernels need a CUDA device, got {device:?}")));
+            return Err(Error::Device(format!("veloq's CUDA kernels need a CUDA device, got {device:?}")));
         };
         let mut all = RUNTIMES.lock().expect("runtime registry lock");
         if let Some(rt) = all.iter().find(|rt| rt.device.same_device(cuda)) {
+            if let Some(o) = options {
+                rt.set_options(o);
+            }
             return Ok(rt.clone());
         }
-        let gpu = Gpu::from_stream(cuda.cuda_stream())?;
+        let defaults = CudaOptions::default();
+        let options = options.unwrap_or(&defaults);
+        let gpu = Gpu::from_stream(cuda.cuda_stream(), options.kernels.clone())?;
         let ctx = gpu.context();
         let flush = match ctx.is_event_tracking() {
-            false => Some(Gpu::from_stream(ctx.new_stream().map_err(veloq::Error::from)?)?),
+            false => Some(Gpu::from_stream(ctx.new_stream().map_err(veloq::Error::from)?, options.kernels.clone())?),
             true => None,
         };
-        let aside = std::env::var("VELOQ_FLUSH_STREAM").map_or(true, |v| v != "0");
         let rt = Arc::new(Self {
             gpu,
             flush,
-            aside: AtomicBool::new(aside),
+            aside: AtomicBool::new(options.flush_stream),
+            gemv: AtomicBool::new(options.gemv),
             device: cuda.clone(),
             scratch: Mutex::new(None),
             launches: AtomicUsize::new(0),
@@ -92,6 +111,22 @@ impl CudaRuntime {
     /// The GPU handle the kernels launch on.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// Options for what runs from now on (kernels compiled so far stay; CUDA graphs replay what
+    /// they captured, and are keyed by the options they depend on).
+    pub fn set_options(&self, options: &CudaOptions) {
+        self.gpu.set_options(options.kernels.clone());
+        if let Some(f) = &self.flush {
+            f.set_options(options.kernels.clone());
+        }
+        self.aside.store(options.flush_stream, Ordering::Relaxed);
+        self.gemv.store(options.gemv, Ordering::Relaxed);
+    }
+
+    /// Whether f16 weights of decode steps take veloq's GEMV ([`CudaOptions::gemv`]).
+    pub fn gemv(&self) -> bool {
+        self.gemv.load(Ordering::Relaxed)
     }
 
     /// Whether flushes run on their own stream.

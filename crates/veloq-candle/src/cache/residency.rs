@@ -18,17 +18,32 @@ use crate::error::{Error, Result};
 
 /// How a layer keeps positions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Policy {
-    /// First positions kept as f16 rows for good (attention sinks); 0 for dense caches.
-    pub sink: usize,
-    /// f16 rows after the sink, used as a ring.
-    pub ring: usize,
-    /// Coded caches: ring rows beyond `keep` are coded `block` at a time.
-    pub coding: Option<Coding>,
-    /// Sliding-window layers: a query sees the `window` most recent positions, itself included.
-    pub window: Option<usize>,
-    /// Positions one sequence may reach.
-    pub capacity: usize,
+pub enum Policy {
+    /// Every position in f16 rows (the fp16 baseline).
+    Dense {
+        /// Positions one sequence may reach.
+        capacity: usize,
+    },
+    /// A sliding-window layer: a query sees the `window` most recent positions, itself included;
+    /// f16 rows, only the last `window − 1` kept between steps.
+    Sliding {
+        /// Positions a query sees.
+        window: usize,
+        /// Positions one sequence may reach.
+        capacity: usize,
+    },
+    /// A coded cache: `sink` f16 positions, then codes, then `keep`–`keep + block − 1` recent f16
+    /// positions (a ring of `keep + block` rows), coded `block` at a time.
+    Coded {
+        /// First positions kept as f16 rows for good (attention sinks).
+        sink: usize,
+        /// Recent positions that stay f16 after a commit.
+        keep: usize,
+        /// Positions coded at a time (whole blocks, aligned after the sink).
+        block: usize,
+        /// Positions one sequence may reach.
+        capacity: usize,
+    },
 }
 
 /// What one sequence's storage holds: see [`Policy::footprint`].
@@ -53,57 +68,85 @@ impl Policy {
     /// A coded cache: `sink` f16 positions, then codes, then `keep`–`keep + block − 1` recent f16
     /// positions.
     pub fn coded(sink: usize, keep: usize, block: usize, capacity: usize) -> Self {
-        Self { sink, ring: keep + block, coding: Some(Coding { keep, block }), window: None, capacity }
+        Policy::Coded { sink, keep, block, capacity }
     }
 
     /// Every position in f16 rows (the fp16 baseline).
     pub fn dense(capacity: usize) -> Self {
-        Self { sink: 0, ring: capacity, coding: None, window: None, capacity }
+        Policy::Dense { capacity }
     }
 
     /// A sliding-window layer: only the `window` most recent positions are ever attended, so only
     /// the last `window − 1` are kept between steps.
     pub fn sliding(window: usize, capacity: usize) -> Self {
-        Self { sink: 0, ring: window.min(capacity), coding: None, window: Some(window), capacity }
+        Policy::Sliding { window, capacity }
+    }
+
+    /// First positions kept as f16 rows for good (0 unless coded).
+    pub fn sink(&self) -> usize {
+        match *self {
+            Policy::Coded { sink, .. } => sink,
+            _ => 0,
+        }
+    }
+
+    /// f16 rows after the sink, used as a ring (every position for dense caches).
+    pub fn ring(&self) -> usize {
+        match *self {
+            Policy::Dense { capacity } => capacity,
+            Policy::Sliding { window, capacity } => window.min(capacity),
+            Policy::Coded { keep, block, .. } => keep + block,
+        }
+    }
+
+    /// Positions one sequence may reach.
+    pub fn capacity(&self) -> usize {
+        match *self {
+            Policy::Dense { capacity } | Policy::Sliding { capacity, .. } | Policy::Coded { capacity, .. } => capacity,
+        }
+    }
+
+    /// When rows become codes (coded caches).
+    pub fn coding(&self) -> Option<Coding> {
+        match *self {
+            Policy::Coded { keep, block, .. } => Some(Coding { keep, block }),
+            _ => None,
+        }
+    }
+
+    /// The window of a sliding-window layer.
+    pub fn window(&self) -> Option<usize> {
+        match *self {
+            Policy::Sliding { window, .. } => Some(window),
+            _ => None,
+        }
     }
 
     /// f16 rows each sequence holds (sink then ring).
     pub fn rows(&self) -> usize {
-        self.sink + self.ring
+        self.sink() + self.ring()
     }
 
     /// Where a sequence grown from empty to `positions` keeps them once its steps are committed:
     /// the storage rows it has touched and its coded positions. What a slot's storage must hold,
     /// whatever steps brought the positions (commits code whole blocks beyond the recent rows).
     pub fn footprint(&self, positions: usize) -> Footprint {
-        let positions = positions.min(self.capacity);
-        let coded = match self.coding {
-            Some(c) => positions.saturating_sub(self.sink + c.keep) / c.block * c.block,
+        let positions = positions.min(self.capacity());
+        let coded = match self.coding() {
+            Some(c) => positions.saturating_sub(self.sink() + c.keep) / c.block * c.block,
             None => 0,
         };
         Footprint { rows: positions.min(self.rows()), coded }
     }
 
     fn check(&self) -> Result<()> {
-        let bad = |why: String| Err(Error::Config(format!("cache policy {self:?}: {why}")));
-        if self.ring == 0 || self.capacity == 0 {
-            return bad("the ring and the capacity must be positive".into());
-        }
-        if let Some(c) = self.coding {
-            if c.block == 0 || self.ring < c.keep + c.block {
-                return bad("a coded cache needs a positive block and a ring of keep + block rows".into());
-            }
-            if self.window.is_some() {
-                return bad("sliding-window layers are not coded".into());
-            }
-        }
-        if let Some(w) = self.window {
-            if w == 0 || (self.ring < w && self.ring < self.capacity) || self.sink > 0 {
-                return bad(
-                    "a sliding window needs a positive window, a ring of at least the window and no sink".into()
-                );
-            }
-        }
+        let bad = |why: &str| Err(Error::Config(format!("cache policy {self:?}: {why}")));
+        match *self {
+            _ if self.capacity() == 0 => bad("the capacity must be positive"),
+            Policy::Coded { block: 0, .. } => bad("a coded cache needs a positive block"),
+            Policy::Sliding { window: 0, .. } => bad("a sliding window needs a positive window"),
+            _ => Ok(()),
+        }?;
         Ok(())
     }
 }
@@ -339,18 +382,18 @@ impl Residency {
 
     /// Coded positions of `slot` (0 for dense caches).
     pub fn coded(&self, slot: usize) -> usize {
-        match (self.policy.coding, self.seqs.get(slot)) {
+        match (self.policy.coding(), self.seqs.get(slot)) {
             (Some(_), Some(s)) => s.past,
             _ => 0,
         }
     }
 
     fn ring_run(&self, s: &SeqState, from: usize) -> RowRun {
-        RowRun { base: self.policy.sink, start: (s.ring_head + from) % self.policy.ring, wrap: self.policy.ring }
+        RowRun { base: self.policy.sink(), start: (s.ring_head + from) % self.policy.ring(), wrap: self.policy.ring() }
     }
 
     fn sink_run(&self, at: usize) -> RowRun {
-        RowRun { base: 0, start: at, wrap: self.policy.sink.max(1) }
+        RowRun { base: 0, start: at, wrap: self.policy.sink().max(1) }
     }
 
     /// Checks `step` against the sequences (slots, positions, capacity) without changing anything.
@@ -371,8 +414,8 @@ impl Residency {
             if s.start != state.len() {
                 return Err(Error::Position { slot: s.slot, expected: state.len(), got: s.start });
             }
-            if s.start + s.len > self.policy.capacity {
-                return Err(Error::ContextOverflow { requested: s.start + s.len, max: self.policy.capacity });
+            if s.start + s.len > self.policy.capacity() {
+                return Err(Error::ContextOverflow { requested: s.start + s.len, max: self.policy.capacity() });
             }
         }
         Ok(())
@@ -388,20 +431,20 @@ impl Residency {
         for (i, s) in step.seqs().iter().enumerate() {
             let src = step.rows(i).start;
             let mut st = self.seqs[s.slot];
-            let to_sink = if st.len() < p.sink { (p.sink - st.n_sink).min(s.len) } else { 0 };
+            let to_sink = if st.len() < p.sink() { (p.sink() - st.n_sink).min(s.len) } else { 0 };
             if to_sink > 0 {
                 puts.push(Put { slot: s.slot, src, n: to_sink, to: self.sink_run(st.n_sink) });
                 st.n_sink += to_sink;
             }
-            if let Some(w) = p.window {
+            if let Some(w) = p.window() {
                 // The step's first query sees from s.start + 1 − w on: older rows go for good.
                 let drop = (s.start + 1).saturating_sub(w).saturating_sub(st.n_sink + st.past).min(st.ring_len);
                 st.past += drop;
-                st.ring_head = (st.ring_head + drop) % p.ring;
+                st.ring_head = (st.ring_head + drop) % p.ring();
                 st.ring_len -= drop;
             }
             let rest = s.len - to_sink;
-            if rest > 0 && st.ring_len + rest <= p.ring {
+            if rest > 0 && st.ring_len + rest <= p.ring() {
                 puts.push(Put { slot: s.slot, src: src + to_sink, n: rest, to: self.ring_run(&st, st.ring_len) });
                 st.ring_len += rest;
             } else if rest > 0 {
@@ -430,7 +473,7 @@ impl Residency {
                     queries: step.rows(i),
                     start: s.start,
                     n_sink: st.n_sink,
-                    coded: if self.policy.coding.is_some() { st.past } else { 0 },
+                    coded: if self.policy.coding().is_some() { st.past } else { 0 },
                     ring: self.ring_run(st, 0),
                     ring_len: st.ring_len,
                     ring_pos0,
@@ -439,7 +482,7 @@ impl Residency {
                         n: st.staged,
                         pos0: ring_pos0 + st.ring_len,
                     }),
-                    window: self.policy.window,
+                    window: self.policy.window(),
                 }
             })
             .collect())
@@ -459,8 +502,9 @@ impl Residency {
         for s in step.seqs() {
             let mut st = self.seqs[s.slot];
             let slot = s.slot;
-            match (p.coding, p.window) {
-                (Some(c), _) => {
+            match p {
+                Policy::Coded { keep, block, .. } => {
+                    let c = Coding { keep, block };
                     let total = st.ring_len + st.staged;
                     let n_code = if total >= c.keep + c.block { (total - c.keep) / c.block * c.block } else { 0 };
                     if n_code > 0 {
@@ -472,14 +516,14 @@ impl Residency {
                             ring: (self.ring_run(&st, 0), from_ring),
                             input: (st.staged_src, from_new),
                         }));
-                        st.ring_head = (st.ring_head + from_ring) % p.ring;
+                        st.ring_head = (st.ring_head + from_ring) % p.ring();
                         st.ring_len -= from_ring;
                         st.past += n_code;
                         st.staged -= from_new;
                         st.staged_src += from_new;
                     }
                 }
-                (None, Some(w)) => {
+                Policy::Sliding { window: w, .. } => {
                     let keep = w - 1;
                     if st.staged >= keep {
                         // The step's last `keep` rows are all a later query sees.
@@ -491,11 +535,11 @@ impl Residency {
                     } else {
                         let drop = (st.ring_len + st.staged).saturating_sub(keep).min(st.ring_len);
                         st.past += drop;
-                        st.ring_head = (st.ring_head + drop) % p.ring;
+                        st.ring_head = (st.ring_head + drop) % p.ring();
                         st.ring_len -= drop;
                     }
                 }
-                (None, None) => {}
+                Policy::Dense { .. } => {}
             }
             if st.staged > 0 {
                 moves.push(Move::Put(Put {
@@ -534,12 +578,12 @@ impl Residency {
         let mut moves = Vec::new();
         let mut st = st;
         if len == 0 {
-            if p.coding.is_some() && st.past > 0 {
+            if p.coding().is_some() && st.past > 0 {
                 moves.push(Move::Restore(Restore { slot, keep: 0, n: 0, to: self.ring_run(&st, 0) }));
             }
             st = SeqState::default();
         } else if len >= st.n_sink + st.past {
-            if let Some(w) = p.window {
+            if let Some(w) = p.window() {
                 // The next query, at `len`, must find its window − 1 predecessors.
                 if (len + 1).saturating_sub(w) < st.past {
                     return Err(Error::Config(format!(
@@ -554,7 +598,7 @@ impl Residency {
             }
             st = SeqState { n_sink: len, ..SeqState::default() };
         } else {
-            let Some(c) = p.coding else {
+            let Some(c) = p.coding() else {
                 return Err(Error::Config(format!(
                     "cannot truncate slot {slot} to {len}: positions before {} are gone",
                     st.n_sink + st.past
@@ -569,9 +613,9 @@ impl Residency {
         }
         // Dense rows hold position i in row i, so a cut frees every row past it; a ring is in
         // use wherever its head went, so only an empty sequence frees it.
-        let rows = match (len, p.coding, p.window) {
-            (0, _, _) => 0,
-            (_, None, None) => len,
+        let rows = match (len, p) {
+            (0, _) => 0,
+            (_, Policy::Dense { .. }) => len,
             _ => p.rows(),
         };
         if rows < p.rows() {
@@ -693,7 +737,7 @@ mod tests {
             Policy::coded(2, 8, 8, 8000),
         ] {
             let mut r = Residency::new(policy, 3).unwrap();
-            let block = policy.coding.map_or(1, |c| c.block);
+            let block = policy.coding().map_or(1, |c| c.block);
             let mut sh =
                 Shadow { rows: vec![vec![None; policy.rows()]; 3], codes: vec![Vec::new(); 3], input: Vec::new() };
             let (mut restores, mut staged, mut most_coded) = (0, 0, 0);
@@ -709,7 +753,7 @@ mod tests {
                             moves.iter().for_each(|m| sh.apply(m, block))
                         }
                         Err(_) => assert!(
-                            policy.window.is_some(),
+                            policy.window().is_some(),
                             "seed {start_seed}: only sliding windows refuse truncations"
                         ),
                     }
@@ -720,10 +764,10 @@ mod tests {
                     .map(|i| {
                         let slot = (i + (roll as usize >> 10)) % 3;
                         let len = if (roll >> (20 + i)) & 1 == 0 { 1 } else { 1 + (xorshift(&mut seed) as usize) % 40 };
-                        SeqStep { slot, start: r.len(slot), len: len.min(policy.capacity - r.len(slot)).max(1) }
+                        SeqStep { slot, start: r.len(slot), len: len.min(policy.capacity() - r.len(slot)).max(1) }
                     })
                     .collect();
-                if seqs.iter().any(|s| s.start + s.len > policy.capacity) {
+                if seqs.iter().any(|s| s.start + s.len > policy.capacity()) {
                     break;
                 }
                 let step = Step::new(seqs).unwrap();
@@ -740,7 +784,7 @@ mod tests {
                     );
                     seen.sort_unstable();
                     let last = v.query_pos(v.queries.len() - 1);
-                    let first_needed = policy.window.map_or(0, |w| (v.start + 1).saturating_sub(w));
+                    let first_needed = policy.window().map_or(0, |w| (v.start + 1).saturating_sub(w));
                     let want: Vec<usize> = (first_needed..=last).collect();
                     let from = seen.partition_point(|&p| p < first_needed);
                     assert_eq!(
@@ -748,7 +792,7 @@ mod tests {
                         &want[..],
                         "seed {start_seed} round {round} policy {policy:?}: view {v:?}"
                     );
-                    assert!(policy.window.is_some() || from == 0, "non-sliding caches keep everything");
+                    assert!(policy.window().is_some() || from == 0, "non-sliding caches keep everything");
                     let coded = &sh.codes[v.slot][..v.coded];
                     assert!(coded.iter().all(|&p| p < v.start), "codes older than every query");
                 }
@@ -757,11 +801,11 @@ mod tests {
                 }
                 for s in step.seqs() {
                     let st = r.seqs[s.slot];
-                    if let Some(c) = policy.coding {
+                    if let Some(c) = policy.coding() {
                         assert!(st.ring_len < c.keep + c.block, "ring after a commit: {st:?}");
                         assert_eq!(sh.codes[s.slot].len(), st.past);
                     }
-                    if let Some(w) = policy.window {
+                    if let Some(w) = policy.window() {
                         assert!(st.ring_len < w, "sliding ring after a commit: {st:?}");
                     }
                     assert_eq!(st.staged, 0);
@@ -769,10 +813,10 @@ mod tests {
             }
             // The run reached what it tests: steps too long for the ring, codes, cuts into codes.
             assert!(
-                staged > 0 || policy.coding.is_none() && policy.window.is_none(),
+                staged > 0 || policy.coding().is_none() && policy.window().is_none(),
                 "seed {start_seed}: no staged rows under {policy:?}"
             );
-            if policy.coding.is_some() {
+            if policy.coding().is_some() {
                 assert!(
                     most_coded > 100 && restores > 0,
                     "seed {start_seed}: {most_coded} coded, {restores} restores under {policy:?}"
@@ -797,7 +841,8 @@ mod tests {
         assert!(r.truncate(0, 3).is_err(), "truncate before commit");
         r.commit();
         assert_eq!((r.len(0), r.coded(0)), (30, 8));
-        assert!(Residency::new(Policy { ring: 3, ..Policy::coded(0, 4, 4, 10) }, 1).is_err());
+        assert!(Residency::new(Policy::coded(0, 4, 0, 10), 1).is_err());
+        assert!(Residency::new(Policy::sliding(0, 10), 1).is_err());
         assert!(Residency::new(Policy::dense(10), 0).is_err());
     }
 }

@@ -4,7 +4,7 @@
 //! One worker thread owns the model and the caches (one [`ModelCache`] with a slot per sequence).
 //! Each step it takes in new requests, drops those whose client went away, admits what fits the
 //! budget ([`schedule::Admission`]: worst case = prompt + `max_tokens` positions at the method's
-//! real bytes, first come first served), and runs one [`Model::forward_step`] over every decoding
+//! real bytes, first come first served), and runs one [`Forward::forward_step`] over every decoding
 //! sequence's next token plus chunks of the prompts being prefilled ([`schedule::plan`]), so a long
 //! prompt never stalls the streams already running. A finished or abandoned sequence frees its
 //! slot, its storage and its reservation at once.
@@ -33,6 +33,7 @@ use crate::error::{Error, Result};
 use crate::generate::{check_sampling, sampler, Finish};
 use crate::model::{Logits, Model};
 use crate::prefill::DEFAULT_CHUNK;
+use crate::runner::Forward;
 use crate::text::TextStream;
 
 /// A prompt always advances by at least this many tokens a step, however many sequences decode.
@@ -201,14 +202,15 @@ pub struct Engine {
 impl Engine {
     /// Builds the caches for as many sequences as the budget and `max_seqs` allow and starts the
     /// worker thread that runs `model`.
-    pub fn start(model: Arc<Model>, tok: Arc<Tokenizer>, cache: CacheConfig, cfg: EngineConfig) -> Result<Self> {
+    pub fn start(runner: Arc<dyn Forward>, tok: Arc<Tokenizer>, cache: CacheConfig, cfg: EngineConfig) -> Result<Self> {
+        let model = runner.model();
         if cfg.step_tokens == 0 || cfg.max_seqs == 0 {
             return Err(Error::Config("the engine needs at least one slot and one token per step".into()));
         }
         let max_context = cache.capacity.unwrap_or(model.max_context()).min(model.max_context());
         let cache = CacheConfig { capacity: Some(max_context), ..cache };
         // One slot first: what is shared, what a sequence of each length takes.
-        let probe = cache.build_batch(&model, 1)?;
+        let probe = cache.build_batch(model, 1)?;
         let reserve = probe.sequence_bytes(0);
         let shared = probe.resident_bytes().saturating_sub(reserve);
         let sequence_bytes: Arc<[usize]> = (0..=max_context).map(|n| probe.sequence_bytes(n)).collect();
@@ -244,12 +246,12 @@ impl Engine {
             bytes_per_position,
             sequence_bytes,
         };
-        let caches = cache.build_batch(&model, slots)?;
+        let caches = cache.build_batch(model, slots)?;
         let (tx, rx) = mpsc::channel();
         let ledger = Arc::new(Mutex::new(Ledger::default()));
         let stop = Arc::new(AtomicBool::new(false));
         let mut w = Worker {
-            model,
+            model: runner.clone(),
             tok,
             cache,
             empty_bytes: caches.resident_bytes(),
@@ -345,7 +347,7 @@ enum Outcome {
 }
 
 struct Worker {
-    model: Arc<Model>,
+    model: Arc<dyn Forward>,
     tok: Arc<Tokenizer>,
     cache: CacheConfig,
     caches: ModelCache,
@@ -484,7 +486,7 @@ impl Worker {
                 l.sampler.sample(&logits.get(row)?)?
             };
             sampled += 1;
-            Self::take(&self.model, &self.tok, l, next, self.info.max_context, self.caches.len(l.slot))?;
+            Self::take(self.model.model(), &self.tok, l, next, self.info.max_context, self.caches.len(l.slot))?;
         }
         self.ledger.lock().expect("ledger").step(t0.elapsed(), prompt_fed, sampled);
         Ok(())
@@ -576,7 +578,7 @@ impl Worker {
             ledger.stats.failed += 1;
         }
         drop(ledger);
-        match self.cache.build_batch(&self.model, self.caches.slots()) {
+        match self.cache.build_batch(self.model.model(), self.caches.slots()) {
             Ok(c) => self.caches = c,
             Err(e) => {
                 eprintln!("veloq engine: rebuilding the caches failed ({e}); stopping");

@@ -79,7 +79,7 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
 /// logit margin at each step.
 fn alone(model: &Model, prompt: &[u32], n: usize) -> Vec<(u32, f32)> {
     let mut caches = CacheConfig::fp16().build(model).unwrap();
-    let mut logits = model.forward(prompt, &mut caches, false).unwrap();
+    let mut logits = model.forward(prompt, &mut caches, crate::model::Logits::Last).unwrap();
     let mut out = Vec::new();
     for _ in 0..n {
         let row = logits.squeeze(0).unwrap().to_vec1::<f32>().unwrap();

@@ -1,204 +1,213 @@
-//! Pre-norm decoders over GGUF weights, GQA attention through the layer cache:
-//! - the Llama family (Llama 2/3, SmolLM2, Mistral, Falcon3 as `llama`; Qwen2 with its q/k/v biases
-//!   and NeoX RoPE), SwiGLU MLP;
-//! - Gemma 3 (`gemma3`): embeddings × √hidden, per-head q/k RMS norms, norms after attention and
-//!   after the MLP too, GELU (tanh) gated MLP, NeoX RoPE with base 10,000 on sliding-window layers
-//!   and the file's base (and linear scaling) on global ones; every `sliding_window_pattern`-th layer
-//!   (6) is global, the others see the last `sliding_window` positions (their caches keep only
-//!   those).
+//! Pre-norm decoders over GGUF weights, GQA attention through the layer cache. What differs
+//! between families — norm placement, q/k norms, biases, activation, RoPE style and bases,
+//! sliding-window layers, embedding scale, fused tensors — is read from the family's
+//! [`Architecture`] descriptor and the file's metadata, never from its name.
 //!
 //! A forward pass runs a [`Step`]: one or more sequences, each at its own position with its own
 //! number of new tokens, packed into one `[tokens, hidden]` activation. RoPE takes each token's
 //! position from the step; the caches check that every sequence continues where its slot ends.
 
-use std::fs::File;
-use std::io::BufReader;
 use std::path::Path;
 
 use candle_core::quantized::gguf_file;
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::RmsNorm;
 
-#[cfg(feature = "cuda")]
-use super::graph::StepPhases;
+use super::arch::{Activation, Architecture, Norms, RopeStyle, Sliding};
 use super::linear::{Along, Fused, Linear};
+use super::source::{GgufFile, ModelSource, Weight};
 use super::ModelInfo;
 use crate::cache::{ModelCache, Step};
 use crate::error::{Error, Result};
 use veloq::artifact::ModelIdentity;
 
-pub(super) struct Layer {
-    pub(super) attn_norm: RmsNorm,
-    pub(super) wq: Linear,
-    pub(super) wk: Linear,
-    pub(super) wv: Linear,
-    pub(super) wo: Linear,
-    pub(super) bias: Option<(Tensor, Tensor, Tensor)>,
-    pub(super) ffn_norm: RmsNorm,
-    pub(super) gate: Linear,
-    pub(super) up: Linear,
-    pub(super) down: Linear,
-    /// Gemma 3: per-head q/k norms, norms on the attention and MLP outputs.
-    pub(super) qk_norm: Option<(RmsNorm, RmsNorm)>,
-    pub(super) post_norms: Option<(RmsNorm, RmsNorm)>,
+/// A layer's q/k/v matrices: three, or one with q, k and v rows one after another.
+pub(crate) enum Qkv3 {
+    Separate { q: Linear, k: Linear, v: Linear },
+    Fused(Linear),
+}
+
+/// A layer's gate and up matrices: two, or one with the gate's rows then the up's.
+pub(crate) enum GateUp {
+    Separate { gate: Linear, up: Linear },
+    Fused(Linear),
+}
+
+pub(crate) struct Layer {
+    pub(crate) attn_norm: RmsNorm,
+    pub(crate) qkv: Qkv3,
+    pub(crate) wo: Linear,
+    pub(crate) bias: Option<(Tensor, Tensor, Tensor)>,
+    pub(crate) ffn_norm: RmsNorm,
+    pub(crate) gate_up: GateUp,
+    pub(crate) down: Linear,
+    /// Per-head q/k norms (Gemma 3, Qwen3).
+    pub(crate) qk_norm: Option<(RmsNorm, RmsNorm)>,
+    /// Norms on the attention and MLP outputs (Gemma 3).
+    pub(crate) post_norms: Option<(RmsNorm, RmsNorm)>,
     /// Sliding-window layer: attends the last `window` positions, with the local RoPE tables.
-    pub(super) window: Option<usize>,
+    pub(crate) window: Option<usize>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Activation {
-    Silu,
-    GeluTanh,
-}
-
+/// A decoder's weights and tables: what a forward pass reads. Holds no cache and no device
+/// state: the caches are passed to every pass, CUDA graphs belong to a
+/// [`Runner`](crate::runner::Runner).
 pub struct Model {
+    /// Geometry, vocabulary facts and the family's descriptor.
     pub info: ModelInfo,
-    pub(super) embed: Tensor,
-    pub(super) layers: Vec<Layer>,
-    pub(super) norm: RmsNorm,
-    pub(super) output: Linear,
-    pub(super) neox: bool,
-    pub(super) cos: Tensor,
-    pub(super) sin: Tensor,
-    /// RoPE tables of sliding-window layers (Gemma 3: base 10,000).
-    pub(super) local_rope: Option<(Tensor, Tensor)>,
-    pub(super) activation: Activation,
-    pub(super) embed_scale: f64,
-    pub(super) attn_scale: f64,
-    pub(super) max_context: usize,
-    pub(super) device: Device,
-    #[cfg(feature = "cuda")]
-    pub(super) graphs: super::graph::Graphs,
+    pub(crate) embed: Tensor,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) norm: RmsNorm,
+    pub(crate) output: Linear,
+    pub(crate) cos: Tensor,
+    pub(crate) sin: Tensor,
+    /// RoPE tables of sliding-window layers, when their base differs (Gemma 3: 10,000).
+    pub(crate) local_rope: Option<(Tensor, Tensor)>,
+    pub(crate) embed_scale: f64,
+    pub(crate) attn_scale: f64,
+    pub(crate) max_context: usize,
+    pub(crate) device: Device,
+}
+
+/// How a model is loaded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Longest context (prompts + generated) any forward pass may reach: sizes the RoPE tables.
+    pub max_context: usize,
+    /// Dequantize quantized weights to f32: slower and larger, but the same matmul arithmetic on
+    /// every device (candle's quantized CUDA and CPU matmuls round differently).
+    pub dequantize: bool,
+}
+
+impl LoadOptions {
+    /// Quantized weights as stored, up to `max_context` positions.
+    pub fn new(max_context: usize) -> Self {
+        Self { max_context, dequantize: false }
+    }
 }
 
 impl Model {
-    /// Loads a GGUF file; `max_context` sizes the RoPE tables and bounds every forward call.
-    pub fn load(path: &Path, max_context: usize, device: &Device) -> Result<(Self, gguf_file::Content)> {
-        let bad = |reason: String| Error::Model { path: path.to_path_buf(), reason };
-        let file = File::open(path).map_err(|e| bad(e.to_string()))?;
-        let mut reader = BufReader::new(file);
-        let ct = gguf_file::Content::read(&mut reader)
-            .map_err(|e| bad(format!("not a readable GGUF file (truncated or corrupt?): {e}")))?;
-        let md = |k: &str| ct.metadata.get(k);
-        let arch = md("general.architecture")
+    /// Loads a model from `source` (a GGUF file, or weights in memory) onto `device`.
+    pub fn load(source: &mut dyn ModelSource, options: &LoadOptions, device: &Device) -> Result<Self> {
+        let origin = source.origin();
+        let bad = |reason: String| Error::Model { path: origin.clone(), reason };
+        let md = source.metadata();
+        let arch_name = md
+            .get("general.architecture")
             .and_then(|v| v.to_string().ok())
             .cloned()
             .ok_or_else(|| bad("no general.architecture".into()))?;
-        let neox = match arch.as_str() {
-            "llama" | "mistral" => false,
-            "qwen2" | "gemma3" => true,
-            other => return Err(Error::Architecture(other.to_string())),
-        };
-        let gemma = arch == "gemma3";
-        let get_u = |k: &str| -> Result<usize> {
-            md(&format!("{arch}.{k}"))
-                .ok_or_else(|| bad(format!("missing metadata {arch}.{k}")))?
-                .to_u32()
-                .map(|v| v as usize)
-                .map_err(|e| bad(format!("{arch}.{k}: {e}")))
-        };
-        let n_heads = get_u("attention.head_count")?;
-        let n_kv = get_u("attention.head_count_kv")?;
-        let n_layers = get_u("block_count")?;
-        let hidden = get_u("embedding_length")?;
-        let head_dim = get_u("attention.key_length").unwrap_or(hidden / n_heads);
-        let eps = md(&format!("{arch}.attention.layer_norm_rms_epsilon")).and_then(|v| v.to_f32().ok()).unwrap_or(1e-5)
-            as f64;
-        let rope_base = md(&format!("{arch}.rope.freq_base")).and_then(|v| v.to_f32().ok()).unwrap_or(10000.0);
-        let get_f = |k: &str| md(&format!("{arch}.{k}")).and_then(|v| v.to_f32().ok());
-        // Gemma 3: linear RoPE scaling on global layers (4B and up), windows on the others.
-        let rope_scale = if gemma { get_f("rope.scaling.factor").filter(|f| *f > 0.0).unwrap_or(1.0) } else { 1.0 };
-        let sliding = if gemma { Some(get_u("attention.sliding_window")?) } else { None };
-        let pattern = get_u("attention.sliding_window_pattern").unwrap_or(6).max(1);
-        let train_context = get_u("context_length").ok();
-        if n_heads == 0 || n_kv == 0 || n_heads % n_kv != 0 {
+        let arch = Architecture::named(&arch_name)?;
+        let meta = Meta { md, arch: arch.name, bad: &bad };
+        let n_heads = meta.usize("attention.head_count")?;
+        let n_kv = meta.usize("attention.head_count_kv")?;
+        let n_layers = meta.usize("block_count")?;
+        let hidden = meta.usize("embedding_length")?;
+        if n_heads == 0 || n_kv == 0 || !n_heads.is_multiple_of(n_kv) {
             return Err(bad(format!("{n_heads} heads and {n_kv} kv-heads do not group")));
         }
-        let name = md("general.name")
+        let head_dim = meta.opt_usize("attention.key_length")?.unwrap_or(hidden / n_heads);
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
+            return Err(bad(format!("head_dim {head_dim}: RoPE needs an even, non-zero head dimension")));
+        }
+        let eps = meta.opt_f32("attention.layer_norm_rms_epsilon").unwrap_or(1e-5) as f64;
+        let rope_base = meta.opt_f32("rope.freq_base").unwrap_or(10000.0);
+        let rope_scale = match arch.linear_rope_scaling {
+            true => meta.opt_f32("rope.scaling.factor").filter(|f| *f > 0.0).unwrap_or(1.0),
+            false => 1.0,
+        };
+        let sliding = meta.opt_usize("attention.sliding_window")?.filter(|&w| w > 0);
+        let pattern = meta.opt_usize("attention.sliding_window_pattern")?;
+        let train_context = meta.opt_usize("context_length")?;
+        let name = md
+            .get("general.name")
             .and_then(|v| v.to_string().ok())
             .cloned()
-            .unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default());
-        let mut eos_tokens = Vec::new();
-        if let Some(v) = md("tokenizer.ggml.eos_token_id").and_then(|v| v.to_u32().ok()) {
-            eos_tokens.push(v);
-        }
-        let spm = md("tokenizer.ggml.model").and_then(|v| v.to_string().ok()).is_some_and(|m| m == "llama");
-        let add_bos = md("tokenizer.ggml.add_bos_token").and_then(|v| v.to_bool().ok()).unwrap_or(spm);
-        let bos = md("tokenizer.ggml.bos_token_id").and_then(|v| v.to_u32().ok()).filter(|_| add_bos);
-        let vocab = md("tokenizer.ggml.tokens").and_then(|v| v.to_vec().ok()).map(|v| v.len()).unwrap_or(0);
-        // Chat end markers of common templates end generation too.
-        if let Some(tokens) = md("tokenizer.ggml.tokens").and_then(|v| v.to_vec().ok()) {
-            for (i, t) in tokens.iter().enumerate() {
-                if let Ok(s) = t.to_string() {
-                    if matches!(s.as_str(), "<|im_end|>" | "<|eot_id|>" | "<|endoftext|>" | "<end_of_turn>")
-                        && !eos_tokens.contains(&(i as u32))
-                    {
-                        eos_tokens.push(i as u32);
-                    }
-                }
-            }
-        }
+            .unwrap_or_else(|| origin.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default());
+        let (eos_tokens, bos, vocab) = vocabulary(md);
 
-        let mut tensor =
-            |name: &str| ct.tensor(&mut reader, name, device).map_err(|e| bad(format!("tensor {name}: {e}")));
-        let embed_q = tensor("token_embd.weight")?;
-        let embed = embed_q.dequantize(device)?;
+        let dq = options.dequantize;
+        let embed_w =
+            source.tensor("token_embd.weight", device)?.ok_or_else(|| bad("no tensor token_embd.weight".into()))?;
+        // Embeddings are gathered by row: float tables keep their type (random f16 weights), GGUF
+        // blocks become f32 rows.
+        let embed = match &embed_w {
+            Weight::Dense(t) => t.clone(),
+            Weight::Quantized(q) => q.dequantize(device)?,
+        };
         // Tied embeddings when the file has no separate output matrix.
-        let output = Linear::new(match tensor("output.weight") {
-            Ok(t) => t,
-            Err(_) => embed_q,
-        })?;
-        let norm = RmsNorm::new(tensor("output_norm.weight")?.dequantize(device)?, eps);
+        let output = match source.tensor("output.weight", device)? {
+            Some(w) => Linear::new(w, device, dq)?,
+            None => Linear::new(embed_w, device, dq)?,
+        };
+        let norm_of = |w: Weight| -> Result<RmsNorm> { Ok(RmsNorm::new(w.to_f32(device)?, eps)) };
+        let norm = norm_of(
+            source.tensor("output_norm.weight", device)?.ok_or_else(|| bad("no tensor output_norm.weight".into()))?,
+        )?;
+        if sliding.is_none() && matches!(arch.sliding, Sliding::AllButEveryNth { .. }) {
+            return Err(bad(format!("missing metadata {}.attention.sliding_window", arch.name)));
+        }
         let mut layers = Vec::with_capacity(n_layers);
         for i in 0..n_layers {
             let p = format!("blk.{i}");
-            let mut q = |n: &str| -> Result<Linear> { Linear::new(tensor(&format!("{p}.{n}.weight"))?) };
-            let (wq, wk, wv, wo) = (q("attn_q")?, q("attn_k")?, q("attn_v")?, q("attn_output")?);
-            let (gate, up, down) = (q("ffn_gate")?, q("ffn_up")?, q("ffn_down")?);
-            let mut norm = |n: &str| -> Result<RmsNorm> {
-                Ok(RmsNorm::new(tensor(&format!("{p}.{n}.weight"))?.dequantize(device)?, eps))
+            let mut opt = |n: &str| source.tensor(&format!("{p}.{n}"), device);
+            let fused_qkv = opt("attn_qkv.weight")?;
+            let gate = opt("ffn_gate.weight")?;
+            let mut get = |n: &str| -> Result<Weight> {
+                source
+                    .tensor(&format!("{p}.{n}"), device)?
+                    .ok_or_else(|| Error::Model { path: origin.clone(), reason: format!("no tensor {p}.{n}") })
             };
-            let (qk_norm, post_norms) = if gemma {
-                (
-                    Some((norm("attn_q_norm")?, norm("attn_k_norm")?)),
-                    Some((norm("post_attention_norm")?, norm("post_ffw_norm")?)),
-                )
-            } else {
-                (None, None)
+            let mut linear = |n: &str| -> Result<Linear> { Linear::new(get(&format!("{n}.weight"))?, device, dq) };
+            let qkv = match fused_qkv {
+                Some(w) => Qkv3::Fused(Linear::new(w, device, dq)?),
+                None => Qkv3::Separate { q: linear("attn_q")?, k: linear("attn_k")?, v: linear("attn_v")? },
             };
-            let window = sliding.filter(|_| (i + 1) % pattern != 0);
-            let bias = if arch == "qwen2" {
-                let mut b = |n: &str| -> Result<Tensor> { Ok(tensor(&format!("{p}.{n}.bias"))?.dequantize(device)?) };
-                Some((b("attn_q")?, b("attn_k")?, b("attn_v")?))
-            } else {
-                None
+            let wo = linear("attn_output")?;
+            let gate_up = match gate {
+                Some(g) => GateUp::Separate { gate: Linear::new(g, device, dq)?, up: linear("ffn_up")? },
+                None => GateUp::Fused(linear("ffn_up")?),
             };
-            layers.push(Layer {
-                attn_norm: RmsNorm::new(tensor(&format!("{p}.attn_norm.weight"))?.dequantize(device)?, eps),
-                ffn_norm: RmsNorm::new(tensor(&format!("{p}.ffn_norm.weight"))?.dequantize(device)?, eps),
-                wq,
-                wk,
-                wv,
-                wo,
-                bias,
-                gate,
-                up,
-                down,
-                qk_norm,
-                post_norms,
-                window,
-            });
+            let down = linear("ffn_down")?;
+            let mut norm = |n: &str| -> Result<RmsNorm> { norm_of(get(&format!("{n}.weight"))?) };
+            let qk_norm = match arch.qk_norm {
+                true => Some((norm("attn_q_norm")?, norm("attn_k_norm")?)),
+                false => None,
+            };
+            let post_norms = match arch.norms {
+                Norms::PreAndPost => Some((norm("post_attention_norm")?, norm("post_ffw_norm")?)),
+                Norms::Pre => None,
+            };
+            let (attn_norm, ffn_norm) = (norm("attn_norm")?, norm("ffn_norm")?);
+            let bias = match arch.qkv_bias {
+                true => {
+                    let mut b = |n: &str| -> Result<Tensor> { get(&format!("{n}.bias"))?.to_f32(device) };
+                    Some((b("attn_q")?, b("attn_k")?, b("attn_v")?))
+                }
+                false => None,
+            };
+            let window = sliding.filter(|_| arch.slides(i, pattern));
+            layers.push(Layer { attn_norm, qkv, wo, bias, ffn_norm, gate_up, down, qk_norm, post_norms, window });
         }
-        let (cos, sin) = rope_tables(head_dim, rope_base, rope_scale, max_context, device)?;
-        let local_rope = if gemma { Some(rope_tables(head_dim, 10_000.0, 1.0, max_context, device)?) } else { None };
-        // Gemma 3 scales queries by 1/√head_dim, except the 27B (62 layers): 1/√(hidden/heads).
-        let attn_scale = if gemma && n_layers == 62 {
-            1.0 / ((hidden / n_heads) as f64).sqrt()
-        } else {
-            1.0 / (head_dim as f64).sqrt()
+        // Llama 3.1's frequency factors (`rope_freqs`) divide the rotation frequencies.
+        let factors = match source.tensor("rope_freqs.weight", device)? {
+            Some(w) => Some(w.to_f32(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?),
+            None => None,
+        };
+        if source.tensor("rope_factors_long.weight", device)?.is_some() {
+            return Err(bad(
+                "LongRoPE (rope_factors_long: Phi-3 128k) is not supported; the 4k-context files are".into()
+            ));
+        }
+        let max_context = options.max_context;
+        let (cos, sin) = rope_tables(head_dim, rope_base, rope_scale, factors.as_deref(), max_context, device)?;
+        let local_rope = match (arch.local_rope_base, sliding) {
+            (Some(base), Some(_)) => Some(rope_tables(head_dim, base, 1.0, None, max_context, device)?),
+            _ => None,
         };
         let info = ModelInfo {
-            identity: ModelIdentity { name, architecture: arch, n_layers, n_kv_heads: n_kv, head_dim },
+            identity: ModelIdentity { name, architecture: arch_name, n_layers, n_kv_heads: n_kv, head_dim },
+            arch,
             n_heads,
             hidden,
             vocab: if vocab > 0 { vocab } else { embed.dim(0)? },
@@ -207,58 +216,29 @@ impl Model {
             eos_tokens,
             bos,
         };
-        let model = Self {
+        Ok(Self {
+            embed_scale: if arch.embed_scale_sqrt_hidden { (hidden as f64).sqrt() } else { 1.0 },
+            attn_scale: arch.query_scale(head_dim, hidden, n_heads, n_layers),
             info,
             embed,
             layers,
             norm,
             output,
-            neox,
             cos,
             sin,
             local_rope,
-            activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
-            embed_scale: if gemma { (hidden as f64).sqrt() } else { 1.0 },
-            attn_scale,
             max_context,
             device: device.clone(),
-            #[cfg(feature = "cuda")]
-            graphs: Default::default(),
-        };
-        Ok((model, ct))
+        })
     }
 
+    /// The device the weights live on.
     pub fn device(&self) -> &Device {
         &self.device
     }
+    /// Positions any forward pass may reach.
     pub fn max_context(&self) -> usize {
         self.max_context
-    }
-
-    /// Decode steps on CUDA replayed from CUDA graphs (on by default; `VELOQ_CUDA_GRAPHS=0`
-    /// starts with them off). Off, every step issues its operations one by one.
-    #[cfg(feature = "cuda")]
-    pub fn set_cuda_graphs(&self, on: bool) {
-        self.graphs.set(on)
-    }
-
-    /// CUDA graph launches issued so far (one per segment between attention calls).
-    #[cfg(feature = "cuda")]
-    pub fn cuda_graph_launches(&self) -> usize {
-        self.graphs.launches()
-    }
-
-    /// Starts (sums from zero) or stops timing CUDA-graph decode steps part by part with CUDA
-    /// events: the segments' products, rows in, attention, flushes (see [`StepPhases`]).
-    #[cfg(feature = "cuda")]
-    pub fn set_step_phases(&self, on: bool) {
-        self.graphs.set_phases(on)
-    }
-
-    /// What timed graph steps spent in each part since [`set_step_phases`](Self::set_step_phases).
-    #[cfg(feature = "cuda")]
-    pub fn step_phases(&self) -> Option<StepPhases> {
-        self.graphs.phases()
     }
 
     /// Bytes of the weight matrices a decode step reads (every layer's and the output head; the
@@ -267,7 +247,17 @@ impl Model {
         let layers: usize = self
             .layers
             .iter()
-            .map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down].iter().map(|w| w.bytes()).sum::<usize>())
+            .map(|l| {
+                let qkv = match &l.qkv {
+                    Qkv3::Separate { q, k, v } => q.bytes() + k.bytes() + v.bytes(),
+                    Qkv3::Fused(w) => w.bytes(),
+                };
+                let gate_up = match &l.gate_up {
+                    GateUp::Separate { gate, up } => gate.bytes() + up.bytes(),
+                    GateUp::Fused(w) => w.bytes(),
+                };
+                qkv + gate_up + l.wo.bytes() + l.down.bytes()
+            })
             .sum();
         layers + self.output.bytes()
     }
@@ -277,14 +267,14 @@ impl Model {
         self.layers.get(layer).and_then(|l| l.window)
     }
 
-    /// Runs `tokens` for the sequence in slot 0, continuing where its caches end. Returns logits
-    /// `[T, vocab]` for every position when `all_logits`, else `[1, vocab]` for the last.
-    pub fn forward(&self, tokens: &[u32], cache: &mut ModelCache, all_logits: bool) -> Result<Tensor> {
+    /// Runs `tokens` for the sequence in slot 0, continuing where its caches end: logits of every
+    /// token or of the last ([`Logits`]).
+    pub fn forward(&self, tokens: &[u32], cache: &mut ModelCache, logits: Logits) -> Result<Tensor> {
         if tokens.is_empty() {
             return Err(Error::Config("forward needs at least one token".into()));
         }
         let step = Step::single(0, cache.len(0), tokens.len())?;
-        self.forward_step(tokens, &step, cache, if all_logits { Logits::All } else { Logits::Last })
+        self.forward_step(tokens, &step, cache, logits)
     }
 
     /// Runs one step: `tokens` packed in the step's order (each sequence's new tokens after the
@@ -292,24 +282,7 @@ impl Model {
     /// Returns logits `[tokens, vocab]` ([`Logits::All`]) or `[sequences, vocab]` for each
     /// sequence's last token ([`Logits::Last`]).
     pub fn forward_step(&self, tokens: &[u32], step: &Step, cache: &mut ModelCache, logits: Logits) -> Result<Tensor> {
-        let n_caches = cache.layers_mut().len();
-        if n_caches != self.layers.len() {
-            return Err(Error::Config(format!("{n_caches} caches for {} layers", self.layers.len())));
-        }
-        let n = step.tokens();
-        if tokens.len() != n {
-            return Err(Error::Shape(format!("{} tokens for a step of {n}", tokens.len())));
-        }
-        if step.end() > self.max_context {
-            return Err(Error::ContextOverflow { requested: step.end(), max: self.max_context });
-        }
-        if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= self.embed.dim(0).unwrap_or(0)) {
-            return Err(Error::Config(format!("token id {bad} outside the vocabulary")));
-        }
-        #[cfg(feature = "cuda")]
-        if let Some(out) = self.graphs.forward(self, tokens, step, cache)? {
-            return Ok(out);
-        }
+        self.check_step(tokens, step, cache)?;
         let caches = cache.layers_mut();
         let mut x = self.embed_tokens(&Tensor::new(tokens, &self.device)?)?;
         let rope = self.rope_rows(&Tensor::new(step.positions().as_slice(), &self.device)?)?;
@@ -331,14 +304,41 @@ impl Model {
         self.head(&x)
     }
 
+    /// Refuses a step that does not fit the model: caches of another depth, a token count that
+    /// is not the step's, positions past the context, token ids outside the vocabulary.
+    pub(crate) fn check_step(&self, tokens: &[u32], step: &Step, cache: &ModelCache) -> Result<()> {
+        let n_caches = cache.layers().len();
+        if n_caches != self.layers.len() {
+            return Err(Error::Shape(format!("{n_caches} caches for {} layers", self.layers.len())));
+        }
+        let n = step.tokens();
+        if tokens.len() != n {
+            return Err(Error::Shape(format!("{} tokens for a step of {n}", tokens.len())));
+        }
+        if step.end() > self.max_context {
+            return Err(Error::ContextOverflow { requested: step.end(), max: self.max_context });
+        }
+        let vocab = self.embed.dim(0)?;
+        if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= vocab) {
+            return Err(Error::Token { id: bad, vocab });
+        }
+        Ok(())
+    }
+
+    /// The layers (a runner beside the model replays them).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn layer_count(&self) -> usize {
+        self.layers.len()
+    }
+
     /// The residual stream `[tokens, hidden]` (f32) of token ids `[tokens]` on the model's device.
-    pub(super) fn embed_tokens(&self, ids: &Tensor) -> Result<Tensor> {
+    pub(crate) fn embed_tokens(&self, ids: &Tensor) -> Result<Tensor> {
         let x = self.embed.index_select(ids, 0)?.to_dtype(DType::F32)?;
         Ok(if self.embed_scale != 1.0 { (x * self.embed_scale)? } else { x })
     }
 
     /// Each token's RoPE rows for `positions` `[tokens]` (u32): `[tokens, 1, head_dim / 2]`.
-    pub(super) fn rope_rows(&self, positions: &Tensor) -> Result<RopeRows> {
+    pub(crate) fn rope_rows(&self, positions: &Tensor) -> Result<RopeRows> {
         let rows = |t: &Tensor| -> Result<Tensor> { Ok(t.index_select(positions, 0)?.unsqueeze(1)?) };
         let local = match &self.local_rope {
             Some((c, s)) => Some((rows(c)?, rows(s)?)),
@@ -351,7 +351,7 @@ impl Model {
     /// contiguous, RoPE applied) from the residual stream. Where one launch writes all three,
     /// it writes them into `into` when given (q, k, v one after another: a CUDA graph's fixed
     /// buffer) and `packed` is that buffer.
-    pub(super) fn qkv(&self, layer: &Layer, x: &Tensor, rope: &RopeRows, into: Option<&Tensor>) -> Result<Qkv> {
+    pub(crate) fn qkv(&self, layer: &Layer, x: &Tensor, rope: &RopeRows, into: Option<&Tensor>) -> Result<Qkv> {
         let info = &self.info;
         let (nh, nkv, hd) = (info.n_heads, info.identity.n_kv_heads, info.identity.head_dim);
         let n = x.dim(0)?;
@@ -359,10 +359,11 @@ impl Model {
             (Some((c, s)), Some(_)) => (c, s),
             _ => (&rope.cos, &rope.sin),
         };
+        let neox = info.arch.rope == RopeStyle::NeoX;
         // Tokens as the batch of candle's RoPE ([tokens, heads, 1, head_dim]), each with its row.
         let rope = |x: Tensor, heads: usize| -> Result<Tensor> {
             let x = x.reshape((n, heads, 1, hd))?.contiguous()?;
-            let y = if self.neox {
+            let y = if neox {
                 candle_nn::rotary_emb::rope(&x, cos, sin)?
             } else {
                 candle_nn::rotary_emb::rope_i(&x, cos, sin)?
@@ -370,19 +371,19 @@ impl Model {
             Ok(y.reshape((n, heads, hd))?)
         };
         // The norm, the three products and (interleaved) RoPE in one launch where veloq's GEMV
-        // takes the weights; nothing may sit between them (biases, Gemma's q/k norms).
-        if layer.bias.is_none() && layer.qk_norm.is_none() {
-            let rope_fused = !self.neox;
+        // takes the weights; nothing may sit between them (biases, q/k norms).
+        if let (Qkv3::Separate { q: wq, k: wk, v: wv }, None, None) = (&layer.qkv, &layer.bias, &layer.qk_norm) {
+            let rope_fused = !neox;
             let along = Along {
                 norm: Some(&layer.attn_norm),
                 rope: rope_fused.then_some((cos, sin)),
                 into: into.filter(|_| rope_fused),
                 ..Along::default()
             };
-            if let Some(out) = Linear::fused(&[&layer.wq, &layer.wk, &layer.wv], x, Fused::Each, along)? {
+            if let Some(out) = Linear::fused(&[wq, wk, wv], x, Fused::Each, along)? {
                 let p = &out.parts;
                 let (q, k, v) = (p[0].reshape((n, nh, hd))?, p[1].reshape((n, nkv, hd))?, p[2].reshape((n, nkv, hd))?);
-                return Ok(if self.neox {
+                return Ok(if neox {
                     Qkv { q: rope(q, nh)?, k: rope(k, nkv)?, v, packed: None }
                 } else {
                     Qkv { q, k, v, packed: Some(out.flat) }
@@ -390,7 +391,14 @@ impl Model {
             }
         }
         let h = layer.attn_norm.forward(x)?;
-        let (mut q, mut k, mut v) = (layer.wq.forward(&h)?, layer.wk.forward(&h)?, layer.wv.forward(&h)?);
+        let (mut q, mut k, mut v) = match &layer.qkv {
+            Qkv3::Separate { q, k, v } => (q.forward(&h)?, k.forward(&h)?, v.forward(&h)?),
+            Qkv3::Fused(w) => {
+                let all = w.forward(&h)?;
+                let (qn, kn) = (nh * hd, nkv * hd);
+                (all.narrow(1, 0, qn)?, all.narrow(1, qn, kn)?, all.narrow(1, qn + kn, kn)?)
+            }
+        };
         if let Some((bq, bk, bv)) = &layer.bias {
             q = q.broadcast_add(bq)?;
             k = k.broadcast_add(bk)?;
@@ -398,8 +406,8 @@ impl Model {
         }
         let (mut q, mut k) = (q.reshape((n, nh, hd))?, k.reshape((n, nkv, hd))?);
         if let Some((qn, kn)) = &layer.qk_norm {
-            q = qn.forward(&q)?;
-            k = kn.forward(&k)?;
+            q = qn.forward(&q.contiguous()?)?;
+            k = kn.forward(&k.contiguous()?)?;
         }
         Ok(Qkv { q: rope(q, nh)?, k: rope(k, nkv)?, v: v.reshape((n, nkv, hd))?.contiguous()?, packed: None })
     }
@@ -409,7 +417,7 @@ impl Model {
     /// projection adding into the stream, the MLP's norm with its gated pair, the down projection
     /// adding (Gemma's norms after attention and MLP sit between, so not there); they update `x`
     /// in place and return it.
-    pub(super) fn residual(&self, layer: &Layer, x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    pub(crate) fn residual(&self, layer: &Layer, x: &Tensor, y: &Tensor) -> Result<Tensor> {
         let n = x.dim(0)?;
         let a = y.reshape((n, y.elem_count() / n.max(1)))?;
         let plain = layer.post_norms.is_none();
@@ -427,23 +435,8 @@ impl Model {
                 (x + o)?
             }
         };
-        let how = match self.activation {
-            Activation::Silu => Fused::GatedSilu,
-            Activation::GeluTanh => Fused::GatedGeluTanh,
-        };
-        let along = Along { norm: Some(&layer.ffn_norm), ..Along::default() };
-        let gated = match Linear::fused(&[&layer.gate, &layer.up], &x, how, along)? {
-            Some(mut g) => g.parts.remove(0),
-            None => {
-                let h = layer.ffn_norm.forward(&x)?;
-                let gate = layer.gate.forward(&h)?;
-                let gate = match self.activation {
-                    Activation::Silu => candle_nn::ops::silu(&gate)?,
-                    Activation::GeluTanh => gate.gelu()?,
-                };
-                (gate * layer.up.forward(&h)?)?
-            }
-        };
+        let act = self.info.arch.activation;
+        let gated = self.gated(layer, &x, act)?;
         if let Some(x) = into(&layer.down, &gated, &x)? {
             return Ok(x);
         }
@@ -454,8 +447,39 @@ impl Model {
         Ok((x + mlp)?)
     }
 
+    /// The MLP's gated activations `act(x·gateᵀ) ⊙ (x·upᵀ)` of the normed stream: one launch
+    /// where veloq's GEMV takes two separate matrices, else candle's products.
+    fn gated(&self, layer: &Layer, x: &Tensor, act: Activation) -> Result<Tensor> {
+        let apply = |gate: Tensor| -> Result<Tensor> {
+            Ok(match act {
+                Activation::Silu => candle_nn::ops::silu(&gate)?,
+                Activation::GeluTanh => gate.gelu()?,
+            })
+        };
+        match &layer.gate_up {
+            GateUp::Separate { gate, up } => {
+                let how = match act {
+                    Activation::Silu => Fused::GatedSilu,
+                    Activation::GeluTanh => Fused::GatedGeluTanh,
+                };
+                let along = Along { norm: Some(&layer.ffn_norm), ..Along::default() };
+                if let Some(mut g) = Linear::fused(&[gate, up], x, how, along)? {
+                    return Ok(g.parts.remove(0));
+                }
+                let h = layer.ffn_norm.forward(x)?;
+                Ok((apply(gate.forward(&h)?)? * up.forward(&h)?)?)
+            }
+            GateUp::Fused(w) => {
+                let h = layer.ffn_norm.forward(x)?;
+                let both = w.forward(&h)?;
+                let ffn = both.dim(D::Minus1)? / 2;
+                Ok((apply(both.narrow(D::Minus1, 0, ffn)?)? * both.narrow(D::Minus1, ffn, ffn)?)?)
+            }
+        }
+    }
+
     /// Logits (f32) of residual rows `x`.
-    pub(super) fn head(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn head(&self, x: &Tensor) -> Result<Tensor> {
         let along = Along { norm: Some(&self.norm), ..Along::default() };
         if let Some(mut p) = Linear::fused(&[&self.output], x, Fused::Each, along)? {
             return Ok(p.parts.remove(0));
@@ -466,21 +490,21 @@ impl Model {
 }
 
 /// A layer's queries, keys and values ([`Model::qkv`]).
-pub(super) struct Qkv {
-    pub(super) q: Tensor,
-    pub(super) k: Tensor,
-    pub(super) v: Tensor,
+pub(crate) struct Qkv {
+    pub(crate) q: Tensor,
+    pub(crate) k: Tensor,
+    pub(crate) v: Tensor,
     /// q, k and v one after another in one buffer, when one launch wrote them so (the buffer
     /// `Model::qkv` was given, or one the CUDA graphs copy into theirs at once).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(super) packed: Option<Tensor>,
+    pub(crate) packed: Option<Tensor>,
 }
 
 /// Each token's RoPE rows in one step (global tables, and the local ones of sliding layers).
-pub(super) struct RopeRows {
-    pub(super) cos: Tensor,
-    pub(super) sin: Tensor,
-    pub(super) local: Option<(Tensor, Tensor)>,
+pub(crate) struct RopeRows {
+    pub(crate) cos: Tensor,
+    pub(crate) sin: Tensor,
+    pub(crate) local: Option<(Tensor, Tensor)>,
 }
 
 /// Which logits a forward pass returns.
@@ -493,31 +517,154 @@ pub enum Logits {
 }
 
 /// cos/sin tables `[max_context, head_dim/2]` for RoPE; positions divided by `scale` (linear
-/// scaling).
-pub(super) fn rope_tables(
+/// scaling), each frequency divided by its factor when `factors` are given (Llama 3.1).
+pub(crate) fn rope_tables(
     head_dim: usize,
     base: f32,
     scale: f32,
+    factors: Option<&[f32]>,
     max_context: usize,
     device: &Device,
 ) -> Result<(Tensor, Tensor)> {
-    let inv: Vec<f32> = (0..head_dim).step_by(2).map(|i| 1.0 / base.powf(i as f32 / head_dim as f32) / scale).collect();
+    let inv: Vec<f32> = (0..head_dim / 2)
+        .map(|i| {
+            let f = factors.and_then(|f| f.get(i)).copied().unwrap_or(1.0);
+            1.0 / base.powf(2.0 * i as f32 / head_dim as f32) / scale / f
+        })
+        .collect();
     let inv = Tensor::new(inv.as_slice(), device)?.reshape((1, head_dim / 2))?;
     let t = Tensor::arange(0u32, max_context as u32, device)?.to_dtype(DType::F32)?.reshape((max_context, 1))?;
     let freqs = t.matmul(&inv)?;
     Ok((freqs.cos()?, freqs.sin()?))
 }
 
+/// A family's metadata keys (`<arch>.<key>`), read with errors that name the file and key.
+struct Meta<'a> {
+    md: &'a std::collections::HashMap<String, gguf_file::Value>,
+    arch: &'a str,
+    bad: &'a dyn Fn(String) -> Error,
+}
+
+impl Meta<'_> {
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.md.get(&format!("{}.{key}", self.arch)) {
+            None => Ok(None),
+            Some(v) => {
+                v.to_u32().map(|v| Some(v as usize)).map_err(|e| (self.bad)(format!("{}.{key}: {e}", self.arch)))
+            }
+        }
+    }
+
+    fn usize(&self, key: &str) -> Result<usize> {
+        self.opt_usize(key)?.ok_or_else(|| (self.bad)(format!("missing metadata {}.{key}", self.arch)))
+    }
+
+    fn opt_f32(&self, key: &str) -> Option<f32> {
+        self.md.get(&format!("{}.{key}", self.arch)).and_then(|v| v.to_f32().ok())
+    }
+}
+
+/// End-of-generation tokens (the file's EOS and the chat end markers of common templates), the
+/// BOS a prompt starts with when the file asks for one, and the vocabulary size (0 if unknown).
+fn vocabulary(md: &std::collections::HashMap<String, gguf_file::Value>) -> (Vec<u32>, Option<u32>, usize) {
+    let mut eos = Vec::new();
+    if let Some(v) = md.get("tokenizer.ggml.eos_token_id").and_then(|v| v.to_u32().ok()) {
+        eos.push(v);
+    }
+    let spm = md.get("tokenizer.ggml.model").and_then(|v| v.to_string().ok()).is_some_and(|m| m == "llama");
+    let add_bos = md.get("tokenizer.ggml.add_bos_token").and_then(|v| v.to_bool().ok()).unwrap_or(spm);
+    let bos = md.get("tokenizer.ggml.bos_token_id").and_then(|v| v.to_u32().ok()).filter(|_| add_bos);
+    let tokens = md.get("tokenizer.ggml.tokens").and_then(|v| v.to_vec().ok());
+    if let Some(tokens) = tokens {
+        for (i, t) in tokens.iter().enumerate() {
+            if let Ok(s) = t.to_string() {
+                let end =
+                    matches!(s.as_str(), "<|im_end|>" | "<|eot_id|>" | "<|endoftext|>" | "<end_of_turn>" | "<|end|>");
+                if end && !eos.contains(&(i as u32)) {
+                    eos.push(i as u32);
+                }
+            }
+        }
+    }
+    (eos, bos, tokens.map_or(0, |t| t.len()))
+}
+
 impl Model {
     /// Loads a GGUF model and its tokenizer on the CPU.
     pub fn open(path: &Path, max_context: usize) -> Result<(Self, tokenizers::Tokenizer)> {
-        Self::open_on(path, max_context, &Device::Cpu)
+        Self::open_with(path, &LoadOptions::new(max_context), &Device::Cpu)
     }
 
     /// Loads a GGUF model (weights on `device`) and its tokenizer.
-    pub fn open_on(path: &Path, max_context: usize, device: &Device) -> Result<(Self, tokenizers::Tokenizer)> {
-        let (model, ct) = Self::load(path, max_context, device)?;
-        let tok = super::load_tokenizer(&ct)?;
+    pub fn open_with(path: &Path, options: &LoadOptions, device: &Device) -> Result<(Self, tokenizers::Tokenizer)> {
+        let mut file = GgufFile::open(path)?;
+        let tok = super::load_tokenizer(file.content())?;
+        let model = Self::load(&mut file, options, device)?;
         Ok((model, tok))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::SeqStep;
+    use crate::config::CacheConfig;
+    use veloq::kernels::KernelChoice;
+
+    /// A tiny random model runs ragged steps — sequences at different positions with different
+    /// token counts, one slot idle — and each sequence gets the logits it gets alone, on the CPU
+    /// kernels and on the portable backend.
+    #[test]
+    fn ragged_steps_match_single_sequences() {
+        let m = crate::testing::tiny_model(50, 32);
+        // (slot, tokens) per step.
+        let steps: [&[(usize, &[u32])]; 3] = [
+            &[(0, &[1, 2, 3]), (2, &[40])],
+            &[(2, &[7, 8]), (0, &[5]), (1, &[9, 10, 11, 12])],
+            &[(1, &[3]), (0, &[4]), (2, &[6])],
+        ];
+        for kernels in [KernelChoice::Auto, KernelChoice::Forbid] {
+            let cfg = CacheConfig { kernels, ..CacheConfig::fp16() };
+            let mut batch = cfg.build_batch(&m, 3).unwrap();
+            let mut alone: Vec<_> = (0..3).map(|_| cfg.build(&m).unwrap()).collect();
+            for (n, seqs) in steps.iter().enumerate() {
+                let step = Step::new(
+                    seqs.iter()
+                        .map(|(slot, t)| SeqStep { slot: *slot, start: batch.len(*slot), len: t.len() })
+                        .collect(),
+                )
+                .unwrap();
+                let tokens: Vec<u32> = seqs.iter().flat_map(|(_, t)| t.iter().copied()).collect();
+                let got = m.forward_step(&tokens, &step, &mut batch, Logits::Last).unwrap();
+                for (i, (slot, t)) in seqs.iter().enumerate() {
+                    let want = m.forward(t, &mut alone[*slot], Logits::Last).unwrap();
+                    let err = (want - got.narrow(0, i, 1).unwrap())
+                        .unwrap()
+                        .abs()
+                        .unwrap()
+                        .max_all()
+                        .unwrap()
+                        .to_scalar::<f32>()
+                        .unwrap();
+                    assert!(err < 1e-3, "{kernels:?} step {n}, slot {slot}: {err}");
+                }
+            }
+            assert_eq!((batch.len(0), batch.len(1), batch.len(2)), (5, 5, 4));
+            let e = m.forward_step(&[1], &Step::single(0, 3, 1).unwrap(), &mut batch, Logits::Last).unwrap_err();
+            assert!(matches!(e, Error::Position { slot: 0, expected: 5, got: 3 }), "{e}");
+            let e = m.forward_step(&[50], &Step::single(0, 5, 1).unwrap(), &mut batch, Logits::Last).unwrap_err();
+            assert!(matches!(e, Error::Token { id: 50, vocab: 50 }), "{e}");
+        }
+    }
+
+    /// The bytes floor of `bench runner` counts every weight matrix once: 7 per layer and the
+    /// output head (f32 on the CPU: 4 bytes a weight; norms and the embedding table are not read
+    /// whole).
+    #[test]
+    fn weight_bytes_count_every_matrix() {
+        let m = crate::testing::tiny_model(50, 32);
+        let (hidden, q, kv, ffn, layers, vocab) = (64, 4 * 16, 2 * 16, 96, 2, 50);
+        let per_layer = 2 * hidden * q + 2 * hidden * kv + 3 * hidden * ffn;
+        assert_eq!(m.weight_bytes(), 4 * (layers * per_layer + vocab * hidden));
     }
 }

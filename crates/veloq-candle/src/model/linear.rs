@@ -9,9 +9,10 @@
 
 use std::sync::Arc;
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{Module, Tensor};
+use candle_core::quantized::{GgmlDType, QMatMul};
+use candle_core::{DType, Device, Module, Tensor};
 
+use super::source::Weight;
 use crate::error::Result;
 
 pub(crate) enum Linear {
@@ -25,20 +26,35 @@ pub(crate) enum Linear {
 }
 
 impl Linear {
-    /// A GGUF weight `[rows, cols]`; `CANDLE_DEQUANTIZE_ALL` still means f32 weights everywhere.
-    pub(crate) fn new(q: QTensor) -> Result<Self> {
-        let q = Arc::new(q);
-        let mm = QMatMul::from_arc(q.clone())?;
-        let own = matches!(mm, QMatMul::QTensor(_))
-            && q.device().is_cpu()
+    /// A weight `[rows, cols]` on `device`. Quantized blocks stay blocks (Q4_1 on the CPU in
+    /// veloq's layout) unless `dequantize` (then f32, the same arithmetic on every device); float
+    /// weights become f16 on CUDA (veloq's GEMV reads them) and f32 on the CPU.
+    pub(crate) fn new(w: Weight, device: &Device, dequantize: bool) -> Result<Self> {
+        let q = match w {
+            Weight::Dense(t) if device.is_cuda() => {
+                return Ok(Linear::Candle(QMatMul::TensorF16(t.to_dtype(DType::F16)?)))
+            }
+            Weight::Dense(t) => return Ok(Linear::Candle(QMatMul::Tensor(t.to_dtype(DType::F32)?))),
+            Weight::Quantized(q) => q,
+        };
+        match q.dtype() {
+            GgmlDType::F16 | GgmlDType::BF16 | GgmlDType::F32 if device.is_cuda() => {
+                return Ok(Linear::Candle(QMatMul::TensorF16(q.dequantize_f16(device)?)))
+            }
+            GgmlDType::F16 | GgmlDType::BF16 | GgmlDType::F32 => {
+                return Ok(Linear::Candle(QMatMul::Tensor(q.dequantize(device)?)))
+            }
+            _ if dequantize => return Ok(Linear::Candle(QMatMul::Tensor(q.dequantize(device)?))),
+            _ => {}
+        }
+        let own = device.is_cpu()
             && q.dtype() == GgmlDType::Q4_1
             && q.shape().rank() == 2
             && q.shape().dims()[1].is_multiple_of(veloq::kernels::cpu::q4_1::BLOCK);
         if !own {
-            return Ok(Linear::Candle(mm));
+            return Ok(Linear::Candle(QMatMul::QTensor(Arc::new(q))));
         }
         let (rows, cols) = q.shape().dims2()?;
-        drop(mm);
         Ok(Linear::Q41 { blocks: q.data()?.into_owned(), rows, cols })
     }
 
@@ -110,12 +126,6 @@ impl Linear {
     }
 }
 
-impl From<QMatMul> for Linear {
-    fn from(q: QMatMul) -> Self {
-        Linear::Candle(q)
-    }
-}
-
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         match self {
@@ -143,8 +153,7 @@ impl Module for Linear {
 /// veloq's f16 GEMV on CUDA for a few activation rows.
 #[cfg(feature = "cuda")]
 pub(crate) mod gemv {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::{Arc, OnceLock};
+    use std::sync::Arc;
 
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::CudaStorage;
@@ -156,25 +165,15 @@ pub(crate) mod gemv {
 
     use crate::cache::CudaRuntime;
 
-    /// On unless `VELOQ_CUDA_GEMV=0` (or [`set`]): off, f16 weights take candle's matmul.
-    fn switch() -> &'static AtomicBool {
-        static ON: OnceLock<AtomicBool> = OnceLock::new();
-        ON.get_or_init(|| AtomicBool::new(std::env::var("VELOQ_CUDA_GEMV").map_or(true, |v| v != "0")))
-    }
-
-    pub fn set(on: bool) {
-        switch().store(on, Ordering::Relaxed)
-    }
-
-    pub(crate) fn enabled() -> bool {
-        switch().load(Ordering::Relaxed)
-    }
-
     /// f32 activations of at most [`GEMV_MAX_ROWS`] rows on CUDA, rows a multiple of 8 long.
     pub(super) fn applies(x: &Tensor, w: &Tensor) -> bool {
+        fits(x, w) && CudaRuntime::new(x.device()).is_ok_and(|rt| rt.gemv())
+    }
+
+    /// [`applies`] but for the runtime's switch.
+    fn fits(x: &Tensor, w: &Tensor) -> bool {
         let k = x.dims().last().copied().unwrap_or(0);
-        enabled()
-            && x.device().is_cuda()
+        x.device().is_cuda()
             && x.dtype() == DType::F32
             && w.dtype() == DType::F16
             && w.rank() == 2
@@ -201,9 +200,14 @@ pub(crate) mod gemv {
         };
         let mut dims = x.dims().to_vec();
         let k = dims.pop().unwrap_or(0);
-        if ws.is_empty() || !ws.iter().all(|w| applies(x, w)) {
+        if ws.is_empty() || !ws.iter().all(|w| fits(x, w)) {
             return Ok(None);
         }
+        let rt = CudaRuntime::new(x.device()).map_err(candle_core::Error::wrap)?;
+        if !rt.gemv() {
+            return Ok(None);
+        }
+        let shapes = rt.gpu().gemv_shapes();
         let rows: Vec<usize> = ws.iter().map(|w| w.dims()[0]).collect();
         let b = x.elem_count() / k;
         let n = if epilogue == GemvEpilogue::Concat { rows.iter().sum() } else { rows[0] };
@@ -211,7 +215,7 @@ pub(crate) mod gemv {
             t.device().same_device(x.device()) && t.dtype() == DType::F32 && t.is_contiguous() && t.elem_count() == len
         };
         let rope_dim = along.rope.map(|(c, _)| 2 * c.dims().last().copied().unwrap_or(0));
-        let fits = gemv_many_fits(&rows, epilogue, rope_dim, GemvTune::for_rows(b))
+        let fits = gemv_many_fits(&rows, epilogue, rope_dim, GemvTune::for_rows(b, &shapes))
             && along.norm.is_none_or(|m| f32_cuda(m.weight(), k))
             && along.residual.is_none_or(|r| f32_cuda(r, b * n))
             && (!along.in_place || (along.residual.is_some() && rows.len() == 1 && along.into.is_none()))
@@ -222,7 +226,6 @@ pub(crate) mod gemv {
         if !fits {
             return Ok(None);
         }
-        let rt = CudaRuntime::new(x.device()).map_err(candle_core::Error::wrap)?;
         let op = Many {
             rt,
             ws: ws.iter().map(|w| (*w).clone()).collect(),
@@ -387,7 +390,8 @@ pub(crate) mod gemv {
             };
             let xv = x.as_cuda_slice::<f32>()?.slice(x0..x1);
             let ws: Vec<_> = views.iter().map(|(v, r)| (v, *r)).collect();
-            gemv_f16_many(self.rt.gpu(), &ws, &xv, y, b, k, self.epilogue, fused, GemvTune::for_rows(b))
+            let tune = GemvTune::for_rows(b, &self.rt.gpu().gemv_shapes());
+            gemv_f16_many(self.rt.gpu(), &ws, &xv, y, b, k, self.epilogue, fused, tune)
                 .map_err(candle_core::Error::wrap)
         }
     }

@@ -1,22 +1,20 @@
-//! Models over GGUF weights: geometry from the file's metadata, our own forward pass (so the
-//! cache contract is the only place keys and values live), candle's quantized matmul (veloq's kernel for Q4_1 weights on the CPU).
+//! Models over GGUF weights: the family's descriptor and the file's metadata give the geometry
+//! ([`arch`]), weights come from a file or from memory ([`source`]), our own forward pass runs
+//! them (so the cache contract is the only place keys and values live), candle's quantized matmul
+//! multiplies (veloq's kernels for Q4_1 weights on the CPU and f16 weights on CUDA).
 
+pub mod arch;
 mod decoder;
-#[cfg(feature = "cuda")]
-mod graph;
 mod linear;
-mod synthetic;
+pub mod source;
+mod template;
 mod tokenizer;
 
-pub use decoder::{Logits, Model};
+pub use decoder::{LoadOptions, Logits, Model};
 #[cfg(feature = "cuda")]
-pub use graph::StepPhases;
-/// Whether f16 weights on CUDA take veloq's GEMV for decode steps (on by default, `VELOQ_CUDA_GEMV=0`
-/// turns it off): off, candle's matmul (cuBLAS), the path before it.
-#[cfg(feature = "cuda")]
-pub use linear::gemv::set as set_cuda_gemv;
-pub use synthetic::Geometry;
-pub use tokenizer::{decode, encode, load_tokenizer, word_tokenizer, ChatTemplate, Role};
+pub(crate) use decoder::{Qkv, RopeRows};
+pub use template::{ChatTemplate, Role};
+pub use tokenizer::{decode, encode, load_tokenizer, word_tokenizer};
 pub use tokenizers::Tokenizer;
 
 use veloq::artifact::ModelIdentity;
@@ -24,13 +22,21 @@ use veloq::artifact::ModelIdentity;
 /// What the runner and the caches need to know about a model.
 #[derive(Clone, Debug)]
 pub struct ModelInfo {
+    /// Name, architecture and the geometry a calibration must match.
     pub identity: ModelIdentity,
+    /// The family's descriptor.
+    pub arch: &'static arch::Architecture,
+    /// Query heads.
     pub n_heads: usize,
+    /// Width of the residual stream.
     pub hidden: usize,
+    /// Tokens of the vocabulary.
     pub vocab: usize,
+    /// RoPE base of the global layers.
     pub rope_base: f32,
     /// Context the model was trained for (GGUF `context_length`), if recorded.
     pub train_context: Option<usize>,
+    /// Tokens that end a completion (the file's EOS and the chat templates' end markers).
     pub eos_tokens: Vec<u32>,
     /// Token every prompt starts with, when the file asks for one (`tokenizer.ggml.add_bos_token`,
     /// which SentencePiece vocabularies default to).

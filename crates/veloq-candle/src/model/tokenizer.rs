@@ -42,113 +42,12 @@ pub fn word_tokenizer(vocab: usize) -> Tokenizer {
     tok
 }
 
-/// Who said a message of a conversation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Role {
-    /// Instructions for the assistant (Gemma has no system turn: they open the first user turn).
-    System,
-    /// The user.
-    User,
-    /// The model.
-    Assistant,
-}
-
-/// Chat templates we can apply without a Jinja engine.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ChatTemplate {
-    /// `<|im_start|>role\n…<|im_end|>` (SmolLM2, Qwen2).
-    ChatMl,
-    /// `<bos><start_of_turn>user\n…<end_of_turn>\n<start_of_turn>model\n` (Gemma).
-    Gemma,
-    /// No template: the prompt is fed as is.
-    Raw,
-}
-
-impl ChatTemplate {
-    /// ChatML or Gemma's turns when the vocabulary has their markers.
-    pub fn detect(tok: &Tokenizer) -> Self {
-        if tok.token_to_id("<|im_start|>").is_some() && tok.token_to_id("<|im_end|>").is_some() {
-            ChatTemplate::ChatMl
-        } else if tok.token_to_id("<start_of_turn>").is_some() && tok.token_to_id("<end_of_turn>").is_some() {
-            ChatTemplate::Gemma
-        } else {
-            ChatTemplate::Raw
-        }
-    }
-
-    /// A conversation's first user turn, up to where the model's reply begins.
-    pub fn apply(self, prompt: &str) -> String {
-        match self {
-            ChatTemplate::Gemma => format!("<bos>{}", self.turn(prompt)),
-            _ => self.turn(prompt),
-        }
-    }
-
-    /// A user turn (first or later), up to where the model's reply begins.
-    pub fn turn(self, prompt: &str) -> String {
-        match self {
-            ChatTemplate::ChatMl => format!("<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"),
-            ChatTemplate::Gemma => format!("<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n"),
-            ChatTemplate::Raw => prompt.to_string(),
-        }
-    }
-
-    /// A whole conversation, up to where the model's next reply begins: `render(&[(User, p)])` is
-    /// [`apply`](Self::apply)`(p)`.
-    pub fn render(self, messages: &[(Role, &str)]) -> String {
-        let mut out = String::new();
-        match self {
-            ChatTemplate::ChatMl => {
-                for &(role, text) in messages {
-                    let role = match role {
-                        Role::System => "system",
-                        Role::User => "user",
-                        Role::Assistant => "assistant",
-                    };
-                    out.push_str(&format!("<|im_start|>{role}\n{text}<|im_end|>\n"));
-                }
-                out.push_str("<|im_start|>assistant\n");
-            }
-            ChatTemplate::Gemma => {
-                out.push_str("<bos>");
-                let system: Vec<&str> = messages.iter().filter(|m| m.0 == Role::System).map(|m| m.1).collect();
-                let mut pending = (!system.is_empty()).then(|| system.join("\n\n"));
-                for &(role, text) in messages.iter().filter(|m| m.0 != Role::System) {
-                    let (role, text) = match (role, pending.take()) {
-                        (Role::User, Some(sys)) => ("user", format!("{sys}\n\n{text}")),
-                        (r, sys) => {
-                            pending = sys;
-                            (if r == Role::User { "user" } else { "model" }, text.to_string())
-                        }
-                    };
-                    out.push_str(&format!("<start_of_turn>{role}\n{text}<end_of_turn>\n"));
-                }
-                if let Some(sys) = pending {
-                    out.push_str(&format!("<start_of_turn>user\n{sys}<end_of_turn>\n"));
-                }
-                out.push_str("<start_of_turn>model\n");
-            }
-            ChatTemplate::Raw => out = messages.iter().map(|m| m.1).collect::<Vec<_>>().join("\n"),
-        }
-        out
-    }
-
-    /// What closes a reply before the next turn: the end-of-turn marker when the reply did not
-    /// produce one itself (`ended` false: cut by a token limit), then the newline between turns.
-    pub fn close_reply(self, ended: bool) -> &'static str {
-        match (self, ended) {
-            (ChatTemplate::ChatMl, false) => "<|im_end|>\n",
-            (ChatTemplate::Gemma, false) => "<end_of_turn>\n",
-            (ChatTemplate::Raw, _) => "",
-            (_, true) => "\n",
-        }
-    }
-}
-
+/// Token ids of `text` (control tokens in it match whole).
 pub fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
     Ok(tok.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?.get_ids().to_vec())
 }
 
+/// Text of `ids`, special tokens skipped.
 pub fn decode(tok: &Tokenizer, ids: &[u32]) -> Result<String> {
     tok.decode(ids, true).map_err(|e| Error::Tokenizer(e.to_string()))
 }
@@ -246,6 +145,7 @@ pub fn sentencepiece(ct: &gguf_file::Content) -> Result<Tokenizer> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::ChatTemplate;
     use candle_core::quantized::gguf_file::{Content, Value, VersionedMagic};
 
     /// A SentencePiece vocabulary in GGUF form: control tokens, `▁`, letters, merged pieces
@@ -288,24 +188,6 @@ mod tests {
             metadata.insert("tokenizer.ggml.add_space_prefix".into(), Value::Bool(p));
         }
         Content { magic: VersionedMagic::GgufV3, metadata, tensor_infos: Default::default(), tensor_data_offset: 0 }
-    }
-
-    #[test]
-    fn conversations_render_in_each_template() {
-        use Role::*;
-        for t in [ChatTemplate::ChatMl, ChatTemplate::Gemma, ChatTemplate::Raw] {
-            assert_eq!(t.render(&[(User, "hi")]), t.apply("hi"), "{t:?}: one user turn is apply");
-        }
-        let talk = [(System, "Be brief."), (User, "hi"), (Assistant, "hello"), (User, "why?")];
-        assert_eq!(
-            ChatTemplate::ChatMl.render(&talk),
-            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n<|im_start|>user\nwhy?<|im_end|>\n<|im_start|>assistant\n"
-        );
-        // Gemma has no system turn: the instructions open the first user turn.
-        assert_eq!(
-            ChatTemplate::Gemma.render(&talk),
-            "<bos><start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n<start_of_turn>model\nhello<end_of_turn>\n<start_of_turn>user\nwhy?<end_of_turn>\n<start_of_turn>model\n"
-        );
     }
 
     fn pieces(tok: &Tokenizer, text: &str) -> Vec<String> {

@@ -1,6 +1,7 @@
 use super::*;
 use crate::calibrate::{train_codec, KMeansConfig};
 use crate::testing::{outlier_rows, rng};
+use std::path::PathBuf;
 
 fn identity() -> ModelIdentity {
     ModelIdentity { name: "tiny".into(), architecture: "llama".into(), n_layers: 2, n_kv_heads: 2, head_dim: 32 }

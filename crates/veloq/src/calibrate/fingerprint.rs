@@ -12,12 +12,14 @@ use serde::{Deserialize, Serialize};
 pub const SHINGLE: usize = 32;
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// Which text a calibration saw: hashes of its 32-token shingles.
 pub struct TextFingerprint {
     /// Shingle hashes in text order (deterministic artifact bytes).
     pub hashes: Vec<u64>,
 }
 
 impl TextFingerprint {
+    /// The fingerprint of `tokens`.
     pub fn of_tokens(tokens: &[u32]) -> Self {
         Self { hashes: tokens.chunks_exact(SHINGLE).map(hash).collect() }
     }

@@ -9,11 +9,11 @@ use rand_xoshiro::Xoshiro256PlusPlus;
 use rayon::prelude::*;
 
 use crate::codec::codebook::Codebook;
+use crate::codec::search::{assign_points, Metric};
 use crate::error::{check_finite, Error, Result};
-use crate::kernels::cpu::search::assign_points;
-use crate::kernels::Metric;
 
 #[derive(Clone, Debug)]
+/// How k-means runs.
 pub struct KMeansConfig {
     /// Number of centroids.
     pub k: usize,
@@ -21,6 +21,7 @@ pub struct KMeansConfig {
     pub max_iter: usize,
     /// Stop when an iteration lowers the mean squared error by less than this fraction.
     pub tol: f64,
+    /// Seed of the seeding and sampling.
     pub seed: u64,
     /// Points drawn for k-means++ seeding (seeding costs k passes over them).
     pub init_sample: usize,
@@ -29,6 +30,7 @@ pub struct KMeansConfig {
 }
 
 impl KMeansConfig {
+    /// `k` centroids, the default iterations and sample.
     pub fn new(k: usize, seed: u64) -> Self {
         Self { k, max_iter: 30, tol: 1e-4, seed, init_sample: 32 * 1024, max_points: 1 << 21 }
     }
@@ -37,15 +39,20 @@ impl KMeansConfig {
 /// How a run went; `mse` holds the mean squared error per point after each assignment.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KMeansReport {
+    /// Points clustered (after sampling).
     pub points: usize,
+    /// Lloyd iterations run.
     pub iterations: usize,
+    /// Whether the assignments stopped changing.
     pub converged: bool,
+    /// Mean squared error after each iteration.
     pub mse: Vec<f64>,
     /// Empty clusters re-seeded over the whole run.
     pub reseeded: usize,
 }
 
 impl KMeansReport {
+    /// The last iteration's mean squared error.
     pub fn final_mse(&self) -> f64 {
         *self.mse.last().unwrap_or(&f64::NAN)
     }

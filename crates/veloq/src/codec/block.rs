@@ -2,7 +2,6 @@
 //! bytes and back. Caches store those bytes per flushed block and never look inside, so every
 //! method (VecInfer, KIVI, rotation + Lloyd-Max) plugs into the same cache.
 
-use crate::codec::kivi::KiviAxis;
 use crate::error::{Error, Result};
 
 /// What a scalar codec computes, element by element, for backends that run it in their own
@@ -11,16 +10,46 @@ use crate::error::{Error, Result};
 pub enum ScalarForm<'a> {
     /// KIVI: `min + step · q` per group of `group` tokens of one channel (`PerChannel`) or of
     /// `group` channels of one token (`PerToken`), min and step as f16.
-    Kivi { bits: u32, group: usize, axis: KiviAxis },
+    /// KIVI's rule.
+    Kivi {
+        /// Bits per code.
+        bits: u32,
+        /// Group length.
+        group: usize,
+        /// Which way a group runs.
+        axis: KiviAxis,
+    },
     /// Rotation + Lloyd–Max: y = H(signs ⊙ x) / rms(y) coded as the number of `bounds` below
     /// each element, decoded as `levels[q] · rms`, rms as f16.
-    LloydMax { bits: u32, signs: &'a [f32], levels: &'a [f32], bounds: &'a [f32] },
+    /// Rotation + Lloyd–Max's rule.
+    LloydMax {
+        /// Bits per code.
+        bits: u32,
+        /// Random signs applied before the rotation, per channel.
+        signs: &'a [f32],
+        /// Reconstruction levels of a unit Gaussian.
+        levels: &'a [f32],
+        /// Decision boundaries between the levels.
+        bounds: &'a [f32],
+    },
 }
 
+/// Which way a KIVI group runs (the scalar form names it, so it lives beside the seam).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KiviAxis {
+    /// Keys: groups run along tokens, one per channel.
+    PerChannel,
+    /// Values: groups run along channels, one per token.
+    PerToken,
+}
+
+/// A codec of one layer's keys or values: rows in, bytes out, and back.
 pub trait BlockCodec: Send + Sync + std::fmt::Debug {
     /// Short name for tables, e.g. `kivi-2b-g32`.
     fn name(&self) -> String;
+    /// Key/value heads of a row.
     fn n_heads(&self) -> usize;
+    /// Channels per head.
     fn head_dim(&self) -> usize;
     /// Encode calls take a multiple of this many tokens (KIVI keys group over tokens).
     fn block_tokens(&self) -> usize {
@@ -47,6 +76,7 @@ pub trait BlockCodec: Send + Sync + std::fmt::Debug {
         ((self.encoded_len(tokens) + self.resident_bytes()) * 8) as f64 / elems
     }
 
+    /// [`encode`](Self::encode) into a new buffer.
     fn encode_vec(&self, rows: &[f32]) -> Result<Vec<u8>> {
         let tokens = whole_rows(rows.len(), self.n_heads(), self.head_dim(), "encode")?;
         let mut out = vec![0u8; self.encoded_len(tokens)];

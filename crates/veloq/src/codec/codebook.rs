@@ -11,11 +11,14 @@ pub const BITS_RANGE: std::ops::RangeInclusive<u32> = 4..=12;
 /// Shape of the product quantizer: bits/element = `bits / sub_dim`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PqShape {
+    /// Channels per sub-vector (2, 4 or 8).
     pub sub_dim: usize,
+    /// Bits per code (4–12).
     pub bits: u32,
 }
 
 impl PqShape {
+    /// A shape, or an error naming what is out of range.
     pub fn new(sub_dim: usize, bits: u32) -> Result<Self> {
         if !SUB_DIMS.contains(&sub_dim) {
             return Err(Error::Config(format!("sub_dim {sub_dim} not in {SUB_DIMS:?}")));
@@ -25,9 +28,11 @@ impl PqShape {
         }
         Ok(Self { sub_dim, bits })
     }
+    /// Centroids per codebook.
     pub fn centroids(&self) -> usize {
         1 << self.bits
     }
+    /// Bits per element of the codes.
     pub fn bits_per_element(&self) -> f64 {
         self.bits as f64 / self.sub_dim as f64
     }
@@ -43,17 +48,21 @@ impl PqShape {
 /// Whether one codebook serves every sub-space of a layer or each sub-space has its own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Granularity {
+    /// One codebook for every sub-space of a layer.
     PerLayer,
+    /// A codebook per sub-space.
     PerSubspace,
 }
 
 impl Granularity {
+    /// `per_layer` or `per_subspace`.
     pub fn name(self) -> &'static str {
         match self {
             Granularity::PerLayer => "per_layer",
             Granularity::PerSubspace => "per_subspace",
         }
     }
+    /// The granularity named `s`.
     pub fn parse(s: &str) -> Result<Self> {
         match s {
             "per_layer" => Ok(Granularity::PerLayer),
@@ -90,12 +99,15 @@ impl Codebook {
         let norms = centroids.chunks_exact(sub_dim).map(|c| c.iter().map(|v| v * v).sum()).collect();
         Ok(Self { sub_dim, centroids, neg2, norms })
     }
+    /// Channels per centroid.
     pub fn sub_dim(&self) -> usize {
         self.sub_dim
     }
+    /// Centroids.
     pub fn len(&self) -> usize {
         self.norms.len()
     }
+    /// Whether it holds no centroid.
     pub fn is_empty(&self) -> bool {
         self.norms.is_empty()
     }
@@ -103,6 +115,7 @@ impl Codebook {
     pub fn centroids(&self) -> &[f32] {
         &self.centroids
     }
+    /// Centroid `k`.
     pub fn centroid(&self, k: usize) -> &[f32] {
         &self.centroids[k * self.sub_dim..(k + 1) * self.sub_dim]
     }
@@ -152,12 +165,15 @@ impl CodebookSet {
         }
         Ok(Self { shape, granularity, books })
     }
+    /// The quantizer's shape.
     pub fn shape(&self) -> PqShape {
         self.shape
     }
+    /// One codebook per layer or per sub-space.
     pub fn granularity(&self) -> Granularity {
         self.granularity
     }
+    /// The distinct codebooks.
     pub fn books(&self) -> &[Codebook] {
         &self.books
     }

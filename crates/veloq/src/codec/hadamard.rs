@@ -41,6 +41,7 @@ impl Hadamard {
         Ok(Self { dim, blocks })
     }
 
+    /// Its dimension.
     pub fn dim(&self) -> usize {
         self.dim
     }

@@ -5,19 +5,13 @@
 
 use half::f16;
 
+pub use crate::codec::block::KiviAxis;
 use crate::codec::block::{check_encoded, whole_rows, BlockCodec, ScalarForm};
 use crate::codec::pack::{pack_unchecked, packed_len, unpack_unchecked};
 use crate::error::{check_finite, Error, Result};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KiviAxis {
-    /// Keys: groups run along tokens, one per channel.
-    PerChannel,
-    /// Values: groups run along channels, one per token.
-    PerToken,
-}
-
 #[derive(Clone, Debug, PartialEq)]
+/// KIVI-style asymmetric scalar quantization of one layer's keys (per channel) or values (per token).
 pub struct KiviCodec {
     n_heads: usize,
     head_dim: usize,
@@ -27,6 +21,7 @@ pub struct KiviCodec {
 }
 
 impl KiviCodec {
+    /// A codec of `bits`-bit codes over groups of `group` along `axis`.
     pub fn new(n_heads: usize, head_dim: usize, bits: u32, group: usize, axis: KiviAxis) -> Result<Self> {
         if !(1..=8).contains(&bits) {
             return Err(Error::Config(format!("KIVI: {bits} bits outside 1..=8")));

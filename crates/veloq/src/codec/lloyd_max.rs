@@ -78,6 +78,7 @@ fn erfc(x: f64) -> f64 {
 }
 
 #[derive(Clone, Debug, PartialEq)]
+/// Calibration-free rotation (random signs, Hadamard) + Gaussian Lloyd–Max levels per row.
 pub struct LloydMaxCodec {
     n_heads: usize,
     head_dim: usize,
@@ -105,6 +106,7 @@ impl LloydMaxCodec {
         Ok(Self { n_heads, head_dim, bits, signs, hadamard, levels, bounds })
     }
 
+    /// The Lloyd–Max levels of a unit Gaussian.
     pub fn levels(&self) -> &[f32] {
         &self.levels
     }

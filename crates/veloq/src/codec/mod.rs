@@ -6,6 +6,7 @@ pub mod hadamard;
 pub mod kivi;
 pub mod lloyd_max;
 pub mod pack;
+pub mod search;
 pub mod smooth;
 pub mod transform;
 pub mod vecinfer;

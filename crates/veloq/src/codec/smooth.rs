@@ -28,13 +28,18 @@ use crate::error::{check_finite, Error, Result};
 pub const MIN_SCALE: f32 = 1e-4;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// How key smoothing scales are calibrated.
 pub enum SmoothRule {
+    /// s = max|k| per channel (the paper's).
     MaxAbs,
+    /// s = √max|k| per channel (measured better on SmolLM2).
     SqrtMaxAbs,
+    /// From the queries' second moments.
     QueryRms,
 }
 
 impl SmoothRule {
+    /// The rule's name in artifacts and flags.
     pub fn name(self) -> &'static str {
         match self {
             SmoothRule::MaxAbs => "max_abs",
@@ -43,6 +48,7 @@ impl SmoothRule {
         }
     }
 
+    /// The rule named `s`.
     pub fn parse(s: &str) -> Result<Self> {
         match s {
             "max_abs" => Ok(SmoothRule::MaxAbs),
@@ -134,9 +140,11 @@ impl SmoothScales {
         Self::new(n_heads, head_dim, scales)
     }
 
+    /// Heads.
     pub fn n_heads(&self) -> usize {
         self.n_heads
     }
+    /// Channels per head.
     pub fn head_dim(&self) -> usize {
         self.head_dim
     }

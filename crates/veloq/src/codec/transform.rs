@@ -9,6 +9,7 @@ use crate::element::Element;
 use crate::error::{Error, Result};
 
 #[derive(Clone, Debug, PartialEq)]
+/// What a VecInfer codec does to a row before and after its codebooks: centering, smoothing, rotation.
 pub struct RowTransform {
     /// `[n_heads, head_dim]` channel means, subtracted first.
     mean: Option<Vec<f32>>,
@@ -18,6 +19,7 @@ pub struct RowTransform {
 }
 
 impl RowTransform {
+    /// A transform of these parts (each optional).
     pub fn new(
         n_heads: usize,
         head_dim: usize,
@@ -47,15 +49,18 @@ impl RowTransform {
         Ok(Self { mean, head_dim, smooth, rotation })
     }
 
+    /// The calibrated per-(head, channel) mean, when centering.
     pub fn mean(&self) -> Option<&[f32]> {
         self.mean.as_deref()
     }
     fn head_mean(&self, head: usize) -> Option<&[f32]> {
         self.mean.as_deref().map(|m| &m[head * self.head_dim..(head + 1) * self.head_dim])
     }
+    /// The smoothing scales, when smoothing.
     pub fn smooth(&self) -> Option<&SmoothScales> {
         self.smooth.as_ref()
     }
+    /// Whether rows are Hadamard-rotated.
     pub fn rotates(&self) -> bool {
         self.rotation.is_some()
     }

@@ -9,22 +9,24 @@ use crate::codec::block::BlockCodec;
 use crate::codec::codebook::{CodebookSet, Granularity, PqShape};
 use crate::codec::hadamard::MAX_HEAD_DIM;
 use crate::codec::pack::{packed_len, unpack_unchecked};
+use crate::codec::search::{quantize_rows, Metric};
 use crate::codec::smooth::{SmoothRule, SmoothScales};
 use crate::codec::transform::RowTransform;
 use crate::element::Element;
 use crate::error::{Error, Result};
-use crate::kernels::cpu::search::quantize_rows;
-use crate::kernels::Metric;
 
 /// What a VecInfer codec is made of, before calibration fills in scales and codebooks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CodecSpec {
+    /// Codebook shape.
     pub shape: PqShape,
+    /// One codebook per layer or per sub-space.
     pub granularity: Granularity,
     /// Subtract the calibrated per-channel mean first.
     pub center: bool,
     /// Smoothing rule, or `None` for no smoothing (the default for values).
     pub smooth: Option<SmoothRule>,
+    /// Rotate rows by the Hadamard transform first.
     pub rotate: bool,
 }
 
@@ -82,24 +84,31 @@ impl VecInferCodec {
         self
     }
 
+    /// Heads of a row.
     pub fn n_heads(&self) -> usize {
         self.n_heads
     }
+    /// Channels per head.
     pub fn head_dim(&self) -> usize {
         self.head_dim
     }
+    /// The smoothing scales, when smoothing.
     pub fn smooth(&self) -> Option<&SmoothScales> {
         self.transform.smooth()
     }
+    /// The calibrated mean, when centering.
     pub fn mean(&self) -> Option<&[f32]> {
         self.transform.mean()
     }
+    /// Whether rows are rotated.
     pub fn rotates(&self) -> bool {
         self.transform.rotates()
     }
+    /// The codebooks.
     pub fn books(&self) -> &CodebookSet {
         &self.books
     }
+    /// The codebooks' shape.
     pub fn shape(&self) -> PqShape {
         self.books.shape()
     }

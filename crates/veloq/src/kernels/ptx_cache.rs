@@ -3,19 +3,10 @@
 //! file is named by a hash of everything its text depends on — the kernel's source with its
 //! `#define`s, its name, the architecture and the compiler's version — so a change anywhere
 //! compiles afresh, and a file that is unreadable or does not load is compiled again and replaced.
-//! Device-free (file and hash logic only), so it is tested without a GPU.
+//! Device-free (file and hash logic only), so it is tested without a GPU. The directory comes
+//! from [`KernelOptions::kernel_cache`](super::KernelOptions::kernel_cache).
 
-use std::path::{Path, PathBuf};
-
-/// The directory: `$VELOQ_KERNEL_CACHE`, else `kernels/` in the artifact directory;
-/// `VELOQ_KERNEL_CACHE=off` disables it.
-pub fn dir() -> Option<PathBuf> {
-    match std::env::var_os("VELOQ_KERNEL_CACHE") {
-        Some(v) if v == "off" || v == "0" => None,
-        Some(v) => Some(PathBuf::from(v)),
-        None => Some(crate::artifact::default_dir().join("kernels")),
-    }
-}
+use std::path::Path;
 
 /// The file name for `parts`: two FNV-1a 64-bit hashes (different offsets) over the parts and
 /// their lengths, as 32 hex digits. Stable across builds and platforms (unlike `std`'s hasher).

@@ -4,21 +4,30 @@
 
 use crate::error::{Error, Result};
 
+/// Whether a cache uses the fused kernels of its device: the same three words on the command
+/// line, in the server's options and in the Python binding (`auto`, `require`, `forbid`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum KernelChoice {
+    /// The fused kernels where they serve the device, the portable path elsewhere.
     #[default]
     Auto,
+    /// The fused kernels, or an error when building the cache.
     Require,
+    /// Always the portable path (candle ops).
     Forbid,
 }
 
 impl KernelChoice {
-    pub fn parse(s: &str) -> Result<Self> {
-        match s {
-            "auto" => Ok(Self::Auto),
-            "require" => Ok(Self::Require),
-            "forbid" => Ok(Self::Forbid),
-            other => Err(Error::Config(format!("kernel choice {other:?}: expected auto, require or forbid"))),
+    /// Every choice, in the order the help lists them.
+    pub const ALL: [Self; 3] = [Self::Auto, Self::Require, Self::Forbid];
+
+    /// The word for this choice.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Require => "require",
+            Self::Forbid => "forbid",
         }
     }
 
@@ -30,6 +39,23 @@ impl KernelChoice {
             (Self::Auto, Err(_)) => Ok(false),
             (Self::Require, Err(why)) => Err(Error::Device(format!("fused kernels required but unavailable: {why}"))),
         }
+    }
+}
+
+impl std::str::FromStr for KernelChoice {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| Error::Config(format!("kernel choice {s:?}: expected auto, require or forbid")))
+    }
+}
+
+impl std::fmt::Display for KernelChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -46,7 +72,8 @@ mod tests {
         let e = KernelChoice::Require.resolve(none()).unwrap_err().to_string();
         assert!(e.contains("no GPU"), "{e}");
         assert!(!KernelChoice::Forbid.resolve(Ok(())).unwrap());
-        assert_eq!(KernelChoice::parse("require").unwrap(), KernelChoice::Require);
-        assert!(KernelChoice::parse("sometimes").is_err());
+        assert_eq!("require".parse::<KernelChoice>().unwrap(), KernelChoice::Require);
+        assert!("sometimes".parse::<KernelChoice>().is_err());
+        assert!(KernelChoice::ALL.iter().all(|k| k.to_string().parse::<KernelChoice>().unwrap() == *k));
     }
 }

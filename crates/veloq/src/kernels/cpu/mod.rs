@@ -2,6 +2,4 @@
 
 pub mod attention;
 pub mod gemm;
-pub mod lanes;
 pub mod q4_1;
-pub mod search;

@@ -34,9 +34,18 @@ const TILE: usize = 32;
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ShapeError {
     #[error("Q4_1 weights: k = {0} is not a multiple of 32")]
+    /// An inner dimension that is not a whole number of blocks.
     K(usize),
     #[error("Q4_1 product: expected {expected} {what}, got {got}")]
-    Len { what: &'static str, expected: usize, got: usize },
+    /// A buffer of the wrong length.
+    Len {
+        /// Which buffer.
+        what: &'static str,
+        /// The length it needs.
+        expected: usize,
+        /// Its length.
+        got: usize,
+    },
 }
 
 fn check(what: &'static str, expected: usize, got: usize) -> Result<(), ShapeError> {

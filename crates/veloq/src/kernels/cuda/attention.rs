@@ -56,6 +56,7 @@ pub enum SplitKernel {
 }
 
 impl SplitKernel {
+    /// The kernel's name in flags and tables.
     pub fn name(self) -> &'static str {
         match self {
             SplitKernel::TensorCores => "tensor-cores",
@@ -66,8 +67,11 @@ impl SplitKernel {
 
 /// Key and value codecs of one layer on the GPU, with the query-head geometry.
 pub struct GpuAttention {
+    /// The keys' codebooks and transform on the GPU.
     pub keys: GpuCodec,
+    /// The values'.
     pub values: GpuCodec,
+    /// Query heads (a multiple of the kv heads).
     pub q_heads: usize,
     threads: u32,
     half_values: bool,
@@ -147,6 +151,7 @@ impl AttentionScratch {
 }
 
 impl GpuAttention {
+    /// Attention over codes of `keys` and `values` for `q_heads` query heads (the table kernel; see `with_split_kernel`).
     pub fn new(keys: GpuCodec, values: GpuCodec, q_heads: usize) -> Result<Self> {
         let (kg, vg) = (Geometry::of(&keys), Geometry::of(&values));
         let kernel = if mma_geometry(&kg, &vg, q_heads) { SplitKernel::TensorCores } else { SplitKernel::Tables };
@@ -478,9 +483,13 @@ fn fewest_with_steps(s: usize, n: usize, fewest: usize) -> usize {
 /// A cache's codes: `[streams, stride, subspaces]` bytes each (stream = sequence × kv head), the
 /// first `len` positions of every stream filled.
 pub struct Coded<'a> {
+    /// Key codes.
     pub keys: CudaView<'a, u8>,
+    /// Value codes.
     pub values: CudaView<'a, u8>,
+    /// Positions filled in every stream.
     pub len: usize,
+    /// Positions a stream has room for.
     pub stride: usize,
 }
 
@@ -489,10 +498,15 @@ pub struct Coded<'a> {
 /// and nothing else the attention reads (a decode step's put), so the split kernel scores codes
 /// while it runs when it also merges (launch.rs); false makes no such promise.
 pub struct Window<'a> {
+    /// Key rows (f16 bits).
     pub keys: CudaView<'a, u16>,
+    /// Value rows (f16 bits).
     pub values: CudaView<'a, u16>,
+    /// Rows per stream.
     pub rows: usize,
+    /// Which rows hold positions.
     pub map: WindowMap,
+    /// The launch before wrote some of these rows and nothing else the attention reads.
     pub just_written: bool,
 }
 
@@ -501,10 +515,15 @@ pub struct Window<'a> {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WindowMap {
+    /// Sink rows holding positions.
     pub n_sink: i32,
+    /// Sink rows reserved (where the ring starts).
     pub sink_cap: i32,
+    /// The ring's oldest row.
     pub ring_head: i32,
+    /// Ring rows holding positions.
     pub ring_len: i32,
+    /// Ring rows reserved.
     pub ring_cap: i32,
 }
 

@@ -2,13 +2,12 @@
 //! (a decode step's), one launch, bound by reading the weights once. Libraries' GEMMs tile for
 //! many rows and read a small-batch weight matrix well below the copy bandwidth.
 
-use std::sync::OnceLock;
-
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig};
 
 use super::launch::Launch;
 use super::Gpu;
 use crate::error::{Error, Result};
+use crate::kernels::options::GemvShapes;
 
 pub(super) const SOURCES: &[&str] = &[include_str!("gemv.cu")];
 /// Most activation rows one launch takes (the accumulators live in registers).
@@ -21,26 +20,26 @@ pub const MAX_ROWS: usize = 8;
 /// `threads` per block (its warps split each row's K).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemvTune {
+    /// Tensor cores (`f16_gemv_mma`) or f32 FMAs (`f16_gemv`).
     pub tensor_cores: bool,
+    /// Weight rows per block.
     pub rows: usize,
+    /// 16-byte loads a thread has in flight per row.
     pub unroll: usize,
+    /// Threads per block.
     pub threads: u32,
 }
 
 impl GemvTune {
-    /// The shape for `b` activation rows: `VELOQ_GEMV=R,U,T` (one row) or `VELOQ_GEMV_MMA=R,U,T`
-    /// (more) if set, from `veloq bench cuda --gemv-sweep` on the device at hand; else the
-    /// sweep's fastest on an H200 for an 8B layer as a decode step issues it (the four fused
-    /// launches of 8 layers, replayed from graphs with small launches between): one row R 2, U
-    /// 2, 256 threads (0.126 ms a layer, 1.21× its bytes at the copy bandwidth; 2,1,512, the
-    /// fastest on the seven plain products, took 0.147 in a step), eight rows 32 rows a block,
-    /// U 1, 512 threads (0.155 ms; 16,2,512 0.167).
-    pub fn for_rows(b: usize) -> Self {
-        static ENV: OnceLock<[Option<(usize, usize, u32)>; 2]> = OnceLock::new();
-        let env = ENV.get_or_init(|| ["VELOQ_GEMV", "VELOQ_GEMV_MMA"].map(|name| parse(&std::env::var(name).ok()?)));
+    /// The shape for `b` activation rows: `shapes`' own (from `veloq-lab bench cuda --gemv-sweep`
+    /// on the device at hand) where given, else the sweep's fastest on an H200 for an 8B layer as
+    /// a decode step issues it (one row: 2 rows a block, 2 loads in flight, 256 threads; eight
+    /// rows: 32, 1, 512; the timings are in results/README.md).
+    pub fn for_rows(b: usize, shapes: &GemvShapes) -> Self {
         let tensor_cores = b > 1;
-        let (rows, unroll, threads) = match env[tensor_cores as usize] {
-            Some(t) if !tensor_cores || t.0.is_multiple_of(8) => t,
+        let given = if tensor_cores { shapes.many_rows } else { shapes.one_row };
+        let (rows, unroll, threads) = match given {
+            Some(t) if !tensor_cores || t.rows.is_multiple_of(8) => (t.rows, t.unroll, t.threads),
             _ if tensor_cores => (32, 1, 512),
             _ => (2, 2, 256),
         };
@@ -59,17 +58,6 @@ impl GemvTune {
     fn defines(&self, b: usize) -> Vec<(&'static str, i64)> {
         let rows = if self.tensor_cores { ("G", (self.rows / 8) as i64) } else { ("R", self.rows as i64) };
         vec![("B", b as i64), rows, ("U", self.unroll as i64), ("THREADS", self.threads as i64)]
-    }
-}
-
-/// `R,U,T` with R 1..=32, U 1..=8, T a multiple of 32 in 32..=1024.
-fn parse(v: &str) -> Option<(usize, usize, u32)> {
-    let p: Vec<usize> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
-    match p[..] {
-        [r, u, t] if (1..=32).contains(&r) && (1..=8).contains(&u) && t % 32 == 0 && (32..=1024).contains(&t) => {
-            Some((r, u, t as u32))
-        }
-        _ => None,
     }
 }
 
@@ -228,7 +216,7 @@ pub(super) fn example_defines() -> Vec<(&'static str, Vec<(&'static str, i64)>)>
     let tuned = [(false, 2, 4, 128), (true, 32, 1, 64), (true, 8, 8, 512)]
         .map(|(tensor_cores, rows, unroll, threads)| GemvTune { tensor_cores, rows, unroll, threads });
     let shapes: Vec<(usize, GemvTune)> = (1..=MAX_ROWS)
-        .map(|b| (b, GemvTune::for_rows(b)))
+        .map(|b| (b, GemvTune::for_rows(b, &GemvShapes::default())))
         .chain(tuned.map(|t| (if t.tensor_cores { MAX_ROWS } else { 1 }, t)))
         .collect();
     shapes

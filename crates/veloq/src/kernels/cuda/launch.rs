@@ -1,5 +1,6 @@
 //! Launches that may start before the previous kernel in their stream has finished
-//! (programmatic dependent launch, sm_90 and later), and the switch that turns them off.
+//! (programmatic dependent launch, sm_90 and later); [`KernelOptions::overlapped_launches`]
+//! (crate::kernels::KernelOptions) turns them off.
 //!
 //! A decode step is a chain of short kernels, each waiting for the last: between two of them the
 //! GPU drains the first's tail, flushes its writes and only then starts the next one's blocks, so
@@ -13,30 +14,12 @@
 //! capture turns the attribute into programmatic edges of the graph.
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
 
 use cudarc::driver::sys::{self, CUlaunchAttributeID};
 use cudarc::driver::{CudaFunction, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, SyncOnDrop};
 
 use super::dev_err;
 use crate::error::Result;
-
-fn switch() -> &'static AtomicBool {
-    static ON: OnceLock<AtomicBool> = OnceLock::new();
-    ON.get_or_init(|| AtomicBool::new(std::env::var("VELOQ_PDL").map_or(true, |v| v != "0")))
-}
-
-/// Whether kernels that support it are launched to overlap their predecessor (on by default;
-/// `VELOQ_PDL=0` turns it off). Graphs capture what was on when they were captured.
-pub fn overlapped_launches() -> bool {
-    switch().load(Ordering::Relaxed)
-}
-
-/// Turns overlapped launches on or off for launches from now on (for side-by-side timing).
-pub fn set_overlapped_launches(on: bool) {
-    switch().store(on, Ordering::Relaxed)
-}
 
 enum Arg {
     /// A device address, held here (the driver reads the parameter through a pointer to it).

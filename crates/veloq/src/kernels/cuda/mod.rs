@@ -17,12 +17,12 @@ pub use attention::{
 };
 pub use dense::GpuDenseAttention;
 pub use gemv::{gemv_f16, gemv_f16_many, gemv_many_fits, GemvEpilogue, GemvFused, GemvTune, MAX_ROWS as GEMV_MAX_ROWS};
-pub use launch::{overlapped_launches, set_overlapped_launches};
 pub use prefill::{GpuPrefill, PrefillOut, Source, Split};
 pub use quantize::{quantize_jobs, GpuCodec, QuantizeJob, RowMap};
 pub use window::{PutMap, PutRows};
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
@@ -30,6 +30,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
 use crate::error::{Error, Result};
+use crate::kernels::options::{GemvShapes, KernelOptions};
 use crate::kernels::ptx_cache;
 
 const COMMON: &str = include_str!("common.cuh");
@@ -59,7 +60,8 @@ fn quietly<T>(f: impl FnOnce() -> T + std::panic::UnwindSafe) -> std::thread::Re
     r
 }
 
-/// One GPU: its context, a stream, and the kernels compiled for it so far.
+/// One GPU: its context, a stream, the kernels compiled for it so far and the options they launch
+/// with.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -68,21 +70,24 @@ pub struct Gpu {
     sms: u32,
     max_smem: usize,
     kernels: Mutex<HashMap<String, CudaFunction>>,
+    /// [`KernelOptions::overlapped_launches`], read at every launch.
+    overlapped: AtomicBool,
+    options: Mutex<KernelOptions>,
 }
 
 impl Gpu {
     /// Opens GPU `ordinal`. Missing driver library or device → [`Error::Device`].
-    pub fn new(ordinal: usize) -> Result<Self> {
+    pub fn new(ordinal: usize, options: KernelOptions) -> Result<Self> {
         // cudarc panics when libcuda cannot be loaded; turn that into an error.
         let ctx = quietly(|| CudaContext::new(ordinal))
             .map_err(|_| Error::Device("the CUDA driver library (libcuda.so) could not be loaded".into()))?
             .map_err(dev_err)?;
-        Self::from_stream(ctx.default_stream())
+        Self::from_stream(ctx.default_stream(), options)
     }
 
     /// The GPU of `stream`, launching on it (so kernels order with a framework's work there, e.g.
     /// candle's CUDA device).
-    pub fn from_stream(stream: Arc<CudaStream>) -> Result<Self> {
+    pub fn from_stream(stream: Arc<CudaStream>, options: KernelOptions) -> Result<Self> {
         let ctx = stream.context().clone();
         let (major, minor) = ctx.compute_capability().map_err(dev_err)?;
         let sms = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(dev_err)? as u32;
@@ -90,7 +95,34 @@ impl Gpu {
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(dev_err)? as usize;
         let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
-        Ok(Self { ctx, stream, arch, major, sms, max_smem, kernels: Mutex::new(HashMap::new()) })
+        Ok(Self {
+            ctx,
+            stream,
+            arch,
+            major,
+            sms,
+            max_smem,
+            kernels: Mutex::new(HashMap::new()),
+            overlapped: AtomicBool::new(options.overlapped_launches),
+            options: Mutex::new(options),
+        })
+    }
+
+    /// The options launches follow now.
+    pub fn options(&self) -> KernelOptions {
+        self.options.lock().expect("kernel options lock").clone()
+    }
+
+    /// Options for launches from now on (kernels compiled so far stay compiled; graphs replay
+    /// what they captured).
+    pub fn set_options(&self, options: KernelOptions) {
+        self.overlapped.store(options.overlapped_launches, Ordering::Relaxed);
+        *self.options.lock().expect("kernel options lock") = options;
+    }
+
+    /// The GEMV launch shapes of the options.
+    pub fn gemv_shapes(&self) -> GemvShapes {
+        self.options.lock().expect("kernel options lock").gemv
     }
 
     /// Device memory of the default pool (where stream-ordered allocations such as candle's and
@@ -135,23 +167,27 @@ impl Gpu {
 
     /// Why there is no usable GPU, if there is none (for [`KernelChoice`](super::select::KernelChoice)).
     pub fn probe() -> std::result::Result<(), String> {
-        Self::new(0).map(|_| ()).map_err(|e| e.to_string())
+        Self::new(0, KernelOptions::default()).map(|_| ()).map_err(|e| e.to_string())
     }
 
+    /// The stream kernels launch on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
+    /// The device's context.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
+    /// Streaming multiprocessors.
     pub fn multiprocessors(&self) -> u32 {
         self.sms
     }
     /// Whether launches here may overlap their predecessor's tail ([`launch`]): sm_90 and later,
-    /// while [`overlapped_launches`] is on.
+    /// while [`KernelOptions::overlapped_launches`] is on.
     pub fn overlaps(&self) -> bool {
-        self.major >= 9 && overlapped_launches()
+        self.major >= 9 && self.overlapped.load(Ordering::Relaxed)
     }
+    /// The device's name.
     pub fn name(&self) -> String {
         self.ctx.name().unwrap_or_else(|_| "unknown GPU".into())
     }
@@ -177,7 +213,7 @@ impl Gpu {
             return Ok(f.clone());
         }
         let src = source(sources, defines);
-        let dir = ptx_cache::dir();
+        let dir = self.options.lock().expect("kernel options lock").kernel_cache.clone();
         let disk_key = ptx_cache::key(&[self.arch, name, &src, &nvrtc_version()]);
         let cached = dir.as_deref().and_then(|d| ptx_cache::load(d, &disk_key));
         let module = match cached.map(|text| self.ctx.load_module(Ptx::from_src(text))) {
@@ -207,7 +243,9 @@ impl Gpu {
 /// Stream-ordered device memory, in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PoolMemory {
+    /// Bytes in use.
     pub used: usize,
+    /// Most bytes in use since the last reset.
     pub peak: usize,
 }
 

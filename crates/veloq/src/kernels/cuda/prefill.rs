@@ -28,19 +28,29 @@ pub struct GpuPrefill {
 
 /// What a launch attends: one sequence's codes, or a run of its f16 rows.
 pub enum Source<'a, 'b> {
+    /// A sequence's codes.
     Codes {
+        /// The codes.
         codes: &'a Coded<'b>,
+        /// The keys' codec on the GPU.
         keys: &'a GpuCodec,
+        /// The values' codec.
         values: &'a GpuCodec,
     },
     /// `keys`/`values` at the run's first row of stream 0 (stream h's row p at
     /// `(h·stride + p)·head_dim`); row p holds position `pos0 + p`, query i sits at `qpos0 + i`.
     Rows {
+        /// Key rows (f16 bits).
         keys: CudaView<'b, u16>,
+        /// Value rows (f16 bits).
         values: CudaView<'b, u16>,
+        /// Rows in the run.
         len: usize,
+        /// Rows per stream.
         stride: usize,
+        /// Position of row 0.
         pos0: usize,
+        /// Position of query 0.
         qpos0: usize,
     },
 }
@@ -49,6 +59,7 @@ pub enum Source<'a, 'b> {
 /// `count` deep.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Split {
+    /// Splits (the partials' depth).
     pub count: usize,
     per: usize,
 }
@@ -56,7 +67,9 @@ pub struct Split {
 /// Where a launch writes: `o` `[splits, q heads, queries, head_dim]` (code space, unnormalised)
 /// and `ml` `[splits, q heads, queries, 2]` (maximum score, sum of weights).
 pub struct PrefillOut<'a, 'b> {
+    /// Unnormalised outputs in code space.
     pub o: &'a mut CudaViewMut<'b, f32>,
+    /// Maximum score and sum of weights per (split, head, query).
     pub ml: &'a mut CudaViewMut<'b, f32>,
 }
 

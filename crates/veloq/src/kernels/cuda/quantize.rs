@@ -193,8 +193,11 @@ impl GpuCodec {
 
 /// One codec's part of a quantize launch: the rows it reads and the codes it writes.
 pub struct QuantizeJob<'a, 'x, 'o> {
+    /// The codec.
     pub codec: &'a GpuCodec,
+    /// Rows to code (f16 bits).
     pub x: &'a CudaView<'x, u16>,
+    /// Where its codes go.
     pub out: &'a mut CudaViewMut<'o, u8>,
 }
 
@@ -293,15 +296,22 @@ pub fn quantize_jobs(
 pub struct RowMap {
     /// Vectors per stream.
     pub t: i32,
+    /// Input rows between streams.
     pub in_hs: i64,
+    /// Input rows between vectors of a stream.
     pub in_ts: i32,
+    /// First input vector.
     pub in_base: i32,
+    /// Output rows between streams.
     pub out_hs: i64,
+    /// Output rows between vectors of a stream.
     pub out_ts: i32,
+    /// First output vector.
     pub out_base: i32,
     /// When positive, the input is a ring of this many rows starting at row `in_off` of each
     /// stream: vector `t` is row `in_off + (in_base + t) mod in_wrap`.
     pub in_wrap: i32,
+    /// The ring's first row in each stream.
     pub in_off: i32,
 }
 

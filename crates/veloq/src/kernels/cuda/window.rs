@@ -14,14 +14,23 @@ pub(super) const SOURCES: &[&str] = &[include_str!("window.cu")];
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PutMap {
+    /// Rows per sequence.
     pub t: i32,
+    /// Source tokens between sequences.
     pub src_t: i32,
+    /// First source token.
     pub src0: i32,
+    /// Heads per token.
     pub heads: i32,
+    /// Rows that go to the sink.
     pub n_sink: i32,
+    /// First sink row written.
     pub sink0: i32,
+    /// Sink rows reserved (where the ring starts).
     pub sink_cap: i32,
+    /// Ring row the rest start at.
     pub ring0: i32,
+    /// Ring rows reserved.
     pub ring_cap: i32,
 }
 
@@ -36,6 +45,7 @@ pub struct PutRows {
 }
 
 impl PutRows {
+    /// The kernel for `head_dim`, compiled now.
     pub fn new(gpu: &Gpu, head_dim: usize) -> Result<Self> {
         Ok(Self { head_dim, function: gpu.kernel(SOURCES, "vq_window_put", &[("D", head_dim as i64)], 0)? })
     }

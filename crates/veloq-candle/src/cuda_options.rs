@@ -1,0 +1,25 @@
+//! How the CUDA paths run: plain data every layer that has a CUDA path reads (the runner's graphs,
+//! the model's GEMV, the cache's flush stream, the kernels' launches), passed in at construction.
+
+use veloq::kernels::KernelOptions;
+
+/// How the CUDA paths run; ignored on the CPU. Each switch exists to time a path against the one
+/// before it in one process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// Decode steps replayed from CUDA graphs (a [`Runner`](crate::Runner)'s).
+    pub graphs: bool,
+    /// f16 weights of decode steps through veloq's GEMV (off: candle's matmul, cuBLAS).
+    pub gemv: bool,
+    /// Cache flushes on a second stream, off the step's path.
+    pub flush_stream: bool,
+    /// Overlapped launches, the kernel cache, GEMV shapes.
+    pub kernels: KernelOptions,
+}
+
+impl Default for CudaOptions {
+    /// Every fast path on; compiled kernels kept under `~/.cache/veloq/kernels`.
+    fn default() -> Self {
+        Self { graphs: true, gemv: true, flush_stream: true, kernels: KernelOptions::default() }
+    }
+}

@@ -1,0 +1,188 @@
+//! Chat templates written out (ChatML, Gemma's turns, Llama 3's headers, Phi-3's tags): a
+//! conversation rendered up to where the model's reply begins, a follow-up turn, what closes a
+//! reply. Which one a model takes: its vocabulary's markers, else its family's
+//! ([`Architecture::chat_template`](super::arch::Architecture::chat_template)).
+
+use tokenizers::Tokenizer;
+
+/// Who said a message of a conversation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Instructions for the assistant (Gemma has no system turn: they open the first user turn).
+    System,
+    /// The user.
+    User,
+    /// The model.
+    Assistant,
+}
+
+/// Chat templates we can apply without a Jinja engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChatTemplate {
+    /// `<|im_start|>role\n…<|im_end|>` (SmolLM2, Qwen2).
+    ChatMl,
+    /// `<bos><start_of_turn>user\n…<end_of_turn>\n<start_of_turn>model\n` (Gemma).
+    Gemma,
+    /// `<|start_header_id|>role<|end_header_id|>\n\n…<|eot_id|>` (Llama 3; the BOS is the
+    /// file's).
+    Llama3,
+    /// `<|user|>\n…<|end|>\n<|assistant|>\n` (Phi-3).
+    Phi3,
+    /// No template: the prompt is fed as is.
+    Raw,
+}
+
+impl ChatTemplate {
+    /// The template whose markers the vocabulary has ([`Raw`](Self::Raw) if none's).
+    pub fn detect(tok: &Tokenizer) -> Self {
+        let has = |t: &[&str]| t.iter().all(|t| tok.token_to_id(t).is_some());
+        if has(&["<|im_start|>", "<|im_end|>"]) {
+            ChatTemplate::ChatMl
+        } else if has(&["<start_of_turn>", "<end_of_turn>"]) {
+            ChatTemplate::Gemma
+        } else if has(&["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]) {
+            ChatTemplate::Llama3
+        } else if has(&["<|user|>", "<|assistant|>", "<|end|>"]) {
+            ChatTemplate::Phi3
+        } else {
+            ChatTemplate::Raw
+        }
+    }
+
+    /// A conversation's first user turn, up to where the model's reply begins.
+    pub fn apply(self, prompt: &str) -> String {
+        match self {
+            ChatTemplate::Gemma => format!("<bos>{}", self.turn(prompt)),
+            _ => self.turn(prompt),
+        }
+    }
+
+    /// A user turn (first or later), up to where the model's reply begins.
+    pub fn turn(self, prompt: &str) -> String {
+        match self {
+            ChatTemplate::ChatMl => format!("<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"),
+            ChatTemplate::Gemma => format!("<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n"),
+            ChatTemplate::Llama3 => format!(
+                "<|start_header_id|>user<|end_header_id|>\n\n{prompt}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+            ),
+            ChatTemplate::Phi3 => format!("<|user|>\n{prompt}<|end|>\n<|assistant|>\n"),
+            ChatTemplate::Raw => prompt.to_string(),
+        }
+    }
+
+    /// A whole conversation, up to where the model's next reply begins: `render(&[(User, p)])` is
+    /// [`apply`](Self::apply)`(p)`.
+    pub fn render(self, messages: &[(Role, &str)]) -> String {
+        let mut out = String::new();
+        match self {
+            ChatTemplate::ChatMl => {
+                for &(role, text) in messages {
+                    let role = match role {
+                        Role::System => "system",
+                        Role::User => "user",
+                        Role::Assistant => "assistant",
+                    };
+                    out.push_str(&format!("<|im_start|>{role}\n{text}<|im_end|>\n"));
+                }
+                out.push_str("<|im_start|>assistant\n");
+            }
+            ChatTemplate::Gemma => {
+                out.push_str("<bos>");
+                let system: Vec<&str> = messages.iter().filter(|m| m.0 == Role::System).map(|m| m.1).collect();
+                let mut pending = (!system.is_empty()).then(|| system.join("\n\n"));
+                for &(role, text) in messages.iter().filter(|m| m.0 != Role::System) {
+                    let (role, text) = match (role, pending.take()) {
+                        (Role::User, Some(sys)) => ("user", format!("{sys}\n\n{text}")),
+                        (r, sys) => {
+                            pending = sys;
+                            (if r == Role::User { "user" } else { "model" }, text.to_string())
+                        }
+                    };
+                    out.push_str(&format!("<start_of_turn>{role}\n{text}<end_of_turn>\n"));
+                }
+                if let Some(sys) = pending {
+                    out.push_str(&format!("<start_of_turn>user\n{sys}<end_of_turn>\n"));
+                }
+                out.push_str("<start_of_turn>model\n");
+            }
+            ChatTemplate::Llama3 | ChatTemplate::Phi3 => {
+                for &(role, text) in messages {
+                    out.push_str(&self.message(role, text));
+                }
+                out.push_str(&self.message_start(Role::Assistant));
+            }
+            ChatTemplate::Raw => out = messages.iter().map(|m| m.1).collect::<Vec<_>>().join("\n"),
+        }
+        out
+    }
+
+    /// Where a message of `role` begins (Llama 3 and Phi-3).
+    fn message_start(self, role: Role) -> String {
+        let name = match role {
+            Role::System => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+        };
+        match self {
+            ChatTemplate::Llama3 => format!("<|start_header_id|>{name}<|end_header_id|>\n\n"),
+            _ => format!("<|{name}|>\n"),
+        }
+    }
+
+    /// One whole message (Llama 3 and Phi-3).
+    fn message(self, role: Role, text: &str) -> String {
+        let end = if self == ChatTemplate::Llama3 { "<|eot_id|>" } else { "<|end|>\n" };
+        format!("{}{text}{end}", self.message_start(role))
+    }
+
+    /// What closes a reply before the next turn: the end-of-turn marker when the reply did not
+    /// produce one itself (`ended` false: cut by a token limit), then the newline between turns.
+    pub fn close_reply(self, ended: bool) -> &'static str {
+        match (self, ended) {
+            (ChatTemplate::ChatMl, false) => "<|im_end|>\n",
+            (ChatTemplate::Gemma, false) => "<end_of_turn>\n",
+            (ChatTemplate::Llama3, false) => "<|eot_id|>",
+            (ChatTemplate::Llama3, true) => "",
+            (ChatTemplate::Phi3, false) => "<|end|>\n",
+            (ChatTemplate::Raw, _) => "",
+            (_, true) => "\n",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conversations_render_in_each_template() {
+        use Role::*;
+        for t in
+            [ChatTemplate::ChatMl, ChatTemplate::Gemma, ChatTemplate::Llama3, ChatTemplate::Phi3, ChatTemplate::Raw]
+        {
+            assert_eq!(t.render(&[(User, "hi")]), t.apply("hi"), "{t:?}: one user turn is apply");
+        }
+        let talk = [(System, "Be brief."), (User, "hi"), (Assistant, "hello"), (User, "why?")];
+        assert_eq!(
+            ChatTemplate::ChatMl.render(&talk),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n<|im_start|>user\nwhy?<|im_end|>\n<|im_start|>assistant\n"
+        );
+        // Gemma has no system turn: the instructions open the first user turn.
+        assert_eq!(
+            ChatTemplate::Gemma.render(&talk),
+            "<bos><start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n<start_of_turn>model\nhello<end_of_turn>\n<start_of_turn>user\nwhy?<end_of_turn>\n<start_of_turn>model\n"
+        );
+        assert_eq!(
+            ChatTemplate::Llama3.render(&talk),
+            "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nhello<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nwhy?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+        );
+        assert_eq!(
+            ChatTemplate::Phi3.render(&talk),
+            "<|system|>\nBe brief.<|end|>\n<|user|>\nhi<|end|>\n<|assistant|>\nhello<|end|>\n<|user|>\nwhy?<|end|>\n<|assistant|>\n"
+        );
+        // A reply cut short gets its end marker; one that ended has it already.
+        assert_eq!(ChatTemplate::Llama3.close_reply(false), "<|eot_id|>");
+        assert_eq!(ChatTemplate::Llama3.close_reply(true), "");
+        assert_eq!(ChatTemplate::Phi3.close_reply(false), "<|end|>\n");
+    }
+}

@@ -1,0 +1,152 @@
+//! The flags every command that runs a model shares, turned into the library's typed options.
+//! This is the binary's edge: the only place `VELOQ_*` variables are read (through clap, as
+//! defaults of the flags they stand for).
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::builder::BoolishValueParser;
+use clap::Args;
+
+use veloq::kernels::{GemvShape, GemvShapes, KernelChoice, KernelOptions};
+use veloq_candle::runtime::{self, calibration_path, CudaOptions, Device, Loaded, RunOptions};
+use veloq_candle::Method;
+
+/// Where models, texts and calibrations live.
+#[derive(Args, Clone, Debug)]
+pub struct Files {
+    /// GGUF model file (scripts/fetch-data puts SmolLM2 in the cache directory).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Calibration artifact of a VecInfer method (`veloq calibrate`); default
+    /// <cache-dir>/<model>.<method>.safetensors.
+    #[arg(long)]
+    pub calibration: Option<PathBuf>,
+    /// Models, texts, calibrations and compiled kernels.
+    #[arg(long, env = "VELOQ_CACHE", default_value_os_t = veloq::paths::default_cache_dir())]
+    pub cache_dir: PathBuf,
+}
+
+impl Files {
+    /// The model file, or SmolLM2-135M-Instruct in the cache directory.
+    pub fn model(&self) -> PathBuf {
+        self.model.clone().unwrap_or_else(|| self.cache_dir.join("smollm2-135m-instruct.q4_1.gguf"))
+    }
+
+    /// The calibration file of `method`, or its default place.
+    pub fn calibration(&self, method: &Method) -> PathBuf {
+        self.calibration.clone().unwrap_or_else(|| calibration_path(&self.cache_dir, &self.model(), method))
+    }
+
+    /// A novel of `scripts/fetch-data` (`persuasion`, `emma`…).
+    pub fn text(&self, name: &str) -> PathBuf {
+        self.cache_dir.join("austen").join(format!("{name}.txt"))
+    }
+}
+
+/// How the CUDA paths run (defaults: every fast path on). Each flag's variable sets it too.
+#[derive(Args, Clone, Debug)]
+pub struct CudaFlags {
+    /// Decode steps replayed from CUDA graphs.
+    #[arg(long, env = "VELOQ_CUDA_GRAPHS", default_value = "on", value_parser = BoolishValueParser::new(), value_name = "on|off")]
+    pub cuda_graphs: bool,
+    /// f16 weights of decode steps through veloq's GEMV (off: cuBLAS).
+    #[arg(long, env = "VELOQ_CUDA_GEMV", default_value = "on", value_parser = BoolishValueParser::new(), value_name = "on|off")]
+    pub cuda_gemv: bool,
+    /// Kernels overlap their predecessor's tail (programmatic dependent launch, sm_90+).
+    #[arg(long, env = "VELOQ_PDL", default_value = "on", value_parser = BoolishValueParser::new(), value_name = "on|off")]
+    pub overlapped_launches: bool,
+    /// Cache flushes on a second stream.
+    #[arg(long, env = "VELOQ_FLUSH_STREAM", default_value = "on", value_parser = BoolishValueParser::new(), value_name = "on|off")]
+    pub flush_stream: bool,
+    /// GEMV launch shape R,U,T for one activation row (`veloq-lab bench cuda --gemv-sweep`).
+    #[arg(long, env = "VELOQ_GEMV", value_name = "R,U,T")]
+    pub gemv_shape: Option<GemvShape>,
+    /// GEMV launch shape R,U,T for 2–8 rows (R a multiple of 8).
+    #[arg(long, env = "VELOQ_GEMV_MMA", value_name = "R,U,T")]
+    pub gemv_shape_batch: Option<GemvShape>,
+    /// Directory of compiled kernels (`off`: compile in every process); default
+    /// <cache-dir>/kernels.
+    #[arg(long, env = "VELOQ_KERNEL_CACHE")]
+    pub kernel_cache: Option<PathBuf>,
+}
+
+impl CudaFlags {
+    /// The library's options, compiled kernels under `cache_dir` unless told otherwise.
+    pub fn options(&self, cache_dir: &std::path::Path) -> CudaOptions {
+        let kernel_cache = match &self.kernel_cache {
+            Some(p) if p.as_os_str() == "off" || p.as_os_str() == "0" => None,
+            Some(p) => Some(p.clone()),
+            None => Some(cache_dir.join("kernels")),
+        };
+        CudaOptions {
+            graphs: self.cuda_graphs,
+            gemv: self.cuda_gemv,
+            flush_stream: self.flush_stream,
+            kernels: KernelOptions {
+                overlapped_launches: self.overlapped_launches,
+                kernel_cache,
+                gemv: GemvShapes { one_row: self.gemv_shape, many_rows: self.gemv_shape_batch },
+            },
+        }
+    }
+}
+
+/// A model and its caches, as `generate`, `chat` and `serve` take them.
+#[derive(Args, Clone, Debug)]
+pub struct Run {
+    #[command(flatten)]
+    /// Model, calibration and cache directory.
+    pub files: Files,
+    /// Cache method: fp16, vq-4 (default), vq-2, vq-k4v2, kivi-2, rlm-4… (bits per element in
+    /// the name; `veloq methods` lists them).
+    #[arg(long, default_value = "vq-4")]
+    pub method: Method,
+    /// Longest context (prompts + generated) the caches accept (GPU caches reserve it up front).
+    #[arg(long, default_value_t = 8192)]
+    pub max_context: usize,
+    /// cpu, cuda or cuda:N (CUDA needs a build with --features cuda).
+    #[arg(long, default_value = "cpu")]
+    pub device: Device,
+    /// Fused kernels: auto (where they exist), require (fail if they do not), forbid (portable
+    /// candle-ops path).
+    #[arg(long, value_enum, default_value_t = KernelChoice::Auto)]
+    pub kernels: KernelChoice,
+    /// Dequantize the GGUF weights to f32: slower and larger, but the same matmul arithmetic on
+    /// every device (candle's quantized CUDA and CPU matmuls round differently).
+    #[arg(long)]
+    pub dequantize: bool,
+    #[command(flatten)]
+    /// The CUDA paths.
+    pub cuda: CudaFlags,
+}
+
+impl Run {
+    /// The library's run options.
+    pub fn options(&self) -> RunOptions {
+        RunOptions {
+            device: self.device,
+            kernels: self.kernels,
+            max_context: self.max_context,
+            dequantize: self.dequantize,
+            cuda: self.cuda.options(&self.files.cache_dir),
+        }
+    }
+
+    /// Loads the model with its tokenizer and configures its caches.
+    pub fn load(&self) -> Result<Loaded> {
+        let model = self.files.model();
+        let cal = self.method.needs_calibration().then(|| self.files.calibration(&self.method));
+        if let Some(c) = cal.as_ref().filter(|c| !c.exists()) {
+            anyhow::bail!(
+                "no calibration for {} at {} (make one with `veloq calibrate --model {} --method {}`)",
+                self.method,
+                c.display(),
+                model.display(),
+                self.method
+            );
+        }
+        runtime::load(&model, &self.method, cal.as_deref(), &self.options())
+            .with_context(|| format!("loading {} with {}", model.display(), self.method))
+    }
+}

@@ -1,0 +1,100 @@
+//! `veloq serve`: flags in, [`veloq_server`] out.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Args as ClapArgs;
+
+use veloq_candle::engine::EngineConfig;
+use veloq_candle::units::{human_bytes as human, parse_bytes};
+use veloq_server::{ServeOptions, Server, Serving};
+
+use crate::args::Run;
+
+/// `veloq serve`'s flags.
+#[derive(ClapArgs)]
+pub struct Args {
+    #[command(flatten)]
+    /// Model and caches.
+    pub run: Run,
+    /// KV cache memory for all sequences together (shared tables included): 2GiB, 512MiB, 1.5GB…
+    #[arg(long, default_value = "2GiB", value_parser = size)]
+    pub kv_budget: usize,
+    #[arg(long, default_value = "127.0.0.1")]
+    /// Interface to listen on.
+    pub host: String,
+    /// 0 picks a free port (the address is printed).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Sequences at once, at most (GPU caches reserve each slot's context: there the budget may
+    /// allow fewer).
+    #[arg(long, default_value_t = 64)]
+    pub max_seqs: usize,
+    /// Tokens per forward pass: every running sequence's next token, then prompt chunks.
+    #[arg(long, default_value_t = veloq_candle::prefill::DEFAULT_CHUNK)]
+    pub step_tokens: usize,
+    /// Chat completions without max_tokens generate at most this many (default: the rest of the
+    /// context, as OpenAI does; the worst case is what admission reserves).
+    #[arg(long)]
+    pub default_max_tokens: Option<usize>,
+    /// The model id clients use (default: the GGUF file's name without extension).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Largest request body.
+    #[arg(long, default_value = "4MiB", value_parser = size)]
+    pub max_body: usize,
+    /// Seconds a connection may take to send a request's headers (or stay idle before its first).
+    #[arg(long, default_value_t = 30)]
+    pub header_timeout: u64,
+    /// Open connections at most; more are closed on arrival.
+    #[arg(long, default_value_t = 8192)]
+    pub max_connections: usize,
+    /// No line per finished request on stderr.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// A size flag (`2GiB`…).
+pub fn size(s: &str) -> std::result::Result<usize, String> {
+    parse_bytes(s).map_err(|e| e.to_string())
+}
+
+/// Loads the model, starts the server and serves until Ctrl-C.
+pub fn run(a: Args) -> Result<()> {
+    let started = std::time::Instant::now();
+    let loaded = a.run.load()?;
+    let name = a.served_model_name.clone().unwrap_or_else(|| {
+        let p = a.run.files.model();
+        p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
+    });
+    let mut serving = Serving::new(loaded, &name);
+    serving.engine = EngineConfig { kv_budget: a.kv_budget, max_seqs: a.max_seqs, step_tokens: a.step_tokens };
+    let method = serving.cache.name();
+    let options = ServeOptions {
+        host: a.host.clone(),
+        port: a.port,
+        default_max_tokens: a.default_max_tokens,
+        max_body: a.max_body,
+        header_timeout: Duration::from_secs(a.header_timeout),
+        max_connections: a.max_connections,
+        log: !a.quiet,
+        stop_on_ctrl_c: true,
+    };
+    let server = Server::start(serving, &options).context("starting the server")?;
+    let info = server.info();
+    eprintln!(
+        "veloq serve: {name} with the {method} cache on {}; KV budget {} ({} shared tables), up to {} sequences of {} positions, {:.0} B per position; open files {}; ready in {:.1} s",
+        a.run.device,
+        human(info.kv_budget),
+        human(info.shared_bytes),
+        info.slots,
+        info.max_context,
+        info.bytes_per_position,
+        server.open_files(),
+        started.elapsed().as_secs_f64(),
+    );
+    eprintln!("listening on http://{}", server.addr());
+    server.wait()?;
+    eprintln!("veloq serve: stopped");
+    Ok(())
+}

@@ -1,0 +1,536 @@
+//! The CUDA kernels checked against the CPU path (feature `cuda`): every kernel on fresh random
+//! inputs, outputs poisoned first, each against an f64 or CPU-encoder reference with the bound
+//! its arithmetic implies. Run as tests (`tests/cuda_kernels.rs`, which fail without a GPU unless
+//! told to skip) and before `veloq-lab bench cuda` times the same kernels.
+
+use anyhow::{bail, Result};
+use half::f16;
+use serde_json::json;
+
+use veloq::codec::codebook::Granularity;
+use veloq::codec::pack::unpack;
+use veloq::codec::vecinfer::VecInferCodec;
+use veloq::kernels::cuda::{
+    gemv_f16, gemv_f16_many, gemv_many_fits, quantize_jobs, AttentionScratch, GemvEpilogue, GemvFused, GemvTune, Gpu,
+    GpuAttention, GpuCodec, QuantizeJob, RowMap, SplitKernel, GEMV_MAX_ROWS,
+};
+use veloq::kernels::GemvShapes;
+
+use crate::synthetic::{codec_of, Rng};
+
+macro_rules! dev {
+    ($e:expr) => {
+        $e.map_err(|e| anyhow::anyhow!("{e:?}"))?
+    };
+}
+
+/// One attention configuration under test.
+#[derive(Clone, Copy)]
+pub struct Variant {
+    /// The split kernel.
+    pub kernel: SplitKernel,
+    /// Threads per block of the table kernel.
+    pub threads: u32,
+    /// f16 value accumulation (table kernel).
+    pub half: bool,
+    /// The tensor-core kernel merges its splits in its last block.
+    pub fused: bool,
+}
+
+impl Variant {
+    /// The attention object of this variant for codecs `kc`, `vc` and `hq` query heads.
+    pub fn build(self, gpu: &Gpu, kc: &VecInferCodec, vc: &VecInferCodec, hq: usize) -> Result<GpuAttention> {
+        let att = GpuAttention::new(GpuCodec::upload(gpu, kc)?, GpuCodec::upload(gpu, vc)?, hq)?
+            .with_split_kernel(self.kernel)?;
+        Ok(att.with_threads(self.threads)?.with_half_values(self.half)?.with_fused_merge(self.fused))
+    }
+
+    /// Label and the relative error it must stay within against the f64 reference: f16 operands
+    /// on tensor cores (the bound), f32 (or f16 partials) on CUDA cores.
+    pub fn label(self) -> (String, f64) {
+        match self.kernel {
+            SplitKernel::TensorCores => {
+                (format!("{}{}", self.kernel.name(), if self.fused { "" } else { " +merge" }), 1e-2)
+            }
+            SplitKernel::Tables => {
+                (format!("{} {} {}", self.kernel.name(), self.threads, if self.half { "f16" } else { "f32" }), 1e-3)
+            }
+        }
+    }
+}
+
+/// f16 bit patterns of `x`.
+pub fn f16_bits(x: &[f32]) -> Vec<u16> {
+    x.iter().map(|&v| f16::from_f32(v).to_bits()).collect()
+}
+
+/// Relative squared error of `y` against `x`.
+pub fn rel_mse(x: &[f32], y: &[f32]) -> f64 {
+    let e: f64 = x.iter().zip(y).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+    e / x.iter().map(|a| (*a as f64).powi(2)).sum::<f64>()
+}
+
+/// (n, k) of the GEMV checks: the 8B's k/v projection, ragged tails of warps and blocks, a
+/// short row.
+const GEMV_SHAPES: [(usize, usize); 4] = [(1024, 4096), (4103, 136), (77, 4096), (14337, 512)];
+
+/// Largest error of a GEMV relative to its outputs' rms: f32 rounding over k terms. Tensor cores
+/// add their products into the f32 accumulator without rounding to nearest: up to 4.6e-5 seen
+/// on an H200, still a tenth of what rounding the activations to f16 costs (the reference has
+/// them rounded).
+fn tolerance(tune: GemvTune) -> f64 {
+    if tune.tensor_cores {
+        1e-4
+    } else {
+        1e-5
+    }
+}
+
+/// The largest |y − want| over want's rms; NaN when an output is NaN (never written: the
+/// outputs are poisoned with NaN first).
+fn max_err_over_rms(y: &[f32], want: &[f64]) -> f64 {
+    let rms = (want.iter().map(|v| v * v).sum::<f64>() / want.len() as f64).sqrt();
+    let worst = y.iter().zip(want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0f64, |m, e| {
+        if e.is_nan() || m.is_nan() {
+            f64::NAN
+        } else {
+            m.max(e)
+        }
+    });
+    worst / rms
+}
+
+/// How a GEMV check adds a residual stream.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Res {
+    No,
+    Operand,
+    InPlace,
+}
+
+/// veloq's f16 GEMV against an f64 host reference on fresh random weights and activations, both
+/// kernels at every row count (their default shapes and one odd shape each): the largest error
+/// relative to the outputs' rms must stay at f32 rounding. The tensor-core kernel rounds the
+/// activations to f16 by contract, so its reference takes them rounded.
+pub fn check_gemv(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<serde_json::Value>> {
+    let st = gpu.stream();
+    let tunes = [
+        GemvTune::for_rows(1, &GemvShapes::default()),
+        GemvTune { tensor_cores: false, rows: 3, unroll: 4, threads: 96 },
+        GemvTune::for_rows(2, &GemvShapes::default()),
+        GemvTune { tensor_cores: true, rows: 24, unroll: 3, threads: 64 },
+    ];
+    let mut out = Vec::new();
+    for b in 1..=GEMV_MAX_ROWS {
+        for &(n, k) in &GEMV_SHAPES {
+            let w = f16_bits(&rng.rows(n, k));
+            let x = rng.rows(b, k);
+            let (wd, xd) = (dev!(st.clone_htod(&w)), dev!(st.clone_htod(&x)));
+            let wf: Vec<f64> = w.iter().map(|&h| f16::from_bits(h).to_f64()).collect();
+            for tune in tunes {
+                let xr: Vec<f64> = if tune.tensor_cores {
+                    x.iter().map(|&v| f16::from_f32(v).to_f64()).collect()
+                } else {
+                    x.iter().map(|&v| v as f64).collect()
+                };
+                let mut yd = dev!(st.clone_htod(&vec![f32::NAN; b * n]));
+                gemv_f16(gpu, &wd.as_view(), &xd.as_view(), &mut yd.as_view_mut(), b, n, k, tune)?;
+                let y = dev!(st.clone_dtoh(&yd));
+                let want: Vec<f64> = (0..b * n)
+                    .map(|i| {
+                        let (bi, ni) = (i / n, i % n);
+                        (0..k).map(|j| wf[ni * k + j] * xr[bi * k + j]).sum()
+                    })
+                    .collect();
+                let err = max_err_over_rms(&y, &want);
+                if err.is_nan() || err > tolerance(tune) {
+                    bail!("f16 GEMV {tune:?}, b {b}, n {n}, k {k}: max error {err:.2e} of the outputs' rms");
+                }
+                out.push(json!({"check": "gemv_f16", "kernel": tune.kernel_name(), "rows": tune.rows,
+                    "unroll": tune.unroll, "threads": tune.threads, "b": b, "n": n, "k": k, "max_err_over_rms": err}));
+            }
+        }
+    }
+    // Several matrices in one launch, with the operations a decode layer fuses into them: q, k, v
+    // side by side (norm first, RoPE after), the gated MLP forms (norm first), a residual add.
+    let cases = [
+        (vec![240, 48, 77], 136, GemvEpilogue::Concat, true, Res::No, Some(16)),
+        (vec![240, 48, 77], 136, GemvEpilogue::Concat, false, Res::No, None),
+        (vec![1000, 1000], 512, GemvEpilogue::Silu, true, Res::No, None),
+        (vec![77, 77], 4096, GemvEpilogue::GeluTanh, false, Res::No, None),
+        (vec![1001], 1024, GemvEpilogue::Concat, false, Res::Operand, None),
+        (vec![4096], 4096, GemvEpilogue::Concat, false, Res::InPlace, None),
+    ];
+    for b in [1, 3, GEMV_MAX_ROWS] {
+        for (rows, k, epilogue, norm, res, rope) in &cases {
+            let (k, epilogue) = (*k, *epilogue);
+            let ws: Vec<Vec<u16>> = rows.iter().map(|&n| f16_bits(&rng.rows(n, k))).collect();
+            let x = rng.rows(b, k);
+            let gains: Vec<f32> = rng.rows(1, k).iter().map(|v| 1.0 + 0.1 * v).collect();
+            let n_out = if epilogue == GemvEpilogue::Concat { rows.iter().sum() } else { rows[0] };
+            let residual = rng.rows(b, n_out);
+            let half = rope.unwrap_or(2) / 2;
+            let angles = rng.rows(b, half);
+            let (cos, sin): (Vec<f32>, Vec<f32>) = angles.iter().map(|a| (a.cos(), a.sin())).unzip();
+            let wd = ws.iter().map(|w| Ok(dev!(st.clone_htod(w)))).collect::<Result<Vec<_>>>()?;
+            let [xd, gd, rd, cd, sd] = [&x, &gains, &residual, &cos, &sin].map(|v| st.clone_htod(v));
+            let [xd, gd, rd, cd, sd] = [dev!(xd), dev!(gd), dev!(rd), dev!(cd), dev!(sd)];
+            let eps = 1e-5f32;
+            for tune in tunes {
+                if !gemv_many_fits(rows, epilogue, *rope, tune) {
+                    continue;
+                }
+                // The activations the products see: normalised, then rounded to f16 on tensor cores.
+                let xr: Vec<f64> = x
+                    .chunks(k)
+                    .flat_map(|row| {
+                        let inv = if *norm {
+                            1.0 / (row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / k as f64 + eps as f64).sqrt()
+                        } else {
+                            1.0
+                        };
+                        row.iter()
+                            .zip(&gains)
+                            .map(move |(&v, &g)| if *norm { v as f64 * inv * g as f64 } else { v as f64 })
+                    })
+                    .map(|v| if tune.tensor_cores { f16::from_f64(v).to_f64() } else { v })
+                    .collect();
+                let dot = |w: &[u16], bi: usize, ni: usize| -> f64 {
+                    (0..k).map(|j| f16::from_bits(w[ni * k + j]).to_f64() * xr[bi * k + j]).sum()
+                };
+                let mut want: Vec<f64> = match epilogue {
+                    // Matrix after matrix, each [b, n], RoPE on the first two's row pairs.
+                    GemvEpilogue::Concat => ws
+                        .iter()
+                        .zip(rows)
+                        .enumerate()
+                        .flat_map(|(m, (w, &n))| {
+                            let dot = &dot;
+                            let (cos, sin) = (&cos, &sin);
+                            (0..b).flat_map(move |bi| {
+                                (0..n).map(move |ni| match rope {
+                                    Some(d) if m < 2 => {
+                                        let (p, even) = ((ni % d) / 2, ni - ni % 2);
+                                        let (x0, x1) = (dot(w, bi, even), dot(w, bi, even + 1));
+                                        let (c, s) = (cos[bi * half + p] as f64, sin[bi * half + p] as f64);
+                                        if ni % 2 == 0 {
+                                            x0 * c - x1 * s
+                                        } else {
+                                            x0 * s + x1 * c
+                                        }
+                                    }
+                                    _ => dot(w, bi, ni),
+                                })
+                            })
+                        })
+                        .collect(),
+                    _ => (0..b * rows[0])
+                        .map(|i| {
+                            let (bi, ni) = (i / rows[0], i % rows[0]);
+                            let (g, u) = (dot(&ws[0], bi, ni), dot(&ws[1], bi, ni));
+                            let act = if epilogue == GemvEpilogue::Silu {
+                                g / (1.0 + (-g).exp())
+                            } else {
+                                0.5 * g * (1.0 + (0.797_884_560_8 * (g + 0.044715 * g * g * g)).tanh())
+                            };
+                            act * u
+                        })
+                        .collect(),
+                };
+                if *res != Res::No {
+                    want.iter_mut().zip(&residual).for_each(|(w, r)| *w += *r as f64);
+                }
+                // Outputs poisoned first, or holding the stream they are added to.
+                let mut yd = dev!(st.clone_htod(&if *res == Res::InPlace {
+                    residual.clone()
+                } else {
+                    vec![f32::NAN; want.len()]
+                }));
+                let views: Vec<_> = wd.iter().map(|w| w.as_view()).collect();
+                let args: Vec<_> = views.iter().zip(rows).map(|(v, &n)| (v, n)).collect();
+                let (gv, rv, cv, sv) = (gd.as_view(), rd.as_view(), cd.as_view(), sd.as_view());
+                let fused = GemvFused {
+                    norm: norm.then_some((&gv, eps)),
+                    residual: (*res == Res::Operand).then_some(&rv),
+                    accumulate: *res == Res::InPlace,
+                    rope: rope.map(|d| (&cv, &sv, d)),
+                };
+                gemv_f16_many(gpu, &args, &xd.as_view(), &mut yd.as_view_mut(), b, k, epilogue, fused, tune)?;
+                let y = dev!(st.clone_dtoh(&yd));
+                let err = max_err_over_rms(&y, &want);
+                let res_name = match res {
+                    Res::No => "",
+                    Res::Operand => " +residual",
+                    Res::InPlace => " +=",
+                };
+                let what = format!(
+                    "{epilogue:?}{}{res_name}{}",
+                    if *norm { " +norm" } else { "" },
+                    if rope.is_some() { " +rope" } else { "" }
+                );
+                if err.is_nan() || err > tolerance(tune) {
+                    bail!("f16 GEMV {what} {tune:?}, b {b}, rows {rows:?}, k {k}: max error {err:.2e} of the outputs' rms");
+                }
+                out.push(json!({"check": "gemv_f16_many", "kernel": tune.kernel_name(), "form": what,
+                    "rows": tune.rows, "unroll": tune.unroll, "threads": tune.threads, "b": b, "matrices": rows, "k": k,
+                    "max_err_over_rms": err}));
+            }
+        }
+    }
+    for kernel in ["f16_gemv", "f16_gemv_mma"] {
+        let of = out.iter().filter(|c| c["kernel"] == kernel);
+        let worst = of.clone().filter_map(|c| c["max_err_over_rms"].as_f64()).fold(0.0, f64::max);
+        println!(
+            "{kernel}: {} products (b 1..={GEMV_MAX_ROWS}), largest error {worst:.2e} of the outputs' rms",
+            of.count()
+        );
+    }
+    Ok(out)
+}
+
+/// GPU codes vs the CPU encoder on one shape: code agreement and reconstruction error. With
+/// `pair`, a key and a value codec of the shape (different centering and smoothing) code the same
+/// rows in one launch, as a cache's flush does, and each is compared with its own CPU encoder.
+pub fn check_quantize(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    (s, d, h, sd, bits, g): (usize, usize, usize, usize, u32, Granularity),
+    pair: bool,
+) -> Result<serde_json::Value> {
+    let codecs = if pair {
+        vec![codec_of(rng, h, d, (sd, bits), g, true)?, codec_of(rng, h, d, (sd, bits), g, false)?]
+    } else {
+        vec![codec_of(rng, h, d, (sd, bits), g, true)?]
+    };
+    let gcs = codecs.iter().map(|c| GpuCodec::upload(gpu, c)).collect::<veloq::Result<Vec<_>>>()?;
+    let x = rng.rows(s * h, d);
+    let xh: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
+    let st = gpu.stream();
+    let xd = dev!(st.clone_htod(&f16_bits(&x)));
+    let mut outs = gcs
+        .iter()
+        .map(|gc| Ok(dev!(st.clone_htod(&vec![0xABu8; gc.code_bytes(s * h)]))))
+        .collect::<Result<Vec<_>>>()?;
+    let launches = {
+        let x = xd.as_view();
+        let mut views: Vec<_> = outs.iter_mut().map(|o| o.as_view_mut()).collect();
+        let mut jobs: Vec<_> =
+            gcs.iter().zip(&mut views).map(|(codec, out)| QuantizeJob { codec, x: &x, out }).collect();
+        quantize_jobs(gpu, &mut jobs, h, RowMap::tokens(s, h), None)?
+    };
+    let m = s * h * d / sd;
+    let xf: Vec<f32> = xh.iter().map(|v| v.to_f32()).collect();
+    let (mut differ, mut worst) = (0, 0.0f64);
+    let mut mse = Vec::new();
+    for (c, out) in codecs.iter().zip(&outs) {
+        let want = c.encode_vec(&xh)?;
+        let got: Vec<u8> = dev!(st.clone_dtoh(out));
+        let (mut a, mut b) = (vec![0u16; m], vec![0u16; m]);
+        unpack(&want, bits, &mut a)?;
+        unpack(&got, bits, &mut b)?;
+        differ += a.iter().zip(&b).filter(|(p, q)| p != q).count();
+        let (mut ya, mut yb) = (vec![0.0f32; x.len()], vec![0.0f32; x.len()]);
+        c.decode(&want, &mut ya)?;
+        c.decode(&got, &mut yb)?;
+        let (ea, eb) = (rel_mse(&xf, &ya), rel_mse(&xf, &yb));
+        worst = worst.max((eb - ea).abs() / ea);
+        mse.push((ea, eb));
+    }
+    let ok = (differ as f64) <= 1e-3 * (m * codecs.len()) as f64 && worst <= 0.01;
+    let what = if pair { format!("keys+values, {launches} launch") } else { "keys".into() };
+    let shown: Vec<String> = mse.iter().map(|(a, b)| format!("{a:.5}/{b:.5}")).collect();
+    println!(
+        "quantize S={s:<5} D={d:<3} H={h} sd={sd} {bits:>2}b {:<12} {what}: codes differing {differ}/{}, rel MSE cpu/gpu {} {}",
+        g.name(),
+        m * codecs.len(),
+        shown.join(" "),
+        if ok { "ok" } else { "FAIL" }
+    );
+    if !ok {
+        bail!("quantize mismatch beyond near-ties");
+    }
+    Ok(json!({"S": s, "D": d, "H": h, "sub_dim": sd, "bits": bits, "granularity": g.name(), "pair": pair,
+        "launches": launches, "codes": m * codecs.len(), "differing": differ, "rel_mse_cpu_gpu": mse}))
+}
+
+/// Codes `[B][S][H][M]` from the CPU encoder, reordered to the kernel's `[B][H][S][M]`.
+fn head_major(codes: &[u8], b: usize, s: usize, h: usize, m: usize) -> Vec<u8> {
+    let mut out = vec![0u8; codes.len()];
+    for bi in 0..b {
+        for t in 0..s {
+            for hi in 0..h {
+                let src = ((bi * s + t) * h + hi) * m;
+                let dst = ((bi * h + hi) * s + t) * m;
+                out[dst..dst + m].copy_from_slice(&codes[src..src + m]);
+            }
+        }
+    }
+    out
+}
+
+/// Quantize checks: (S, D, H, sub_dim, bits, granularity).
+/// Quantize checks (S, D, H, sub_dim, bits, books): many rows (one thread per search) and few
+/// (a flush: searches spread over 8–32 threads), every bit width and both book granularities.
+pub const QUANTIZE_CHECKS: [(usize, usize, usize, usize, u32, Granularity); 10] = [
+    (1001, 64, 4, 4, 8, Granularity::PerLayer),
+    (777, 128, 8, 8, 8, Granularity::PerLayer),
+    (513, 256, 4, 4, 8, Granularity::PerLayer),
+    (301, 128, 8, 8, 12, Granularity::PerLayer),
+    (257, 128, 2, 4, 6, Granularity::PerSubspace),
+    (8, 128, 8, 4, 8, Granularity::PerLayer),
+    (1, 64, 4, 4, 6, Granularity::PerLayer),
+    (3, 256, 1, 4, 8, Granularity::PerLayer),
+    (5, 128, 8, 8, 12, Granularity::PerLayer),
+    (2, 128, 2, 4, 6, Granularity::PerSubspace),
+];
+
+/// Keys and values in one launch: a flush, and many rows.
+pub const QUANTIZE_PAIR_CHECKS: [(usize, usize, usize, usize, u32, Granularity); 2] =
+    [(8, 128, 8, 4, 8, Granularity::PerLayer), (611, 64, 4, 4, 8, Granularity::PerLayer)];
+
+/// Attention checks: GQA 1–4 and 8, D 64/128/256, odd and empty code counts, windows 0–31.
+pub const ATTENTION_CHECKS: [AttnCase; 9] = [
+    AttnCase { b: 2, hq: 8, hkv: 2, d: 64, s: 1000, w: 7 },
+    AttnCase { b: 1, hq: 32, hkv: 8, d: 128, s: 4097, w: 31 },
+    AttnCase { b: 3, hq: 4, hkv: 4, d: 256, s: 333, w: 0 },
+    AttnCase { b: 1, hq: 12, hkv: 4, d: 128, s: 0, w: 20 },
+    AttnCase { b: 2, hq: 9, hkv: 3, d: 64, s: 777, w: 20 },
+    AttnCase { b: 2, hq: 32, hkv: 8, d: 128, s: 20011, w: 16 },
+    AttnCase { b: 1, hq: 8, hkv: 1, d: 256, s: 5, w: 3 },
+    AttnCase { b: 2, hq: 16, hkv: 2, d: 128, s: 17, w: 0 },
+    AttnCase { b: 1, hq: 32, hkv: 8, d: 128, s: 131071, w: 24 },
+];
+
+#[derive(Clone, Copy)]
+/// One attention check's geometry.
+pub struct AttnCase {
+    /// Batch.
+    pub b: usize,
+    /// Query heads.
+    pub hq: usize,
+    /// Key/value heads.
+    pub hkv: usize,
+    /// Head dimension.
+    pub d: usize,
+    /// Coded positions.
+    pub s: usize,
+    /// f16 window rows.
+    pub w: usize,
+}
+
+/// GPU attention over codes + window vs an f64 reference over the CPU-decoded keys and values.
+pub fn check_attention(gpu: &Gpu, rng: &mut Rng, c: AttnCase, v: Variant) -> Result<serde_json::Value> {
+    let AttnCase { b, hq, hkv, d, s, w } = c;
+    let (kc, vc) = (
+        codec_of(rng, hkv, d, (4, 8), Granularity::PerLayer, true)?,
+        codec_of(rng, hkv, d, (4, 8), Granularity::PerLayer, false)?,
+    );
+    let att = v.build(gpu, &kc, &vc, hq)?;
+    let (label, bound) = v.label();
+    let m = d / 4;
+    let keys = rng.rows(b * s * hkv, d);
+    let values = rng.rows(b * s * hkv, d);
+    let kcodes = if s > 0 { kc.encode_vec(&keys)? } else { Vec::new() };
+    let vcodes = if s > 0 { vc.encode_vec(&values)? } else { Vec::new() };
+    let (mut kd, mut vd) = (vec![0.0f32; keys.len()], vec![0.0f32; values.len()]);
+    if s > 0 {
+        kc.decode(&kcodes, &mut kd)?;
+        vc.decode(&vcodes, &mut vd)?;
+    }
+    let wk: Vec<f32> = rng.rows(b * hkv * w, d).iter().map(|&v| f16::from_f32(v).to_f32()).collect();
+    let wv: Vec<f32> = rng.rows(b * hkv * w, d).iter().map(|&v| f16::from_f32(v).to_f32()).collect();
+    let q = rng.rows(b * hq, d);
+    let scale = 1.0 / (d as f32).sqrt();
+    // Reference in f64: keys token-major [B][S][H][D], window [B][H][W][D].
+    let mut want = vec![0.0f64; b * hq * d];
+    for bi in 0..b {
+        for qh in 0..hq {
+            let h = qh / (hq / hkv);
+            let qv = &q[(bi * hq + qh) * d..][..d];
+            let krow = |t: usize| -> &[f32] {
+                if t < s {
+                    &kd[((bi * s + t) * hkv + h) * d..][..d]
+                } else {
+                    &wk[((bi * hkv + h) * w + t - s) * d..][..d]
+                }
+            };
+            let vrow = |t: usize| -> &[f32] {
+                if t < s {
+                    &vd[((bi * s + t) * hkv + h) * d..][..d]
+                } else {
+                    &wv[((bi * hkv + h) * w + t - s) * d..][..d]
+                }
+            };
+            let sc: Vec<f64> = (0..s + w)
+                .map(|t| krow(t).iter().zip(qv).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64)
+                .collect();
+            let mx = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
+            let z: f64 = e.iter().sum();
+            let o = &mut want[(bi * hq + qh) * d..][..d];
+            for (t, p) in e.iter().enumerate() {
+                for (oi, vi) in o.iter_mut().zip(vrow(t)) {
+                    *oi += p / z * *vi as f64;
+                }
+            }
+        }
+    }
+    let st = gpu.stream();
+    let nz = |v: Vec<u8>| if v.is_empty() { vec![0u8; 16] } else { v };
+    let kcd = dev!(st.clone_htod(&nz(head_major(&kcodes, b, s, hkv, m))));
+    let vcd = dev!(st.clone_htod(&nz(head_major(&vcodes, b, s, hkv, m))));
+    let wkd = dev!(st.clone_htod(&if w > 0 { f16_bits(&wk) } else { vec![0u16; 1] }));
+    let wvd = dev!(st.clone_htod(&if w > 0 { f16_bits(&wv) } else { vec![0u16; 1] }));
+    let qd = dev!(st.clone_htod(&q));
+    let mut out = dev!(st.clone_htod(&vec![f32::NAN; b * hq * d]));
+    let mut scratch = AttentionScratch::new(gpu, b, hq, d, att.splits(gpu, b, s.max(1)))?;
+    att.attend(gpu, &qd, &kcd, &vcd, b, s, &wkd, &wvd, w, scale, &mut scratch, &mut out)?;
+    let got: Vec<f32> = dev!(st.clone_dtoh(&out));
+    let err: f64 = got.iter().zip(&want).map(|(g, w)| (*g as f64 - w).powi(2)).sum::<f64>().sqrt();
+    let norm: f64 = want.iter().map(|w| w * w).sum::<f64>().sqrt();
+    let rel = err / norm;
+    let ok = rel.is_finite() && rel < bound;
+    println!(
+        "attention B={b} Hq={hq} Hkv={hkv} D={d} S={s:<5} W={w:<2} {label}: rel err {rel:.2e} (bound {bound:.0e}) {}",
+        if ok { "ok" } else { "FAIL" }
+    );
+    if !ok {
+        bail!("attention mismatch");
+    }
+    Ok(json!({"B": b, "Hq": hq, "Hkv": hkv, "D": d, "S": s, "W": w, "kernel": label, "rel_err": rel, "bound": bound}))
+}
+
+/// Every check: quantize (single codecs and key/value pairs), the GEMV forms, and attention for
+/// each variant (the tensor-core kernel only where a kv head's group fits it). Returns what each
+/// measured; the first failure is the error.
+pub fn all(gpu: &Gpu, rng: &mut Rng, variants: &[Variant]) -> Result<Vec<serde_json::Value>> {
+    let mut checks = Vec::new();
+    for &shape in &QUANTIZE_CHECKS {
+        checks.push(check_quantize(gpu, rng, shape, false)?);
+    }
+    for &shape in &QUANTIZE_PAIR_CHECKS {
+        checks.push(check_quantize(gpu, rng, shape, true)?);
+    }
+    checks.extend(check_gemv(gpu, rng)?);
+    for &c in &ATTENTION_CHECKS {
+        for &v in variants {
+            if v.kernel == SplitKernel::TensorCores && c.hq / c.hkv > 8 {
+                continue;
+            }
+            checks.push(check_attention(gpu, rng, c, v)?);
+        }
+    }
+    Ok(checks)
+}
+
+/// The attention variants the product runs: the tensor-core kernel (merge fused and separate)
+/// and the table kernel (f32 and f16 values).
+pub fn default_variants() -> Vec<Variant> {
+    let t = veloq::kernels::cuda::DEFAULT_THREADS;
+    vec![
+        Variant { kernel: SplitKernel::TensorCores, threads: t, half: false, fused: true },
+        Variant { kernel: SplitKernel::TensorCores, threads: t, half: false, fused: false },
+        Variant { kernel: SplitKernel::Tables, threads: t, half: false, fused: false },
+        Variant { kernel: SplitKernel::Tables, threads: t, half: true, fused: false },
+    ]
+}

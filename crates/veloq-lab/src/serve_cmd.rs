@@ -1,0 +1,52 @@
+//! `veloq-lab serve`: the product's `veloq serve`, or the same server over a random-weight model
+//! of a real geometry (`--model synthetic:llama8b`, words `w0`, `w1`… as tokens) for load tests
+//! at a size no real file here has.
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+
+use veloq_candle::config::CacheConfig;
+use veloq_candle::engine::EngineConfig;
+use veloq_candle::model::word_tokenizer;
+use veloq_candle::{Method, Runner};
+use veloq_cli::serve;
+pub use veloq_cli::serve::Args;
+use veloq_lab::synthetic::{geometry, synthetic_calibration, Rng};
+use veloq_server::{ServeOptions, Server, Serving};
+
+/// Serves `a` (a synthetic model when its `--model` says `synthetic:NAME`).
+pub fn run(a: Args) -> Result<()> {
+    let model = a.run.files.model();
+    let Some(name) = model.to_str().and_then(|p| p.strip_prefix("synthetic:")) else { return serve::run(a) };
+    let (g, label) = geometry(name)?;
+    let cuda = a.run.cuda.options(&a.run.files.cache_dir);
+    let device = a.run.device.open(&cuda)?;
+    let m = g.model(label, a.run.max_context, &device, 7)?;
+    let cal = match a.run.method {
+        Method::VecInfer(vq) => Some(synthetic_calibration(&m, &vq, &mut Rng(0x9E37_79B9_7F4A_7C15))?),
+        _ => None,
+    };
+    let cache = CacheConfig { kernels: a.run.kernels, ..CacheConfig::new(a.run.method, cal)? };
+    let serving = Serving {
+        runner: Arc::new(Runner::new(m, &cuda)),
+        tokenizer: Arc::new(word_tokenizer(g.vocab)),
+        cache,
+        engine: EngineConfig { kv_budget: a.kv_budget, max_seqs: a.max_seqs, step_tokens: a.step_tokens },
+        name: label.to_string(),
+    };
+    let options = ServeOptions {
+        host: a.host.clone(),
+        port: a.port,
+        default_max_tokens: a.default_max_tokens,
+        max_body: a.max_body,
+        header_timeout: std::time::Duration::from_secs(a.header_timeout),
+        max_connections: a.max_connections,
+        log: !a.quiet,
+        stop_on_ctrl_c: true,
+    };
+    let server = Server::start(serving, &options).context("starting the server")?;
+    eprintln!("veloq-lab serve: {label} ({}) on {}", a.run.method, a.run.device);
+    eprintln!("listening on http://{}", server.addr());
+    Ok(server.wait()?)
+}

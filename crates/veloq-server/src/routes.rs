@@ -1,0 +1,344 @@
+//! The HTTP endpoints: OpenAI's chat and text completions (whole or streamed as server-sent
+//! events), the model list, health and Prometheus metrics. Every failure is an OpenAI-shaped error
+//! with a 4xx or 5xx status; nothing a client sends can take the server down.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::http::{header, Method, StatusCode, Uri};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+use veloq_candle::engine::{Engine, Event, Rejected, Sink, Summary};
+use veloq_candle::generate::{chat_ids, with_bos};
+use veloq_candle::model::{encode, Tokenizer};
+use veloq_candle::Forward;
+
+use crate::api::{from_body, ApiError, ChatRequest, CompletionRequest, Kind, Prompt, Reply, Sampling};
+use crate::metrics;
+
+/// What every handler shares.
+pub(crate) struct App {
+    pub engine: Engine,
+    pub model: Arc<dyn Forward>,
+    pub tok: Arc<Tokenizer>,
+    /// The id clients name the model by.
+    pub name: String,
+    /// When the server started (Unix seconds), the models' `created`.
+    pub created: u64,
+    /// Chat completions without `max_tokens` get at most this (default: the rest of the context).
+    pub default_max_tokens: Option<usize>,
+    pub next_id: AtomicU64,
+    /// Print a line per finished request on stderr.
+    pub log: bool,
+}
+
+pub(crate) fn router(app: Arc<App>, max_body: usize) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/metrics", get(metrics_text))
+        .fallback(not_found)
+        .method_not_allowed_fallback(wrong_method)
+        .layer(axum::extract::DefaultBodyLimit::max(max_body))
+        .with_state(app)
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        (status, Json(self.body())).into_response()
+    }
+}
+
+async fn not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError::invalid(None, format!("no endpoint {method} {uri}")).status(404).with_code("not_found")
+}
+
+async fn wrong_method(method: Method, uri: Uri) -> ApiError {
+    ApiError::invalid(None, format!("{uri} does not take {method}")).status(405).with_code("method_not_allowed")
+}
+
+/// The body, or a 413 when over the limit.
+fn read(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|r| {
+        let status = r.status().as_u16();
+        let e = ApiError::invalid(None, format!("could not read the request body: {}", r.body_text())).status(status);
+        if status == 413 {
+            e.with_code("request_too_large")
+        } else {
+            e
+        }
+    })
+}
+
+impl App {
+    fn check_model(&self, s: &Sampling) -> Result<(), ApiError> {
+        match &s.model {
+            Some(m) if *m != self.name => Err(ApiError::invalid(
+                Some("model"),
+                format!("the model {m:?} does not exist; this server serves {:?}", self.name),
+            )
+            .status(404)
+            .with_code("model_not_found")),
+            _ => Ok(()),
+        }
+    }
+
+    fn reply(&self, kind: Kind) -> Reply {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
+        Reply { kind, id: format!("{prefix}-{:x}-{n}", self.created), created: unix_now(), model: self.name.clone() }
+    }
+}
+
+pub(crate) fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let body = read(body)?;
+    let (req, sampling): (ChatRequest, Sampling) = (from_body(&body)?, from_body(&body)?);
+    app.check_model(&sampling)?;
+    let messages = req.messages()?;
+    let (model, tok) = (app.model.clone(), app.tok.clone());
+    let ids = tokenize(move || {
+        let m: Vec<_> = messages.iter().map(|(r, t)| (*r, t.as_str())).collect();
+        chat_ids(model.model(), &tok, &m).map_err(|e| e.to_string())
+    })
+    .await?;
+    let room = app.engine.info().max_context.saturating_sub(ids.len());
+    let default = app.default_max_tokens.map_or(room, |d| d.min(room));
+    let request = sampling.request(ids, req.max_completion_tokens, default)?;
+    run(app.clone(), app.reply(Kind::Chat), request, &sampling).await
+}
+
+async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let body = read(body)?;
+    let (req, sampling): (CompletionRequest, Sampling) = (from_body(&body)?, from_body(&body)?);
+    app.check_model(&sampling)?;
+    if req.echo == Some(true) || req.suffix.is_some() || req.best_of.is_some_and(|b| b != 1) {
+        return Err(ApiError::invalid(None, "echo, suffix and best_of are not supported"));
+    }
+    let ids = match req.prompt.clone() {
+        Prompt::Text(t) => text_ids(&app, t).await?,
+        Prompt::Texts(v) if v.len() == 1 => text_ids(&app, v.into_iter().next().unwrap_or_default()).await?,
+        Prompt::Texts(v) => {
+            return Err(ApiError::invalid(Some("prompt"), format!("one prompt per request, got {}", v.len())))
+        }
+        Prompt::Tokens(ids) => {
+            let vocab = app.model.model().info.vocab;
+            if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                return Err(ApiError::invalid(
+                    Some("prompt"),
+                    format!("token {bad} is outside the vocabulary of {vocab}"),
+                ));
+            }
+            ids
+        }
+    };
+    // OpenAI's default for text completions.
+    let request = sampling.request(ids, None, 16)?;
+    run(app.clone(), app.reply(Kind::Completion), request, &sampling).await
+}
+
+async fn text_ids(app: &App, text: String) -> Result<Vec<u32>, ApiError> {
+    let (model, tok) = (app.model.clone(), app.tok.clone());
+    tokenize(move || {
+        let mut ids = encode(&tok, &text).map_err(|e| e.to_string())?;
+        with_bos(model.model(), &mut ids);
+        Ok(ids)
+    })
+    .await
+}
+
+/// Tokenizes off the async workers (a long prompt takes milliseconds).
+async fn tokenize(f: impl FnOnce() -> Result<Vec<u32>, String> + Send + 'static) -> Result<Vec<u32>, ApiError> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(Ok(ids)) => Ok(ids),
+        Ok(Err(e)) => Err(ApiError::invalid(Some("prompt"), e)),
+        Err(e) => Err(server_error(format!("tokenizing failed: {e}"))),
+    }
+}
+
+fn server_error(message: String) -> ApiError {
+    ApiError { status: 500, message, kind: "server_error", param: None, code: None }
+}
+
+/// A request's events, from the engine's worker into this request's task. The receiver is dropped
+/// when the client goes away (hyper drops the handler or the stream), which the engine sees as
+/// `alive() == false` and cancels.
+struct ChannelSink(UnboundedSender<Event>);
+
+impl Sink for ChannelSink {
+    fn send(&mut self, e: Event) -> bool {
+        self.0.send(e).is_ok()
+    }
+    fn alive(&self) -> bool {
+        !self.0.is_closed()
+    }
+}
+
+async fn run(
+    app: Arc<App>,
+    reply: Reply,
+    request: veloq_candle::engine::Request,
+    sampling: &Sampling,
+) -> Result<Response, ApiError> {
+    let (tx, mut rx) = unbounded_channel();
+    app.engine.submit(request, Box::new(ChannelSink(tx))).map_err(|r| match r {
+        Rejected::Context { .. } => {
+            ApiError::invalid(Some("messages"), r.to_string()).with_code("context_length_exceeded")
+        }
+        Rejected::Budget { .. } => ApiError::invalid(Some("max_tokens"), r.to_string()).with_code("kv_budget_exceeded"),
+        Rejected::Invalid(m) => ApiError::invalid(None, m),
+        Rejected::Stopped => server_error(r.to_string()).status(503),
+    })?;
+    if sampling.stream {
+        let state = Stream { rx, reply, pending: VecDeque::new(), ended: false, usage: sampling.stream_usage(), app };
+        return Ok(Sse::new(futures_util::stream::unfold(state, Stream::next))
+            .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+            .into_response());
+    }
+    let mut text = String::new();
+    while let Some(e) = rx.recv().await {
+        match e {
+            Event::Admitted => {}
+            Event::Text(t) => text.push_str(&t),
+            Event::Done(s) => {
+                app.log(&reply, &s);
+                return Ok(Json(reply.full(&text, &s)).into_response());
+            }
+            Event::Failed(why) => return Err(server_error(why)),
+        }
+    }
+    Err(server_error("the engine stopped before the request ended".into()))
+}
+
+impl App {
+    fn log(&self, r: &Reply, s: &Summary) {
+        if self.log {
+            eprintln!(
+                "{} prompt {} completion {} finish {:?} queued {:.0} ms first token {:.0} ms total {:.0} ms",
+                r.id,
+                s.prompt_tokens,
+                s.completion_tokens,
+                s.finish,
+                s.queued.as_secs_f64() * 1e3,
+                s.first_token.as_secs_f64() * 1e3,
+                s.total.as_secs_f64() * 1e3
+            );
+        }
+    }
+}
+
+/// A streamed response: chunks as the engine's events come, then the end and `[DONE]`.
+struct Stream {
+    rx: UnboundedReceiver<Event>,
+    reply: Reply,
+    pending: VecDeque<SseEvent>,
+    ended: bool,
+    usage: bool,
+    app: Arc<App>,
+}
+
+impl Stream {
+    fn data(v: &Value) -> SseEvent {
+        SseEvent::default().data(v.to_string())
+    }
+
+    async fn next(mut self) -> Option<(Result<SseEvent, Infallible>, Self)> {
+        loop {
+            if let Some(e) = self.pending.pop_front() {
+                return Some((Ok(e), self));
+            }
+            if self.ended {
+                return None;
+            }
+            let first = self.reply.kind == Kind::Chat;
+            match self.rx.recv().await {
+                // The role comes first, as soon as the request runs.
+                Some(Event::Admitted) if first => {
+                    self.pending.push_back(Self::data(&self.reply.chunk(None, true, None)))
+                }
+                Some(Event::Admitted) => {}
+                Some(Event::Text(t)) => self.pending.push_back(Self::data(&self.reply.chunk(Some(&t), false, None))),
+                Some(Event::Done(s)) => {
+                    self.app.log(&self.reply, &s);
+                    self.pending.push_back(Self::data(&self.reply.chunk(None, false, Some(s.finish))));
+                    if self.usage {
+                        self.pending.push_back(Self::data(&self.reply.usage_chunk(&s)));
+                    }
+                    self.pending.push_back(SseEvent::default().data("[DONE]"));
+                    self.ended = true;
+                }
+                Some(Event::Failed(why)) => {
+                    self.pending.push_back(Self::data(&server_error(why).body()));
+                    self.pending.push_back(SseEvent::default().data("[DONE]"));
+                    self.ended = true;
+                }
+                None => {
+                    let e = server_error("the engine stopped before the request ended".into());
+                    self.pending.push_back(Self::data(&e.body()));
+                    self.ended = true;
+                }
+            }
+        }
+    }
+}
+
+async fn models(State(app): State<Arc<App>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [model_card(&app)]}))
+}
+
+async fn model(State(app): State<Arc<App>>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    if id != app.name {
+        return Err(ApiError::invalid(Some("model"), format!("the model {id:?} does not exist"))
+            .status(404)
+            .with_code("model_not_found"));
+    }
+    Ok(Json(model_card(&app)))
+}
+
+fn model_card(app: &App) -> Value {
+    let info = app.engine.info();
+    // What admission reserves for a request reaching each length (prompt + max_tokens).
+    let sequences: Vec<Value> = [256, 1024, 4096, info.max_context]
+        .iter()
+        .filter(|&&n| n <= info.max_context)
+        .map(|&n| json!({"positions": n, "bytes": info.sequence_bytes(n)}))
+        .collect();
+    json!({
+        "id": app.name,
+        "object": "model",
+        "created": app.created,
+        "owned_by": "veloq",
+        "veloq": {
+            "kv_cache": info.method,
+            "max_context": info.max_context,
+            "max_sequences": info.slots,
+            "kv_budget_bytes": info.kv_budget,
+            "kv_bytes_per_position": info.bytes_per_position,
+            "kv_shared_bytes": info.shared_bytes,
+            "kv_sequence_bytes": sequences,
+        },
+    })
+}
+
+async fn metrics_text(State(app): State<Arc<App>>) -> Response {
+    let body = metrics::render(app.engine.info(), &app.engine.stats());
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
+}
