@@ -6,9 +6,11 @@
 //!
 //! ```no_run
 //! # fn main() -> veloq_candle::Result<()> {
+//! use veloq_candle::generate::{generate, GenerateOptions};
 //! use veloq_candle::runtime::{load, RunOptions};
 //! let run = load("smollm2.gguf".as_ref(), &"vq-4".parse()?, Some("smollm2.vq-4.safetensors".as_ref()), &RunOptions::default())?;
 //! let mut caches = run.cache.build(run.model())?;
+//! generate(&run.runner, &run.tokenizer, &mut caches, "Why is the sky blue?", &GenerateOptions::default(), &mut |s| print!("{s}"))?;
 //! # Ok(()) }
 //! ```
 

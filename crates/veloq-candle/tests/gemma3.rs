@@ -3,51 +3,25 @@
 //! and the logits of its NumPy transcription of Hugging Face's forward pass; and the real Gemma 3
 //! 270M file (scripts/fetch-data, from PyPI) against llama.cpp's greedy tokens.
 
-use std::path::PathBuf;
-
-use candle_core::Device;
 use veloq::artifact::Calibration;
 use veloq::codec::codebook::PqShape;
 use veloq::codec::vecinfer::CodecSpec;
 use veloq_candle::collect::{calibrate, collect_activations};
 use veloq_candle::config::{fp16_bytes, CacheConfig};
-use veloq_candle::model::source::GgufFile;
-use veloq_candle::model::{LoadOptions, Logits, Model};
+use veloq_candle::model::{Logits, Model};
 
 mod support;
 
-const VOCAB: usize = 256;
-
-fn fixture(ext: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(format!("gemma3-tiny.{ext}"))
-}
-
-fn read_u32(ext: &str) -> Vec<u32> {
-    std::fs::read(fixture(ext)).unwrap().chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().unwrap())).collect()
-}
+use support::fixture::{self, argmax};
 
 fn reference() -> (Model, Vec<u32>, Vec<f32>) {
-    let mut file = GgufFile::open(&fixture("gguf")).unwrap();
-    let model = Model::load(&mut file, &LoadOptions::new(64), &Device::Cpu).unwrap();
-    let tokens = read_u32("tokens.u32");
-    let logits = read_u32("logits.f32").into_iter().map(f32::from_bits).collect();
-    (model, tokens, logits)
-}
-
-/// Largest |ours − reference| over a position's logits, relative to the reference's largest |logit|.
-fn rel_err(ours: &[f32], want: &[f32]) -> f32 {
-    let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-    ours.iter().zip(want).fold(0.0f32, |m, (a, b)| m.max((a - b).abs())) / scale
-}
-
-fn argmax(x: &[f32]) -> usize {
-    x.iter().enumerate().fold(0, |best, (i, v)| if *v > x[best] { i } else { best })
+    fixture::load("gemma3-tiny")
 }
 
 #[test]
 fn gemma3_geometry_from_metadata() {
     // The whole path a user takes, tokenizer included (the fixture's vocabulary is byte pieces).
-    let (_, tok) = Model::open(&fixture("gguf"), 64).unwrap();
+    let (_, tok) = Model::open(&fixture::path("gemma3-tiny", "gguf"), 64).unwrap();
     let ids = veloq_candle::model::encode(&tok, "Hi").unwrap();
     assert_eq!(tok.id_to_token(ids[ids.len() - 1]).as_deref(), Some("<0x69>"));
     let (model, ..) = reference();
@@ -62,23 +36,9 @@ fn gemma3_geometry_from_metadata() {
 /// every position (measured worst relative error 5.4e-5; keys and values are stored in f16).
 #[test]
 fn gemma3_logits_match_the_reference_forward_pass() {
-    let (model, tokens, want) = reference();
+    let (model, tokens, _) = reference();
     let t = tokens.len();
-    let mut caches = CacheConfig::fp16().build(&model).unwrap();
-    let all = model.forward(&tokens, &mut caches, Logits::All).unwrap().to_vec2::<f32>().unwrap();
-    let mut caches = CacheConfig::fp16().build(&model).unwrap();
-    let mut worst = 0.0f32;
-    for (p, &tok) in tokens.iter().enumerate() {
-        let step = model.forward(&[tok], &mut caches, Logits::Last).unwrap().to_vec2::<f32>().unwrap();
-        let want = &want[p * VOCAB..(p + 1) * VOCAB];
-        for (how, ours) in [("prefill", &all[p]), ("decode", &step[0])] {
-            let e = rel_err(ours, want);
-            worst = worst.max(e);
-            assert!(e < 1e-3, "{how} position {p}: relative error {e}");
-            assert_eq!(argmax(ours), argmax(want), "{how} position {p}");
-        }
-    }
-    eprintln!("worst relative logit error against the reference: {worst:.2e}");
+    let (_, caches) = fixture::check_logits("gemma3-tiny", 1e-3);
     // Sliding layers keep 6 positions, the global one all of them.
     let layers = caches.layers();
     assert_eq!(layers.len(), 3);

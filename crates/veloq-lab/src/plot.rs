@@ -33,7 +33,8 @@ fn font() -> Result<()> {
     static LOADED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     LOADED
         .get_or_init(|| {
-            let path = FONT.get_or_init(|| "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf".into()).display().to_string();
+            let path =
+                FONT.get_or_init(|| "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf".into()).display().to_string();
             let bytes = std::fs::read(&path)
                 .map_err(|e| format!("font {path}: {e} (install fonts-dejavu-core or pass --font)"))?;
             plotters::style::register_font("sans-serif", FontStyle::Normal, Box::leak(bytes.into_boxed_slice()))

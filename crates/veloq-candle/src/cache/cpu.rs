@@ -27,9 +27,9 @@ const ROW_BLOCK: usize = 256;
 const QUERY_TILE: usize = 16;
 /// A task's queries over codes: one through its own lookup tables, up to this many in groups of
 /// interleaved tables ([`codes::attend_group`]), more through decoded tiles and matrix products
-/// (`benches/attend_codes.rs`, `results/bench-attend-codes-cpu.txt`, 4,096 positions: groups
-/// 1.7–1.9× faster than own tables at 3 queries and 2.1–2.8× at 4; at 8 groups 0.66–1.12 ms
-/// against tiles 0.95–1.60; at 16 tiles win, 1.08–1.65 ms against 1.16–2.19).
+/// (the crossover `benches/attend_codes.rs` measures: interleaved tables win up to about 8
+/// queries, where building a table per query still costs less than decoding tiles; figures in
+/// `results/bench-attend-codes-cpu.txt`).
 const CODE_GROUP_QUERIES: usize = 2 * codes::GROUP;
 
 /// Key and value codecs of a coded cache on the CPU.

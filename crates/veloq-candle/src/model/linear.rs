@@ -4,8 +4,8 @@
 //! rows (1–8), which go to veloq's GEMV (`veloq::kernels::cuda::gemv_f16_many`: one launch, f32 in
 //! and out, where candle's path is cast, cuBLAS GEMM, cast). [`Linear::fused`] also folds the
 //! norms, RoPE, residual adds and gated MLP around a layer's products into them: an 8B layer is
-//! four launches, whose weights an H200 reads at 1.21× the copy-bandwidth floor (one row, as a
-//! decode step replays them), and writes q/k/v into a buffer the caller names (a CUDA graph's).
+//! four launches that read each weight once, and writes q/k/v into a buffer the caller names (a
+//! CUDA graph's).
 
 use std::sync::Arc;
 

@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests (each test crate takes what it uses).
 #![allow(dead_code)]
 
+pub mod fixture;
 pub mod lockstep;
 pub mod shadow;
 pub mod shadow_cache;

@@ -227,8 +227,8 @@ const STEP_LAYERS: usize = 8;
 /// launch shape: eagerly, replayed from one CUDA graph per layer (as the decode step's segments
 /// are), and so with three small launches between the graphs (where the step puts the cache's
 /// rows in, attends and commits). The last is how a step runs them, and picks the shape: the
-/// plain products' ranking above does not carry over (one row: 2,1,512 was fastest there, and in
-/// a step 2,2,256 took 4.05 ms of segments against its 4.88).
+/// plain products' ranking above does not carry over to a step (the shapes compete for the same
+/// caches and the launches between them change what stays resident).
 fn step_layers(
     gpu: &Gpu,
     rng: &mut Rng,

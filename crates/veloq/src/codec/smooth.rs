@@ -9,10 +9,9 @@
 //! - [`SmoothRule::SqrtMaxAbs`]: s_c = √(max_t |k_tc|), a half-strength version that equalises
 //!   channel ranges only partly (SmoothQuant's α = ½ with a unit weight side).
 //!
-//! Measured on SmolLM2-135M (2-bit keys and values, `veloq bench smooth`): KL from fp16 of 0.18
-//! with √max, 0.23 without smoothing, 0.52 with max. Full max-normalisation squeezes the ordinary
-//! channels into a corner of the codebook's range; √max keeps most of the benefit on the outlier
-//! channels. `SqrtMaxAbs` is therefore the default ([`CodecSpec::keys`](super::vecinfer::CodecSpec::keys)).
+//! Full max-normalisation squeezes the ordinary channels into a corner of the codebook's range;
+//! √max keeps most of the benefit on the outlier channels (on SmolLM2 it beat both max and no
+//! smoothing: results/README.md, the `vq-2/no-smooth` rows and "Which smoothing"). `SqrtMaxAbs` is therefore the default ([`CodecSpec::keys`](super::vecinfer::CodecSpec::keys)).
 //!
 //! - [`SmoothRule::QueryRms`]: s_c = 1 / rms(q_c) over the queries that read head's keys (its
 //!   GQA group), normalised to a mean of 1 per head. Then E[(s ⊙ q)_c²] is the same for every

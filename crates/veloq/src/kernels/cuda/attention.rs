@@ -31,8 +31,7 @@ pub const MAX_WINDOW: usize = 64;
 const MMA_THREADS: u32 = 256;
 /// Tensor-core blocks resident per multiprocessor at `head_dim`: the kernel's `MIN_BLOCKS` (which
 /// caps its registers) and the split count's waves, from one place. Two; one at head_dim 256 (its
-/// registers). Three (80 registers, a few spilled, 24 warps per SM) were 1.3–1.8× slower on the
-/// H200 (NOTES.md).
+/// registers). Three cap the registers at 80, which spills (NOTES.md has the timings).
 fn mma_blocks(head_dim: usize) -> usize {
     if head_dim == 256 {
         1

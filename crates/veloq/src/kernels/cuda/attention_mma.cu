@@ -73,9 +73,8 @@ __device__ __forceinline__ unsigned entry(const unsigned* w, int i, unsigned bas
     return prmt(w[i >> 2], base8, 0x5504u | ((unsigned)(i & 3) << 4));
 }
 
-// Code loads: read once, so not allocated in L1 (`ld.global.nc.L1::no_allocate`). Measured on the
-// H200 with L2 left dirty by the do_bench clear: B=1, 128k 0.0466 → 0.0425 ms, B=8, 64k 0.1193 →
-// 0.1153 (the same as with L2 clean; an L2 evict-first policy instead cost time). NOTES.md, t11.
+// Code loads: read once, so not allocated in L1 (`ld.global.nc.L1::no_allocate`), which keeps L1
+// for the codebooks; an L2 evict-first policy instead cost time (NOTES.md, t11, has the timings).
 __device__ __forceinline__ void ld_code(unsigned (&w)[1], const unsigned short* p) {
     asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=r"(w[0]) : "l"(p));
 }

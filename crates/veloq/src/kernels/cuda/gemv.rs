@@ -33,8 +33,7 @@ pub struct GemvTune {
 impl GemvTune {
     /// The shape for `b` activation rows: `shapes`' own (from `veloq-lab bench cuda --gemv-sweep`
     /// on the device at hand) where given, else the sweep's fastest on an H200 for an 8B layer as
-    /// a decode step issues it (one row: 2 rows a block, 2 loads in flight, 256 threads; eight
-    /// rows: 32, 1, 512; the timings are in results/README.md).
+    /// a decode step issues it (the sweep is in results/README.md).
     pub fn for_rows(b: usize, shapes: &GemvShapes) -> Self {
         let tensor_cores = b > 1;
         let given = if tensor_cores { shapes.many_rows } else { shapes.one_row };
