@@ -48,16 +48,16 @@ impl Files {
 #[derive(Args, Clone, Debug)]
 pub struct CudaFlags {
     /// Decode steps replayed from CUDA graphs.
-    #[arg(long, env = "VELOQ_CUDA_GRAPHS", default_value = "on", value_parser = BoolishValueParser::new(), value_name = "on|off")]
+    #[arg(long, env = "VELOQ_CUDA_GRAPHS", default_value = "on", action = clap::ArgAction::Set, value_parser = BoolishValueParser::new(), value_name = "on|off")]
     pub cuda_graphs: bool,
     /// f16 weights of decode steps through veloq's GEMV (off: cuBLAS).
-    #[arg(long, env = "VELOQ_CUDA_GEMV", default_value = "on", value_parser = BoolishValueParser::new(), value_name = "on|off")]
+    #[arg(long, env = "VELOQ_CUDA_GEMV", default_value = "on", action = clap::ArgAction::Set, value_parser = BoolishValueParser::new(), value_name = "on|off")]
     pub cuda_gemv: bool,
     /// Kernels overlap their predecessor's tail (programmatic dependent launch, sm_90+).
-    #[arg(long, env = "VELOQ_PDL", default_value = "on", value_parser = BoolishValueParser::new(), value_name = "on|off")]
+    #[arg(long, env = "VELOQ_PDL", default_value = "on", action = clap::ArgAction::Set, value_parser = BoolishValueParser::new(), value_name = "on|off")]
     pub overlapped_launches: bool,
     /// Cache flushes on a second stream.
-    #[arg(long, env = "VELOQ_FLUSH_STREAM", default_value = "on", value_parser = BoolishValueParser::new(), value_name = "on|off")]
+    #[arg(long, env = "VELOQ_FLUSH_STREAM", default_value = "on", action = clap::ArgAction::Set, value_parser = BoolishValueParser::new(), value_name = "on|off")]
     pub flush_stream: bool,
     /// GEMV launch shape R,U,T for one activation row (`veloq-lab bench cuda --gemv-sweep`).
     #[arg(long, env = "VELOQ_GEMV", value_name = "R,U,T")]
