@@ -1,7 +1,8 @@
 //! Architectures as data: one descriptor per GGUF family says where its norms sit, how it rotates
-//! positions, which layers slide, how its tensors are laid out and which chat template it falls
-//! back to. The decoder reads the descriptor and the file's metadata, never the family's name, so a
-//! new family is a new constant here (and a fixture with its reference forward pass in `tests/`).
+//! positions, which layers slide and which chat template it falls back to (fused q/k/v or gate/up
+//! matrices, as Phi-3 stores them, are found by their tensor names). The decoder reads the
+//! descriptor and the file's metadata, never the family's name, so a new family is a new constant
+//! here (and a fixture with its reference forward pass in `tests/`).
 
 use tokenizers::Tokenizer;
 
@@ -61,16 +62,6 @@ pub enum QueryScale {
     Gemma3,
 }
 
-/// How a layer's q/k/v and gate/up matrices are stored.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Tensors {
-    /// `attn_q`, `attn_k`, `attn_v`, `ffn_gate`, `ffn_up`.
-    Separate,
-    /// `attn_qkv` (q, k, v rows one after another) and `ffn_up` holding gate then up (Phi-3);
-    /// files with separate q/k/v matrices load too.
-    Fused,
-}
-
 /// A family of decoders as its GGUF files describe it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Architecture {
@@ -86,8 +77,6 @@ pub struct Architecture {
     pub norms: Norms,
     /// Biases on q, k and v (Qwen2).
     pub qkv_bias: bool,
-    /// How the matrices are stored.
-    pub tensors: Tensors,
     /// Embeddings multiplied by √hidden (Gemma).
     pub embed_scale_sqrt_hidden: bool,
     /// Which layers slide.
@@ -111,7 +100,6 @@ const BASE: Architecture = Architecture {
     qk_norm: false,
     norms: Norms::Pre,
     qkv_bias: false,
-    tensors: Tensors::Separate,
     embed_scale_sqrt_hidden: false,
     sliding: Sliding::Never,
     local_rope_base: None,
@@ -150,7 +138,6 @@ pub const GEMMA3: Architecture = Architecture {
 pub const PHI3: Architecture = Architecture {
     name: "phi3",
     rope: RopeStyle::NeoX,
-    tensors: Tensors::Fused,
     sliding: Sliding::AllLayers,
     template: ChatTemplate::Phi3,
     ..BASE
