@@ -1,9 +1,8 @@
-//! Generation: prefill the prompt in chunks, then decode token by token with greedy or
-//! temperature / top-p sampling, streaming text as it comes.
+//! Generation: prefill the prompt in chunks, then decode token by token with the request's
+//! [`Sampler`], streaming text as it comes.
 
 use std::time::Instant;
 
-use candle_transformers::generation::{LogitsProcessor, Sampling};
 use tokenizers::Tokenizer;
 
 use crate::cache::ModelCache;
@@ -12,6 +11,7 @@ use crate::error::{Error, Result};
 use crate::model::{decode, encode, Logits, Model, Role};
 use crate::prefill::{prefill, DEFAULT_CHUNK};
 use crate::runner::Forward;
+use crate::sampling::{Sampler, SamplingOptions};
 use crate::text::TextStream;
 
 #[derive(Clone, Debug)]
@@ -19,12 +19,8 @@ use crate::text::TextStream;
 pub struct GenerateOptions {
     /// Tokens to generate at most.
     pub max_tokens: usize,
-    /// 0 = greedy.
-    pub temperature: f64,
-    /// Nucleus sampling mass, in (0, 1].
-    pub top_p: Option<f64>,
-    /// Seed of the sampler.
-    pub seed: u64,
+    /// How the next token is chosen.
+    pub sampling: SamplingOptions,
     /// Wrap the prompt in the model's chat template when it has one.
     pub chat: bool,
     /// Prompt tokens per forward pass (see [`crate::prefill`]).
@@ -33,57 +29,23 @@ pub struct GenerateOptions {
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        Self {
-            max_tokens: 128,
-            temperature: 0.0,
-            top_p: None,
-            seed: 299792458,
-            chat: true,
-            prefill_chunk: DEFAULT_CHUNK,
-        }
+        Self { max_tokens: 128, sampling: SamplingOptions::greedy(), chat: true, prefill_chunk: DEFAULT_CHUNK }
     }
 }
 
 impl GenerateOptions {
     /// Refuses sampling settings that would silently mean something else (a top-p of 7, a NaN
-    /// temperature) before any work is done.
-    pub fn validate(&self) -> Result<()> {
+    /// temperature) before any work is done; token ids are checked against `vocab`.
+    pub fn validate(&self, vocab: usize) -> Result<()> {
         if self.max_tokens == 0 {
             return Err(Error::Config("max_tokens must be at least 1".into()));
         }
-        check_sampling(self.temperature, self.top_p)?;
+        self.sampling.validate(vocab)?;
         if self.prefill_chunk == 0 {
             return Err(Error::Config("the prefill chunk must be at least one token".into()));
         }
         Ok(())
     }
-}
-
-/// Refuses a temperature that is not a finite number ≥ 0 and a top-p outside (0, 1].
-pub fn check_sampling(temperature: f64, top_p: Option<f64>) -> Result<()> {
-    if !temperature.is_finite() || temperature < 0.0 {
-        return Err(Error::Config(format!("temperature must be a finite number ≥ 0, got {temperature}")));
-    }
-    if let Some(p) = top_p {
-        if !(p > 0.0 && p <= 1.0) {
-            return Err(Error::Config(format!("top_p must be in (0, 1], got {p}")));
-        }
-    }
-    Ok(())
-}
-
-/// The next-token rule: greedy at temperature 0, else sampling at `temperature` over the
-/// nucleus `top_p` (every token without it), drawn from a generator seeded with `seed`.
-pub fn sampler(temperature: f64, top_p: Option<f64>, seed: u64) -> LogitsProcessor {
-    let sampling = if temperature <= 0.0 {
-        Sampling::ArgMax
-    } else {
-        match top_p {
-            Some(p) => Sampling::TopP { p, temperature },
-            None => Sampling::All { temperature },
-        }
-    };
-    LogitsProcessor::from_sampling(seed, sampling)
 }
 
 /// What generation reports as it goes.
@@ -198,9 +160,9 @@ pub fn generate_ids(
     opts: &GenerateOptions,
     on_event: &mut dyn FnMut(Event<'_>),
 ) -> Result<GenerateOutput> {
-    opts.validate()?;
     let model = runner.model();
-    let mut proc = sampler(opts.temperature, opts.top_p, opts.seed);
+    opts.validate(model.info.vocab)?;
+    let mut proc = Sampler::new(opts.sampling.clone(), prompt_ids);
     let start = Instant::now();
     let logits = prefill(runner, caches, 0, prompt_ids, opts.prefill_chunk, &mut |done, total| {
         on_event(Event::Prefilled { done, total })
@@ -251,21 +213,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sampling_settings_are_validated() {
+    fn generation_settings_are_validated() {
         let ok = GenerateOptions::default();
-        assert!(ok.validate().is_ok());
-        assert!(GenerateOptions { top_p: Some(1.0), temperature: 0.7, ..ok.clone() }.validate().is_ok());
+        assert!(ok.validate(100).is_ok());
+        let sampling = |s: SamplingOptions| GenerateOptions { sampling: s, ..ok.clone() };
         for bad in [
-            GenerateOptions { top_p: Some(7.0), ..ok.clone() },
-            GenerateOptions { top_p: Some(0.0), ..ok.clone() },
-            GenerateOptions { top_p: Some(f64::NAN), ..ok.clone() },
-            GenerateOptions { temperature: f64::NAN, ..ok.clone() },
-            GenerateOptions { temperature: -1.0, ..ok.clone() },
+            sampling(SamplingOptions { top_p: Some(7.0), ..SamplingOptions::default() }),
+            sampling(SamplingOptions { temperature: -1.0, ..SamplingOptions::default() }),
+            sampling(SamplingOptions { logit_bias: vec![(100, 1.0)], ..SamplingOptions::default() }),
             GenerateOptions { max_tokens: 0, ..ok.clone() },
             GenerateOptions { prefill_chunk: 0, ..ok.clone() },
         ] {
-            let e = bad.validate().unwrap_err().to_string();
-            assert!(e.contains("must"), "{bad:?}: {e}");
+            let e = bad.validate(100).unwrap_err().to_string();
+            assert!(e.contains("must") || e.contains("vocabulary"), "{bad:?}: {e}");
         }
     }
 }

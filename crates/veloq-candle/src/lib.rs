@@ -17,6 +17,7 @@ pub mod model;
 pub mod prefill;
 pub mod runner;
 pub mod runtime;
+pub mod sampling;
 pub mod text;
 pub mod units;
 

@@ -9,6 +9,7 @@ use clap::Args as ClapArgs;
 use veloq_candle::config::fp16_bytes;
 use veloq_candle::generate::{generate_ids, prompt_ids, Event, GenerateOptions};
 use veloq_candle::runtime::Loaded;
+use veloq_candle::sampling::SamplingOptions;
 use veloq_candle::units::human_bytes as human;
 use veloq_candle::Method;
 
@@ -26,6 +27,21 @@ pub struct Sampling {
     /// Nucleus sampling: keep the most likely tokens up to this probability mass, in (0, 1].
     #[arg(long)]
     pub top_p: Option<f64>,
+    /// Keep only the k most likely tokens.
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Keep only tokens at least this fraction as likely as the most likely one, in [0, 1].
+    #[arg(long)]
+    pub min_p: Option<f64>,
+    /// Penalise tokens of the prompt and the completion (1 = none; llama.cpp's --repeat-penalty).
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f64,
+    /// Subtracted from the logit of every token the completion already holds, in [-2, 2].
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    pub presence_penalty: f64,
+    /// Subtracted from a token's logit per time the completion holds it, in [-2, 2].
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    pub frequency_penalty: f64,
     #[arg(long, default_value_t = 299792458)]
     /// Seed of the sampler.
     pub seed: u64,
@@ -37,15 +53,20 @@ pub struct Sampling {
 impl Sampling {
     /// The library's options (`chat`: in the model's chat template), checked.
     pub fn options(&self, chat: bool) -> Result<GenerateOptions> {
-        let opts = GenerateOptions {
-            max_tokens: self.max_tokens,
+        let sampling = SamplingOptions {
             temperature: self.temperature,
             top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            repetition_penalty: self.repeat_penalty,
+            logit_bias: Vec::new(),
             seed: self.seed,
-            chat,
-            prefill_chunk: self.prefill_chunk,
         };
-        opts.validate()?;
+        let opts = GenerateOptions { max_tokens: self.max_tokens, sampling, chat, prefill_chunk: self.prefill_chunk };
+        // Token ids are checked against the model's vocabulary once it is loaded.
+        opts.validate(usize::MAX)?;
         Ok(opts)
     }
 }

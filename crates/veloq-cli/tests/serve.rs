@@ -206,6 +206,24 @@ fn bad_input_is_refused_and_the_server_stays_up() {
         ("POST", "/v1/chat/completions", chat(json!({"max_tokens": u64::MAX})), 400, "context_length_exceeded"),
         ("POST", "/v1/chat/completions", chat(json!({"messages": []})), 400, "at least one message"),
         ("POST", "/v1/chat/completions", chat(json!({"messages": [{"role": "tool", "content": "x"}]})), 400, "tool"),
+        ("POST", "/v1/chat/completions", chat(json!({"max_token": 5})), 400, "unrecognized request argument"),
+        (
+            "POST",
+            "/v1/chat/completions",
+            chat(json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]})),
+            400,
+            "tools",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            chat(json!({"response_format": {"type": "json_object"}})),
+            400,
+            "response_format",
+        ),
+        ("POST", "/v1/chat/completions", chat(json!({"logit_bias": {"99999999": 1}})), 400, "vocabulary"),
+        ("POST", "/v1/chat/completions", chat(json!({"presence_penalty": 3})), 400, "presence_penalty"),
+        ("POST", "/v1/chat/completions", chat(json!({"top_k": -4})), 400, "top_k"),
         ("POST", "/v1/completions", completion(json!([1, 99999999]), 4).to_string(), 400, "vocabulary"),
         ("POST", "/v1/completions", completion(json!(["a", "b"]), 4).to_string(), 400, "one prompt"),
         ("POST", "/v1/completions", completion(json!("word ".repeat(3000)), 4).to_string(), 400, "context"),
@@ -236,6 +254,19 @@ fn bad_input_is_refused_and_the_server_stays_up() {
     let (status, reply) = server.json("POST", "/v1/completions", &completion(json!("The capital of France is"), 3));
     assert_eq!(status, 200, "{reply}");
     assert_eq!(reply["usage"]["completion_tokens"], 3);
+    // A bias of +100 on one token makes greedy decoding repeat it; penalties are accepted.
+    let biased = |n: usize| {
+        let mut body = completion(json!("The capital of France is"), n);
+        body["logit_bias"] = json!({"330": 100});
+        body["presence_penalty"] = json!(0.5);
+        body["top_k"] = json!(20);
+        let (status, reply) = server.json("POST", "/v1/completions", &body);
+        assert_eq!(status, 200, "{reply}");
+        reply["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let piece = biased(1);
+    assert!(!piece.is_empty());
+    assert_eq!(biased(3), piece.repeat(3));
     stalled.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     let t = Instant::now();
     let mut buf = [0u8; 512];

@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use veloq_candle::sampling::SamplingOptions;
 
 use veloq_candle::engine::{Request, Summary};
 use veloq_candle::generate::Finish;
@@ -53,13 +54,22 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
-/// The sampling fields both endpoints share (unknown fields are ignored, as OpenAI does).
+/// The sampling fields both endpoints share (fields no endpoint reads are refused by
+/// [`check_fields`]).
 #[derive(Deserialize, Debug, Clone, Default)]
 pub struct Sampling {
     pub model: Option<String>,
     pub max_tokens: Option<u64>,
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
+    /// vLLM's and llama.cpp's extension; 0 or -1 turn it off, as there.
+    pub top_k: Option<i64>,
+    /// vLLM's and llama.cpp's extension; 0 turns it off.
+    pub min_p: Option<f64>,
+    /// vLLM's extension (llama.cpp's `repeat_penalty`); 1 turns it off.
+    pub repetition_penalty: Option<f64>,
+    /// Token id (as a string, as OpenAI writes it) → bias in [-100, 100].
+    pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
     pub seed: Option<u64>,
     pub stop: Option<Stop>,
     #[serde(default)]
@@ -134,6 +144,76 @@ pub fn from_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiEr
     })
 }
 
+/// The fields both endpoints read; `user` is OpenAI's end-user identifier, which changes no output.
+const SHARED_FIELDS: &[&str] = &[
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "logprobs",
+    "ignore_eos",
+    "user",
+];
+/// What chat completions read besides; the tool and format fields only in their "not used" form.
+pub const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+];
+/// What text completions read besides.
+pub const COMPLETION_FIELDS: &[&str] = &["prompt", "echo", "suffix", "best_of"];
+
+/// Refuses, naming it, every field of the body that the endpoint does not act on: an unknown
+/// field (a typo, or an OpenAI feature veloq does not have), and the tool and structured-output
+/// fields in any form but their "not used" one. A field is never silently ignored.
+pub fn check_fields(body: &[u8], endpoint: &[&'static str]) -> Result<(), ApiError> {
+    let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(body) else {
+        return Ok(()); // the typed parse reports what is wrong with it
+    };
+    for (name, value) in &fields {
+        let Some(&field) = SHARED_FIELDS.iter().chain(endpoint).find(|f| **f == name) else {
+            return Err(ApiError::invalid(
+                None,
+                format!("unrecognized request argument {name:?}: veloq serve does not read it"),
+            ));
+        };
+        let unused = match field {
+            "tools" => value.is_null() || value.as_array().is_some_and(Vec::is_empty),
+            "tool_choice" => value.is_null() || value == "none" || value == "auto",
+            "parallel_tool_calls" => true,
+            "response_format" => value.is_null() || value.get("type").is_some_and(|t| t == "text"),
+            "top_logprobs" => value.is_null() || value == 0,
+            _ => continue,
+        };
+        if !unused {
+            return Err(ApiError::invalid(
+                Some(field),
+                format!("{field} is not supported yet: veloq serve cannot return tool calls or constrain output to a format"),
+            ));
+        }
+    }
+    // Tools given as "auto" still need tools to choose from; without them every form is "none".
+    if fields.get("tools").is_some_and(|t| t.as_array().is_some_and(|a| !a.is_empty())) {
+        return Err(ApiError::invalid(Some("tools"), "tools are not supported yet"));
+    }
+    Ok(())
+}
+
 /// OpenAI's own bound on stop strings.
 const MAX_STOPS: usize = 4;
 
@@ -188,9 +268,15 @@ impl ChatRequest {
 }
 
 impl Sampling {
-    /// Checks the fields and builds the engine's request for `prompt`; `default_max` tokens when
-    /// the client gives no limit.
-    pub fn request(&self, prompt: Vec<u32>, max_tokens: Option<u64>, default_max: usize) -> Result<Request, ApiError> {
+    /// Checks the fields and builds the engine's request for `prompt` over a vocabulary of
+    /// `vocab` tokens; `default_max` tokens when the client gives no limit.
+    pub fn request(
+        &self,
+        prompt: Vec<u32>,
+        max_tokens: Option<u64>,
+        default_max: usize,
+        vocab: usize,
+    ) -> Result<Request, ApiError> {
         let max_tokens = match max_tokens.or(self.max_tokens) {
             Some(0) => return Err(ApiError::invalid(Some("max_tokens"), "max_tokens must be at least 1")),
             Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
@@ -203,18 +289,22 @@ impl Sampling {
                 format!("temperature must be between 0 and 2, got {temperature}"),
             ));
         }
-        if let Some(p) = self.top_p {
-            if !(p > 0.0 && p <= 1.0) {
-                return Err(ApiError::invalid(Some("top_p"), format!("top_p must be in (0, 1], got {p}")));
-            }
-        }
         if let Some(n) = self.n.filter(|&n| n != 1) {
             return Err(ApiError::invalid(Some("n"), format!("n must be 1 (one completion per request), got {n}")));
         }
-        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
-            if v.is_some_and(|v| v != 0.0) {
-                return Err(ApiError::invalid(Some(name), format!("{name} is not supported (only 0)")));
+        let top_k = match self.top_k {
+            None | Some(0) | Some(-1) => None,
+            Some(k) if k > 0 => Some(usize::try_from(k).unwrap_or(usize::MAX)),
+            Some(k) => {
+                return Err(ApiError::invalid(Some("top_k"), format!("top_k must be ≥ 1 (0 or -1: off), got {k}")))
             }
+        };
+        let mut logit_bias = Vec::new();
+        for (token, &bias) in self.logit_bias.iter().flatten() {
+            let id = token.parse::<u32>().map_err(|_| {
+                ApiError::invalid(Some("logit_bias"), format!("logit_bias keys are token ids, got {token:?}"))
+            })?;
+            logit_bias.push((id, bias as f32));
         }
         if self.logprobs.as_ref().is_some_and(|v| !matches!(v, Value::Null | Value::Bool(false))) {
             return Err(ApiError::invalid(Some("logprobs"), "logprobs are not supported"));
@@ -230,8 +320,19 @@ impl Sampling {
             }
             Some(Stop::Many(v)) => v.clone(),
         };
-        let seed = self.seed.unwrap_or_else(fresh_seed);
-        Ok(Request { prompt, max_tokens, temperature, top_p: self.top_p, seed, stop, ignore_eos: self.ignore_eos })
+        let sampling = SamplingOptions {
+            temperature,
+            top_p: self.top_p,
+            top_k,
+            min_p: self.min_p.filter(|&p| p != 0.0),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            logit_bias,
+            seed: self.seed.unwrap_or_else(fresh_seed),
+        };
+        sampling.check(vocab).map_err(|e| ApiError::invalid(Some(e.field), e.message))?;
+        Ok(Request { prompt, max_tokens, sampling, stop, ignore_eos: self.ignore_eos })
     }
 
     /// Whether the client asked for a usage chunk at the end of a stream.
@@ -360,16 +461,28 @@ mod tests {
     use super::*;
 
     fn sampling(body: &str) -> Result<Request, ApiError> {
-        from_body::<Sampling>(body.as_bytes())?.request(vec![1, 2], None, 16)
+        from_body::<Sampling>(body.as_bytes())?.request(vec![1, 2], None, 16, 100)
     }
 
     #[test]
     fn fields_are_checked_and_defaulted_as_openai_does() {
         let r = sampling(r#"{"prompt": "x", "seed": 3}"#).unwrap();
-        assert_eq!((r.max_tokens, r.temperature, r.top_p, r.seed), (16, 1.0, None, 3));
-        let r =
-            sampling(r#"{"prompt": "x", "max_tokens": 5, "temperature": 0, "stop": "\n", "unknown": [1]}"#).unwrap();
-        assert_eq!((r.max_tokens, r.temperature, r.stop.clone()), (5, 0.0, vec!["\n".to_string()]));
+        let o = &r.sampling;
+        assert_eq!((r.max_tokens, o.temperature, o.top_p, o.seed), (16, 1.0, None, 3));
+        assert_eq!((o.top_k, o.min_p, o.presence_penalty, o.repetition_penalty), (None, None, 0.0, 1.0));
+        let r = sampling(r#"{"prompt": "x", "max_tokens": 5, "temperature": 0, "stop": "\n"}"#).unwrap();
+        assert_eq!((r.max_tokens, r.sampling.temperature, r.stop.clone()), (5, 0.0, vec!["\n".to_string()]));
+        let r = sampling(
+            r#"{"top_k": 40, "min_p": 0.05, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+                "repetition_penalty": 1.1, "logit_bias": {"7": -100, "42": 3.5}}"#,
+        )
+        .unwrap();
+        let o = r.sampling;
+        assert_eq!((o.top_k, o.min_p, o.presence_penalty, o.frequency_penalty), (Some(40), Some(0.05), 0.5, -0.5));
+        assert_eq!((o.repetition_penalty, o.logit_bias), (1.1, vec![(42, 3.5), (7, -100.0)]));
+        for off in [r#"{"top_k": 0}"#, r#"{"top_k": -1}"#] {
+            assert_eq!(sampling(off).unwrap().sampling.top_k, None, "{off} turns top-k off");
+        }
         for (body, param) in [
             (r#"{"prompt": "x", "top_p": 7}"#, "top_p"),
             (r#"{"prompt": "x", "top_p": 0}"#, "top_p"),
@@ -378,6 +491,14 @@ mod tests {
             (r#"{"prompt": "x", "max_tokens": 0}"#, "max_tokens"),
             (r#"{"prompt": "x", "n": 2}"#, "n"),
             (r#"{"prompt": "x", "logprobs": 3}"#, "logprobs"),
+            (r#"{"top_k": -2}"#, "top_k"),
+            (r#"{"min_p": 2}"#, "min_p"),
+            (r#"{"presence_penalty": 2.5}"#, "presence_penalty"),
+            (r#"{"frequency_penalty": -3}"#, "frequency_penalty"),
+            (r#"{"repetition_penalty": 0}"#, "repetition_penalty"),
+            (r#"{"logit_bias": {"x": 1}}"#, "logit_bias"),
+            (r#"{"logit_bias": {"100": 1}}"#, "logit_bias"),
+            (r#"{"logit_bias": {"5": 200}}"#, "logit_bias"),
             (r#"{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}"#, "stop"),
         ] {
             let e = sampling(body).unwrap_err();
@@ -390,6 +511,36 @@ mod tests {
         }
         assert!(from_body::<CompletionRequest>(br#"{"prompt": 5}"#).is_err());
         assert!(from_body::<Sampling>(b"{").unwrap_err().message.starts_with("malformed JSON"));
+    }
+
+    /// Every field is read or refused by name; the tool and format fields pass only in their
+    /// "not used" forms.
+    #[test]
+    fn fields_no_endpoint_reads_are_refused_by_name() {
+        let chat = |extra: &str| format!(r#"{{"messages": [{{"role": "user", "content": "x"}}]{extra}}}"#);
+        for ok in [
+            "",
+            r#", "tools": [], "tool_choice": "none", "parallel_tool_calls": false"#,
+            r#", "response_format": {"type": "text"}, "top_logprobs": null, "user": "u-1""#,
+            r#", "tool_choice": "auto", "top_k": 5, "min_p": 0.1, "logit_bias": {"3": 1}"#,
+        ] {
+            assert!(check_fields(chat(ok).as_bytes(), CHAT_FIELDS).is_ok(), "{ok}");
+        }
+        for (extra, says) in [
+            (r#", "max_token": 5"#, "\"max_token\""),
+            (r#", "functions": [{"name": "f"}]"#, "\"functions\""),
+            (r#", "prompt": "x""#, "\"prompt\""),
+            (r#", "tools": [{"type": "function", "function": {"name": "f"}}]"#, "tools"),
+            (r#", "tool_choice": "required""#, "tool_choice"),
+            (r#", "response_format": {"type": "json_object"}"#, "response_format"),
+            (r#", "top_logprobs": 2"#, "top_logprobs"),
+        ] {
+            let e = check_fields(chat(extra).as_bytes(), CHAT_FIELDS).unwrap_err();
+            assert!(e.status == 400 && e.message.contains(says), "{extra}: {e:?}");
+        }
+        let e = check_fields(br#"{"prompt": "x", "messages": []}"#, COMPLETION_FIELDS).unwrap_err();
+        assert!(e.message.contains("\"messages\""), "{e:?}");
+        assert!(check_fields(br#"{"prompt": "x", "echo": false, "best_of": 1}"#, COMPLETION_FIELDS).is_ok());
     }
 
     #[test]

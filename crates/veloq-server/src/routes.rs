@@ -24,7 +24,10 @@ use veloq_candle::generate::{chat_ids, with_bos};
 use veloq_candle::model::{encode, Tokenizer};
 use veloq_candle::Forward;
 
-use crate::api::{from_body, ApiError, ChatRequest, CompletionRequest, Kind, Prompt, Reply, Sampling};
+use crate::api::{
+    check_fields, from_body, ApiError, ChatRequest, CompletionRequest, Kind, Prompt, Reply, Sampling, CHAT_FIELDS,
+    COMPLETION_FIELDS,
+};
 use crate::metrics;
 
 /// What every handler shares.
@@ -112,6 +115,7 @@ pub(crate) fn unix_now() -> u64 {
 async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let body = read(body)?;
     let (req, sampling): (ChatRequest, Sampling) = (from_body(&body)?, from_body(&body)?);
+    check_fields(&body, CHAT_FIELDS)?;
     app.check_model(&sampling)?;
     let messages = req.messages()?;
     let (model, tok) = (app.model.clone(), app.tok.clone());
@@ -122,13 +126,14 @@ async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) 
     .await?;
     let room = app.engine.info().max_context.saturating_sub(ids.len());
     let default = app.default_max_tokens.map_or(room, |d| d.min(room));
-    let request = sampling.request(ids, req.max_completion_tokens, default)?;
+    let request = sampling.request(ids, req.max_completion_tokens, default, app.engine.info().vocab)?;
     run(app.clone(), app.reply(Kind::Chat), request, &sampling).await
 }
 
 async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let body = read(body)?;
     let (req, sampling): (CompletionRequest, Sampling) = (from_body(&body)?, from_body(&body)?);
+    check_fields(&body, COMPLETION_FIELDS)?;
     app.check_model(&sampling)?;
     if req.echo == Some(true) || req.suffix.is_some() || req.best_of.is_some_and(|b| b != 1) {
         return Err(ApiError::invalid(None, "echo, suffix and best_of are not supported"));
@@ -151,7 +156,7 @@ async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejec
         }
     };
     // OpenAI's default for text completions.
-    let request = sampling.request(ids, None, 16)?;
+    let request = sampling.request(ids, None, 16, app.engine.info().vocab)?;
     run(app.clone(), app.reply(Kind::Completion), request, &sampling).await
 }
 

@@ -21,7 +21,6 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use candle_transformers::generation::LogitsProcessor;
 use tokenizers::Tokenizer;
 
 use self::schedule::{plan, Admission, Progress};
@@ -30,10 +29,11 @@ pub use self::stats::Stats;
 use crate::cache::{ModelCache, Step};
 use crate::config::CacheConfig;
 use crate::error::{Error, Result};
-use crate::generate::{check_sampling, sampler, Finish};
+use crate::generate::Finish;
 use crate::model::{Logits, Model};
 use crate::prefill::DEFAULT_CHUNK;
 use crate::runner::Forward;
+use crate::sampling::{Sampler, SamplingOptions};
 use crate::text::TextStream;
 
 /// A prompt always advances by at least this many tokens a step, however many sequences decode.
@@ -65,12 +65,8 @@ pub struct Request {
     pub prompt: Vec<u32>,
     /// Tokens to generate at most.
     pub max_tokens: usize,
-    /// 0 = greedy.
-    pub temperature: f64,
-    /// Nucleus sampling mass, in (0, 1].
-    pub top_p: Option<f64>,
-    /// Seed of the request's own sampler.
-    pub seed: u64,
+    /// How the next token is chosen (the request's own seeded sampler).
+    pub sampling: SamplingOptions,
     /// The completion ends before the first of these.
     pub stop: Vec<String>,
     /// Run to `max_tokens` through end-of-sequence tokens (benchmarks: every request the same
@@ -154,6 +150,8 @@ pub enum Rejected {
 pub struct EngineInfo {
     /// The cache method's name.
     pub method: String,
+    /// Tokens of the model's vocabulary.
+    pub vocab: usize,
     /// Positions a sequence may reach (prompt and completion).
     pub max_context: usize,
     /// Sequences at once, at most.
@@ -239,6 +237,7 @@ impl Engine {
         };
         let info = EngineInfo {
             method: cache.name(),
+            vocab: model.info.vocab,
             max_context,
             slots,
             kv_budget: cfg.kv_budget,
@@ -288,8 +287,8 @@ impl Engine {
         if req.max_tokens == 0 {
             return refuse(Rejected::Invalid("max_tokens must be at least 1".into()));
         }
-        if let Err(e) = check_sampling(req.temperature, req.top_p) {
-            return refuse(Rejected::Invalid(e.to_string()));
+        if let Err(e) = req.sampling.check(self.info.vocab) {
+            return refuse(Rejected::Invalid(e.message));
         }
         let positions = req.prompt.len().saturating_add(req.max_tokens);
         if positions > self.info.max_context {
@@ -333,7 +332,7 @@ struct Live {
     fed: usize,
     /// Generated tokens; the last is not in the caches yet.
     out: Vec<u32>,
-    sampler: LogitsProcessor,
+    sampler: Sampler,
     text: TextStream,
     admitted: Instant,
     first: Option<Instant>,
@@ -423,7 +422,7 @@ impl Worker {
         while let Some((mut job, slot, reserved)) = self.adm.admit() {
             let alive = job.sink.send(Event::Admitted);
             let r = &job.req;
-            let (sampler, text) = (sampler(r.temperature, r.top_p, r.seed), TextStream::new(r.stop.clone()));
+            let (sampler, text) = (Sampler::new(r.sampling.clone(), &r.prompt), TextStream::new(r.stop.clone()));
             let done = (!alive).then_some(Outcome::Cancelled);
             let now = Instant::now();
             self.live.push(Live {
@@ -477,7 +476,8 @@ impl Worker {
                     continue;
                 }
             }
-            let next = if l.job.req.temperature <= 0.0 {
+            // Plain greedy rows take one argmax over the batch on the device.
+            let next = if l.job.req.sampling.plain_greedy() {
                 if greedy.is_none() {
                     greedy = Some(logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?);
                 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use super::*;
 use crate::cache::SeqStep;
+use crate::sampling::SamplingOptions;
 use crate::testing::{fresh_seed, tiny_model_seeded, word_tokenizer};
 
 const VOCAB: usize = 97;
@@ -72,21 +73,38 @@ fn prompts(seed: u64, lens: &[usize]) -> Vec<Vec<u32>> {
 }
 
 fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
-    Request { prompt, max_tokens, temperature: 0.0, top_p: None, seed: 1, stop: Vec::new(), ignore_eos: false }
+    Request { prompt, max_tokens, sampling: SamplingOptions::greedy(), stop: Vec::new(), ignore_eos: false }
+}
+
+fn sampled(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingOptions) -> Request {
+    Request { sampling, ..greedy(prompt, max_tokens) }
+}
+
+fn nucleus(seed: u64) -> SamplingOptions {
+    SamplingOptions { temperature: 0.9, top_p: Some(0.95), seed, ..Default::default() }
 }
 
 /// Greedy tokens of `prompt` alone, by plain forward passes (the reference), with the top-two
 /// logit margin at each step.
 fn alone(model: &Model, prompt: &[u32], n: usize) -> Vec<(u32, f32)> {
+    alone_with(model, prompt, n, &SamplingOptions::greedy())
+}
+
+/// [`alone`] with a greedy request's bias and penalties (margins of the adjusted logits).
+fn alone_with(model: &Model, prompt: &[u32], n: usize, opts: &SamplingOptions) -> Vec<(u32, f32)> {
     let mut caches = CacheConfig::fp16().build(model).unwrap();
     let mut logits = model.forward(prompt, &mut caches, crate::model::Logits::Last).unwrap();
+    let mut sampler = Sampler::new(opts.clone(), prompt);
     let mut out = Vec::new();
     for _ in 0..n {
-        let row = logits.squeeze(0).unwrap().to_vec1::<f32>().unwrap();
+        let mut row = logits.squeeze(0).unwrap().to_vec1::<f32>().unwrap();
+        let mut adjusted = row.clone();
+        sampler.adjust(&mut adjusted);
         let mut order: Vec<usize> = (0..row.len()).collect();
-        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
-        let t = order[0] as u32;
-        out.push((t, row[order[0]] - row[order[1]]));
+        order.sort_by(|&a, &b| adjusted[b].total_cmp(&adjusted[a]));
+        let t = sampler.next(&mut row);
+        assert_eq!(t, order[0] as u32);
+        out.push((t, adjusted[order[0]] - adjusted[order[1]]));
         let step = Step::new(vec![SeqStep { slot: 0, start: caches.len(0), len: 1 }]).unwrap();
         logits = model.forward_step(&[t], &step, &mut caches, Logits::Last).unwrap();
     }
@@ -206,7 +224,8 @@ fn bad_requests_are_refused_before_they_queue() {
     assert!(matches!(submit(greedy(vec![1; 4], usize::MAX)), Rejected::Context { .. }), "no overflow");
     assert!(matches!(submit(greedy(Vec::new(), 4)), Rejected::Invalid(_)));
     assert!(matches!(submit(greedy(vec![1; 4], 0)), Rejected::Invalid(_)));
-    let e = submit(Request { top_p: Some(7.0), temperature: 0.5, ..greedy(vec![1; 4], 4) });
+    let e =
+        submit(sampled(vec![1; 4], 4, SamplingOptions { top_p: Some(7.0), temperature: 0.5, ..Default::default() }));
     assert!(e.to_string().contains("top_p"), "{e}");
     assert_eq!(engine.stats().rejected, 6);
     // The engine still serves.
@@ -220,22 +239,67 @@ fn stop_strings_end_a_completion_and_seeds_repeat() {
     let seed = fresh_seed();
     let engine = fp16_engine(seed);
     let p = prompts(seed, &[12]).remove(0);
-    let sampled = |seed: u64| {
+    let text = |seed: u64| {
         let (s, rx) = sink(usize::MAX);
-        engine.submit(Request { temperature: 0.9, top_p: Some(0.95), seed, ..greedy(p.clone(), 30) }, s).unwrap();
+        engine.submit(sampled(p.clone(), 30, nucleus(seed)), s).unwrap();
         text_of(&events(&rx))
     };
-    let (a, b) = (sampled(5), sampled(5));
+    let (a, b) = (text(5), text(5));
     assert_eq!(a, b, "the same seed gives the same completion");
     // Stop at the fifth word of that completion: the text ends before it.
     let words: Vec<&str> = a.split_whitespace().collect();
     let stop = format!(" {}", words[4]);
     let first = a.find(&stop).unwrap();
     let (s, rx) = sink(usize::MAX);
-    engine
-        .submit(Request { temperature: 0.9, top_p: Some(0.95), seed: 5, stop: vec![stop], ..greedy(p.clone(), 30) }, s)
-        .unwrap();
+    engine.submit(Request { stop: vec![stop], ..sampled(p.clone(), 30, nucleus(5)) }, s).unwrap();
     let ev = events(&rx);
     assert_eq!(text_of(&ev), a[..first]);
     assert!(matches!(ev.last(), Some(Event::Done(s)) if s.finish == Finish::Stop), "{ev:?}");
+}
+
+/// A request's bias and penalties reach its own sampler, beside plain greedy rows of the same
+/// batch: +100 on one token makes every step choose it, and penalised requests give the tokens
+/// a sampler with their options picks over plain forward passes (compared while the adjusted
+/// logits' margins are clear of batched rounding, which is ~1e-6 at these logits).
+#[test]
+fn bias_and_penalties_apply_per_request() {
+    let seed = fresh_seed();
+    let model = Arc::new(tiny_model_seeded(VOCAB, CONTEXT, seed));
+    let engine =
+        Engine::start(model.clone(), Arc::new(word_tokenizer(VOCAB)), CacheConfig::fp16(), EngineConfig::default())
+            .unwrap();
+    let p = prompts(seed, &[9, 11, 10, 13, 8]);
+    let forced = 5u32;
+    let penalised = SamplingOptions {
+        presence_penalty: 1.0,
+        frequency_penalty: 2.0,
+        repetition_penalty: 1.3,
+        ..Default::default()
+    };
+    let rep_only = SamplingOptions { repetition_penalty: 0.7, ..Default::default() };
+    let ask = |r: Request| {
+        let (s, rx) = sink(usize::MAX);
+        engine.submit(r, s).unwrap();
+        rx
+    };
+    let cases = [(&p[1], penalised.clone()), (&p[2], penalised), (&p[3], rep_only), (&p[4], SamplingOptions::greedy())];
+    let rx_bias =
+        ask(sampled(p[0].clone(), 12, SamplingOptions { logit_bias: vec![(forced, 100.0)], ..Default::default() }));
+    let rxs: Vec<_> = cases.iter().map(|(prompt, o)| ask(sampled((*prompt).clone(), 12, o.clone()))).collect();
+    let words = |rx| -> Vec<u32> {
+        text_of(&events(&rx)).split_whitespace().map(|w| w.trim_start_matches('w').parse().unwrap()).collect()
+    };
+    assert_eq!(words(rx_bias), vec![forced; 12]);
+    let mut compared = 0;
+    for (rx, (prompt, opts)) in rxs.into_iter().zip(&cases) {
+        let got = words(rx);
+        for (g, (want, margin)) in got.iter().zip(alone_with(&model, prompt, 12, opts)) {
+            if margin < 1e-4 {
+                break;
+            }
+            assert_eq!(*g, want, "seed {seed} {opts:?}");
+            compared += 1;
+        }
+    }
+    assert!(compared >= 16, "seed {seed}: only {compared} tokens had clear margins");
 }
