@@ -7,7 +7,7 @@ use clap::Args as ClapArgs;
 
 use veloq_candle::engine::EngineConfig;
 use veloq_candle::units::{human_bytes as human, parse_bytes};
-use veloq_server::{ServeOptions, Server, Serving};
+use veloq_server::{Guards, ServeOptions, Server, Serving};
 
 use crate::args::Run;
 
@@ -52,6 +52,37 @@ pub struct Args {
     /// No line per finished request on stderr.
     #[arg(long)]
     pub quiet: bool,
+    /// Require `Authorization: Bearer <key>` on /v1/* (repeat for several keys; default: the
+    /// VELOQ_API_KEY environment variable when set).
+    #[arg(long, env = "VELOQ_API_KEY", value_delimiter = ',')]
+    pub api_key: Vec<String>,
+    /// Origins whose browsers may call the API, `*` for any (repeatable); preflights are answered.
+    #[arg(long, value_delimiter = ',')]
+    pub cors_origin: Vec<String>,
+    /// Requests waiting for admission at most; more get 429 with Retry-After (default: no bound).
+    #[arg(long)]
+    pub max_queued: Option<usize>,
+}
+
+impl Args {
+    /// The server's options these flags give.
+    pub fn options(&self) -> ServeOptions {
+        ServeOptions {
+            host: self.host.clone(),
+            port: self.port,
+            default_max_tokens: self.default_max_tokens,
+            max_body: self.max_body,
+            header_timeout: Duration::from_secs(self.header_timeout),
+            max_connections: self.max_connections,
+            log: !self.quiet,
+            stop_on_ctrl_c: true,
+            guards: Guards {
+                api_keys: self.api_key.clone(),
+                cors_origins: self.cors_origin.clone(),
+                max_queued: self.max_queued,
+            },
+        }
+    }
 }
 
 /// A size flag (`2GiB`…).
@@ -70,16 +101,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut serving = Serving::new(loaded, &name);
     serving.engine = EngineConfig { kv_budget: a.kv_budget, max_seqs: a.max_seqs, step_tokens: a.step_tokens };
     let method = serving.cache.name();
-    let options = ServeOptions {
-        host: a.host.clone(),
-        port: a.port,
-        default_max_tokens: a.default_max_tokens,
-        max_body: a.max_body,
-        header_timeout: Duration::from_secs(a.header_timeout),
-        max_connections: a.max_connections,
-        log: !a.quiet,
-        stop_on_ctrl_c: true,
-    };
+    let options = a.options();
     let server = Server::start(serving, &options).context("starting the server")?;
     let info = server.info();
     eprintln!(

@@ -119,10 +119,17 @@ fn open_files() -> usize {
 
 /// One request on a fresh connection: (status, body).
 fn http(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, String) {
+    let (status, _, body) = exchange(addr, method, path, &[], body);
+    (status, body)
+}
+
+/// One request with extra header lines: (status, head in lower case, body).
+fn exchange(addr: SocketAddr, method: &str, path: &str, headers: &[&str], body: &[u8]) -> (u16, String, String) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let extra: String = headers.iter().map(|h| format!("{h}\r\n")).collect();
     let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{extra}Connection: close\r\n\r\n",
         body.len()
     );
     s.write_all(head.as_bytes()).unwrap();
@@ -132,8 +139,8 @@ fn http(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, String
     let _ = s.read_to_end(&mut out);
     let text = String::from_utf8_lossy(&out).into_owned();
     let status = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-    (status, body)
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    (status, head.to_lowercase(), body.to_string())
 }
 
 fn json_request(addr: SocketAddr, method: &str, path: &str, body: &Value) -> (u16, Value) {
@@ -355,4 +362,86 @@ fn a_load_over_a_small_budget_queues_finishes_and_frees_everything() {
     server.drained();
     assert_eq!(server.metric("veloq_requests_queued"), 0.0);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// API keys on /v1/* (401 naming the fix otherwise, /health open), CORS for the allowed origin
+/// only (preflight answered, the header on answers and refusals), and the bound on waiting
+/// requests (429 with Retry-After while one runs and one waits; both then finish).
+#[test]
+fn keys_cors_and_a_bounded_queue() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let app = "https://app.example";
+    let server = Server::start(&[
+        "--method",
+        "fp16",
+        "--api-key",
+        "k1,k2",
+        "--cors-origin",
+        app,
+        "--max-queued",
+        "1",
+        "--max-seqs",
+        "1",
+    ]);
+    let addr = server.addr;
+    let body = completion(json!("Once upon a time"), 2).to_string();
+    let post = |headers: &[&str]| exchange(addr, "POST", "/v1/completions", headers, body.as_bytes());
+    let (status, head, text) = post(&[]);
+    assert_eq!(status, 401, "{text}");
+    assert!(text.contains("invalid_api_key") && head.contains("www-authenticate: bearer"), "{head}{text}");
+    assert_eq!(post(&["Authorization: Bearer nope"]).0, 401);
+    assert_eq!(post(&["Authorization: Bearer k2"]).0, 200);
+    assert_eq!(exchange(addr, "GET", "/v1/models", &[], b"").0, 401);
+    assert_eq!(exchange(addr, "GET", "/health", &[], b"").0, 200);
+
+    let origin = format!("Origin: {app}");
+    let preflight = |origin: &str| {
+        let h = [
+            origin,
+            "Access-Control-Request-Method: POST",
+            "Access-Control-Request-Headers: authorization, content-type",
+        ];
+        exchange(addr, "OPTIONS", "/v1/chat/completions", &h, b"")
+    };
+    let (status, head, _) = preflight(&origin);
+    assert_eq!(status, 204, "{head}");
+    assert!(head.contains(&format!("access-control-allow-origin: {app}")), "{head}");
+    assert!(head.contains("access-control-allow-headers: authorization, content-type"), "{head}");
+    let (status, head, _) = preflight("Origin: https://elsewhere.example");
+    assert_ne!(status, 204);
+    assert!(!head.contains("access-control-allow-origin"), "{head}");
+    let (status, head, _) = post(&[&origin, "Authorization: Bearer k1"]);
+    assert!(status == 200 && head.contains("access-control-allow-origin"), "{head}");
+    let (status, head, _) = post(&[&origin]);
+    assert!(status == 401 && head.contains("access-control-allow-origin"), "a refusal the page can read: {head}");
+
+    // One runs, one waits: a third is refused, the two finish.
+    let long = {
+        let mut b = completion(json!("Once upon a time"), 120);
+        b["ignore_eos"] = json!(true);
+        b.to_string()
+    };
+    let send = |wait_for: &'static str| {
+        let long = long.clone();
+        let h = std::thread::spawn(move || {
+            exchange(addr, "POST", "/v1/completions", &["Authorization: Bearer k1"], long.as_bytes())
+        });
+        let t = Instant::now();
+        while server.metric(wait_for) < 1.0 {
+            assert!(t.elapsed() < Duration::from_secs(30), "no request reached {wait_for}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        h
+    };
+    let first = send("veloq_requests_running");
+    let second = send("veloq_requests_queued");
+    let (status, head, text) = post(&["Authorization: Bearer k1"]);
+    assert_eq!(status, 429, "{text}");
+    assert!(text.contains("queue_full") && head.contains("retry-after: 1"), "{head}{text}");
+    for h in [first, second] {
+        let (status, _, text) = h.join().unwrap();
+        assert_eq!(status, 200, "{text}");
+    }
+    assert_eq!(post(&["Authorization: Bearer k1"]).0, 200, "the bound frees as requests run");
+    server.drained();
 }

@@ -13,7 +13,7 @@ use veloq_candle::{Method, Runner};
 use veloq_cli::serve;
 pub use veloq_cli::serve::Args;
 use veloq_lab::synthetic::{geometry, synthetic_calibration, Rng};
-use veloq_server::{ServeOptions, Server, Serving};
+use veloq_server::{Server, Serving};
 
 /// Serves `a` (a synthetic model when its `--model` says `synthetic:NAME`).
 pub fn run(a: Args) -> Result<()> {
@@ -35,16 +35,7 @@ pub fn run(a: Args) -> Result<()> {
         engine: EngineConfig { kv_budget: a.kv_budget, max_seqs: a.max_seqs, step_tokens: a.step_tokens },
         name: label.to_string(),
     };
-    let options = ServeOptions {
-        host: a.host.clone(),
-        port: a.port,
-        default_max_tokens: a.default_max_tokens,
-        max_body: a.max_body,
-        header_timeout: std::time::Duration::from_secs(a.header_timeout),
-        max_connections: a.max_connections,
-        log: !a.quiet,
-        stop_on_ctrl_c: true,
-    };
+    let options = a.options();
     let server = Server::start(serving, &options).context("starting the server")?;
     eprintln!("veloq-lab serve: {label} ({}) on {}", a.run.method, a.run.device);
     eprintln!("listening on http://{}", server.addr());

@@ -17,16 +17,30 @@ pub struct ApiError {
     pub kind: &'static str,
     pub param: Option<&'static str>,
     pub code: Option<&'static str>,
+    /// Seconds a client should wait before retrying (`Retry-After`).
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
     /// 400: the request cannot run as sent.
     pub fn invalid(param: Option<&'static str>, message: impl Into<String>) -> Self {
-        Self { status: 400, message: message.into(), kind: "invalid_request_error", param, code: None }
+        Self {
+            status: 400,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param,
+            code: None,
+            retry_after: None,
+        }
     }
 
     pub fn with_code(mut self, code: &'static str) -> Self {
         self.code = Some(code);
+        self
+    }
+
+    pub fn retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after = Some(seconds);
         self
     }
 

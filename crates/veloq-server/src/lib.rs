@@ -20,6 +20,7 @@
 //! ```
 
 mod api;
+mod guard;
 mod metrics;
 mod routes;
 
@@ -37,6 +38,7 @@ use veloq_candle::model::Tokenizer;
 use veloq_candle::runtime::Loaded;
 use veloq_candle::{CacheConfig, Forward};
 
+pub use guard::Guards;
 use routes::App;
 
 /// Why the server could not start or stopped.
@@ -109,6 +111,8 @@ pub struct ServeOptions {
     pub log: bool,
     /// Stop on Ctrl-C (a binary's choice; an embedding program may handle the signal itself).
     pub stop_on_ctrl_c: bool,
+    /// API keys, CORS origins, the bound on waiting requests.
+    pub guards: Guards,
 }
 
 impl Default for ServeOptions {
@@ -122,6 +126,7 @@ impl Default for ServeOptions {
             max_connections: 8192,
             log: true,
             stop_on_ctrl_c: true,
+            guards: Guards::default(),
         }
     }
 }
@@ -151,6 +156,8 @@ impl Server {
             default_max_tokens: options.default_max_tokens,
             next_id: AtomicU64::new(0),
             log: options.log,
+            guards: options.guards.clone(),
+            waiting: Arc::default(),
         });
         let open_files = raise_open_files();
         let rt = tokio::runtime::Builder::new_multi_thread()

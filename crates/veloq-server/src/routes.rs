@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,6 +28,7 @@ use crate::api::{
     check_fields, from_body, ApiError, ChatRequest, CompletionRequest, Kind, Prompt, Reply, Sampling, CHAT_FIELDS,
     COMPLETION_FIELDS,
 };
+use crate::guard::{guard, Guards, Waiting};
 use crate::metrics;
 
 /// What every handler shares.
@@ -44,6 +45,10 @@ pub(crate) struct App {
     pub next_id: AtomicU64,
     /// Print a line per finished request on stderr.
     pub log: bool,
+    /// Keys, CORS, the queue's bound.
+    pub guards: Guards,
+    /// Requests submitted and not yet admitted.
+    pub waiting: Arc<AtomicUsize>,
 }
 
 pub(crate) fn router(app: Arc<App>, max_body: usize) -> Router {
@@ -57,13 +62,18 @@ pub(crate) fn router(app: Arc<App>, max_body: usize) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(wrong_method)
         .layer(axum::extract::DefaultBodyLimit::max(max_body))
+        .layer(axum::middleware::from_fn_with_state(app.clone(), guard))
         .with_state(app)
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        (status, Json(self.body())).into_response()
+        let mut r = (status, Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut().insert(header::RETRY_AFTER, s.into());
+        }
+        r
     }
 }
 
@@ -180,7 +190,7 @@ async fn tokenize(f: impl FnOnce() -> Result<Vec<u32>, String> + Send + 'static)
 }
 
 fn server_error(message: String) -> ApiError {
-    ApiError { status: 500, message, kind: "server_error", param: None, code: None }
+    ApiError { status: 500, message, kind: "server_error", param: None, code: None, retry_after: None }
 }
 
 /// A request's events, from the engine's worker into this request's task. The receiver is dropped
@@ -203,6 +213,7 @@ async fn run(
     request: veloq_candle::engine::Request,
     sampling: &Sampling,
 ) -> Result<Response, ApiError> {
+    let mut waiting = Waiting::enter(&app.waiting, app.guards.max_queued)?;
     let (tx, mut rx) = unbounded_channel();
     app.engine.submit(request, Box::new(ChannelSink(tx))).map_err(|r| match r {
         Rejected::Context { .. } => {
@@ -213,7 +224,8 @@ async fn run(
         Rejected::Stopped => server_error(r.to_string()).status(503),
     })?;
     if sampling.stream {
-        let state = Stream { rx, reply, pending: VecDeque::new(), ended: false, usage: sampling.stream_usage(), app };
+        let usage = sampling.stream_usage();
+        let state = Stream { rx, reply, pending: VecDeque::new(), ended: false, usage, app, waiting };
         return Ok(Sse::new(futures_util::stream::unfold(state, Stream::next))
             .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
             .into_response());
@@ -221,7 +233,7 @@ async fn run(
     let mut text = String::new();
     while let Some(e) = rx.recv().await {
         match e {
-            Event::Admitted => {}
+            Event::Admitted => waiting.admitted(),
             Event::Text(t) => text.push_str(&t),
             Event::Done(s) => {
                 app.log(&reply, &s);
@@ -258,6 +270,7 @@ struct Stream {
     ended: bool,
     usage: bool,
     app: Arc<App>,
+    waiting: Waiting,
 }
 
 impl Stream {
@@ -276,10 +289,12 @@ impl Stream {
             let first = self.reply.kind == Kind::Chat;
             match self.rx.recv().await {
                 // The role comes first, as soon as the request runs.
-                Some(Event::Admitted) if first => {
-                    self.pending.push_back(Self::data(&self.reply.chunk(None, true, None)))
+                Some(Event::Admitted) => {
+                    self.waiting.admitted();
+                    if first {
+                        self.pending.push_back(Self::data(&self.reply.chunk(None, true, None)))
+                    }
                 }
-                Some(Event::Admitted) => {}
                 Some(Event::Text(t)) => self.pending.push_back(Self::data(&self.reply.chunk(Some(&t), false, None))),
                 Some(Event::Done(s)) => {
                     self.app.log(&self.reply, &s);
