@@ -8,7 +8,7 @@ use tokenizers::Tokenizer;
 use crate::cache::ModelCache;
 use crate::config::fp16_bytes;
 use crate::error::{Error, Result};
-use crate::model::{decode, encode, Logits, Model, Role};
+use crate::model::{decode, encode, encode_parts, Logits, Model, Role};
 use crate::prefill::{prefill, DEFAULT_CHUNK};
 use crate::runner::Forward;
 use crate::sampling::{Sampler, SamplingOptions};
@@ -126,16 +126,19 @@ pub fn generate(
 /// The token ids `generate` feeds for `prompt`: in the chat template when `chat`, after a BOS when
 /// the model asks for one.
 pub fn prompt_ids(model: &Model, tok: &Tokenizer, prompt: &str, chat: bool) -> Result<Vec<u32>> {
-    let text = if chat { model.info.arch.chat_template(tok).apply(prompt) } else { prompt.to_string() };
-    let mut ids = encode(tok, &text)?;
+    if chat {
+        return chat_ids(model, tok, &[(Role::User, prompt)]);
+    }
+    let mut ids = encode(tok, prompt)?;
     with_bos(model, &mut ids);
     Ok(ids)
 }
 
 /// The token ids of a conversation in the model's chat template, up to its next reply, after a
-/// BOS when the model asks for one.
+/// BOS when the model asks for one. Control tokens typed inside a message are text (see
+/// [`encode_parts`]).
 pub fn chat_ids(model: &Model, tok: &Tokenizer, messages: &[(Role, &str)]) -> Result<Vec<u32>> {
-    let mut ids = encode(tok, &model.info.arch.chat_template(tok).render(messages))?;
+    let mut ids = encode_parts(tok, &model.info.arch.chat_template(tok).render_parts(messages))?;
     with_bos(model, &mut ids);
     Ok(ids)
 }

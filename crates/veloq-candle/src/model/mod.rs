@@ -13,8 +13,8 @@ mod tokenizer;
 pub use decoder::{LoadOptions, Logits, Model};
 #[cfg(feature = "cuda")]
 pub(crate) use decoder::{Qkv, RopeRows};
-pub use template::{ChatTemplate, Role};
-pub use tokenizer::{decode, encode, load_tokenizer, word_tokenizer};
+pub use template::{ChatTemplate, Part, Role};
+pub use tokenizer::{decode, encode, encode_parts, load_tokenizer, word_tokenizer};
 pub use tokenizers::Tokenizer;
 
 use veloq::artifact::ModelIdentity;

@@ -16,6 +16,24 @@ pub enum Role {
     Assistant,
 }
 
+/// A piece of a rendered conversation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Part {
+    /// The template's own text: its control tokens are markup.
+    Markup(String),
+    /// A message's text: whatever it spells is text.
+    Content(String),
+}
+
+impl Part {
+    /// The piece's text.
+    pub fn text(&self) -> &str {
+        match self {
+            Part::Markup(s) | Part::Content(s) => s,
+        }
+    }
+}
+
 /// Chat templates we can apply without a Jinja engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ChatTemplate {
@@ -73,7 +91,22 @@ impl ChatTemplate {
     /// A whole conversation, up to where the model's next reply begins: `render(&[(User, p)])` is
     /// [`apply`](Self::apply)`(p)`.
     pub fn render(self, messages: &[(Role, &str)]) -> String {
-        let mut out = String::new();
+        self.render_parts(messages).iter().map(Part::text).collect()
+    }
+
+    /// [`render`](Self::render) as the template's markup and the messages' own text apart, so
+    /// that control tokens typed inside a message can be tokenized as the text they spell.
+    pub fn render_parts(self, messages: &[(Role, &str)]) -> Vec<Part> {
+        let mut out = Vec::new();
+        let markup = |out: &mut Vec<Part>, m: String| match out.last_mut() {
+            Some(Part::Markup(prev)) => prev.push_str(&m),
+            _ => out.push(Part::Markup(m)),
+        };
+        let content = |out: &mut Vec<Part>, t: String| {
+            if !t.is_empty() {
+                out.push(Part::Content(t))
+            }
+        };
         match self {
             ChatTemplate::ChatMl => {
                 for &(role, text) in messages {
@@ -82,12 +115,14 @@ impl ChatTemplate {
                         Role::User => "user",
                         Role::Assistant => "assistant",
                     };
-                    out.push_str(&format!("<|im_start|>{role}\n{text}<|im_end|>\n"));
+                    markup(&mut out, format!("<|im_start|>{role}\n"));
+                    content(&mut out, text.to_string());
+                    markup(&mut out, "<|im_end|>\n".into());
                 }
-                out.push_str("<|im_start|>assistant\n");
+                markup(&mut out, "<|im_start|>assistant\n".into());
             }
             ChatTemplate::Gemma => {
-                out.push_str("<bos>");
+                markup(&mut out, "<bos>".into());
                 let system: Vec<&str> = messages.iter().filter(|m| m.0 == Role::System).map(|m| m.1).collect();
                 let mut pending = (!system.is_empty()).then(|| system.join("\n\n"));
                 for &(role, text) in messages.iter().filter(|m| m.0 != Role::System) {
@@ -98,20 +133,34 @@ impl ChatTemplate {
                             (if r == Role::User { "user" } else { "model" }, text.to_string())
                         }
                     };
-                    out.push_str(&format!("<start_of_turn>{role}\n{text}<end_of_turn>\n"));
+                    markup(&mut out, format!("<start_of_turn>{role}\n"));
+                    content(&mut out, text);
+                    markup(&mut out, "<end_of_turn>\n".into());
                 }
                 if let Some(sys) = pending {
-                    out.push_str(&format!("<start_of_turn>user\n{sys}<end_of_turn>\n"));
+                    markup(&mut out, "<start_of_turn>user\n".into());
+                    content(&mut out, sys);
+                    markup(&mut out, "<end_of_turn>\n".into());
                 }
-                out.push_str("<start_of_turn>model\n");
+                markup(&mut out, "<start_of_turn>model\n".into());
             }
             ChatTemplate::Llama3 | ChatTemplate::Phi3 => {
+                let end = if self == ChatTemplate::Llama3 { "<|eot_id|>" } else { "<|end|>\n" };
                 for &(role, text) in messages {
-                    out.push_str(&self.message(role, text));
+                    markup(&mut out, self.message_start(role));
+                    content(&mut out, text.to_string());
+                    markup(&mut out, end.into());
                 }
-                out.push_str(&self.message_start(Role::Assistant));
+                markup(&mut out, self.message_start(Role::Assistant));
             }
-            ChatTemplate::Raw => out = messages.iter().map(|m| m.1).collect::<Vec<_>>().join("\n"),
+            ChatTemplate::Raw => {
+                for (i, m) in messages.iter().enumerate() {
+                    if i > 0 {
+                        markup(&mut out, "\n".into());
+                    }
+                    content(&mut out, m.1.to_string());
+                }
+            }
         }
         out
     }
@@ -127,12 +176,6 @@ impl ChatTemplate {
             ChatTemplate::Llama3 => format!("<|start_header_id|>{name}<|end_header_id|>\n\n"),
             _ => format!("<|{name}|>\n"),
         }
-    }
-
-    /// One whole message (Llama 3 and Phi-3).
-    fn message(self, role: Role, text: &str) -> String {
-        let end = if self == ChatTemplate::Llama3 { "<|eot_id|>" } else { "<|end|>\n" };
-        format!("{}{text}{end}", self.message_start(role))
     }
 
     /// What closes a reply before the next turn: the end-of-turn marker when the reply did not
