@@ -138,7 +138,7 @@ pub fn prompt_ids(model: &Model, tok: &Tokenizer, prompt: &str, chat: bool) -> R
 /// BOS when the model asks for one. Control tokens typed inside a message are text (see
 /// [`encode_parts`]).
 pub fn chat_ids(model: &Model, tok: &Tokenizer, messages: &[(Role, &str)]) -> Result<Vec<u32>> {
-    let mut ids = encode_parts(tok, &model.info.arch.chat_template(tok).render_parts(messages))?;
+    let mut ids = encode_parts(tok, &model.chat_template(tok).render_parts(messages, tok)?)?;
     with_bos(model, &mut ids);
     Ok(ids)
 }

@@ -8,6 +8,7 @@
 //! position from the step; the caches check that every sequence continues where its slot ends.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Module, Tensor, D};
@@ -16,7 +17,7 @@ use candle_nn::RmsNorm;
 use super::arch::{Activation, Architecture, Norms, RopeStyle, Sliding};
 use super::linear::{Along, Fused, Linear};
 use super::source::{GgufFile, ModelSource, Weight};
-use super::ModelInfo;
+use super::{JinjaTemplate, ModelInfo, Template};
 use crate::cache::{ModelCache, Step};
 use crate::error::{Error, Result};
 use veloq::artifact::ModelIdentity;
@@ -125,6 +126,7 @@ impl Model {
             .cloned()
             .unwrap_or_else(|| origin.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default());
         let (eos_tokens, bos, vocab) = vocabulary(md);
+        let chat_template = jinja_template(md);
 
         let dq = options.dequantize;
         let embed_w =
@@ -215,6 +217,7 @@ impl Model {
             train_context,
             eos_tokens,
             bos,
+            chat_template,
         };
         Ok(Self {
             embed_scale: if arch.embed_scale_sqrt_hidden { (hidden as f64).sqrt() } else { 1.0 },
@@ -236,6 +239,15 @@ impl Model {
     pub fn device(&self) -> &Device {
         &self.device
     }
+    /// What prompts are rendered with: the file's own chat template, else the family's written
+    /// out (detected from the vocabulary's markers first).
+    pub fn chat_template(&self, tok: &tokenizers::Tokenizer) -> Template {
+        match &self.info.chat_template {
+            Some(j) => Template::Jinja(j.clone()),
+            None => Template::Builtin(self.info.arch.chat_template(tok)),
+        }
+    }
+
     /// Positions any forward pass may reach.
     pub fn max_context(&self) -> usize {
         self.max_context
@@ -566,6 +578,21 @@ impl Meta<'_> {
 
 /// End-of-generation tokens (the file's EOS and the chat end markers of common templates), the
 /// BOS a prompt starts with when the file asks for one, and the vocabulary size (0 if unknown).
+/// The file's chat template with its BOS and EOS token text; a template minijinja cannot parse
+/// is left out (the family's written-out template serves, as llama.cpp falls back to ChatML).
+fn jinja_template(md: &std::collections::HashMap<String, gguf_file::Value>) -> Option<Arc<JinjaTemplate>> {
+    let source = md.get("tokenizer.chat_template")?.to_string().ok()?;
+    let tokens = md.get("tokenizer.ggml.tokens").and_then(|v| v.to_vec().ok());
+    let text = |key: &str| -> String {
+        let id = md.get(key).and_then(|v| v.to_u32().ok());
+        let t = id.and_then(|id| tokens.and_then(|t| t.get(id as usize)).and_then(|v| v.to_string().ok()).cloned());
+        t.unwrap_or_default()
+    };
+    JinjaTemplate::new(source.clone(), text("tokenizer.ggml.bos_token_id"), text("tokenizer.ggml.eos_token_id"))
+        .ok()
+        .map(Arc::new)
+}
+
 fn vocabulary(md: &std::collections::HashMap<String, gguf_file::Value>) -> (Vec<u32>, Option<u32>, usize) {
     let mut eos = Vec::new();
     if let Some(v) = md.get("tokenizer.ggml.eos_token_id").and_then(|v| v.to_u32().ok()) {

@@ -5,6 +5,7 @@
 
 pub mod arch;
 mod decoder;
+mod jinja;
 mod linear;
 pub mod source;
 mod template;
@@ -13,6 +14,7 @@ mod tokenizer;
 pub use decoder::{LoadOptions, Logits, Model};
 #[cfg(feature = "cuda")]
 pub(crate) use decoder::{Qkv, RopeRows};
+pub use jinja::{JinjaTemplate, Template};
 pub use template::{ChatTemplate, Part, Role};
 pub use tokenizer::{decode, encode, encode_parts, load_tokenizer, word_tokenizer};
 pub use tokenizers::Tokenizer;
@@ -41,4 +43,6 @@ pub struct ModelInfo {
     /// Token every prompt starts with, when the file asks for one (`tokenizer.ggml.add_bos_token`,
     /// which SentencePiece vocabularies default to).
     pub bos: Option<u32>,
+    /// The file's own chat template (`tokenizer.chat_template`), when it has one that parses.
+    pub chat_template: Option<std::sync::Arc<JinjaTemplate>>,
 }
