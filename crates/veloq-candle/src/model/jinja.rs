@@ -11,6 +11,7 @@ use serde_json::json;
 use tokenizers::Tokenizer;
 
 use super::template::{ChatTemplate, Part, Role};
+use super::tokenizer::control_speller;
 use crate::error::{Error, Result};
 
 /// A Jinja chat template and the token text it may name.
@@ -128,13 +129,8 @@ impl Template {
     /// tokens typed in a message as text. When no message spells one of `tok`'s control tokens
     /// this is the rendered string as one piece of markup, tokenized whole.
     pub fn render_parts(&self, messages: &[(Role, &str)], tok: &Tokenizer) -> Result<Vec<Part>> {
-        let specials: Vec<String> = tok
-            .get_added_tokens_decoder()
-            .into_values()
-            .filter(|t| t.special && !t.content.is_empty())
-            .map(|t| t.content)
-            .collect();
-        let spells = messages.iter().any(|(_, c)| specials.iter().any(|s| c.contains(s.as_str())));
+        let spells_control = control_speller(tok);
+        let spells = messages.iter().any(|(_, c)| spells_control(c));
         match (self, spells) {
             (_, false) => Ok(vec![Part::Markup(self.render(messages)?)]),
             (Template::Jinja(j), true) => j.render_parts(messages),

@@ -48,17 +48,22 @@ pub fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
     Ok(tok.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?.get_ids().to_vec())
 }
 
-/// Token ids of a rendered conversation. A message that spells one of the vocabulary's control
-/// tokens (`<|im_start|>` typed by a user) has it tokenized as the text it spells, so no message
-/// can open or close a turn; a conversation without one is tokenized whole, as llama.cpp does.
-pub fn encode_parts(tok: &Tokenizer, parts: &[Part]) -> Result<Vec<u32>> {
+/// Whether a text spells one of `tok`'s control tokens.
+pub(crate) fn control_speller(tok: &Tokenizer) -> impl Fn(&str) -> bool {
     let specials: Vec<String> = tok
         .get_added_tokens_decoder()
         .into_values()
         .filter(|t| t.special && !t.content.is_empty())
         .map(|t| t.content)
         .collect();
-    let spells = |c: &str| specials.iter().any(|s| c.contains(s.as_str()));
+    move |text| specials.iter().any(|s| text.contains(s.as_str()))
+}
+
+/// Token ids of a rendered conversation. A message that spells one of the vocabulary's control
+/// tokens (`<|im_start|>` typed by a user) has it tokenized as the text it spells, so no message
+/// can open or close a turn; a conversation without one is tokenized whole, as llama.cpp does.
+pub fn encode_parts(tok: &Tokenizer, parts: &[Part]) -> Result<Vec<u32>> {
+    let spells = control_speller(tok);
     if !parts.iter().any(|p| matches!(p, Part::Content(c) if spells(c))) {
         return encode(tok, &parts.iter().map(Part::text).collect::<String>());
     }
