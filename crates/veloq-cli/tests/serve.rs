@@ -435,6 +435,17 @@ fn keys_cors_and_a_bounded_queue() {
     };
     let first = send("veloq_requests_running");
     let second = send("veloq_requests_queued");
+    // The gateway's view under vLLM's names: one waiting, part of the budget held.
+    let m = server.metrics();
+    let gateway = |name: &str| {
+        *m.iter()
+            .find(|(k, _)| k.starts_with(&format!("vllm:{name}{{model_name=")))
+            .unwrap_or_else(|| panic!("no {name}"))
+            .1
+    };
+    assert_eq!((gateway("num_requests_running"), gateway("num_requests_waiting")), (1.0, 1.0));
+    let used = gateway("kv_cache_usage_perc");
+    assert!(used > 0.0 && used <= 1.0 && used == gateway("gpu_cache_usage_perc"), "{used}");
     let (status, head, text) = post(&["Authorization: Bearer k1"]);
     assert_eq!(status, 429, "{text}");
     assert!(text.contains("queue_full") && head.contains("retry-after: 1"), "{head}{text}");

@@ -1,4 +1,6 @@
-//! `/metrics` in Prometheus' text format: the engine's queue, tokens, KV memory and speeds.
+//! `/metrics` in Prometheus' text format: the engine's queue, tokens, KV memory and speeds, and
+//! the same queue and KV use under vLLM's names, which inference gateways (the Gateway API
+//! Inference Extension's endpoint picker, llm-d) read to route and scale.
 
 use std::fmt::Write;
 
@@ -7,8 +9,8 @@ use veloq_candle::engine::{EngineInfo, Stats};
 /// One metric: name, type, help and its samples as (labels, value).
 type Metric<'a> = (&'a str, &'a str, &'a str, Vec<(String, f64)>);
 
-/// The exposition text of one snapshot.
-pub fn render(info: &EngineInfo, s: &Stats) -> String {
+/// The exposition text of one snapshot of the engine serving `model`.
+pub fn render(info: &EngineInfo, s: &Stats, model: &str) -> String {
     let method = format!("{{method=\"{}\"}}", info.method);
     let one = |v: f64| vec![(String::new(), v)];
     let metrics: Vec<Metric> = vec![
@@ -69,6 +71,17 @@ pub fn render(info: &EngineInfo, s: &Stats) -> String {
         for (labels, v) in samples {
             let _ = writeln!(out, "veloq_{name}{labels} {v}");
         }
+    }
+    // What admission holds of the budget: shared tables and admitted sequences' reservations.
+    let used = (info.shared_bytes + s.kv_reserved_bytes) as f64 / info.kv_budget.max(1) as f64;
+    let label = format!("{{model_name=\"{}\"}}", model.replace('\\', "\\\\").replace('"', "\\\""));
+    for (name, help, v) in [
+        ("num_requests_running", "Requests running (veloq_requests_running).", s.running as f64),
+        ("num_requests_waiting", "Requests waiting for admission (veloq_requests_queued).", s.queued as f64),
+        ("kv_cache_usage_perc", "Fraction of the KV budget held (shared tables and reservations), 0 to 1.", used),
+        ("gpu_cache_usage_perc", "The same fraction under vLLM's older name.", used),
+    ] {
+        let _ = writeln!(out, "# HELP vllm:{name} {help}\n# TYPE vllm:{name} gauge\nvllm:{name}{label} {v}");
     }
     out
 }

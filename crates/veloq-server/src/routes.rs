@@ -359,6 +359,6 @@ fn model_card(app: &App) -> Value {
 }
 
 async fn metrics_text(State(app): State<Arc<App>>) -> Response {
-    let body = metrics::render(app.engine.info(), &app.engine.stats());
+    let body = metrics::render(app.engine.info(), &app.engine.stats(), &app.name);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
 }
