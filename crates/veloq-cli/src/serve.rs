@@ -62,6 +62,9 @@ pub struct Args {
     /// Requests waiting for admission at most; more get 429 with Retry-After (default: no bound).
     #[arg(long)]
     pub max_queued: Option<usize>,
+    /// Seconds running requests may take to finish after Ctrl-C / SIGTERM (new ones get 503).
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_grace: u64,
 }
 
 impl Args {
@@ -81,6 +84,7 @@ impl Args {
                 cors_origins: self.cors_origin.clone(),
                 max_queued: self.max_queued,
             },
+            shutdown_grace: Duration::from_secs(self.shutdown_grace),
         }
     }
 }

@@ -456,3 +456,35 @@ fn keys_cors_and_a_bounded_queue() {
     assert_eq!(post(&["Authorization: Bearer k1"]).0, 200, "the bound frees as requests run");
     server.drained();
 }
+
+/// SIGTERM while a stream runs: the listener closes at once, the running stream finishes to its
+/// `[DONE]`, and the process exits cleanly.
+#[test]
+fn shutdown_finishes_running_streams() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut server = Server::start(&["--method", "fp16"]);
+    let addr = server.addr;
+    let mut body = completion(json!("Once upon a time"), 60);
+    body["ignore_eos"] = json!(true);
+    body["stream"] = json!(true);
+    let body = body.to_string();
+    let stream = std::thread::spawn(move || exchange(addr, "POST", "/v1/completions", &[], body.as_bytes()));
+    let t = Instant::now();
+    while server.metric("veloq_requests_running") < 1.0 {
+        assert!(t.elapsed() < Duration::from_secs(30), "the stream never ran");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: kill only sends a signal to the child this test started and still owns.
+    assert_eq!(unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) }, 0);
+    let t = Instant::now();
+    while TcpStream::connect(addr).is_ok() {
+        assert!(t.elapsed() < Duration::from_secs(10), "still accepting after SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (status, _, text) = stream.join().unwrap();
+    assert_eq!(status, 200);
+    assert!(text.contains("[DONE]") && !text.contains("\"error\""), "the stream ran to its end: {text}");
+    assert!(text.contains("\"finish_reason\":\"length\""), "all 60 tokens came: {text}");
+    let code = server.child.wait().unwrap();
+    assert!(code.success(), "exit: {code:?}");
+}

@@ -48,6 +48,7 @@ impl Guards {
 pub(crate) async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
     let g = &app.guards;
     let allowed = g.allow(req.headers().get(header::ORIGIN));
+    let draining = app.draining.load(Ordering::SeqCst) && req.uri().path().starts_with("/v1/");
     if req.method() == Method::OPTIONS && req.headers().contains_key(header::ACCESS_CONTROL_REQUEST_METHOD) {
         if let Some(origin) = allowed {
             let headers = req
@@ -68,7 +69,10 @@ pub(crate) async fn guard(State(app): State<Arc<App>>, req: Request, next: Next)
                 .into_response();
         }
     }
-    let mut resp = if g.authorised(&req) {
+    let mut resp = if draining {
+        let e = ApiError::invalid(None, "the server is shutting down").status(503).with_code("shutting_down");
+        e.retry_after(5).into_response()
+    } else if g.authorised(&req) {
         next.run(req).await
     } else {
         let e = ApiError::invalid(None, "a valid API key is needed: Authorization: Bearer <key>");
@@ -81,6 +85,22 @@ pub(crate) async fn guard(State(app): State<Arc<App>>, req: Request, next: Next)
         resp.headers_mut().insert(header::VARY, HeaderValue::from_static("Origin"));
     }
     resp
+}
+
+/// A request in flight (its handler or its stream alive): shutdown waits for these.
+pub(crate) struct Active(Arc<AtomicUsize>);
+
+impl Active {
+    pub(crate) fn enter(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count.clone())
+    }
+}
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// A request counted as waiting until it is admitted (or gone).

@@ -113,6 +113,8 @@ pub struct ServeOptions {
     pub stop_on_ctrl_c: bool,
     /// API keys, CORS origins, the bound on waiting requests.
     pub guards: Guards,
+    /// At shutdown, how long running requests may take to finish (new ones get a 503 meanwhile).
+    pub shutdown_grace: Duration,
 }
 
 impl Default for ServeOptions {
@@ -127,6 +129,7 @@ impl Default for ServeOptions {
             log: true,
             stop_on_ctrl_c: true,
             guards: Guards::default(),
+            shutdown_grace: Duration::from_secs(30),
         }
     }
 }
@@ -158,6 +161,8 @@ impl Server {
             log: options.log,
             guards: options.guards.clone(),
             waiting: Arc::default(),
+            active: Arc::default(),
+            draining: Default::default(),
         });
         let open_files = raise_open_files();
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -171,12 +176,18 @@ impl Server {
             .map_err(|source| Error::Bind { addr: bind.clone(), source })?;
         let addr = listener.local_addr().map_err(|source| Error::Bind { addr: bind, source })?;
         let (stop, stopped) = oneshot::channel();
-        let router = routes::router(app, options.max_body);
+        let router = routes::router(app.clone(), options.max_body);
+        let grace = options.shutdown_grace;
         let (limit, timeout) = (options.max_connections, options.header_timeout.max(Duration::from_secs(1)));
         let ctrl_c = options.stop_on_ctrl_c;
         let thread = std::thread::Builder::new()
             .name("veloq-serve".into())
-            .spawn(move || rt.block_on(accept(listener, router, limit, timeout, ctrl_c, stopped)))
+            .spawn(move || {
+                rt.block_on(async {
+                    accept(listener, router, limit, timeout, ctrl_c, stopped).await;
+                    drain(&app, grace).await;
+                })
+            })
             .map_err(Error::Runtime)?;
         Ok(Self { addr, info, open_files, stop: Some(stop), thread: Some(thread) })
     }
@@ -238,9 +249,7 @@ async fn accept(
 ) {
     let interrupted = async {
         match ctrl_c {
-            true => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
+            true => stop_signal().await,
             false => std::future::pending().await,
         }
     };
@@ -271,6 +280,44 @@ async fn accept(
             let _ = conn.await;
             drop(permit);
         });
+    }
+}
+
+/// Ctrl-C, or SIGTERM (what service managers and container runtimes send) on Unix.
+async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).ok();
+        let terminated = async {
+            match term.as_mut() {
+                Some(t) => {
+                    t.recv().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = terminated => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// Refuses new requests and waits (up to `grace`) for the running ones to finish.
+async fn drain(app: &App, grace: Duration) {
+    app.draining.store(true, std::sync::atomic::Ordering::SeqCst);
+    let start = std::time::Instant::now();
+    let active = || app.active.load(std::sync::atomic::Ordering::SeqCst);
+    if active() > 0 && app.log {
+        eprintln!("shutting down: finishing {} running requests (up to {} s)", active(), grace.as_secs());
+    }
+    while active() > 0 && start.elapsed() < grace {
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,7 +28,7 @@ use crate::api::{
     check_fields, from_body, ApiError, ChatRequest, CompletionRequest, Kind, Prompt, Reply, Sampling, CHAT_FIELDS,
     COMPLETION_FIELDS,
 };
-use crate::guard::{guard, Guards, Waiting};
+use crate::guard::{guard, Active, Guards, Waiting};
 use crate::metrics;
 
 /// What every handler shares.
@@ -49,6 +49,10 @@ pub(crate) struct App {
     pub guards: Guards,
     /// Requests submitted and not yet admitted.
     pub waiting: Arc<AtomicUsize>,
+    /// Requests in flight (handlers and streams).
+    pub active: Arc<AtomicUsize>,
+    /// Set at shutdown: new requests get a 503 while the running ones finish.
+    pub draining: AtomicBool,
 }
 
 pub(crate) fn router(app: Arc<App>, max_body: usize) -> Router {
@@ -213,6 +217,7 @@ async fn run(
     request: veloq_candle::engine::Request,
     sampling: &Sampling,
 ) -> Result<Response, ApiError> {
+    let active = Active::enter(&app.active);
     let mut waiting = Waiting::enter(&app.waiting, app.guards.max_queued)?;
     let (tx, mut rx) = unbounded_channel();
     app.engine.submit(request, Box::new(ChannelSink(tx))).map_err(|r| match r {
@@ -225,7 +230,7 @@ async fn run(
     })?;
     if sampling.stream {
         let usage = sampling.stream_usage();
-        let state = Stream { rx, reply, pending: VecDeque::new(), ended: false, usage, app, waiting };
+        let state = Stream { rx, reply, pending: VecDeque::new(), ended: false, usage, app, waiting, _active: active };
         return Ok(Sse::new(futures_util::stream::unfold(state, Stream::next))
             .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
             .into_response());
@@ -271,6 +276,7 @@ struct Stream {
     usage: bool,
     app: Arc<App>,
     waiting: Waiting,
+    _active: Active,
 }
 
 impl Stream {
