@@ -242,6 +242,39 @@ impl Sampler {
     }
 }
 
+/// A generated token's log-probability under the model (the log-softmax of its raw logits, before
+/// bias, penalties and temperature, as OpenAI and vLLM report it) and the most likely tokens'.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// The token.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The `n` most likely tokens and theirs, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprob {
+    /// `token`'s entry from the raw `logits`, with the `top` most likely alternatives.
+    pub fn of(logits: &[f32], token: u32, top: usize) -> Self {
+        let max = logits.iter().copied().filter(|l| l.is_finite()).fold(f32::NEG_INFINITY, f32::max);
+        let lse = max as f64 + logits.iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>().ln();
+        let lp = |l: f32| (l as f64 - lse) as f32;
+        let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+        let desc = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+        if top > 0 && top < order.len() {
+            order.select_nth_unstable_by(top - 1, desc);
+        }
+        order.truncate(top);
+        order.sort_unstable_by(desc);
+        Self {
+            token,
+            logprob: lp(logits[token as usize]),
+            top: order.into_iter().map(|t| (t, lp(logits[t as usize]))).collect(),
+        }
+    }
+}
+
 /// The first index of the largest finite value (0 when there is none).
 fn argmax(logits: &[f32]) -> u32 {
     let mut best = (0usize, f32::NEG_INFINITY);
@@ -362,6 +395,22 @@ mod tests {
         s.adjust(&mut got);
         assert_eq!((got[neg as usize], got[pos as usize]), (l[neg as usize] * 2.0, l[pos as usize] / 2.0));
         assert_eq!(got.iter().zip(&l).filter(|(a, b)| a != b).count(), 2);
+    }
+
+    /// Log-probabilities against a direct f64 log-softmax; the alternatives are the top ones.
+    #[test]
+    fn logprobs_are_the_raw_log_softmax() {
+        let seed = fresh_seed();
+        let l = logits(seed, 300);
+        let lse = l.iter().map(|&x| (x as f64).exp()).sum::<f64>().ln();
+        let t = (seed % 300) as u32;
+        let e = TokenLogprob::of(&l, t, 5);
+        assert!((e.logprob as f64 - (l[t as usize] as f64 - lse)).abs() < 1e-5, "{e:?}");
+        let mut sorted: Vec<u32> = (0..300).collect();
+        sorted.sort_by(|&a, &b| l[b as usize].total_cmp(&l[a as usize]));
+        assert_eq!(e.top.iter().map(|x| x.0).collect::<Vec<_>>(), sorted[..5]);
+        assert!(e.top.iter().all(|&(t, lp)| (lp as f64 - (l[t as usize] as f64 - lse)).abs() < 1e-5));
+        assert!(TokenLogprob::of(&l, t, 0).top.is_empty());
     }
 
     #[test]

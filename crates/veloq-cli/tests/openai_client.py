@@ -73,11 +73,27 @@ if len(words) > 3:
     s = client.completions.create(seed=11, stop=[stop], **kw).choices[0]
     check(s.text == a[: a.index(stop)] and s.finish_reason == "stop", f"stop {stop!r}: {s.text!r}")
 
+# Log-probabilities, whole and streamed: one entry per generated token, greedy's token at the top
+# of its alternatives, the entries' text spelling the answer; the same entries when streamed.
+lp = client.chat.completions.create(model=model, messages=question, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+content = lp.choices[0].logprobs.content
+check(len(content) == lp.usage.completion_tokens, f"{len(content)} logprob entries for {lp.usage.completion_tokens} tokens")
+check(all(e.logprob <= 0 and len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in content), "entries")
+check("".join(e.token for e in content) == lp.choices[0].message.content, "entries spell the text")
+check(bytes(content[0].bytes).decode() == content[0].token, "bytes")
+streamed_lp = [e for c in client.chat.completions.create(model=model, messages=question, max_tokens=12, temperature=0,
+               logprobs=True, top_logprobs=2, stream=True) if c.choices and c.choices[0].logprobs
+               for e in c.choices[0].logprobs.content]
+check([e.token for e in streamed_lp] == [e.token for e in content], "streamed entries")
+check(r.choices[0].logprobs is None, "none unless asked")
+
 # Errors come back as the client's exception types, with the server's message.
 for kwargs, exc, what in [
     (dict(top_p=7), openai.BadRequestError, "top_p"),
     (dict(temperature=-1), openai.BadRequestError, "temperature"),
     (dict(max_tokens=10**6), openai.BadRequestError, "context"),
+    (dict(top_logprobs=3), openai.BadRequestError, "top_logprobs needs logprobs"),
+    (dict(logprobs=True, top_logprobs=21), openai.BadRequestError, "at most 20"),
 ]:
     try:
         client.chat.completions.create(model=model, messages=question, **{"max_tokens": 4, **kwargs})

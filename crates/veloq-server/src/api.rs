@@ -3,7 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use veloq_candle::sampling::SamplingOptions;
+use veloq_candle::model::Tokenizer;
+use veloq_candle::sampling::{SamplingOptions, TokenLogprob};
 
 use veloq_candle::engine::{Request, Summary};
 use veloq_candle::generate::Finish;
@@ -125,6 +126,7 @@ pub struct Message {
 pub struct ChatRequest {
     pub messages: Vec<Message>,
     pub max_completion_tokens: Option<u64>,
+    pub top_logprobs: Option<u64>,
 }
 
 /// `prompt`: a string, one string in a list, or token ids.
@@ -211,7 +213,6 @@ pub fn check_fields(body: &[u8], endpoint: &[&'static str]) -> Result<(), ApiErr
             "tool_choice" => value.is_null() || value == "none" || value == "auto",
             "parallel_tool_calls" => true,
             "response_format" => value.is_null() || value.get("type").is_some_and(|t| t == "text"),
-            "top_logprobs" => value.is_null() || value == 0,
             _ => continue,
         };
         if !unused {
@@ -231,7 +232,25 @@ pub fn check_fields(body: &[u8], endpoint: &[&'static str]) -> Result<(), ApiErr
 /// OpenAI's own bound on stop strings.
 const MAX_STOPS: usize = 4;
 
+/// OpenAI's bound on `top_logprobs`.
+const MAX_TOP_LOGPROBS: u64 = 20;
+
 impl ChatRequest {
+    /// How many alternatives each token's log-probability comes with, when `logprobs` is on.
+    pub fn logprobs(&self, s: &Sampling) -> Result<Option<usize>, ApiError> {
+        match (s.logprobs_on()?, self.top_logprobs) {
+            (_, Some(n)) if n > MAX_TOP_LOGPROBS => Err(ApiError::invalid(
+                Some("top_logprobs"),
+                format!("top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {n}"),
+            )),
+            (false, Some(n)) if n > 0 => {
+                Err(ApiError::invalid(Some("top_logprobs"), "top_logprobs needs logprobs: true"))
+            }
+            (false, _) => Ok(None),
+            (true, n) => Ok(Some(n.unwrap_or(0) as usize)),
+        }
+    }
+
     /// The conversation as (role, text) messages.
     pub fn messages(&self) -> Result<Vec<(Role, String)>, ApiError> {
         if self.messages.is_empty() {
@@ -290,6 +309,7 @@ impl Sampling {
         max_tokens: Option<u64>,
         default_max: usize,
         vocab: usize,
+        logprobs: Option<usize>,
     ) -> Result<Request, ApiError> {
         let max_tokens = match max_tokens.or(self.max_tokens) {
             Some(0) => return Err(ApiError::invalid(Some("max_tokens"), "max_tokens must be at least 1")),
@@ -320,9 +340,6 @@ impl Sampling {
             })?;
             logit_bias.push((id, bias as f32));
         }
-        if self.logprobs.as_ref().is_some_and(|v| !matches!(v, Value::Null | Value::Bool(false))) {
-            return Err(ApiError::invalid(Some("logprobs"), "logprobs are not supported"));
-        }
         let stop = match &self.stop {
             None => Vec::new(),
             Some(Stop::One(s)) => vec![s.clone()],
@@ -346,7 +363,32 @@ impl Sampling {
             seed: self.seed.unwrap_or_else(fresh_seed),
         };
         sampling.check(vocab).map_err(|e| ApiError::invalid(Some(e.field), e.message))?;
-        Ok(Request { prompt, max_tokens, sampling, stop, ignore_eos: self.ignore_eos })
+        Ok(Request { prompt, max_tokens, sampling, logprobs, stop, ignore_eos: self.ignore_eos })
+    }
+
+    /// Whether `logprobs` is on (`true`); an error for anything but a boolean or null.
+    fn logprobs_on(&self) -> Result<bool, ApiError> {
+        match &self.logprobs {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(false),
+            Some(Value::Bool(true)) => Ok(true),
+            Some(v) => Err(ApiError::invalid(
+                Some("logprobs"),
+                format!(
+                    "logprobs is true or false here, got {v} (text completions' numeric logprobs are not supported)"
+                ),
+            )),
+        }
+    }
+
+    /// Text completions: `logprobs` only off (their numeric form and `echo` are not supported).
+    pub fn refuse_logprobs(&self) -> Result<(), ApiError> {
+        match &self.logprobs {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(()),
+            Some(_) => Err(ApiError::invalid(
+                Some("logprobs"),
+                "logprobs on text completions are not supported yet (chat completions have them)",
+            )),
+        }
     }
 
     /// Whether the client asked for a usage chunk at the end of a stream.
@@ -361,6 +403,18 @@ fn fresh_seed() -> u64 {
     static N: AtomicU64 = AtomicU64::new(0);
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
     t ^ N.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed)
+}
+
+/// One token's entry of `logprobs.content`: its text, log-probability and UTF-8 bytes, and the
+/// alternatives' the same way.
+pub fn logprob_json(tok: &Tokenizer, lp: &TokenLogprob) -> Value {
+    let entry = |t: u32, logprob: f32| {
+        let text = tok.decode(&[t], false).unwrap_or_default();
+        json!({"token": text, "logprob": logprob, "bytes": text.as_bytes()})
+    };
+    let mut e = entry(lp.token, lp.logprob);
+    e["top_logprobs"] = lp.top.iter().map(|&(t, l)| entry(t, l)).collect();
+    e
 }
 
 /// OpenAI's `finish_reason`.
@@ -406,12 +460,12 @@ pub struct Reply {
 
 impl Reply {
     /// The whole response of a request that did not stream.
-    pub fn full(&self, text: &str, s: &Summary) -> Value {
+    pub fn full(&self, text: &str, s: &Summary, logprobs: Option<&[Value]>) -> Value {
         let choice = match self.kind {
             Kind::Chat => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": null,
+                "logprobs": logprobs.map(|c| json!({"content": c})),
                 "finish_reason": finish_reason(s.finish),
             }),
             Kind::Completion => {
@@ -429,7 +483,7 @@ impl Reply {
     }
 
     /// A stream chunk: new text (chat: the first chunk carries the role), or the end.
-    pub fn chunk(&self, text: Option<&str>, first: bool, finish: Option<Finish>) -> Value {
+    pub fn chunk(&self, text: Option<&str>, first: bool, finish: Option<Finish>, logprobs: Option<&[Value]>) -> Value {
         let reason = finish.map(finish_reason);
         let choice = match self.kind {
             Kind::Chat => {
@@ -440,7 +494,8 @@ impl Reply {
                 if let Some(t) = text {
                     delta.insert("content".into(), json!(t));
                 }
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": reason})
+                let logprobs = logprobs.map(|c| json!({"content": c}));
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason})
             }
             Kind::Completion => {
                 json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": reason})
@@ -475,7 +530,7 @@ mod tests {
     use super::*;
 
     fn sampling(body: &str) -> Result<Request, ApiError> {
-        from_body::<Sampling>(body.as_bytes())?.request(vec![1, 2], None, 16, 100)
+        from_body::<Sampling>(body.as_bytes())?.request(vec![1, 2], None, 16, 100, None)
     }
 
     #[test]
@@ -504,7 +559,6 @@ mod tests {
             (r#"{"prompt": "x", "temperature": 2.5}"#, "temperature"),
             (r#"{"prompt": "x", "max_tokens": 0}"#, "max_tokens"),
             (r#"{"prompt": "x", "n": 2}"#, "n"),
-            (r#"{"prompt": "x", "logprobs": 3}"#, "logprobs"),
             (r#"{"top_k": -2}"#, "top_k"),
             (r#"{"min_p": 2}"#, "min_p"),
             (r#"{"presence_penalty": 2.5}"#, "presence_penalty"),
@@ -518,6 +572,24 @@ mod tests {
             let e = sampling(body).unwrap_err();
             assert_eq!((e.status, e.param), (400, Some(param)), "{body}: {e:?}");
         }
+        // logprobs: chat's boolean with top_logprobs ≤ 20; text completions refuse them.
+        let lp = |body: &str| {
+            let b = body.as_bytes();
+            from_body::<ChatRequest>(b).unwrap().logprobs(&from_body::<Sampling>(b).unwrap())
+        };
+        let m = r#""messages": []"#;
+        assert_eq!(lp(&format!(r#"{{{m}}}"#)).unwrap(), None);
+        assert_eq!(lp(&format!(r#"{{{m}, "logprobs": true}}"#)).unwrap(), Some(0));
+        assert_eq!(lp(&format!(r#"{{{m}, "logprobs": true, "top_logprobs": 5}}"#)).unwrap(), Some(5));
+        for (body, param) in [
+            (format!(r#"{{{m}, "logprobs": true, "top_logprobs": 21}}"#), "top_logprobs"),
+            (format!(r#"{{{m}, "top_logprobs": 2}}"#), "top_logprobs"),
+            (format!(r#"{{{m}, "logprobs": 3}}"#), "logprobs"),
+        ] {
+            assert_eq!(lp(&body).unwrap_err().param, Some(param), "{body}");
+        }
+        let s = from_body::<Sampling>(br#"{"prompt": "x", "logprobs": 3}"#).unwrap();
+        assert_eq!(s.refuse_logprobs().unwrap_err().param, Some("logprobs"));
         // Wrong types never reach the checks: the parse refuses them, naming the field.
         for (body, field) in [(r#"{"max_tokens": "ten"}"#, "max_tokens"), (r#"{"seed": -1}"#, "seed")] {
             let e = sampling(body).unwrap_err();
@@ -547,7 +619,6 @@ mod tests {
             (r#", "tools": [{"type": "function", "function": {"name": "f"}}]"#, "tools"),
             (r#", "tool_choice": "required""#, "tool_choice"),
             (r#", "response_format": {"type": "json_object"}"#, "response_format"),
-            (r#", "top_logprobs": 2"#, "top_logprobs"),
         ] {
             let e = check_fields(chat(extra).as_bytes(), CHAT_FIELDS).unwrap_err();
             assert!(e.status == 400 && e.message.contains(says), "{extra}: {e:?}");

@@ -25,8 +25,8 @@ use veloq_candle::model::{encode, Tokenizer};
 use veloq_candle::Forward;
 
 use crate::api::{
-    check_fields, from_body, ApiError, ChatRequest, CompletionRequest, Kind, Prompt, Reply, Sampling, CHAT_FIELDS,
-    COMPLETION_FIELDS,
+    check_fields, from_body, logprob_json, ApiError, ChatRequest, CompletionRequest, Kind, Prompt, Reply, Sampling,
+    CHAT_FIELDS, COMPLETION_FIELDS,
 };
 use crate::guard::{guard, Active, Guards, Waiting};
 use crate::metrics;
@@ -140,7 +140,8 @@ async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) 
     .await?;
     let room = app.engine.info().max_context.saturating_sub(ids.len());
     let default = app.default_max_tokens.map_or(room, |d| d.min(room));
-    let request = sampling.request(ids, req.max_completion_tokens, default, app.engine.info().vocab)?;
+    let logprobs = req.logprobs(&sampling)?;
+    let request = sampling.request(ids, req.max_completion_tokens, default, app.engine.info().vocab, logprobs)?;
     run(app.clone(), app.reply(Kind::Chat), request, &sampling).await
 }
 
@@ -148,6 +149,7 @@ async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejec
     let body = read(body)?;
     let (req, sampling): (CompletionRequest, Sampling) = (from_body(&body)?, from_body(&body)?);
     check_fields(&body, COMPLETION_FIELDS)?;
+    sampling.refuse_logprobs()?;
     app.check_model(&sampling)?;
     if req.echo == Some(true) || req.suffix.is_some() || req.best_of.is_some_and(|b| b != 1) {
         return Err(ApiError::invalid(None, "echo, suffix and best_of are not supported"));
@@ -170,7 +172,7 @@ async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejec
         }
     };
     // OpenAI's default for text completions.
-    let request = sampling.request(ids, None, 16, app.engine.info().vocab)?;
+    let request = sampling.request(ids, None, 16, app.engine.info().vocab, None)?;
     run(app.clone(), app.reply(Kind::Completion), request, &sampling).await
 }
 
@@ -220,6 +222,8 @@ async fn run(
     let active = Active::enter(&app.active);
     let mut waiting = Waiting::enter(&app.waiting, app.guards.max_queued)?;
     let (tx, mut rx) = unbounded_channel();
+    // Each token's entry, while the request asked for them.
+    let mut logprobs: Option<Vec<Value>> = request.logprobs.map(|_| Vec::new());
     app.engine.submit(request, Box::new(ChannelSink(tx))).map_err(|r| match r {
         Rejected::Context { .. } => {
             ApiError::invalid(Some("messages"), r.to_string()).with_code("context_length_exceeded")
@@ -230,7 +234,17 @@ async fn run(
     })?;
     if sampling.stream {
         let usage = sampling.stream_usage();
-        let state = Stream { rx, reply, pending: VecDeque::new(), ended: false, usage, app, waiting, _active: active };
+        let state = Stream {
+            rx,
+            reply,
+            pending: VecDeque::new(),
+            ended: false,
+            usage,
+            app,
+            waiting,
+            logprobs,
+            _active: active,
+        };
         return Ok(Sse::new(futures_util::stream::unfold(state, Stream::next))
             .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
             .into_response());
@@ -240,9 +254,10 @@ async fn run(
         match e {
             Event::Admitted => waiting.admitted(),
             Event::Text(t) => text.push_str(&t),
+            Event::Logprob(lp) => logprobs.iter_mut().for_each(|v| v.push(logprob_json(&app.tok, &lp))),
             Event::Done(s) => {
                 app.log(&reply, &s);
-                return Ok(Json(reply.full(&text, &s)).into_response());
+                return Ok(Json(reply.full(&text, &s, logprobs.as_deref())).into_response());
             }
             Event::Failed(why) => return Err(server_error(why)),
         }
@@ -276,12 +291,20 @@ struct Stream {
     usage: bool,
     app: Arc<App>,
     waiting: Waiting,
+    /// Entries not yet sent, when the request asked for log-probabilities.
+    logprobs: Option<Vec<Value>>,
     _active: Active,
 }
 
 impl Stream {
     fn data(v: &Value) -> SseEvent {
         SseEvent::default().data(v.to_string())
+    }
+
+    /// The entries gathered since the last chunk (the text of a token may come later than its
+    /// entry: stop strings hold text back).
+    fn take_logprobs(&mut self) -> Option<Vec<Value>> {
+        self.logprobs.as_mut().map(std::mem::take)
     }
 
     async fn next(mut self) -> Option<(Result<SseEvent, Infallible>, Self)> {
@@ -298,13 +321,21 @@ impl Stream {
                 Some(Event::Admitted) => {
                     self.waiting.admitted();
                     if first {
-                        self.pending.push_back(Self::data(&self.reply.chunk(None, true, None)))
+                        self.pending.push_back(Self::data(&self.reply.chunk(None, true, None, None)))
                     }
                 }
-                Some(Event::Text(t)) => self.pending.push_back(Self::data(&self.reply.chunk(Some(&t), false, None))),
+                Some(Event::Logprob(lp)) => {
+                    let entry = logprob_json(&self.app.tok, &lp);
+                    self.logprobs.iter_mut().for_each(|v| v.push(entry.clone()));
+                }
+                Some(Event::Text(t)) => {
+                    let lp = self.take_logprobs();
+                    self.pending.push_back(Self::data(&self.reply.chunk(Some(&t), false, None, lp.as_deref())))
+                }
                 Some(Event::Done(s)) => {
                     self.app.log(&self.reply, &s);
-                    self.pending.push_back(Self::data(&self.reply.chunk(None, false, Some(s.finish))));
+                    let lp = self.take_logprobs();
+                    self.pending.push_back(Self::data(&self.reply.chunk(None, false, Some(s.finish), lp.as_deref())));
                     if self.usage {
                         self.pending.push_back(Self::data(&self.reply.usage_chunk(&s)));
                     }

@@ -33,7 +33,7 @@ use crate::generate::Finish;
 use crate::model::{Logits, Model};
 use crate::prefill::DEFAULT_CHUNK;
 use crate::runner::Forward;
-use crate::sampling::{Sampler, SamplingOptions};
+use crate::sampling::{Sampler, SamplingOptions, TokenLogprob};
 use crate::text::TextStream;
 
 /// A prompt always advances by at least this many tokens a step, however many sequences decode.
@@ -67,6 +67,8 @@ pub struct Request {
     pub max_tokens: usize,
     /// How the next token is chosen (the request's own seeded sampler).
     pub sampling: SamplingOptions,
+    /// Report each generated token's log-probability with this many most likely alternatives.
+    pub logprobs: Option<usize>,
     /// The completion ends before the first of these.
     pub stop: Vec<String>,
     /// Run to `max_tokens` through end-of-sequence tokens (benchmarks: every request the same
@@ -81,6 +83,9 @@ pub enum Event {
     Admitted,
     /// More completion text (never part of a stop string).
     Text(String),
+    /// The next generated token's log-probability (requests that ask for them; sent before the
+    /// text it adds; not for an end-of-sequence token).
+    Logprob(TokenLogprob),
     /// The completion ended.
     Done(Summary),
     /// The engine failed while running it (its slot is freed).
@@ -477,27 +482,44 @@ impl Worker {
                 }
             }
             // Plain greedy rows take one argmax over the batch on the device.
-            let next = if l.job.req.sampling.plain_greedy() {
+            let (next, logprob) = if l.job.req.sampling.plain_greedy() && l.job.req.logprobs.is_none() {
                 if greedy.is_none() {
                     greedy = Some(logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?);
                 }
-                greedy.as_ref().expect("just set")[row]
+                (greedy.as_ref().expect("just set")[row], None)
             } else {
-                l.sampler.sample(&logits.get(row)?)?
+                let raw = logits.get(row)?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
+                let next = l.sampler.next(&mut raw.clone());
+                (next, l.job.req.logprobs.map(|n| TokenLogprob::of(&raw, next, n)))
             };
             sampled += 1;
-            Self::take(self.model.model(), &self.tok, l, next, self.info.max_context, self.caches.len(l.slot))?;
+            let (max, held) = (self.info.max_context, self.caches.len(l.slot));
+            Self::take(self.model.model(), &self.tok, l, next, logprob, max, held)?;
         }
         self.ledger.lock().expect("ledger").step(t0.elapsed(), prompt_fed, sampled);
         Ok(())
     }
 
     /// A sequence's next token: its text to the client, and whether it ends here.
-    fn take(model: &Model, tok: &Tokenizer, l: &mut Live, next: u32, max_context: usize, held: usize) -> Result<()> {
+    fn take(
+        model: &Model,
+        tok: &Tokenizer,
+        l: &mut Live,
+        next: u32,
+        logprob: Option<TokenLogprob>,
+        max_context: usize,
+        held: usize,
+    ) -> Result<()> {
         l.first.get_or_insert_with(Instant::now);
         let eos = !l.job.req.ignore_eos && model.info.eos_tokens.contains(&next);
         if !eos {
             l.out.push(next);
+            if let Some(lp) = logprob {
+                if !l.job.sink.send(Event::Logprob(lp)) {
+                    l.done = Some(Outcome::Cancelled);
+                    return Ok(());
+                }
+            }
             let piece = l.text.push(tok, next)?;
             if !piece.is_empty() && !l.job.sink.send(Event::Text(piece)) {
                 l.done = Some(Outcome::Cancelled);

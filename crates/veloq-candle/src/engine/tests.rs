@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::*;
 use crate::cache::SeqStep;
-use crate::sampling::SamplingOptions;
+use crate::sampling::{SamplingOptions, TokenLogprob};
 use crate::testing::{fresh_seed, tiny_model_seeded, word_tokenizer};
 
 const VOCAB: usize = 97;
@@ -73,7 +73,14 @@ fn prompts(seed: u64, lens: &[usize]) -> Vec<Vec<u32>> {
 }
 
 fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
-    Request { prompt, max_tokens, sampling: SamplingOptions::greedy(), stop: Vec::new(), ignore_eos: false }
+    Request {
+        prompt,
+        max_tokens,
+        sampling: SamplingOptions::greedy(),
+        logprobs: None,
+        stop: Vec::new(),
+        ignore_eos: false,
+    }
 }
 
 fn sampled(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingOptions) -> Request {
@@ -302,4 +309,26 @@ fn bias_and_penalties_apply_per_request() {
         }
     }
     assert!(compared >= 16, "seed {seed}: only {compared} tokens had clear margins");
+}
+
+/// A request that asks for log-probabilities gets one per generated token, before its text: the
+/// token generated, greedy's choice at the top of the alternatives, descending, all ≤ 0.
+#[test]
+fn logprobs_come_with_each_token() {
+    let seed = fresh_seed();
+    let engine = fp16_engine(seed);
+    let p = prompts(seed, &[10]).remove(0);
+    let (s, rx) = sink(usize::MAX);
+    engine.submit(Request { logprobs: Some(3), ..greedy(p, 12) }, s).unwrap();
+    let ev = events(&rx);
+    let lps: Vec<&TokenLogprob> =
+        ev.iter().filter_map(|e| if let Event::Logprob(l) = e { Some(l) } else { None }).collect();
+    let words: Vec<u32> = text_of(&ev).split_whitespace().map(|w| w.trim_start_matches('w').parse().unwrap()).collect();
+    assert_eq!(lps.iter().map(|l| l.token).collect::<Vec<_>>(), words);
+    for l in lps {
+        assert_eq!(l.top.len(), 3);
+        assert_eq!((l.top[0].0, l.top[0].1), (l.token, l.logprob), "greedy takes the most likely: {l:?}");
+        assert!(l.top.windows(2).all(|w| w[0].1 >= w[1].1) && l.logprob <= 0.0, "{l:?}");
+    }
+    assert!(matches!(ev.first(), Some(Event::Admitted)) && matches!(ev.get(1), Some(Event::Logprob(_))), "{ev:?}");
 }
