@@ -2,7 +2,7 @@
 //! (preflights answered, the allowed origin echoed), and the bound on requests waiting for
 //! admission (429 with `Retry-After` beyond it), so a deployment can face browsers and load.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use axum::extract::{Request, State};
@@ -11,7 +11,6 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use crate::api::ApiError;
-use crate::routes::App;
 
 /// The guards' settings.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -44,11 +43,17 @@ impl Guards {
     }
 }
 
+/// What the middleware reads: the settings, and whether the server is shutting down.
+pub(crate) struct Gate {
+    pub guards: Guards,
+    pub draining: Arc<AtomicBool>,
+}
+
 /// The middleware: preflight, then the key, then the route; the CORS header on every answer.
-pub(crate) async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
-    let g = &app.guards;
+pub(crate) async fn guard(State(gate): State<Arc<Gate>>, req: Request, next: Next) -> Response {
+    let g = &gate.guards;
     let allowed = g.allow(req.headers().get(header::ORIGIN));
-    let draining = app.draining.load(Ordering::SeqCst) && req.uri().path().starts_with("/v1/");
+    let draining = gate.draining.load(Ordering::SeqCst) && req.uri().path().starts_with("/v1/");
     if req.method() == Method::OPTIONS && req.headers().contains_key(header::ACCESS_CONTROL_REQUEST_METHOD) {
         if let Some(origin) = allowed {
             let headers = req

@@ -28,7 +28,7 @@ use crate::api::{
     check_fields, from_body, logprob_json, ApiError, ChatRequest, CompletionRequest, Kind, Prompt, Reply, Sampling,
     CHAT_FIELDS, COMPLETION_FIELDS,
 };
-use crate::guard::{guard, Active, Guards, Waiting};
+use crate::guard::{guard, Active, Gate, Guards, Waiting};
 use crate::metrics;
 
 /// What every handler shares.
@@ -52,7 +52,7 @@ pub(crate) struct App {
     /// Requests in flight (handlers and streams).
     pub active: Arc<AtomicUsize>,
     /// Set at shutdown: new requests get a 503 while the running ones finish.
-    pub draining: AtomicBool,
+    pub draining: Arc<AtomicBool>,
 }
 
 pub(crate) fn router(app: Arc<App>, max_body: usize) -> Router {
@@ -66,7 +66,10 @@ pub(crate) fn router(app: Arc<App>, max_body: usize) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(wrong_method)
         .layer(axum::extract::DefaultBodyLimit::max(max_body))
-        .layer(axum::middleware::from_fn_with_state(app.clone(), guard))
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::new(Gate { guards: app.guards.clone(), draining: app.draining.clone() }),
+            guard,
+        ))
         .with_state(app)
 }
 
