@@ -222,10 +222,6 @@ pub fn check_fields(body: &[u8], endpoint: &[&'static str]) -> Result<(), ApiErr
             ));
         }
     }
-    // Tools given as "auto" still need tools to choose from; without them every form is "none".
-    if fields.get("tools").is_some_and(|t| t.as_array().is_some_and(|a| !a.is_empty())) {
-        return Err(ApiError::invalid(Some("tools"), "tools are not supported yet"));
-    }
     Ok(())
 }
 

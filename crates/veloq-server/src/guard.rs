@@ -92,49 +92,48 @@ pub(crate) async fn guard(State(gate): State<Arc<Gate>>, req: Request, next: Nex
     resp
 }
 
-/// A request in flight (its handler or its stream alive): shutdown waits for these.
-pub(crate) struct Active(Arc<AtomicUsize>);
+/// One request counted in a gauge until it is released or dropped: requests in flight (their
+/// handler or stream alive; shutdown waits for them) and requests waiting for admission.
+pub(crate) struct Counted(Option<Arc<AtomicUsize>>);
 
-impl Active {
+/// A request in flight.
+pub(crate) type Active = Counted;
+/// A request waiting for admission.
+pub(crate) type Waiting = Counted;
+
+impl Counted {
+    /// Counts a request in.
     pub(crate) fn enter(count: &Arc<AtomicUsize>) -> Self {
         count.fetch_add(1, Ordering::SeqCst);
-        Self(count.clone())
+        Self(Some(count.clone()))
     }
-}
 
-impl Drop for Active {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-/// A request counted as waiting until it is admitted (or gone).
-pub(crate) struct Waiting(Option<Arc<AtomicUsize>>);
-
-impl Waiting {
-    /// Counts a request in, or refuses it when `max` already wait.
-    pub(crate) fn enter(count: &Arc<AtomicUsize>, max: Option<usize>) -> Result<Self, ApiError> {
+    /// Counts a request in as waiting, or refuses it when `max` already wait.
+    pub(crate) fn wait(count: &Arc<AtomicUsize>, max: Option<usize>) -> Result<Self, ApiError> {
         let before = count.fetch_add(1, Ordering::SeqCst);
-        if max.is_some_and(|m| before >= m) {
-            count.fetch_sub(1, Ordering::SeqCst);
-            return Err(ApiError::invalid(None, format!("{before} requests are already waiting; retry shortly"))
-                .status(429)
-                .with_code("queue_full")
-                .retry_after(1));
+        let c = Self(Some(count.clone()));
+        match max {
+            Some(m) if before >= m => {
+                drop(c);
+                Err(ApiError::invalid(None, format!("{before} requests are already waiting; retry shortly"))
+                    .status(429)
+                    .with_code("queue_full")
+                    .retry_after(1))
+            }
+            _ => Ok(c),
         }
-        Ok(Self(Some(count.clone())))
     }
 
-    /// The request runs: it no longer waits.
-    pub(crate) fn admitted(&mut self) {
+    /// The request no longer counts (a waiting one was admitted).
+    pub(crate) fn release(&mut self) {
         if let Some(c) = self.0.take() {
             c.fetch_sub(1, Ordering::SeqCst);
         }
     }
 }
 
-impl Drop for Waiting {
+impl Drop for Counted {
     fn drop(&mut self) {
-        self.admitted();
+        self.release();
     }
 }

@@ -223,7 +223,7 @@ async fn run(
     sampling: &Sampling,
 ) -> Result<Response, ApiError> {
     let active = Active::enter(&app.active);
-    let mut waiting = Waiting::enter(&app.waiting, app.guards.max_queued)?;
+    let mut waiting = Waiting::wait(&app.waiting, app.guards.max_queued)?;
     let (tx, mut rx) = unbounded_channel();
     // Each token's entry, while the request asked for them.
     let mut logprobs: Option<Vec<Value>> = request.logprobs.map(|_| Vec::new());
@@ -255,7 +255,7 @@ async fn run(
     let mut text = String::new();
     while let Some(e) = rx.recv().await {
         match e {
-            Event::Admitted => waiting.admitted(),
+            Event::Admitted => waiting.release(),
             Event::Text(t) => text.push_str(&t),
             Event::Logprob(lp) => logprobs.iter_mut().for_each(|v| v.push(logprob_json(&app.tok, &lp))),
             Event::Done(s) => {
@@ -322,7 +322,7 @@ impl Stream {
             match self.rx.recv().await {
                 // The role comes first, as soon as the request runs.
                 Some(Event::Admitted) => {
-                    self.waiting.admitted();
+                    self.waiting.release();
                     if first {
                         self.pending.push_back(Self::data(&self.reply.chunk(None, true, None, None)))
                     }

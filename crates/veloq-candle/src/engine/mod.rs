@@ -487,10 +487,13 @@ impl Worker {
                     greedy = Some(logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?);
                 }
                 (greedy.as_ref().expect("just set")[row], None)
-            } else {
+            } else if let Some(n) = l.job.req.logprobs {
+                // The sampler adjusts its copy in place; the log-probabilities are the raw logits'.
                 let raw = logits.get(row)?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
                 let next = l.sampler.next(&mut raw.clone());
-                (next, l.job.req.logprobs.map(|n| TokenLogprob::of(&raw, next, n)))
+                (next, Some(TokenLogprob::of(&raw, next, n)))
+            } else {
+                (l.sampler.sample(&logits.get(row)?)?, None)
             };
             sampled += 1;
             let (max, held) = (self.info.max_context, self.caches.len(l.slot));

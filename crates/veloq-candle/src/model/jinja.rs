@@ -14,13 +14,14 @@ use super::template::{ChatTemplate, Part, Role};
 use super::tokenizer::control_speller;
 use crate::error::{Error, Result};
 
-/// A Jinja chat template and the token text it may name.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A Jinja chat template, parsed once, with the token text it may name.
+#[derive(Clone, Debug)]
 pub struct JinjaTemplate {
-    source: String,
-    bos: String,
-    eos: String,
+    /// The template (named [`NAME`]) and its globals (`bos_token`, `eos_token`).
+    env: Environment<'static>,
 }
+
+const NAME: &str = "chat";
 
 /// Private-use code points around a message's index: what the sentinel render puts where a
 /// message's text goes.
@@ -30,28 +31,28 @@ const CLOSE: char = '\u{F8F1}';
 impl JinjaTemplate {
     /// `source` with the file's BOS and EOS token text; an error if it does not parse.
     pub fn new(source: impl Into<String>, bos: impl Into<String>, eos: impl Into<String>) -> Result<Self> {
-        let t = Self { source: source.into(), bos: bos.into(), eos: eos.into() };
-        env().template_from_str(&t.source).map_err(|e| template_error(&e))?;
-        Ok(t)
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+        });
+        env.add_global("bos_token", bos.into());
+        env.add_global("eos_token", eos.into());
+        env.add_template_owned(NAME, source.into()).map_err(|e| template_error(&e))?;
+        Ok(Self { env })
     }
 
-    /// The template's source.
-    pub fn source(&self) -> &str {
-        &self.source
+    fn template(&self) -> Result<minijinja::Template<'_, '_>> {
+        self.env.get_template(NAME).map_err(|e| template_error(&e))
     }
 
     /// `messages` up to where the model's reply begins (`add_generation_prompt`).
     pub fn render(&self, messages: &[(Role, &str)]) -> Result<String> {
-        let env = env();
-        let t = env.template_from_str(&self.source).map_err(|e| template_error(&e))?;
         let messages: Vec<_> = messages.iter().map(|(r, c)| json!({"role": role(*r), "content": c})).collect();
-        let ctx = json!({
-            "messages": messages,
-            "add_generation_prompt": true,
-            "bos_token": self.bos,
-            "eos_token": self.eos,
-        });
-        t.render(ctx).map_err(|e| template_error(&e))
+        let ctx = json!({"messages": messages, "add_generation_prompt": true});
+        self.template()?.render(ctx).map_err(|e| template_error(&e))
     }
 
     /// [`render`](Self::render) with the messages' text apart from the markup: each message is
@@ -92,23 +93,12 @@ fn role(r: Role) -> &'static str {
     }
 }
 
-fn env() -> Environment<'static> {
-    let mut env = Environment::new();
-    env.set_trim_blocks(true);
-    env.set_lstrip_blocks(true);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-        Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
-    });
-    env
-}
-
 fn template_error(e: &minijinja::Error) -> Error {
     Error::Config(format!("the model's chat template: {e}"))
 }
 
 /// What a conversation is rendered with.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub enum Template {
     /// The file's own template.
     Jinja(Arc<JinjaTemplate>),

@@ -59,21 +59,22 @@ pub(crate) fn control_speller(tok: &Tokenizer) -> impl Fn(&str) -> bool {
     move |text| specials.iter().any(|s| text.contains(s.as_str()))
 }
 
-/// Token ids of a rendered conversation. A message that spells one of the vocabulary's control
-/// tokens (`<|im_start|>` typed by a user) has it tokenized as the text it spells, so no message
-/// can open or close a turn; a conversation without one is tokenized whole, as llama.cpp does.
+/// Token ids of a rendered conversation: the markup with its control tokens, each message's text
+/// as the text it spells even where that is a control token (`<|im_start|>` typed by a user), so
+/// no message can open or close a turn. [`Template::render_parts`](super::Template::render_parts)
+/// leaves a conversation without such text in one piece of markup, tokenized whole as llama.cpp
+/// does.
 pub fn encode_parts(tok: &Tokenizer, parts: &[Part]) -> Result<Vec<u32>> {
-    let spells = control_speller(tok);
-    if !parts.iter().any(|p| matches!(p, Part::Content(c) if spells(c))) {
-        return encode(tok, &parts.iter().map(Part::text).collect::<String>());
-    }
-    let mut plain = tok.clone();
-    plain.set_encode_special_tokens(true);
+    let plain = parts.iter().any(|p| matches!(p, Part::Content(_))).then(|| {
+        let mut plain = tok.clone();
+        plain.set_encode_special_tokens(true);
+        plain
+    });
     let mut ids = Vec::new();
     for p in parts {
-        ids.extend(match p {
-            Part::Markup(m) => encode(tok, m)?,
-            Part::Content(c) => encode(&plain, c)?,
+        ids.extend(match (p, &plain) {
+            (Part::Content(c), Some(plain)) => encode(plain, c)?,
+            (p, _) => encode(tok, p.text())?,
         });
     }
     Ok(ids)
@@ -266,7 +267,8 @@ mod tests {
         assert_eq!(tok.decode(&ids, false).unwrap(), ChatTemplate::Gemma.render(&forged));
         let plain = [(Role::User, "hello world")];
         let whole = encode(&tok, &ChatTemplate::Gemma.render(&plain)).unwrap();
-        assert_eq!(encode_parts(&tok, &ChatTemplate::Gemma.render_parts(&plain)).unwrap(), whole);
+        let parts = crate::model::Template::Builtin(ChatTemplate::Gemma).render_parts(&plain, &tok).unwrap();
+        assert_eq!(encode_parts(&tok, &parts).unwrap(), whole);
     }
 
     #[test]
