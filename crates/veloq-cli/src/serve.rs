@@ -5,7 +5,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
 
-use veloq_candle::engine::EngineConfig;
+use veloq_candle::engine::{EngineConfig, Reserve};
 use veloq_candle::units::{human_bytes as human, parse_bytes};
 use veloq_server::{Guards, ServeOptions, Server, Serving};
 
@@ -33,6 +33,15 @@ pub struct Args {
     /// Tokens per forward pass: every running sequence's next token, then prompt chunks.
     #[arg(long, default_value_t = veloq_candle::prefill::DEFAULT_CHUNK)]
     pub step_tokens: usize,
+    /// Free a finished conversation's cache at once instead of keeping it resident for a request
+    /// that starts with it (its next turn, the same system prompt).
+    #[arg(long)]
+    pub no_prefix_cache: bool,
+    /// What admission reserves per request: `worst-case` (prompt + max_tokens up front, never
+    /// preempted) or `grow` (the prompt, then storage as it grows; the newest sequence is
+    /// preempted and resumed later when memory runs short).
+    #[arg(long, default_value_t = Reserve::WorstCase)]
+    pub reserve: Reserve,
     /// Chat completions without max_tokens generate at most this many (default: the rest of the
     /// context, as OpenAI does; the worst case is what admission reserves).
     #[arg(long)]
@@ -68,6 +77,17 @@ pub struct Args {
 }
 
 impl Args {
+    /// The engine's settings these flags give.
+    pub fn engine(&self) -> EngineConfig {
+        EngineConfig {
+            kv_budget: self.kv_budget,
+            max_seqs: self.max_seqs,
+            step_tokens: self.step_tokens,
+            prefix_cache: !self.no_prefix_cache,
+            reserve: self.reserve,
+        }
+    }
+
     /// The server's options these flags give.
     pub fn options(&self) -> ServeOptions {
         ServeOptions {
@@ -103,7 +123,7 @@ pub fn run(a: Args) -> Result<()> {
         p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
     });
     let mut serving = Serving::new(loaded, &name);
-    serving.engine = EngineConfig { kv_budget: a.kv_budget, max_seqs: a.max_seqs, step_tokens: a.step_tokens };
+    serving.engine = a.engine();
     let method = serving.cache.name();
     let options = a.options();
     let server = Server::start(serving, &options).context("starting the server")?;

@@ -78,14 +78,15 @@ impl Server {
         *self.metrics().get(name).unwrap_or_else(|| panic!("no metric {name}"))
     }
 
-    /// Waits until the server holds no sequence and no reservation.
+    /// Waits until the server runs no sequence and holds no reservation: what its caches hold
+    /// is only the finished sequences kept resident for their prefixes.
     fn drained(&self) {
         let t = Instant::now();
         loop {
             let m = self.metrics();
-            if ["veloq_requests_running", "veloq_kv_reserved_bytes", "veloq_kv_in_use_bytes"]
-                .iter()
-                .all(|k| m[*k] == 0.0)
+            if m["veloq_requests_running"] == 0.0
+                && m["veloq_kv_reserved_bytes"] == 0.0
+                && m["veloq_kv_in_use_bytes"] == m["veloq_kv_prefix_bytes"]
             {
                 break;
             }
@@ -302,7 +303,10 @@ fn bad_input_is_refused_and_the_server_stays_up() {
     }
     server.drained();
     assert!(server.metric("veloq_requests_total{outcome=\"cancelled\"}") >= 1.0);
-    assert_eq!(server.metric("veloq_kv_resident_bytes"), 0.0, "fp16 holds nothing once empty");
+    // fp16 has no shared tables: once idle its caches hold only the finished sequences kept for
+    // their prefixes.
+    let (resident, prefixes) = (server.metric("veloq_kv_resident_bytes"), server.metric("veloq_kv_prefix_bytes"));
+    assert_eq!(resident, prefixes, "fp16 holds nothing but resident prefixes once idle");
     let (status, _) = server.json("POST", "/v1/completions", &completion(json!("Hello"), 2));
     assert_eq!(status, 200);
 }
@@ -344,7 +348,12 @@ fn a_load_over_a_small_budget_queues_finishes_and_frees_everything() {
         let m = server.metrics();
         let (reserved, used, queued) =
             (m["veloq_kv_reserved_bytes"], m["veloq_kv_in_use_bytes"], m["veloq_requests_queued"]);
-        assert!(used <= reserved, "measured {used} B over the {reserved} B reserved");
+        let resident = m["veloq_kv_prefix_bytes"];
+        assert!(
+            used <= reserved + resident,
+            "measured {used} B over the {reserved} B reserved and {resident} B resident"
+        );
+        assert!(reserved + resident <= (3 * seq + seq / 2) as f64, "{reserved} B reserved, {resident} B resident");
         peak_reserved = peak_reserved.max(reserved);
         saw_queue |= queued > 0.0;
         std::thread::sleep(Duration::from_millis(20));
@@ -361,6 +370,35 @@ fn a_load_over_a_small_budget_queues_finishes_and_frees_everything() {
     assert_eq!(server.metric("veloq_requests_total{outcome=\"finished\"}"), 10.0);
     server.drained();
     assert_eq!(server.metric("veloq_requests_queued"), 0.0);
+    // Ten different prompts share no prefix; what stays resident fits the budget.
+    assert_eq!(server.metric("veloq_prefix_cache_hits_total"), 0.0);
+    assert!(server.metric("veloq_prefix_resident_sequences") <= 3.0);
+    // A chat's second turn starts from the first one's codes: only its new tokens are fed.
+    let turn = |messages: &Value| {
+        let body = json!({"messages": messages, "max_tokens": 24, "temperature": 0});
+        let (status, reply) = server.json("POST", "/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{reply}");
+        reply
+    };
+    let mut messages = json!([{"role": "user", "content": "Name three colours."}]);
+    let first = turn(&messages);
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let answer = first["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    assert!(!answer.trim().is_empty());
+    let pushed = messages.as_array_mut().unwrap();
+    pushed.push(json!({"role": "assistant", "content": answer}));
+    pushed.push(json!({"role": "user", "content": "Now name three animals."}));
+    let second = turn(&messages);
+    let (prompt, cached) =
+        (&second["usage"]["prompt_tokens"], &second["usage"]["prompt_tokens_details"]["cached_tokens"]);
+    let (prompt, cached) = (prompt.as_u64().unwrap(), cached.as_u64().unwrap());
+    assert!(cached >= first["usage"]["prompt_tokens"].as_u64().unwrap() && cached < prompt, "{second}");
+    assert!(!second["choices"][0]["message"]["content"].as_str().unwrap().trim().is_empty(), "{second}");
+    assert_eq!(server.metric("veloq_prefix_cache_hits_total"), 1.0);
+    assert_eq!(server.metric("veloq_prompt_tokens_cached_total"), cached as f64);
+    let label = "{model_name=\"smollm2-135m-instruct.q4_1\"}";
+    assert_eq!(server.metric(&format!("vllm:prefix_cache_hits_total{label}")), cached as f64);
+    server.drained();
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 
 use veloq_candle::config::CacheConfig;
-use veloq_candle::engine::EngineConfig;
 use veloq_candle::model::word_tokenizer;
 use veloq_candle::{Method, Runner};
 use veloq_cli::serve;
@@ -32,7 +31,7 @@ pub fn run(a: Args) -> Result<()> {
         runner: Arc::new(Runner::new(m, &cuda)),
         tokenizer: Arc::new(word_tokenizer(g.vocab)),
         cache,
-        engine: EngineConfig { kv_budget: a.kv_budget, max_seqs: a.max_seqs, step_tokens: a.step_tokens },
+        engine: a.engine(),
         name: label.to_string(),
     };
     let options = a.options();

@@ -426,6 +426,13 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    pub prompt_tokens_details: PromptDetails,
+}
+
+/// OpenAI's breakdown of the prompt: the tokens served from the prefix cache.
+#[derive(Serialize, Debug, Clone, Copy)]
+pub struct PromptDetails {
+    pub cached_tokens: usize,
 }
 
 impl From<&Summary> for Usage {
@@ -434,6 +441,7 @@ impl From<&Summary> for Usage {
             prompt_tokens: s.prompt_tokens,
             completion_tokens: s.completion_tokens,
             total_tokens: s.prompt_tokens + s.completion_tokens,
+            prompt_tokens_details: PromptDetails { cached_tokens: s.cached_tokens },
         }
     }
 }

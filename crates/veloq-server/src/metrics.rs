@@ -27,6 +27,36 @@ pub fn render(info: &EngineInfo, s: &Stats, model: &str) -> String {
                 .collect(),
         ),
         ("prompt_tokens_total", "counter", "Prompt tokens fed to the model.", one(s.prompt_tokens as f64)),
+        (
+            "preemptions_total",
+            "counter",
+            "Running sequences preempted to make room (--reserve grow); each resumed later.",
+            one(s.preempted as f64),
+        ),
+        (
+            "prompt_tokens_cached_total",
+            "counter",
+            "Prompt tokens found resident from an earlier request (not fed again).",
+            one(s.cached_prompt_tokens as f64),
+        ),
+        (
+            "prefix_cache_hits_total",
+            "counter",
+            "Requests that started from a resident prefix.",
+            one(s.prefix_hits as f64),
+        ),
+        (
+            "prefix_resident_sequences",
+            "gauge",
+            "Finished sequences kept resident for their prefixes.",
+            one(s.resident_prefixes as f64),
+        ),
+        (
+            "kv_prefix_bytes",
+            "gauge",
+            "KV bytes resident finished sequences hold (given up when a request needs the room).",
+            one(s.kv_prefix_bytes as f64),
+        ),
         ("generation_tokens_total", "counter", "Tokens generated.", one(s.generated_tokens as f64)),
         ("steps_total", "counter", "Forward passes (continuous-batching steps).", one(s.steps as f64)),
         ("kv_budget_bytes", "gauge", "KV cache budget (shared tables and sequences).", one(info.kv_budget as f64)),
@@ -40,7 +70,7 @@ pub fn render(info: &EngineInfo, s: &Stats, model: &str) -> String {
         (
             "kv_in_use_bytes",
             "gauge",
-            "KV bytes the sequences' storage holds now (measured from the caches on the CPU; the running slots' reservations on GPUs).",
+            "KV bytes the sequences' storage holds now, resident prefixes included (measured from the caches on the CPU; the slots' reservations on GPUs).",
             one(s.kv_sequence_bytes as f64),
         ),
         (
@@ -82,6 +112,14 @@ pub fn render(info: &EngineInfo, s: &Stats, model: &str) -> String {
         ("gpu_cache_usage_perc", "The same fraction under vLLM's older name.", used),
     ] {
         let _ = writeln!(out, "# HELP vllm:{name} {help}\n# TYPE vllm:{name} gauge\nvllm:{name}{label} {v}");
+    }
+    // vLLM counts prefix caching in prompt tokens: queried (every admitted prompt) and hit.
+    let queried = (s.prompt_tokens + s.cached_prompt_tokens) as f64;
+    for (name, help, v) in [
+        ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queried),
+        ("prefix_cache_hits", "Prompt tokens found there.", s.cached_prompt_tokens as f64),
+    ] {
+        let _ = writeln!(out, "# HELP vllm:{name} {help}\n# TYPE vllm:{name} counter\nvllm:{name}_total{label} {v}");
     }
     out
 }

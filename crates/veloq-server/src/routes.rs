@@ -272,9 +272,10 @@ impl App {
     fn log(&self, r: &Reply, s: &Summary) {
         if self.log {
             eprintln!(
-                "{} prompt {} completion {} finish {:?} queued {:.0} ms first token {:.0} ms total {:.0} ms",
+                "{} prompt {} (cached {}) completion {} finish {:?} queued {:.0} ms first token {:.0} ms total {:.0} ms",
                 r.id,
                 s.prompt_tokens,
+                s.cached_tokens,
                 s.completion_tokens,
                 s.finish,
                 s.queued.as_secs_f64() * 1e3,

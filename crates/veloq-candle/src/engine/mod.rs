@@ -7,7 +7,10 @@
 //! real bytes, first come first served), and runs one [`Forward::forward_step`] over every decoding
 //! sequence's next token plus chunks of the prompts being prefilled ([`schedule::plan`]), so a long
 //! prompt never stalls the streams already running. A finished or abandoned sequence frees its
-//! slot, its storage and its reservation at once.
+//! slot, its storage and its reservation at once — or, with [`EngineConfig::prefix_cache`], gives
+//! back its reservation and stays resident, so that a request whose prompt starts with what it
+//! holds (the next turn of a chat, a shared system prompt) feeds only the rest of its prompt;
+//! resident sequences give way, least recently used first, to requests that need the room.
 //!
 //! The engine knows nothing of HTTP: a request comes with a [`Sink`] that receives its
 //! [`Event`]s and tells whether anyone still listens.
@@ -50,11 +53,55 @@ pub struct EngineConfig {
     pub max_seqs: usize,
     /// Tokens per forward pass: every decoding sequence's one, then prompt chunks in the rest.
     pub step_tokens: usize,
+    /// Keep finished sequences resident while the budget and slots allow, and start a request
+    /// whose prompt begins with one of them from what it holds.
+    pub prefix_cache: bool,
+    /// What admission reserves for a request.
+    pub reserve: Reserve,
+}
+
+/// What admission reserves of the KV budget for a request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Reserve {
+    /// Its worst case (prompt + `max_tokens` positions) up front: an admitted request always
+    /// finishes without waiting again, and a request that may run long holds its memory idle.
+    #[default]
+    WorstCase,
+    /// Its prompt up front, then its storage as it grows; when the budget runs short the most
+    /// recently arrived sequence is preempted — its slot given up, its progress kept, and it
+    /// waits at the head of the queue to feed its prompt and output again (vLLM's recompute).
+    Grow,
+}
+
+impl std::str::FromStr for Reserve {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "worst-case" => Ok(Reserve::WorstCase),
+            "grow" => Ok(Reserve::Grow),
+            _ => Err(format!("unknown reservation {s:?}: worst-case or grow")),
+        }
+    }
+}
+
+impl std::fmt::Display for Reserve {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Reserve::WorstCase => "worst-case",
+            Reserve::Grow => "grow",
+        })
+    }
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { kv_budget: 2 << 30, max_seqs: 64, step_tokens: DEFAULT_CHUNK }
+        Self {
+            kv_budget: 2 << 30,
+            max_seqs: 64,
+            step_tokens: DEFAULT_CHUNK,
+            prefix_cache: true,
+            reserve: Reserve::WorstCase,
+        }
     }
 }
 
@@ -99,6 +146,8 @@ pub struct Summary {
     pub finish: Finish,
     /// Prompt tokens.
     pub prompt_tokens: usize,
+    /// Of those, the tokens a resident sequence already held (not fed again).
+    pub cached_tokens: usize,
     /// Tokens generated (an end-of-sequence token not counted).
     pub completion_tokens: usize,
     /// From submission to admission.
@@ -190,6 +239,20 @@ struct Job {
     sink: Box<dyn Sink>,
     arrived: Instant,
     need: usize,
+    /// Tokens to feed once admitted: the prompt, and after a preemption its output so far too.
+    feed: Vec<u32>,
+    /// A preempted request's progress.
+    carry: Option<Carry>,
+}
+
+/// What a preempted sequence had done, kept while it waits to run again.
+struct Carry {
+    out: Vec<u32>,
+    sampler: Sampler,
+    text: TextStream,
+    cached: usize,
+    admitted: Instant,
+    first: Option<Instant>,
 }
 
 /// A running engine: submit requests, read its stats. Dropping it stops the worker (running
@@ -267,6 +330,8 @@ impl Engine {
             stop: stop.clone(),
             info: info.clone(),
             step_tokens: cfg.step_tokens,
+            prefix_cache: cfg.prefix_cache,
+            reserve: cfg.reserve,
         };
         let worker = std::thread::Builder::new()
             .name("veloq-engine".into())
@@ -304,7 +369,8 @@ impl Engine {
         if need > self.info.sequence_budget() {
             return refuse(Rejected::Budget { need, budget: self.info.sequence_budget() });
         }
-        let job = Job { req, sink, arrived: Instant::now(), need };
+        let feed = req.prompt.clone();
+        let job = Job { req, sink, arrived: Instant::now(), need, feed, carry: None };
         let tx = self.tx.lock().expect("sender");
         match tx.as_ref() {
             Some(t) if t.send(job).is_ok() => Ok(()),
@@ -333,10 +399,14 @@ struct Live {
     job: Job,
     slot: usize,
     reserved: usize,
-    /// Prompt tokens in the caches.
+    /// Prompt tokens a resident sequence already held at its first admission.
+    cached: usize,
+    /// Tokens of `job.feed` in the caches.
     fed: usize,
     /// Generated tokens; the last is not in the caches yet.
     out: Vec<u32>,
+    /// Of those, how many were fed as part of `job.feed` (a preempted sequence's earlier output).
+    resumed_at: usize,
     sampler: Sampler,
     text: TextStream,
     admitted: Instant,
@@ -365,6 +435,8 @@ struct Worker {
     stop: Arc<AtomicBool>,
     info: EngineInfo,
     step_tokens: usize,
+    prefix_cache: bool,
+    reserve: Reserve,
 }
 
 impl Worker {
@@ -419,43 +491,79 @@ impl Worker {
     }
 
     fn queue(&mut self, job: Job) {
-        let need = job.need;
-        self.adm.push(job, need);
+        let bytes = self.admission_bytes(&job);
+        self.adm.push(job, bytes);
+    }
+
+    /// What admission reserves for `job`: its worst case, or what its feed takes and one more.
+    fn admission_bytes(&self, job: &Job) -> usize {
+        match self.reserve {
+            Reserve::WorstCase => job.need,
+            Reserve::Grow => self.info.sequence_bytes(job.feed.len() + 1).min(job.need),
+        }
     }
 
     fn admit(&mut self) {
-        while let Some((mut job, slot, reserved)) = self.adm.admit() {
-            let alive = job.sink.send(Event::Admitted);
-            let r = &job.req;
-            let (sampler, text) = (Sampler::new(r.sampling.clone(), &r.prompt), TextStream::new(r.stop.clone()));
+        while let Some(a) = self.adm.admit(|j: &Job| &j.feed) {
+            let (mut job, slot, reserved) = (a.item, a.slot, a.bytes);
+            let mut broken = a.evicted.iter().find_map(|&e| self.caches.truncate(e, 0).err());
+            // A slot keeps the shared prefix; a layer that cannot cut there (a sliding window
+            // that no longer holds it) makes the request start from scratch.
+            let mut cached = a.reuse;
+            if self.caches.truncate(slot, cached).is_err() {
+                cached = 0;
+                broken = broken.or(self.caches.truncate(slot, 0).err());
+            }
+            if cached > 0 {
+                let mut ledger = self.ledger.lock().expect("ledger");
+                ledger.stats.prefix_hits += 1;
+                ledger.stats.cached_prompt_tokens += cached as u64;
+            }
+            let resumed = job.carry.is_some();
+            let carry = job.carry.take().unwrap_or_else(|| {
+                let r = &job.req;
+                Carry {
+                    out: Vec::new(),
+                    sampler: Sampler::new(r.sampling.clone(), &r.prompt),
+                    text: TextStream::new(r.stop.clone()),
+                    cached,
+                    admitted: Instant::now(),
+                    first: None,
+                }
+            });
+            // A preempted request was told once; it only resumes.
+            let alive = if resumed { job.sink.alive() } else { job.sink.send(Event::Admitted) };
             let done = (!alive).then_some(Outcome::Cancelled);
-            let now = Instant::now();
             self.live.push(Live {
                 job,
                 slot,
                 reserved,
-                fed: 0,
-                out: Vec::new(),
-                sampler,
-                text,
-                admitted: now,
-                first: None,
+                cached: carry.cached,
+                fed: cached,
+                resumed_at: carry.out.len(),
+                out: carry.out,
+                sampler: carry.sampler,
+                text: carry.text,
+                admitted: carry.admitted,
+                first: carry.first,
                 done,
             });
+            if let Some(e) = broken {
+                self.fail_all(&format!("emptying a cache slot failed: {e}"));
+            }
         }
         self.retire();
     }
 
     /// One forward pass over every live sequence, then their new tokens.
     fn step(&mut self) -> Result<()> {
+        if self.reserve == Reserve::Grow {
+            self.grow()?;
+        }
         let progress: Vec<Progress> = self
             .live
             .iter()
-            .map(|l| Progress {
-                slot: l.slot,
-                held: self.caches.len(l.slot),
-                prompt_left: l.job.req.prompt.len() - l.fed,
-            })
+            .map(|l| Progress { slot: l.slot, held: self.caches.len(l.slot), prompt_left: l.job.feed.len() - l.fed })
             .collect();
         let seqs = plan(&progress, self.step_tokens, MIN_PREFILL);
         let mut at = vec![usize::MAX; self.caches.slots()];
@@ -463,9 +571,9 @@ impl Worker {
         let mut tokens = Vec::with_capacity(seqs.iter().map(|s| s.len).sum());
         for s in &seqs {
             let l = &self.live[at[s.slot]];
-            match l.job.req.prompt.len() - l.fed {
+            match l.job.feed.len() - l.fed {
                 0 => tokens.push(*l.out.last().expect("a decoding sequence has a token")),
-                _ => tokens.extend(&l.job.req.prompt[l.fed..l.fed + s.len]),
+                _ => tokens.extend(&l.job.feed[l.fed..l.fed + s.len]),
             }
         }
         let t0 = Instant::now();
@@ -474,10 +582,10 @@ impl Worker {
         let mut greedy: Option<Vec<u32>> = None;
         for (row, s) in seqs.iter().enumerate() {
             let l = &mut self.live[at[s.slot]];
-            if l.fed < l.job.req.prompt.len() {
+            if l.fed < l.job.feed.len() {
                 l.fed += s.len;
                 prompt_fed += s.len;
-                if l.fed < l.job.req.prompt.len() {
+                if l.fed < l.job.feed.len() {
                     continue;
                 }
             }
@@ -552,10 +660,9 @@ impl Worker {
         }
         let mut broken = None;
         for l in &over {
-            if let Err(e) = self.caches.truncate(l.slot, 0) {
+            if let Err(e) = self.give_back(l) {
                 broken = Some(e);
             }
-            self.adm.release(l.slot, l.reserved);
         }
         {
             let mut ledger = self.ledger.lock().expect("ledger");
@@ -577,6 +684,7 @@ impl Worker {
             l.job.sink.send(Event::Done(Summary {
                 finish,
                 prompt_tokens: l.job.req.prompt.len(),
+                cached_tokens: l.cached,
                 completion_tokens: l.out.len(),
                 queued: l.admitted - l.job.arrived,
                 first_token: l.first.unwrap_or(now) - l.job.arrived,
@@ -589,11 +697,78 @@ impl Worker {
         }
     }
 
+    /// A sequence that stops running gives back its reservation; its slot stays resident for its
+    /// prefix (with the prefix cache) or is emptied.
+    fn give_back(&mut self, l: &Live) -> Result<()> {
+        let held = self.caches.len(l.slot);
+        if self.prefix_cache && held > 0 {
+            // What the caches hold: the feed, then every token generated since but the last.
+            let tokens: Vec<u32> = l.job.feed.iter().chain(&l.out[l.resumed_at..]).copied().take(held).collect();
+            self.adm.park(l.slot, l.reserved, self.info.sequence_bytes(held), tokens);
+            return Ok(());
+        }
+        let emptied = self.caches.truncate(l.slot, 0);
+        self.adm.release(l.slot, l.reserved);
+        emptied
+    }
+
+    /// Grows the reservations of the sequences about to decode to what their next position takes,
+    /// preempting the most recently arrived sequences while the budget cannot hold them all.
+    fn grow(&mut self) -> Result<()> {
+        loop {
+            let extra: Vec<usize> = self
+                .live
+                .iter()
+                .map(|l| {
+                    let next = (self.caches.len(l.slot) + 1).min(self.info.max_context);
+                    let decoding = l.fed == l.job.feed.len();
+                    if decoding {
+                        self.info.sequence_bytes(next).saturating_sub(l.reserved)
+                    } else {
+                        0
+                    }
+                })
+                .collect();
+            let total: usize = extra.iter().sum();
+            if total == 0 {
+                return Ok(());
+            }
+            if let Some(evicted) = self.adm.grow(total) {
+                for e in evicted {
+                    self.caches.truncate(e, 0)?;
+                }
+                self.live.iter_mut().zip(extra).for_each(|(l, x)| l.reserved += x);
+                return Ok(());
+            }
+            if self.live.len() == 1 {
+                // Alone, a request always fits: its worst case was checked at submission.
+                return Err(Error::Config("the KV budget cannot hold one sequence's next position".into()));
+            }
+            let newest = (0..self.live.len()).max_by_key(|&i| self.live[i].job.arrived).expect("live");
+            self.preempt(newest)?;
+        }
+    }
+
+    /// Takes a running sequence out (its memory given back) and queues it first, to feed its
+    /// prompt and output again and go on where it stopped.
+    fn preempt(&mut self, i: usize) -> Result<()> {
+        let l = self.live.remove(i);
+        let given = self.give_back(&l);
+        let Live { mut job, out, sampler, text, cached, admitted, first, .. } = l;
+        job.feed = job.req.prompt.iter().chain(&out).copied().collect();
+        job.carry = Some(Carry { out, sampler, text, cached, admitted, first });
+        let bytes = self.admission_bytes(&job);
+        self.adm.push_front(job, bytes);
+        self.ledger.lock().expect("ledger").stats.preempted += 1;
+        given
+    }
+
     /// Ends every running request with `why` and rebuilds the caches (a failed step may leave
     /// them half-appended).
     fn fail_all(&mut self, why: &str) {
         let live = std::mem::take(&mut self.live);
-        if live.is_empty() {
+        let resident = self.adm.forget_resident();
+        if live.is_empty() && resident.is_empty() {
             return;
         }
         let mut ledger = self.ledger.lock().expect("ledger");
@@ -621,12 +796,13 @@ impl Worker {
         s.queued = self.adm.waiting();
         s.peak_running = s.peak_running.max(s.running);
         s.kv_reserved_bytes = self.adm.reserved();
+        (s.resident_prefixes, s.kv_prefix_bytes) = self.adm.resident();
         s.kv_resident_bytes = resident;
         // Storage that grows with its sequences is measured; storage reserved per slot is in use
         // for every slot that holds a sequence.
         s.kv_sequence_bytes = match self.info.sequence_bytes(0) {
             0 => resident.saturating_sub(self.empty_bytes),
-            slot => slot * self.live.len(),
+            slot => slot * (self.live.len() + s.resident_prefixes),
         };
     }
 }

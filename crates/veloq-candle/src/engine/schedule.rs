@@ -1,6 +1,6 @@
 //! The scheduler's two decisions, model-free: who gets in (admission by KV memory, first come
-//! first served) and what one forward pass runs (every decoding sequence's token, then prompt
-//! chunks in what is left of the step).
+//! first served, reusing the prefixes finished sequences left resident) and what one forward pass
+//! runs (every decoding sequence's token, then prompt chunks in what is left of the step).
 
 use std::collections::VecDeque;
 
@@ -9,6 +9,11 @@ use crate::cache::SeqStep;
 /// KV memory and slots for sequences: a request is admitted when its worst case (its prompt and
 /// all the tokens it may generate, at the method's real bytes) fits in what is left of the budget
 /// and a slot is free; otherwise it waits, in order of arrival.
+///
+/// A finished sequence may stay resident ([`park`](Self::park)): its slot keeps its positions, and
+/// a later request whose prompt starts with the same tokens (the next turn of a chat, the same
+/// system prompt) takes that slot and feeds only the rest. Resident sequences count in the budget
+/// and give way, least recently used first, to any request that needs their bytes or slot.
 #[derive(Clone, Debug)]
 pub struct Admission<T> {
     /// Bytes sequences may take in all.
@@ -16,12 +21,51 @@ pub struct Admission<T> {
     reserved: usize,
     free: Vec<usize>,
     queue: VecDeque<(T, usize)>,
+    /// Finished sequences kept for their prefixes, least recently used first.
+    idle: VecDeque<Resident>,
+    idle_bytes: usize,
+}
+
+/// A finished sequence left in its slot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Resident {
+    slot: usize,
+    bytes: usize,
+    tokens: Vec<u32>,
+}
+
+/// An admitted item and what the caches must do before it runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Admitted<T> {
+    /// The request.
+    pub item: T,
+    /// Its slot.
+    pub slot: usize,
+    /// Bytes reserved for it.
+    pub bytes: usize,
+    /// Positions of the slot to keep: the prompt's first `reuse` tokens are already there (0: the
+    /// slot must be emptied first if it is not).
+    pub reuse: usize,
+    /// Resident sequences given up to make room: empty these slots.
+    pub evicted: Vec<usize>,
+}
+
+/// Length of the common prefix of `a` and `b`.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 impl<T> Admission<T> {
     /// `budget` bytes over `slots` sequence slots.
     pub fn new(budget: usize, slots: usize) -> Self {
-        Self { budget, reserved: 0, free: (0..slots).rev().collect(), queue: VecDeque::new() }
+        Self {
+            budget,
+            reserved: 0,
+            free: (0..slots).rev().collect(),
+            queue: VecDeque::new(),
+            idle: VecDeque::new(),
+            idle_bytes: 0,
+        }
     }
 
     /// Queues `item`, which needs `bytes` once admitted.
@@ -29,17 +73,92 @@ impl<T> Admission<T> {
         self.queue.push_back((item, bytes));
     }
 
-    /// The first waiting item, with a slot and its bytes reserved, if it fits now. Later items
-    /// never pass an earlier one that does not fit (no starvation of long requests).
-    pub fn admit(&mut self) -> Option<(T, usize, usize)> {
-        let &(_, bytes) = self.queue.front()?;
-        if self.reserved + bytes > self.budget || self.free.is_empty() {
+    /// Queues a preempted `item` ahead of every other: it is admitted again first.
+    pub fn push_front(&mut self, item: T, bytes: usize) {
+        self.queue.push_front((item, bytes));
+    }
+
+    /// Grows an admitted sequence's reservation by `extra` bytes, giving up resident sequences
+    /// (least recently used first) if that is what it takes; returns the slots to empty, or
+    /// `None` (and changes nothing) when even that does not make room.
+    pub fn grow(&mut self, extra: usize) -> Option<Vec<usize>> {
+        let mut room = self.budget.saturating_sub(self.reserved + self.idle_bytes);
+        let mut n = 0;
+        while room < extra && n < self.idle.len() {
+            room += self.idle[n].bytes;
+            n += 1;
+        }
+        if room < extra {
+            return None;
+        }
+        let gone: Vec<Resident> = self.idle.drain(..n).collect();
+        self.idle_bytes -= gone.iter().map(|r| r.bytes).sum::<usize>();
+        self.free.extend(gone.iter().map(|r| r.slot));
+        self.reserved += extra;
+        Some(gone.into_iter().map(|r| r.slot).collect())
+    }
+
+    /// The first waiting item, with a slot and its bytes reserved, if it fits now (after giving
+    /// up resident sequences if need be). Later items never pass an earlier one that does not fit
+    /// (no starvation of long requests). `prompt` reads an item's prompt tokens.
+    ///
+    /// A resident sequence is reused when it shares a prefix with the prompt covering at least
+    /// half of what it holds (so a reuse never throws away most of another conversation); the
+    /// longest such prefix wins, the most recent on a tie. The prompt's last token is always fed
+    /// (its logits start the completion).
+    pub fn admit(&mut self, prompt: impl Fn(&T) -> &[u32]) -> Option<Admitted<T>> {
+        let (item, bytes) = self.queue.front()?;
+        let (p, bytes) = (prompt(item), *bytes);
+        let best = self
+            .idle
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (i, common_prefix(&r.tokens, p).min(p.len().saturating_sub(1))))
+            .filter(|&(i, n)| n > 0 && 2 * n >= self.idle[i].tokens.len())
+            .max_by_key(|&(i, n)| (n, i));
+        // What is free now, then resident sequences given up oldest first until the item fits.
+        let mut room = self.budget.saturating_sub(self.reserved + self.idle_bytes);
+        let mut slots = self.free.len();
+        if let Some((i, _)) = best {
+            room += self.idle[i].bytes;
+            slots += 1;
+        }
+        let mut evict = Vec::new();
+        for (i, r) in self.idle.iter().enumerate() {
+            if room >= bytes && slots > 0 {
+                break;
+            }
+            if best.is_some_and(|(b, _)| b == i) {
+                continue;
+            }
+            room += r.bytes;
+            slots += 1;
+            evict.push(i);
+        }
+        if room < bytes || slots == 0 {
             return None;
         }
         let (item, bytes) = self.queue.pop_front()?;
-        let slot = self.free.pop()?;
+        let taken = best.map(|(i, n)| (self.idle[i].slot, n));
+        let gone: Vec<usize> = evict.iter().chain(best.as_ref().map(|(i, _)| i)).copied().collect();
+        let mut evicted = Vec::new();
+        for (i, r) in std::mem::take(&mut self.idle).into_iter().enumerate() {
+            if !gone.contains(&i) {
+                self.idle.push_back(r);
+                continue;
+            }
+            self.idle_bytes -= r.bytes;
+            if evict.contains(&i) {
+                evicted.push(r.slot);
+                self.free.push(r.slot);
+            }
+        }
+        let (slot, reuse) = match taken {
+            Some(t) => t,
+            None => (self.free.pop()?, 0),
+        };
         self.reserved += bytes;
-        Some((item, slot, bytes))
+        Some(Admitted { item, slot, bytes, reuse, evicted })
     }
 
     /// A finished sequence gives back its slot and bytes.
@@ -47,6 +166,22 @@ impl<T> Admission<T> {
         debug_assert!(!self.free.contains(&slot), "slot {slot} released twice");
         self.reserved -= bytes;
         self.free.push(slot);
+    }
+
+    /// A finished sequence gives back its reservation but stays in its slot, holding `tokens`
+    /// (the positions its caches hold, `bytes` of them), for a later prompt that starts the same.
+    pub fn park(&mut self, slot: usize, reserved: usize, bytes: usize, tokens: Vec<u32>) {
+        self.reserved -= reserved;
+        self.idle_bytes += bytes;
+        self.idle.push_back(Resident { slot, bytes, tokens });
+    }
+
+    /// Gives up every resident sequence (the caches were rebuilt empty); returns their slots.
+    pub fn forget_resident(&mut self) -> Vec<usize> {
+        self.idle_bytes = 0;
+        let slots: Vec<usize> = self.idle.drain(..).map(|r| r.slot).collect();
+        self.free.extend(&slots);
+        slots
     }
 
     /// Drops waiting items that `keep` refuses (cancelled before admission); returns them.
@@ -70,6 +205,11 @@ impl<T> Admission<T> {
     /// Bytes reserved by admitted sequences.
     pub fn reserved(&self) -> usize {
         self.reserved
+    }
+
+    /// Finished sequences resident for their prefixes, and the bytes they hold.
+    pub fn resident(&self) -> (usize, usize) {
+        (self.idle.len(), self.idle_bytes)
     }
 
     /// Bytes sequences may take in all.
@@ -131,24 +271,75 @@ mod tests {
         for (name, bytes) in [("a", 40), ("b", 50), ("c", 30), ("d", 5)] {
             a.push(name, bytes);
         }
-        let (first, s0, _) = a.admit().unwrap();
-        let (second, s1, _) = a.admit().unwrap();
+        fn no_prompt<'a>(_: &'a &str) -> &'a [u32] {
+            &[]
+        }
+        let (first, s0) = a.admit(no_prompt).map(|x| (x.item, x.slot)).unwrap();
+        let (second, s1) = a.admit(no_prompt).map(|x| (x.item, x.slot)).unwrap();
         assert_eq!((first, second), ("a", "b"));
         assert_ne!(s0, s1);
         // c needs 30 with 90 reserved: it waits, and d (which would fit) does not pass it.
-        assert!(a.admit().is_none());
+        assert!(a.admit(no_prompt).is_none());
         assert_eq!((a.waiting(), a.reserved()), (2, 90));
         a.release(s0, 40);
-        let (third, s2, _) = a.admit().unwrap();
+        let (third, s2) = a.admit(no_prompt).map(|x| (x.item, x.slot)).unwrap();
         assert_eq!(third, "c");
         // d fits the bytes (85 reserved) and takes the last slot; then no slot is left.
-        assert_eq!(a.admit().map(|x| x.0), Some("d"));
+        assert_eq!(a.admit(no_prompt).map(|x| x.item), Some("d"));
         a.push("e", 1);
-        assert!(a.admit().is_none(), "three slots, three sequences");
+        assert!(a.admit(no_prompt).is_none(), "three slots, three sequences");
         assert_eq!(a.retain_waiting(|&t| t != "e"), vec!["e"]);
         a.release(s1, 50);
         a.release(s2, 30);
         assert_eq!(a.reserved(), 5);
+    }
+
+    #[test]
+    fn resident_prefixes_are_reused_and_give_way_oldest_first() {
+        fn prompt(t: &Vec<u32>) -> &[u32] {
+            t
+        }
+        let mut a: Admission<Vec<u32>> = Admission::new(100, 3);
+        // Two finished conversations resident (20 and 30 bytes), one slot free.
+        a.push(vec![1, 2, 3, 4], 40);
+        a.push(vec![7, 8, 9], 40);
+        let x = a.admit(prompt).unwrap();
+        let y = a.admit(prompt).unwrap();
+        assert_eq!((x.reuse, y.reuse, a.reserved()), (0, 0, 80));
+        a.park(x.slot, 40, 20, vec![1, 2, 3, 4, 5, 6]);
+        a.park(y.slot, 40, 30, vec![7, 8, 9, 10]);
+        assert_eq!((a.reserved(), a.resident()), (0, (2, 50)));
+        // The next turn of the first: its history plus new tokens; the last prompt token is fed.
+        a.push(vec![1, 2, 3, 4, 5, 6, 11, 12], 45);
+        let t = a.admit(prompt).unwrap();
+        assert_eq!((t.slot, t.reuse, t.evicted.clone()), (x.slot, 6, vec![]));
+        assert_eq!((a.reserved(), a.resident()), (45, (1, 30)));
+        // A prompt equal to what a slot holds still feeds its last token.
+        a.release(t.slot, 45);
+        a.park(t.slot, 0, 10, vec![5, 5]);
+        a.push(vec![5, 5], 10);
+        let t = a.admit(prompt).unwrap();
+        assert_eq!((t.slot, t.reuse), (x.slot, 1));
+        a.release(t.slot, 10);
+        // A prefix shorter than half of what a slot holds does not take it: the free slot is used.
+        a.push(vec![7, 99], 10);
+        let t = a.admit(prompt).unwrap();
+        assert_eq!((t.reuse, t.evicted.clone(), a.resident()), (0, vec![], (1, 30)));
+        assert!(t.slot != y.slot);
+        a.release(t.slot, 10);
+        // Needing more than is free gives up resident sequences, least recently used first.
+        a.park(x.slot, 0, 25, vec![3, 3, 3]);
+        assert_eq!(a.resident(), (2, 55));
+        a.push(vec![42], 60);
+        let t = a.admit(prompt).unwrap();
+        assert_eq!((t.reuse, t.evicted.clone(), a.resident()), (0, vec![y.slot], (1, 25)));
+        a.push(vec![43], 40);
+        let t = a.admit(prompt).unwrap();
+        assert_eq!((t.evicted.clone(), a.reserved(), a.resident()), (vec![x.slot], 100, (0, 0)));
+        // Nothing left to give up: the next waits, and nothing changed.
+        a.push(vec![44], 1);
+        assert!(a.admit(prompt).is_none());
+        assert_eq!((a.waiting(), a.reserved()), (1, 100));
     }
 
     #[test]

@@ -23,14 +23,24 @@ pub struct Stats {
     pub rejected: u64,
     /// Requests that failed inside the engine.
     pub failed: u64,
+    /// Times a running sequence was preempted to make room (each resumed later).
+    pub preempted: u64,
     /// Prompt tokens fed to the model.
     pub prompt_tokens: u64,
+    /// Requests that started from a resident sequence's prefix.
+    pub prefix_hits: u64,
+    /// Prompt tokens those requests found resident (not fed again).
+    pub cached_prompt_tokens: u64,
     /// Tokens generated.
     pub generated_tokens: u64,
     /// Forward passes run.
     pub steps: u64,
     /// Bytes the admitted sequences reserved (their worst cases).
     pub kv_reserved_bytes: usize,
+    /// Finished sequences kept resident for their prefixes.
+    pub resident_prefixes: usize,
+    /// Bytes those hold (counted in the budget; given up when a request needs the room).
+    pub kv_prefix_bytes: usize,
     /// Bytes the sequences' storage holds now: measured from the caches where storage grows with
     /// the sequences (the CPU), the running slots' reservations where it is reserved (GPUs).
     pub kv_sequence_bytes: usize,

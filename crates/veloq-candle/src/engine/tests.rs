@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use super::*;
 use crate::cache::SeqStep;
+use crate::engine::Reserve;
 use crate::sampling::{SamplingOptions, TokenLogprob};
 use crate::testing::{fresh_seed, tiny_model_seeded, word_tokenizer};
 
@@ -164,7 +165,9 @@ fn requests_in_one_batch_answer_as_each_alone() {
     }
     assert!(compared >= 30, "seed {seed}: only {compared} tokens had clear margins");
     let s = engine.stats();
-    assert_eq!((s.running, s.queued, s.finished, s.kv_reserved_bytes, s.kv_sequence_bytes), (0, 0, 5, 0, 0));
+    assert_eq!((s.running, s.queued, s.finished, s.kv_reserved_bytes), (0, 0, 5, 0));
+    // Finished sequences stay resident for their prefixes: what the caches hold is theirs.
+    assert_eq!((s.resident_prefixes, s.kv_sequence_bytes), (5, s.kv_prefix_bytes), "{s:?}");
     assert!(s.peak_running >= 2, "the requests ran together: {s:?}");
     assert_eq!(s.generated_tokens, 60);
     assert_eq!(s.prompt_tokens, ps.iter().map(Vec::len).sum::<usize>() as u64);
@@ -194,7 +197,9 @@ fn admission_keeps_to_the_budget_and_frees_what_finishes() {
     }
     let s = engine.stats();
     assert_eq!(s.peak_running, 2, "{s:?}");
-    assert_eq!((s.finished, s.kv_reserved_bytes, s.kv_sequence_bytes), (5, 0, 0), "{s:?}");
+    assert_eq!((s.finished, s.kv_reserved_bytes), (5, 0), "{s:?}");
+    // Resident sequences gave way to the later requests: never more than the budget's two.
+    assert_eq!((s.resident_prefixes, s.kv_sequence_bytes), (2, s.kv_prefix_bytes), "{s:?}");
 }
 
 #[test]
@@ -212,7 +217,83 @@ fn a_client_that_leaves_frees_its_sequence() {
     assert_eq!(left.iter().filter(|e| matches!(e, Event::Text(_))).count(), 3);
     assert!(!left.iter().any(|e| matches!(e, Event::Done(_))), "a cancelled request gets no end: {left:?}");
     let s = engine.stats();
-    assert_eq!((s.cancelled, s.finished, s.running, s.kv_reserved_bytes, s.kv_sequence_bytes), (1, 1, 0, 0, 0));
+    assert_eq!((s.cancelled, s.finished, s.running, s.kv_reserved_bytes), (1, 1, 0, 0));
+    assert_eq!(s.kv_sequence_bytes, s.kv_prefix_bytes, "{s:?}");
+    // Without the prefix cache every slot is emptied at once.
+    let model = Arc::new(tiny_model_seeded(VOCAB, CONTEXT, seed));
+    let cfg = EngineConfig { prefix_cache: false, ..EngineConfig::default() };
+    let engine = Engine::start(model, Arc::new(word_tokenizer(VOCAB)), CacheConfig::fp16(), cfg).unwrap();
+    let (leaver, _rx) = sink(3);
+    engine.submit(greedy(ps[0].clone(), 200), leaver).unwrap();
+    let (stayer, rx_stayer) = sink(usize::MAX);
+    engine.submit(greedy(ps[1].clone(), 50), stayer).unwrap();
+    assert!(matches!(events(&rx_stayer).last(), Some(Event::Done(_))));
+    let s = engine.stats();
+    assert_eq!(
+        (s.cancelled, s.finished, s.kv_reserved_bytes, s.kv_sequence_bytes, s.resident_prefixes),
+        (1, 1, 0, 0, 0)
+    );
+}
+
+/// Generated token ids from a request's text (the word tokenizer spells token `i` as `wi`).
+fn tokens_of(events: &[Event]) -> Vec<u32> {
+    text_of(events).split_whitespace().map(|w| w.trim_start_matches('w').parse().unwrap()).collect()
+}
+
+/// Checks that each of `got` is a greedy choice of the reference fed `prompt` then `got` itself by
+/// plain forward passes: its logit is the step's largest, within what summation order may change.
+fn greedy_along(model: &Model, prompt: &[u32], got: &[u32], seed: u64) {
+    let mut caches = CacheConfig::fp16().build(model).unwrap();
+    let mut logits = model.forward(prompt, &mut caches, Logits::Last).unwrap();
+    for (i, &t) in got.iter().enumerate() {
+        let row = logits.squeeze(0).unwrap().to_vec1::<f32>().unwrap();
+        let best = row.iter().copied().fold(f32::MIN, f32::max);
+        assert!(
+            row[t as usize] >= best - 1e-3,
+            "seed {seed}: token {i} of a prompt of {}: {t} is not greedy",
+            prompt.len()
+        );
+        let step = Step::new(vec![SeqStep { slot: 0, start: caches.len(0), len: 1 }]).unwrap();
+        logits = model.forward_step(&[t], &step, &mut caches, Logits::Last).unwrap();
+    }
+}
+
+#[test]
+fn a_resident_prefix_is_reused_and_answers_as_a_fresh_prompt() {
+    let seed = fresh_seed();
+    let model = Arc::new(tiny_model_seeded(VOCAB, CONTEXT, seed));
+    let cfg = EngineConfig { step_tokens: 32, ..EngineConfig::default() };
+    let engine = Engine::start(model.clone(), Arc::new(word_tokenizer(VOCAB)), CacheConfig::fp16(), cfg).unwrap();
+    let run = |prompt: Vec<u32>, n: usize| {
+        let (s, rx) = sink(usize::MAX);
+        engine.submit(greedy(prompt, n), s).unwrap();
+        let ev = events(&rx);
+        let Some(Event::Done(sum)) = ev.last().cloned() else { panic!("seed {seed}: {ev:?}") };
+        (tokens_of(&ev), sum)
+    };
+    let ps = prompts(seed, &[50, 12, 9]);
+    // A first turn, then the next: its whole history (prompt and answer) and a new message.
+    let (answer, first) = run(ps[0].clone(), 10);
+    assert_eq!((answer.len(), first.cached_tokens), (10, 0), "seed {seed}");
+    let turn: Vec<u32> = ps[0].iter().chain(&answer).chain(&ps[1]).copied().collect();
+    let (got, second) = run(turn.clone(), 10);
+    // The caches held the prompt and every answer token but the last (never fed).
+    assert_eq!((second.prompt_tokens, second.cached_tokens), (turn.len(), 50 + 9), "seed {seed}");
+    greedy_along(&model, &turn, &got, seed);
+    // A prompt that shares most of what a slot holds cuts it there and feeds the rest.
+    let branch: Vec<u32> = turn[..60].iter().chain(&ps[2]).copied().collect();
+    let (got, third) = run(branch.clone(), 10);
+    assert_eq!(third.cached_tokens, 60, "seed {seed}");
+    greedy_along(&model, &branch, &got, seed);
+    // The same prompt again feeds only its last token.
+    let (got, again) = run(branch.clone(), 10);
+    assert_eq!(again.cached_tokens, branch.len() - 1, "seed {seed}");
+    greedy_along(&model, &branch, &got, seed);
+    let s = engine.stats();
+    assert_eq!((s.prefix_hits, s.cached_prompt_tokens), (3, (59 + 60 + branch.len() - 1) as u64), "{s:?}");
+    // Fed: the first prompt whole, then only what was not resident.
+    let fed = 50 + (turn.len() - 59) + (branch.len() - 60) + 1;
+    assert_eq!(s.prompt_tokens, fed as u64, "{s:?}");
 }
 
 #[test]
@@ -331,4 +412,45 @@ fn logprobs_come_with_each_token() {
         assert!(l.top.windows(2).all(|w| w[0].1 >= w[1].1) && l.logprob <= 0.0, "{l:?}");
     }
     assert!(matches!(ev.first(), Some(Event::Admitted)) && matches!(ev.get(1), Some(Event::Logprob(_))), "{ev:?}");
+}
+
+#[test]
+fn growing_reservations_admit_more_and_preempted_sequences_resume_exactly() {
+    let seed = fresh_seed();
+    let tok = Arc::new(word_tokenizer(VOCAB));
+    let model = Arc::new(tiny_model_seeded(VOCAB, 1024, seed));
+    // Room for two sequences of 600 positions (storage grows in blocks of positions): worst-case
+    // admission runs two at a time.
+    let probe = CacheConfig::fp16().build(&model).unwrap();
+    let budget = probe.resident_bytes() + 2 * probe.sequence_bytes(600);
+    assert!(probe.sequence_bytes(41) * 4 <= 2 * probe.sequence_bytes(600), "four prompts fit");
+    let ps = prompts(seed, &[40, 40, 40, 40]);
+    let run = |reserve: Reserve| {
+        let cfg = EngineConfig { kv_budget: budget, reserve, step_tokens: 64, ..EngineConfig::default() };
+        let engine = Engine::start(model.clone(), tok.clone(), CacheConfig::fp16(), cfg).unwrap();
+        let rxs: Vec<_> = ps
+            .iter()
+            .map(|p| {
+                let (s, rx) = sink(usize::MAX);
+                engine.submit(greedy(p.clone(), 560), s).unwrap();
+                rx
+            })
+            .collect();
+        let outs: Vec<Vec<Event>> = rxs.iter().map(events).collect();
+        (outs, engine.stats())
+    };
+    let (worst, ws) = run(Reserve::WorstCase);
+    let (grow, gs) = run(Reserve::Grow);
+    assert_eq!((ws.peak_running, ws.preempted), (2, 0), "{ws:?}");
+    // Growing admits all four (their prompts fit) and preempts the newest as they grow.
+    assert_eq!(gs.peak_running, 4, "{gs:?}");
+    assert!(gs.preempted >= 1, "{gs:?}");
+    assert_eq!((gs.finished, gs.failed, gs.kv_reserved_bytes), (4, 0, 0), "{gs:?}");
+    for ((p, w), g) in ps.iter().zip(&worst).zip(&grow) {
+        // One admission each, one end; the text of a resumed sequence goes on where it stopped.
+        assert_eq!(g.iter().filter(|e| matches!(e, Event::Admitted)).count(), 1, "seed {seed}");
+        let (Some(Event::Done(a)), Some(Event::Done(b))) = (w.last(), g.last()) else { panic!("seed {seed}") };
+        assert_eq!((a.completion_tokens, b.completion_tokens, b.prompt_tokens), (560, 560, 40), "seed {seed}");
+        greedy_along(&model, p, &tokens_of(g), seed);
+    }
 }

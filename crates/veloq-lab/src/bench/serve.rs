@@ -10,6 +10,10 @@
 //!   4k-token ones (real text, different places per request, as token ids so every server sees the
 //!   same tokens), a fixed number of tokens each (`ignore_eos`): aggregate generated tok/s, time to
 //!   first token and inter-token latency (p50/p99), peak concurrent sequences, the server's peak RSS.
+//! - **conversations** (`--turns`): clients each holding a conversation, every turn's prompt the
+//!   whole history again plus a new message, as chat clients send it; veloq with its prefix cache
+//!   and without (`--no-prefix-cache`), llama-server with its `cache_prompt` on: time to first token
+//!   per turn and the prompt tokens each server actually fed.
 //!
 //! The clients speak raw HTTP/1.1 and read the server-sent events as they arrive.
 
@@ -25,6 +29,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use serde_json::{json, Value};
 
+use veloq_candle::engine::Reserve;
 use veloq_candle::model::{encode, load_tokenizer};
 
 use super::write_json;
@@ -66,6 +71,28 @@ pub struct Args {
     /// Only the capacity load (no throughput levels).
     #[arg(long)]
     capacity_only: bool,
+    /// Turns of the conversation load (0: none): each turn resends the history and a new message.
+    #[arg(long, default_value_t = 0)]
+    turns: usize,
+    /// Conversations running at once in the conversation load.
+    #[arg(long, default_value_t = 4)]
+    conversations: usize,
+    /// Tokens of a conversation's first prompt (a system prompt and document, say).
+    #[arg(long, default_value_t = 1024)]
+    first_prompt: usize,
+    /// Tokens each later turn adds to the history.
+    #[arg(long, default_value_t = 256)]
+    turn_tokens: usize,
+    /// Only the conversation load.
+    #[arg(long)]
+    conversations_only: bool,
+    /// Throughput requests ask for the rest of the context (as a chat without max_tokens does)
+    /// and their clients leave after --max-tokens tokens, as if the model had stopped there.
+    #[arg(long)]
+    open_ended: bool,
+    /// veloq's admission reservations, each served side by side (worst-case, grow).
+    #[arg(long, value_delimiter = ',', default_value = "worst-case")]
+    reserve: Vec<Reserve>,
     /// llama.cpp's llama-server (scripts/llama-cpp builds it beside llama-bench).
     #[arg(long)]
     llama_server: Option<PathBuf>,
@@ -94,16 +121,31 @@ pub struct Args {
 /// A server configuration under test.
 #[derive(Clone, Debug)]
 enum Server {
-    Veloq { label: String, method: Method, calibration: Option<PathBuf> },
-    Llama { kv: String },
+    Veloq { label: String, method: Method, calibration: Option<PathBuf>, prefix_cache: bool, reserve: Reserve },
+    Llama { kv: String, cache_prompt: bool },
 }
 
 impl Server {
     fn label(&self) -> String {
         match self {
-            Server::Veloq { label, .. } => format!("veloq {label}"),
-            Server::Llama { kv } => format!("llama-server {kv} KV"),
+            Server::Veloq { label, prefix_cache, reserve, .. } => {
+                let grow = if *reserve == Reserve::Grow { " grow" } else { "" };
+                let prefix = if *prefix_cache { "" } else { " no prefix cache" };
+                format!("veloq {label}{grow}{prefix}")
+            }
+            Server::Llama { kv, cache_prompt: false } => format!("llama-server {kv} KV"),
+            Server::Llama { kv, cache_prompt: true } => format!("llama-server {kv} KV cache_prompt"),
         }
+    }
+
+    /// The same server with prefix reuse on (veloq's prefix cache, llama-server's cache_prompt).
+    fn with_prefix_reuse(&self, on: bool) -> Server {
+        let mut s = self.clone();
+        match &mut s {
+            Server::Veloq { prefix_cache, .. } => *prefix_cache = on,
+            Server::Llama { cache_prompt, .. } => *cache_prompt = on,
+        }
+        s
     }
 }
 
@@ -157,7 +199,7 @@ fn start(a: &Args, s: &Server, elements_per_position: usize, parallel: usize) ->
     let model = a.files.model();
     let mut llama_kv_bytes = None;
     let mut cmd = match s {
-        Server::Veloq { method, calibration, .. } => {
+        Server::Veloq { method, calibration, prefix_cache, reserve, .. } => {
             let mut c = Command::new(std::env::current_exe()?);
             c.args(["serve", "--quiet", "--method", &method.to_string(), "--port", &port.to_string()])
                 .args(["--kv-budget", &a.kv_budget.to_string(), "--max-context", &max_context.to_string()])
@@ -171,9 +213,13 @@ fn start(a: &Args, s: &Server, elements_per_position: usize, parallel: usize) ->
             if let Some(cal) = calibration {
                 c.arg("--calibration").arg(cal);
             }
+            if !prefix_cache {
+                c.arg("--no-prefix-cache");
+            }
+            c.args(["--reserve", &reserve.to_string()]);
             c
         }
-        Server::Llama { kv } => {
+        Server::Llama { kv, .. } => {
             let bin = a.llama_server.as_ref().context("no --llama-server")?;
             // Its context holds what the budget holds at its bytes per position, split into slots
             // of one capacity context each: every running request is guaranteed its memory, as
@@ -410,10 +456,75 @@ fn load(addr: SocketAddr, bodies: Vec<Value>, clients: usize, leave_after: Optio
 fn body(server: &Server, prompt: &[u32], max_tokens: usize) -> Value {
     let mut b = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true,
                        "ignore_eos": true, "stream_options": {"include_usage": true}});
-    if matches!(server, Server::Llama { .. }) {
-        b["cache_prompt"] = json!(false);
+    if let Server::Llama { cache_prompt, .. } = server {
+        b["cache_prompt"] = json!(cache_prompt);
     }
     b
+}
+
+/// What a server's metrics say it fed: veloq's prompt tokens, llama-server's prompt tokens
+/// processed (both count only what ran through the model).
+fn prompt_tokens_fed(addr: SocketAddr, llama: bool) -> Option<f64> {
+    let (_, text) = get(addr, "/metrics").ok()?;
+    let name = if llama { "llamacpp:prompt_tokens_total" } else { "veloq_prompt_tokens_total" };
+    text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse::<f64>().ok()))
+}
+
+/// The conversation load: `a.conversations` clients, each running `a.turns` turns in order, every
+/// turn's prompt the previous one plus `a.turn_tokens` new tokens (the history resent). Returns
+/// the row it printed.
+fn conversations(a: &Args, s: &Server, r: &Running, take: &mut dyn FnMut(usize) -> Vec<u32>) -> Value {
+    let firsts: Vec<Vec<u32>> = (0..a.conversations).map(|_| take(a.first_prompt)).collect();
+    let turns: Vec<Vec<Vec<u32>>> = firsts
+        .into_iter()
+        .map(|first| {
+            let mut history = first;
+            let mut out = vec![history.clone()];
+            for _ in 1..a.turns {
+                history.extend(take(a.turn_tokens));
+                out.push(history.clone());
+            }
+            out
+        })
+        .collect();
+    let sent: usize = turns.iter().flatten().map(Vec::len).sum();
+    let fed_before = prompt_tokens_fed(r.addr, r.llama);
+    let t0 = Instant::now();
+    let threads: Vec<_> = turns
+        .into_iter()
+        .map(|conv| {
+            let bodies: Vec<Value> = conv.iter().map(|p| body(s, p, a.max_tokens)).collect();
+            let addr = r.addr;
+            std::thread::spawn(move || bodies.iter().map(|b| stream(addr, b, None)).collect::<Vec<Trace>>())
+        })
+        .collect();
+    let traces: Vec<Vec<Trace>> = threads.into_iter().map(|t| t.join().unwrap_or_default()).collect();
+    let secs = t0.elapsed().as_secs_f64();
+    let fed = prompt_tokens_fed(r.addr, r.llama).zip(fed_before).map(|(after, before)| after - before);
+    let errors = traces.iter().flatten().filter(|t| t.error.is_some()).count();
+    let tokens: usize = traces.iter().flatten().map(|t| t.tokens).sum();
+    let mut first: Vec<f64> = traces.iter().filter_map(|c| c.first()?.ttft).collect();
+    let mut later: Vec<f64> = traces.iter().flat_map(|c| c.iter().skip(1).filter_map(|t| t.ttft)).collect();
+    let (f50, l50, l99) = (percentile(&mut first, 0.5), percentile(&mut later, 0.5), percentile(&mut later, 0.99));
+    let ms = |v: Option<f64>| v.map_or("—".to_string(), |s| format!("{:.0}", s * 1e3));
+    println!(
+        "{:<34} conversations {}×{} turns: {secs:>6.1} s, {sent} prompt tok sent, {} fed | TTFT turn 1 p50 {:>6} ms, later turns p50 {:>6} p99 {:>6} ms | {:.1} gen tok/s | {errors} errors",
+        s.label(),
+        a.conversations,
+        a.turns,
+        fed.map_or("—".to_string(), |f| format!("{f:.0}")),
+        ms(f50),
+        ms(l50),
+        ms(l99),
+        tokens as f64 / secs,
+    );
+    if let Some(e) = traces.iter().flatten().find_map(|t| t.error.clone()) {
+        println!("    first error: {e}");
+    }
+    json!({"server": s.label(), "load": "conversations", "conversations": a.conversations, "turns": a.turns,
+           "first_prompt": a.first_prompt, "turn_tokens": a.turn_tokens, "seconds": secs,
+           "prompt_tokens_sent": sent, "prompt_tokens_fed": fed, "ttft_first_p50_s": f50,
+           "ttft_later_p50_s": l50, "ttft_later_p99_s": l99, "generated_tokens": tokens, "errors": errors})
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -479,10 +590,19 @@ pub fn run(a: Args) -> Result<()> {
         } else {
             method.to_string()
         };
-        servers.push(Server::Veloq { label, method, calibration });
+        for &reserve in &a.reserve {
+            let (label, calibration) = (label.clone(), calibration.clone());
+            servers.push(Server::Veloq { label, method, calibration, prefix_cache: true, reserve });
+        }
     }
     if a.llama_server.is_some() {
-        servers.extend(a.llama_kv.iter().map(|kv| Server::Llama { kv: kv.clone() }));
+        servers.extend(a.llama_kv.iter().map(|kv| Server::Llama { kv: kv.clone(), cache_prompt: false }));
+    }
+    let conversation_context = a.first_prompt + a.turns.saturating_sub(1) * a.turn_tokens + a.max_tokens;
+    if a.turns > 0 && conversation_context > a.max_context.unwrap_or(a.capacity_context) {
+        bail!(
+            "a conversation reaches {conversation_context} positions, over the servers' context: raise --max-context or shorten it"
+        );
     }
 
     println!(
@@ -494,6 +614,17 @@ pub fn run(a: Args) -> Result<()> {
     );
     let mut rows = Vec::new();
     for s in &servers {
+        if a.turns > 0 {
+            // Conversations: prefix reuse off, then on, each on a fresh process.
+            for on in [false, true] {
+                let s = s.with_prefix_reuse(on);
+                let r = start(&a, &s, elements_per_position, a.conversations)?;
+                rows.push(conversations(&a, &s, &r, &mut take));
+            }
+        }
+        if a.conversations_only {
+            continue;
+        }
         // Capacity: 4k-context requests, as many at once as the budget admits.
         let cap_prompt = 64usize;
         let parallel = a.capacity_requests;
@@ -529,11 +660,17 @@ pub fn run(a: Args) -> Result<()> {
         let r = start(&a, s, elements_per_position, top)?;
         for &c in &a.concurrency {
             let n = c.max(a.min_requests);
-            let bodies: Vec<Value> =
-                (0..n).map(|i| body(s, &take(a.prompts[i % a.prompts.len()]), a.max_tokens)).collect();
+            let context = a.max_context.unwrap_or(a.capacity_context);
+            let bodies: Vec<Value> = (0..n)
+                .map(|i| {
+                    let len = a.prompts[i % a.prompts.len()];
+                    let max_tokens = if a.open_ended { context.saturating_sub(len).max(1) } else { a.max_tokens };
+                    body(s, &take(len), max_tokens)
+                })
+                .collect();
             let prompt_tokens: usize = (0..n).map(|i| a.prompts[i % a.prompts.len()]).sum();
             let poll = Poller::start(r.addr, r.llama);
-            let (traces, secs) = load(r.addr, bodies, c, None);
+            let (traces, secs) = load(r.addr, bodies, c, a.open_ended.then_some(a.max_tokens));
             let (peak, kv_peak) = poll.finish();
             let tokens: usize = traces.iter().map(|t| t.tokens).sum();
             let errors = traces.iter().filter(|t| t.error.is_some()).count();
@@ -562,7 +699,7 @@ pub fn run(a: Args) -> Result<()> {
             if let Some(e) = traces.iter().find_map(|t| t.error.clone()) {
                 println!("    first error: {e}");
             }
-            rows.push(json!({"server": s.label(), "load": "throughput", "concurrency": c, "requests": n,
+            rows.push(json!({"server": s.label(), "load": "throughput", "concurrency": c, "requests": n, "open_ended": a.open_ended,
                              "prompt_tokens": prompt_tokens, "generated_tokens": tokens, "seconds": secs,
                              "gen_tok_s": tokens as f64 / secs, "ttft_p50_s": t50, "ttft_p99_s": t99,
                              "itl_p50_s": i50, "itl_p99_s": i99, "peak_concurrent": peak,
