@@ -73,6 +73,25 @@ if len(words) > 3:
     s = client.completions.create(seed=11, stop=[stop], **kw).choices[0]
     check(s.text == a[: a.index(stop)] and s.finish_reason == "stop", f"stop {stop!r}: {s.text!r}")
 
+# n choices: each its own sequence and seed (the request's plus its index: the seeds themselves are
+# checked in the server's unit tests; a sampled text need not repeat exactly between a batch of
+# three and a request alone, whose logits round differently). The prompt is counted once and the
+# completions added up; streamed chunks carry their choice's index.
+kw = dict(model=model, messages=question, max_tokens=8, temperature=1.0, seed=5, n=3, extra_body={"ignore_eos": True})
+many = client.chat.completions.create(**kw)
+check([c.index for c in many.choices] == [0, 1, 2], f"n=3: indexes {[c.index for c in many.choices]}")
+check(all(c.message.content and c.finish_reason == "length" for c in many.choices), "n=3: three texts")
+check(many.usage.prompt_tokens == u.prompt_tokens, "n=3: the prompt counted once")
+check(many.usage.completion_tokens == 24, f"n=3: completions add up ({many.usage.completion_tokens})")
+texts, ends = ["", "", ""], []
+for c in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+    for ch in c.choices:
+        texts[ch.index] += ch.delta.content or ""
+        ends += [ch.index] if ch.finish_reason else []
+    if not c.choices:
+        check(c.usage.completion_tokens == 24 and c.usage.prompt_tokens == u.prompt_tokens, "n=3 streamed usage")
+check(all(texts) and sorted(ends) == [0, 1, 2], f"n=3 streamed: {texts}, ends {ends}")
+
 # Log-probabilities, whole and streamed: one entry per generated token, greedy's token at the top
 # of its alternatives, the entries' text spelling the answer; the same entries when streamed.
 lp = client.chat.completions.create(model=model, messages=question, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)

@@ -228,6 +228,9 @@ pub fn check_fields(body: &[u8], endpoint: &[&'static str]) -> Result<(), ApiErr
 /// OpenAI's own bound on stop strings.
 const MAX_STOPS: usize = 4;
 
+/// OpenAI's bound on `n`, the choices of one request.
+const MAX_CHOICES: u64 = 128;
+
 /// OpenAI's bound on `top_logprobs`.
 const MAX_TOP_LOGPROBS: u64 = 20;
 
@@ -319,9 +322,6 @@ impl Sampling {
                 format!("temperature must be between 0 and 2, got {temperature}"),
             ));
         }
-        if let Some(n) = self.n.filter(|&n| n != 1) {
-            return Err(ApiError::invalid(Some("n"), format!("n must be 1 (one completion per request), got {n}")));
-        }
         let top_k = match self.top_k {
             None | Some(0) | Some(-1) => None,
             Some(k) if k > 0 => Some(usize::try_from(k).unwrap_or(usize::MAX)),
@@ -360,6 +360,22 @@ impl Sampling {
         };
         sampling.check(vocab).map_err(|e| ApiError::invalid(Some(e.field), e.message))?;
         Ok(Request { prompt, max_tokens, sampling, logprobs, stop, ignore_eos: self.ignore_eos })
+    }
+
+    /// The requests that serve `n` choices of `request`: choice `i` samples with the seed plus
+    /// `i`, so a seeded request repeats choice by choice; an error naming `n` beyond its range.
+    pub fn choices(&self, request: Request) -> Result<Vec<Request>, ApiError> {
+        let n = match self.n.unwrap_or(1) {
+            n @ 1..=MAX_CHOICES => n as usize,
+            n => return Err(ApiError::invalid(Some("n"), format!("n must be between 1 and {MAX_CHOICES}, got {n}"))),
+        };
+        Ok((0..n as u64)
+            .map(|i| {
+                let mut r = request.clone();
+                r.sampling.seed = r.sampling.seed.wrapping_add(i);
+                r
+            })
+            .collect())
     }
 
     /// Whether `logprobs` is on (`true`); an error for anything but a boolean or null.
@@ -435,15 +451,28 @@ pub struct PromptDetails {
     pub cached_tokens: usize,
 }
 
-impl From<&Summary> for Usage {
-    fn from(s: &Summary) -> Self {
+impl Usage {
+    /// The counts of a request's choices: its prompt once (with the first choice's cached
+    /// share, as every choice reads the same prompt), the completions added up.
+    pub fn of(choices: &[&Summary]) -> Self {
+        let (prompt_tokens, cached_tokens) = choices.first().map_or((0, 0), |s| (s.prompt_tokens, s.cached_tokens));
+        let completion_tokens = choices.iter().map(|s| s.completion_tokens).sum();
         Self {
-            prompt_tokens: s.prompt_tokens,
-            completion_tokens: s.completion_tokens,
-            total_tokens: s.prompt_tokens + s.completion_tokens,
-            prompt_tokens_details: PromptDetails { cached_tokens: s.cached_tokens },
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptDetails { cached_tokens },
         }
     }
+}
+
+/// One finished choice of a whole (not streamed) response.
+#[derive(Clone, Debug)]
+pub struct Choice {
+    pub text: String,
+    pub summary: Summary,
+    /// Each token's entry, when the request asked for them.
+    pub logprobs: Option<Vec<Value>>,
 }
 
 /// Which endpoint a response belongs to: the two differ in object names and in where the text goes.
@@ -463,31 +492,47 @@ pub struct Reply {
 }
 
 impl Reply {
-    /// The whole response of a request that did not stream.
-    pub fn full(&self, text: &str, s: &Summary, logprobs: Option<&[Value]>) -> Value {
-        let choice = match self.kind {
-            Kind::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs.map(|c| json!({"content": c})),
-                "finish_reason": finish_reason(s.finish),
-            }),
-            Kind::Completion => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason(s.finish)})
-            }
-        };
+    /// The whole response of a request that did not stream: its choices, in order.
+    pub fn full(&self, choices: &[Choice]) -> Value {
+        let body: Vec<Value> = choices
+            .iter()
+            .enumerate()
+            .map(|(index, c)| {
+                let reason = finish_reason(c.summary.finish);
+                match self.kind {
+                    Kind::Chat => json!({
+                        "index": index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": c.logprobs.as_ref().map(|l| json!({"content": l})),
+                        "finish_reason": reason,
+                    }),
+                    Kind::Completion => {
+                        json!({"index": index, "text": c.text, "logprobs": null, "finish_reason": reason})
+                    }
+                }
+            })
+            .collect();
+        let summaries: Vec<&Summary> = choices.iter().map(|c| &c.summary).collect();
         json!({
             "id": self.id,
             "object": self.object(false),
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
-            "usage": Usage::from(s),
+            "choices": body,
+            "usage": Usage::of(&summaries),
         })
     }
 
-    /// A stream chunk: new text (chat: the first chunk carries the role), or the end.
-    pub fn chunk(&self, text: Option<&str>, first: bool, finish: Option<Finish>, logprobs: Option<&[Value]>) -> Value {
+    /// A stream chunk of choice `index`: new text (chat: the first chunk carries the role), or
+    /// its end.
+    pub fn chunk(
+        &self,
+        index: usize,
+        text: Option<&str>,
+        first: bool,
+        finish: Option<Finish>,
+        logprobs: Option<&[Value]>,
+    ) -> Value {
         let reason = finish.map(finish_reason);
         let choice = match self.kind {
             Kind::Chat => {
@@ -499,24 +544,24 @@ impl Reply {
                     delta.insert("content".into(), json!(t));
                 }
                 let logprobs = logprobs.map(|c| json!({"content": c}));
-                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason})
+                json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason})
             }
             Kind::Completion => {
-                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": reason})
+                json!({"index": index, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": reason})
             }
         };
         json!({"id": self.id, "object": self.object(true), "created": self.created, "model": self.model, "choices": [choice]})
     }
 
     /// The last chunk of a stream whose client asked for usage: no choices, the counts.
-    pub fn usage_chunk(&self, s: &Summary) -> Value {
+    pub fn usage_chunk(&self, usage: Usage) -> Value {
         json!({
             "id": self.id,
             "object": self.object(true),
             "created": self.created,
             "model": self.model,
             "choices": [],
-            "usage": Usage::from(s),
+            "usage": usage,
         })
     }
 
@@ -533,8 +578,26 @@ impl Reply {
 mod tests {
     use super::*;
 
+    /// The request a body gives, its choices checked.
     fn sampling(body: &str) -> Result<Request, ApiError> {
-        from_body::<Sampling>(body.as_bytes())?.request(vec![1, 2], None, 16, 100, None)
+        let s = from_body::<Sampling>(body.as_bytes())?;
+        let r = s.request(vec![1, 2], None, 16, 100, None)?;
+        s.choices(r.clone())?;
+        Ok(r)
+    }
+
+    #[test]
+    fn choices_repeat_the_request_with_successive_seeds() {
+        let s = from_body::<Sampling>(br#"{"n": 3, "seed": 7, "temperature": 0.8}"#).unwrap();
+        let r = s.request(vec![1, 2], None, 16, 100, None).unwrap();
+        let c = s.choices(r.clone()).unwrap();
+        assert_eq!(c.iter().map(|q| q.sampling.seed).collect::<Vec<_>>(), vec![7, 8, 9]);
+        assert!(c.iter().all(|q| q.prompt == r.prompt && q.sampling.temperature == 0.8));
+        let s = from_body::<Sampling>(format!(r#"{{"n": 2, "seed": {}}}"#, u64::MAX).as_bytes()).unwrap();
+        let c = s.choices(s.request(vec![1], None, 16, 100, None).unwrap()).unwrap();
+        assert_eq!((c[0].sampling.seed, c[1].sampling.seed), (u64::MAX, 0), "seeds wrap");
+        let s = from_body::<Sampling>(b"{}").unwrap();
+        assert_eq!(s.choices(s.request(vec![1], None, 16, 100, None).unwrap()).unwrap().len(), 1);
     }
 
     #[test]
@@ -562,7 +625,8 @@ mod tests {
             (r#"{"prompt": "x", "temperature": -1}"#, "temperature"),
             (r#"{"prompt": "x", "temperature": 2.5}"#, "temperature"),
             (r#"{"prompt": "x", "max_tokens": 0}"#, "max_tokens"),
-            (r#"{"prompt": "x", "n": 2}"#, "n"),
+            (r#"{"prompt": "x", "n": 0}"#, "n"),
+            (r#"{"prompt": "x", "n": 129}"#, "n"),
             (r#"{"top_k": -2}"#, "top_k"),
             (r#"{"min_p": 2}"#, "min_p"),
             (r#"{"presence_penalty": 2.5}"#, "presence_penalty"),

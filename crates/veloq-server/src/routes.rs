@@ -25,8 +25,8 @@ use veloq_candle::model::{encode, Tokenizer};
 use veloq_candle::Forward;
 
 use crate::api::{
-    check_fields, from_body, logprob_json, ApiError, ChatRequest, CompletionRequest, Kind, Prompt, Reply, Sampling,
-    CHAT_FIELDS, COMPLETION_FIELDS,
+    check_fields, from_body, logprob_json, ApiError, ChatRequest, Choice, CompletionRequest, Kind, Prompt, Reply,
+    Sampling, Usage, CHAT_FIELDS, COMPLETION_FIELDS,
 };
 use crate::guard::{guard, Active, Gate, Guards, Waiting};
 use crate::metrics;
@@ -145,7 +145,7 @@ async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) 
     let default = app.default_max_tokens.map_or(room, |d| d.min(room));
     let logprobs = req.logprobs(&sampling)?;
     let request = sampling.request(ids, req.max_completion_tokens, default, app.engine.info().vocab, logprobs)?;
-    run(app.clone(), app.reply(Kind::Chat), request, &sampling).await
+    run(app.clone(), app.reply(Kind::Chat), sampling.choices(request)?, &sampling).await
 }
 
 async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
@@ -176,7 +176,7 @@ async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejec
     };
     // OpenAI's default for text completions.
     let request = sampling.request(ids, None, 16, app.engine.info().vocab, None)?;
-    run(app.clone(), app.reply(Kind::Completion), request, &sampling).await
+    run(app.clone(), app.reply(Kind::Completion), sampling.choices(request)?, &sampling).await
 }
 
 async fn text_ids(app: &App, text: String) -> Result<Vec<u32>, ApiError> {
@@ -202,39 +202,49 @@ fn server_error(message: String) -> ApiError {
     ApiError { status: 500, message, kind: "server_error", param: None, code: None, retry_after: None }
 }
 
-/// A request's events, from the engine's worker into this request's task. The receiver is dropped
-/// when the client goes away (hyper drops the handler or the stream), which the engine sees as
-/// `alive() == false` and cancels.
-struct ChannelSink(UnboundedSender<Event>);
+/// A choice's events, tagged with its index, from the engine's worker into its request's task
+/// (one channel for all the choices). The receiver is dropped when the client goes away (hyper
+/// drops the handler or the stream), which the engine sees as `alive() == false` and cancels.
+struct ChannelSink(usize, UnboundedSender<(usize, Event)>);
 
 impl Sink for ChannelSink {
     fn send(&mut self, e: Event) -> bool {
-        self.0.send(e).is_ok()
+        self.1.send((self.0, e)).is_ok()
     }
     fn alive(&self) -> bool {
-        !self.0.is_closed()
+        !self.1.is_closed()
     }
 }
 
+/// Runs a request's choices (each its own engine request, sampled with its own seed) and answers
+/// with all of them, whole or streamed.
 async fn run(
     app: Arc<App>,
     reply: Reply,
-    request: veloq_candle::engine::Request,
+    requests: Vec<veloq_candle::engine::Request>,
     sampling: &Sampling,
 ) -> Result<Response, ApiError> {
     let active = Active::enter(&app.active);
     let mut waiting = Waiting::wait(&app.waiting, app.guards.max_queued)?;
     let (tx, mut rx) = unbounded_channel();
-    // Each token's entry, while the request asked for them.
-    let mut logprobs: Option<Vec<Value>> = request.logprobs.map(|_| Vec::new());
-    app.engine.submit(request, Box::new(ChannelSink(tx))).map_err(|r| match r {
-        Rejected::Context { .. } => {
-            ApiError::invalid(Some("messages"), r.to_string()).with_code("context_length_exceeded")
-        }
-        Rejected::Budget { .. } => ApiError::invalid(Some("max_tokens"), r.to_string()).with_code("kv_budget_exceeded"),
-        Rejected::Invalid(m) => ApiError::invalid(None, m),
-        Rejected::Stopped => server_error(r.to_string()).status(503),
-    })?;
+    let n = requests.len();
+    // Each token's entry, per choice, while the request asked for them.
+    let mut choices: Vec<Partial> =
+        requests.iter().map(|r| Partial { logprobs: r.logprobs.map(|_| Vec::new()), ..Partial::default() }).collect();
+    for (i, request) in requests.into_iter().enumerate() {
+        // A refusal drops the receiver, which cancels the choices already submitted.
+        app.engine.submit(request, Box::new(ChannelSink(i, tx.clone()))).map_err(|r| match r {
+            Rejected::Context { .. } => {
+                ApiError::invalid(Some("messages"), r.to_string()).with_code("context_length_exceeded")
+            }
+            Rejected::Budget { .. } => {
+                ApiError::invalid(Some("max_tokens"), r.to_string()).with_code("kv_budget_exceeded")
+            }
+            Rejected::Invalid(m) => ApiError::invalid(None, m),
+            Rejected::Stopped => server_error(r.to_string()).status(503),
+        })?;
+    }
+    drop(tx);
     if sampling.stream {
         let usage = sampling.stream_usage();
         let state = Stream {
@@ -245,22 +255,29 @@ async fn run(
             usage,
             app,
             waiting,
-            logprobs,
+            choices,
+            left: n,
             _active: active,
         };
         return Ok(Sse::new(futures_util::stream::unfold(state, Stream::next))
             .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
             .into_response());
     }
-    let mut text = String::new();
-    while let Some(e) = rx.recv().await {
+    let mut left = n;
+    while let Some((i, e)) = rx.recv().await {
+        let c = &mut choices[i];
         match e {
             Event::Admitted => waiting.release(),
-            Event::Text(t) => text.push_str(&t),
-            Event::Logprob(lp) => logprobs.iter_mut().for_each(|v| v.push(logprob_json(&app.tok, &lp))),
+            Event::Text(t) => c.text.push_str(&t),
+            Event::Logprob(lp) => c.logprobs.iter_mut().for_each(|v| v.push(logprob_json(&app.tok, &lp))),
             Event::Done(s) => {
-                app.log(&reply, &s);
-                return Ok(Json(reply.full(&text, &s, logprobs.as_deref())).into_response());
+                app.log(&reply, i, &s);
+                c.summary = Some(s);
+                left -= 1;
+                if left == 0 {
+                    let done: Vec<Choice> = choices.into_iter().filter_map(Partial::finished).collect();
+                    return Ok(Json(reply.full(&done)).into_response());
+                }
             }
             Event::Failed(why) => return Err(server_error(why)),
         }
@@ -268,11 +285,26 @@ async fn run(
     Err(server_error("the engine stopped before the request ended".into()))
 }
 
+/// A choice on its way.
+#[derive(Default)]
+struct Partial {
+    text: String,
+    /// Entries gathered (whole responses) or not yet sent (streams).
+    logprobs: Option<Vec<Value>>,
+    summary: Option<Summary>,
+}
+
+impl Partial {
+    fn finished(self) -> Option<Choice> {
+        Some(Choice { text: self.text, summary: self.summary?, logprobs: self.logprobs })
+    }
+}
+
 impl App {
-    fn log(&self, r: &Reply, s: &Summary) {
+    fn log(&self, r: &Reply, choice: usize, s: &Summary) {
         if self.log {
             eprintln!(
-                "{} prompt {} (cached {}) completion {} finish {:?} queued {:.0} ms first token {:.0} ms total {:.0} ms",
+                "{}#{choice} prompt {} (cached {}) completion {} finish {:?} queued {:.0} ms first token {:.0} ms total {:.0} ms",
                 r.id,
                 s.prompt_tokens,
                 s.cached_tokens,
@@ -286,17 +318,19 @@ impl App {
     }
 }
 
-/// A streamed response: chunks as the engine's events come, then the end and `[DONE]`.
+/// A streamed response: chunks as the engine's events come (the choices' interleaved, each
+/// tagged with its index), then the usage and `[DONE]` once every choice has ended.
 struct Stream {
-    rx: UnboundedReceiver<Event>,
+    rx: UnboundedReceiver<(usize, Event)>,
     reply: Reply,
     pending: VecDeque<SseEvent>,
     ended: bool,
     usage: bool,
     app: Arc<App>,
     waiting: Waiting,
-    /// Entries not yet sent, when the request asked for log-probabilities.
-    logprobs: Option<Vec<Value>>,
+    choices: Vec<Partial>,
+    /// Choices not yet ended.
+    left: usize,
     _active: Active,
 }
 
@@ -305,10 +339,10 @@ impl Stream {
         SseEvent::default().data(v.to_string())
     }
 
-    /// The entries gathered since the last chunk (the text of a token may come later than its
-    /// entry: stop strings hold text back).
-    fn take_logprobs(&mut self) -> Option<Vec<Value>> {
-        self.logprobs.as_mut().map(std::mem::take)
+    /// Choice `i`'s entries gathered since its last chunk (the text of a token may come later
+    /// than its entry: stop strings hold text back).
+    fn take_logprobs(&mut self, i: usize) -> Option<Vec<Value>> {
+        self.choices[i].logprobs.as_mut().map(std::mem::take)
     }
 
     async fn next(mut self) -> Option<(Result<SseEvent, Infallible>, Self)> {
@@ -319,34 +353,41 @@ impl Stream {
             if self.ended {
                 return None;
             }
-            let first = self.reply.kind == Kind::Chat;
+            let chat = self.reply.kind == Kind::Chat;
             match self.rx.recv().await {
-                // The role comes first, as soon as the request runs.
-                Some(Event::Admitted) => {
+                // A choice's role comes first, as soon as it runs.
+                Some((i, Event::Admitted)) => {
                     self.waiting.release();
-                    if first {
-                        self.pending.push_back(Self::data(&self.reply.chunk(None, true, None, None)))
+                    if chat {
+                        self.pending.push_back(Self::data(&self.reply.chunk(i, None, true, None, None)))
                     }
                 }
-                Some(Event::Logprob(lp)) => {
+                Some((i, Event::Logprob(lp))) => {
                     let entry = logprob_json(&self.app.tok, &lp);
-                    self.logprobs.iter_mut().for_each(|v| v.push(entry.clone()));
+                    self.choices[i].logprobs.iter_mut().for_each(|v| v.push(entry.clone()));
                 }
-                Some(Event::Text(t)) => {
-                    let lp = self.take_logprobs();
-                    self.pending.push_back(Self::data(&self.reply.chunk(Some(&t), false, None, lp.as_deref())))
+                Some((i, Event::Text(t))) => {
+                    let lp = self.take_logprobs(i);
+                    self.pending.push_back(Self::data(&self.reply.chunk(i, Some(&t), false, None, lp.as_deref())))
                 }
-                Some(Event::Done(s)) => {
-                    self.app.log(&self.reply, &s);
-                    let lp = self.take_logprobs();
-                    self.pending.push_back(Self::data(&self.reply.chunk(None, false, Some(s.finish), lp.as_deref())));
+                Some((i, Event::Done(s))) => {
+                    self.app.log(&self.reply, i, &s);
+                    let lp = self.take_logprobs(i);
+                    let end = self.reply.chunk(i, None, false, Some(s.finish), lp.as_deref());
+                    self.pending.push_back(Self::data(&end));
+                    self.choices[i].summary = Some(s);
+                    self.left -= 1;
+                    if self.left > 0 {
+                        continue;
+                    }
                     if self.usage {
-                        self.pending.push_back(Self::data(&self.reply.usage_chunk(&s)));
+                        let summaries: Vec<&Summary> = self.choices.iter().filter_map(|c| c.summary.as_ref()).collect();
+                        self.pending.push_back(Self::data(&self.reply.usage_chunk(Usage::of(&summaries))));
                     }
                     self.pending.push_back(SseEvent::default().data("[DONE]"));
                     self.ended = true;
                 }
-                Some(Event::Failed(why)) => {
+                Some((_, Event::Failed(why))) => {
                     self.pending.push_back(Self::data(&server_error(why).body()));
                     self.pending.push_back(SseEvent::default().data("[DONE]"));
                     self.ended = true;
