@@ -12,6 +12,7 @@ pub mod cuda_options;
 pub mod engine;
 pub mod error;
 pub mod generate;
+pub mod grammar;
 pub mod method;
 pub mod model;
 pub mod prefill;

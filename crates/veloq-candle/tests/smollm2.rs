@@ -444,3 +444,29 @@ fn the_files_template_and_typed_control_tokens_as_text() {
     let text = f.tok.decode(&ids, false).unwrap();
     assert!(text.contains(forged), "the message comes through as written: {text:?}");
 }
+
+/// The bytes constrained decoding spells each token with are what the tokenizer's own decoder
+/// makes of it: every token whose bytes are whole UTF-8 decodes to exactly them, the rest are
+/// pieces of characters (the decoder shows U+FFFD), and control tokens carry llguidance's marker.
+#[test]
+fn grammar_token_bytes_are_the_tokenizers_own() {
+    let f = fixture();
+    let bytes = veloq_candle::grammar::token_bytes(&f.tok);
+    assert_eq!(bytes.len(), f.tok.get_vocab_size(true));
+    let (mut whole, mut pieces, mut control) = (0, 0, 0);
+    for (id, b) in bytes.iter().enumerate() {
+        let text = f.tok.decode(&[id as u32], false).unwrap();
+        if b.first() == Some(&0xFF) {
+            assert_eq!(&b[1..], text.as_bytes(), "control token {id}");
+            control += 1;
+        } else if let Ok(s) = std::str::from_utf8(b) {
+            assert_eq!(s, text, "token {id}");
+            whole += 1;
+        } else {
+            assert!(text.contains('\u{FFFD}'), "token {id}: {b:?} is not UTF-8 but decodes to {text:?}");
+            pieces += 1;
+        }
+    }
+    println!("{whole} whole tokens, {pieces} pieces of characters, {control} control tokens");
+    assert!(whole > 40_000 && control > 0, "{whole} whole, {control} control");
+}

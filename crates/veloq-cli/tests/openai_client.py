@@ -5,9 +5,11 @@
 Exits non-zero with a message on the first check that fails.
 """
 
+import json
 import sys
 
 import openai
+import pydantic
 
 base, model = sys.argv[1], sys.argv[2]
 client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
@@ -91,6 +93,37 @@ for c in client.chat.completions.create(**kw, stream=True, stream_options={"incl
     if not c.choices:
         check(c.usage.completion_tokens == 24 and c.usage.prompt_tokens == u.prompt_tokens, "n=3 streamed usage")
 check(all(texts) and sorted(ends) == [0, 1, 2], f"n=3 streamed: {texts}, ends {ends}")
+
+# Structured output: the token mask makes the text parse and match the schema, whole and streamed,
+# greedy and sampled; the client's own pydantic parsing takes it.
+schema = {"type": "object", "additionalProperties": False, "required": ["city", "population"],
+          "properties": {"city": {"type": "string", "maxLength": 40},
+                         "population": {"type": "integer", "minimum": 0, "maximum": 100000000}}}
+fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
+ask = [{"role": "user", "content": "Name the capital of France and its population, as JSON."}]
+for temperature in (0, 1.0):
+    r = client.chat.completions.create(model=model, messages=ask, max_tokens=120, temperature=temperature, seed=3,
+                                       response_format=fmt)
+    v = json.loads(r.choices[0].message.content)
+    check(set(v) == {"city", "population"} and isinstance(v["city"], str) and isinstance(v["population"], int)
+          and r.choices[0].finish_reason == "stop", f"json_schema at temperature {temperature}: {v}")
+streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+    model=model, messages=ask, max_tokens=120, temperature=0, response_format=fmt, stream=True) if c.choices)
+check(json.loads(streamed) == json.loads(client.chat.completions.create(
+    model=model, messages=ask, max_tokens=120, temperature=0, response_format=fmt).choices[0].message.content),
+    f"json_schema streamed: {streamed}")
+obj = client.chat.completions.create(model=model, messages=ask, max_tokens=200, temperature=0,
+                                     response_format={"type": "json_object"})
+check(isinstance(json.loads(obj.choices[0].message.content), dict), f"json_object: {obj.choices[0].message.content}")
+
+
+class City(pydantic.BaseModel):
+    city: str
+    population: int
+
+
+parsed = client.chat.completions.parse(model=model, messages=ask, max_tokens=120, temperature=0, response_format=City)
+check(isinstance(parsed.choices[0].message.parsed, City), f"parse(): {parsed.choices[0].message.parsed!r}")
 
 # Log-probabilities, whole and streamed: one entry per generated token, greedy's token at the top
 # of its alternatives, the entries' text spelling the answer; the same entries when streamed.

@@ -223,12 +223,21 @@ fn bad_input_is_refused_and_the_server_stays_up() {
             400,
             "tools",
         ),
+        ("POST", "/v1/chat/completions", chat(json!({"response_format": {"type": "yaml"}})), 400, "response_format"),
         (
             "POST",
             "/v1/chat/completions",
-            chat(json!({"response_format": {"type": "json_object"}})),
+            chat(json!({"response_format": {"type": "json_object"}, "ignore_eos": true})),
             400,
-            "response_format",
+            "not with ignore_eos",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                "schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}})),
+            400,
+            "schema cannot be compiled",
         ),
         ("POST", "/v1/chat/completions", chat(json!({"logit_bias": {"99999999": 1}})), 400, "vocabulary"),
         ("POST", "/v1/chat/completions", chat(json!({"presence_penalty": 3})), 400, "presence_penalty"),
@@ -251,7 +260,8 @@ fn bad_input_is_refused_and_the_server_stays_up() {
         }
         server.healthy();
     }
-    assert_eq!(server.metric("veloq_requests_total{outcome=\"rejected\"}"), 3.0, "the three over the context");
+    // What the engine itself refused: the three over the context, the two grammars it cannot run.
+    assert_eq!(server.metric("veloq_requests_total{outcome=\"rejected\"}"), 5.0, "three contexts, two grammars");
 
     // Thousands of idle connections (2,000 where the open-file limit allows), and one that stalls half-way through its headers: the
     // server keeps answering, and closes the stalled one after the header timeout.

@@ -8,6 +8,7 @@ use veloq_candle::sampling::{SamplingOptions, TokenLogprob};
 
 use veloq_candle::engine::{Request, Summary};
 use veloq_candle::generate::Finish;
+use veloq_candle::grammar::Grammar;
 use veloq_candle::model::Role;
 
 /// An error as OpenAI's API returns it: a status and `{"error": {message, type, param, code}}`.
@@ -127,6 +128,29 @@ pub struct ChatRequest {
     pub messages: Vec<Message>,
     pub max_completion_tokens: Option<u64>,
     pub top_logprobs: Option<u64>,
+    pub response_format: Option<ResponseFormat>,
+}
+
+/// OpenAI's `response_format`: free text, any JSON object, or JSON under a schema (always
+/// enforced by the token mask, so `strict` changes nothing).
+#[derive(Deserialize, Debug, Clone)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaFormat },
+}
+
+/// `description` and `strict` are type-checked and change nothing: the token mask enforces every
+/// schema, strict or not.
+#[derive(Deserialize, Debug, Clone)]
+#[allow(dead_code)]
+pub struct JsonSchemaFormat {
+    pub name: String,
+    pub description: Option<String>,
+    /// Without one, any JSON object.
+    pub schema: Option<Value>,
+    pub strict: Option<bool>,
 }
 
 /// `prompt`: a string, one string in a list, or token ids.
@@ -212,13 +236,12 @@ pub fn check_fields(body: &[u8], endpoint: &[&'static str]) -> Result<(), ApiErr
             "tools" => value.is_null() || value.as_array().is_some_and(Vec::is_empty),
             "tool_choice" => value.is_null() || value == "none" || value == "auto",
             "parallel_tool_calls" => true,
-            "response_format" => value.is_null() || value.get("type").is_some_and(|t| t == "text"),
             _ => continue,
         };
         if !unused {
             return Err(ApiError::invalid(
                 Some(field),
-                format!("{field} is not supported yet: veloq serve cannot return tool calls or constrain output to a format"),
+                format!("{field} is not supported yet: veloq serve cannot return tool calls"),
             ));
         }
     }
@@ -235,6 +258,25 @@ const MAX_CHOICES: u64 = 128;
 const MAX_TOP_LOGPROBS: u64 = 20;
 
 impl ChatRequest {
+    /// What the completion must spell, if anything.
+    pub fn grammar(&self) -> Result<Option<Grammar>, ApiError> {
+        Ok(match &self.response_format {
+            None | Some(ResponseFormat::Text) => None,
+            Some(ResponseFormat::JsonObject) => Some(Grammar::JsonObject),
+            Some(ResponseFormat::JsonSchema { json_schema: f }) => {
+                let bad = |why: String| ApiError::invalid(Some("response_format"), why);
+                if f.name.is_empty() || f.name.len() > 64 {
+                    return Err(bad(format!("json_schema.name must have 1 to 64 characters, got {:?}", f.name)));
+                }
+                match &f.schema {
+                    None => Some(Grammar::JsonObject),
+                    Some(v @ Value::Object(_)) => Some(Grammar::JsonSchema(v.clone())),
+                    Some(v) => return Err(bad(format!("json_schema.schema must be a JSON Schema object, got {v}"))),
+                }
+            }
+        })
+    }
+
     /// How many alternatives each token's log-probability comes with, when `logprobs` is on.
     pub fn logprobs(&self, s: &Sampling) -> Result<Option<usize>, ApiError> {
         match (s.logprobs_on()?, self.top_logprobs) {
@@ -359,7 +401,7 @@ impl Sampling {
             seed: self.seed.unwrap_or_else(fresh_seed),
         };
         sampling.check(vocab).map_err(|e| ApiError::invalid(Some(e.field), e.message))?;
-        Ok(Request { prompt, max_tokens, sampling, logprobs, stop, ignore_eos: self.ignore_eos })
+        Ok(Request { prompt, max_tokens, sampling, logprobs, stop, ignore_eos: self.ignore_eos, grammar: None })
     }
 
     /// The requests that serve `n` choices of `request`: choice `i` samples with the seed plus
@@ -686,7 +728,6 @@ mod tests {
             (r#", "prompt": "x""#, "\"prompt\""),
             (r#", "tools": [{"type": "function", "function": {"name": "f"}}]"#, "tools"),
             (r#", "tool_choice": "required""#, "tool_choice"),
-            (r#", "response_format": {"type": "json_object"}"#, "response_format"),
         ] {
             let e = check_fields(chat(extra).as_bytes(), CHAT_FIELDS).unwrap_err();
             assert!(e.status == 400 && e.message.contains(says), "{extra}: {e:?}");
@@ -694,6 +735,29 @@ mod tests {
         let e = check_fields(br#"{"prompt": "x", "messages": []}"#, COMPLETION_FIELDS).unwrap_err();
         assert!(e.message.contains("\"messages\""), "{e:?}");
         assert!(check_fields(br#"{"prompt": "x", "echo": false, "best_of": 1}"#, COMPLETION_FIELDS).is_ok());
+    }
+
+    #[test]
+    fn response_formats_become_grammars() {
+        let g = |format: &str| {
+            let body = format!(r#"{{"messages": [], "response_format": {format}}}"#);
+            from_body::<ChatRequest>(body.as_bytes()).and_then(|r| r.grammar())
+        };
+        assert_eq!(g(r#"{"type": "text"}"#).unwrap(), None);
+        assert_eq!(g(r#"{"type": "json_object"}"#).unwrap(), Some(Grammar::JsonObject));
+        let schema = json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]});
+        let f = json!({"type": "json_schema", "json_schema": {"name": "place", "strict": true, "schema": schema}});
+        assert_eq!(g(&f.to_string()).unwrap(), Some(Grammar::JsonSchema(schema)));
+        assert_eq!(g(r#"{"type": "json_schema", "json_schema": {"name": "any"}}"#).unwrap(), Some(Grammar::JsonObject));
+        for (bad, says) in [
+            (r#"{"type": "xml"}"#, "response_format"),
+            (r#"{"type": "json_schema"}"#, "json_schema"),
+            (r#"{"type": "json_schema", "json_schema": {"name": "", "schema": {}}}"#, "name"),
+            (r#"{"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}"#, "schema"),
+        ] {
+            let e = g(bad).unwrap_err();
+            assert!(e.status == 400 && e.message.contains(says), "{bad}: {e:?}");
+        }
     }
 
     #[test]

@@ -144,7 +144,8 @@ async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) 
     let room = app.engine.info().max_context.saturating_sub(ids.len());
     let default = app.default_max_tokens.map_or(room, |d| d.min(room));
     let logprobs = req.logprobs(&sampling)?;
-    let request = sampling.request(ids, req.max_completion_tokens, default, app.engine.info().vocab, logprobs)?;
+    let mut request = sampling.request(ids, req.max_completion_tokens, default, app.engine.info().vocab, logprobs)?;
+    request.grammar = req.grammar()?;
     run(app.clone(), app.reply(Kind::Chat), sampling.choices(request)?, &sampling).await
 }
 
@@ -232,14 +233,21 @@ async fn run(
     let mut choices: Vec<Partial> =
         requests.iter().map(|r| Partial { logprobs: r.logprobs.map(|_| Vec::new()), ..Partial::default() }).collect();
     for (i, request) in requests.into_iter().enumerate() {
-        // A refusal drops the receiver, which cancels the choices already submitted.
-        app.engine.submit(request, Box::new(ChannelSink(i, tx.clone()))).map_err(|r| match r {
+        // A refusal drops the receiver, which cancels the choices already submitted. A grammar
+        // is compiled here (the first one builds the vocabulary's trie): off the async workers.
+        let sink = Box::new(ChannelSink(i, tx.clone()));
+        let submitted = match request.grammar {
+            Some(_) => tokio::task::block_in_place(|| app.engine.submit(request, sink)),
+            None => app.engine.submit(request, sink),
+        };
+        submitted.map_err(|r| match r {
             Rejected::Context { .. } => {
                 ApiError::invalid(Some("messages"), r.to_string()).with_code("context_length_exceeded")
             }
             Rejected::Budget { .. } => {
                 ApiError::invalid(Some("max_tokens"), r.to_string()).with_code("kv_budget_exceeded")
             }
+            Rejected::Grammar(m) => ApiError::invalid(Some("response_format"), m),
             Rejected::Invalid(m) => ApiError::invalid(None, m),
             Rejected::Stopped => server_error(r.to_string()).status(503),
         })?;

@@ -33,6 +33,7 @@ use crate::cache::{ModelCache, Step};
 use crate::config::CacheConfig;
 use crate::error::{Error, Result};
 use crate::generate::Finish;
+use crate::grammar::{Constraint, Grammar, Grammars};
 use crate::model::{Logits, Model};
 use crate::prefill::DEFAULT_CHUNK;
 use crate::runner::Forward;
@@ -121,6 +122,9 @@ pub struct Request {
     /// Run to `max_tokens` through end-of-sequence tokens (benchmarks: every request the same
     /// length whatever the model says).
     pub ignore_eos: bool,
+    /// What the completion must spell (a token mask at every step); it ends where the grammar
+    /// does. Not with `ignore_eos`.
+    pub grammar: Option<Grammar>,
 }
 
 /// What a request's sink receives, in order: `Admitted`, `Text`…, then `Done` or `Failed`.
@@ -191,6 +195,9 @@ pub enum Rejected {
         /// Bytes sequences may take in all.
         budget: usize,
     },
+    /// The grammar cannot be used (a schema llguidance cannot compile, or with `ignore_eos`).
+    #[error("{0}")]
+    Grammar(String),
     /// Bad settings (an empty prompt, a temperature out of range).
     #[error("{0}")]
     Invalid(String),
@@ -243,6 +250,8 @@ struct Job {
     feed: Vec<u32>,
     /// A preempted request's progress.
     carry: Option<Carry>,
+    /// Its place in its grammar, when it has one.
+    constraint: Option<Constraint>,
 }
 
 /// What a preempted sequence had done, kept while it waits to run again.
@@ -259,6 +268,7 @@ struct Carry {
 /// requests get [`Event::Failed`]).
 pub struct Engine {
     info: EngineInfo,
+    grammars: Grammars,
     tx: Mutex<Option<Sender<Job>>>,
     ledger: Arc<Mutex<Ledger>>,
     stop: Arc<AtomicBool>,
@@ -314,6 +324,7 @@ impl Engine {
             sequence_bytes,
         };
         let caches = cache.build_batch(model, slots)?;
+        let grammars = Grammars::new(tok.clone(), model.info.eos_tokens.clone(), model.info.vocab);
         let (tx, rx) = mpsc::channel();
         let ledger = Arc::new(Mutex::new(Ledger::default()));
         let stop = Arc::new(AtomicBool::new(false));
@@ -337,7 +348,7 @@ impl Engine {
             .name("veloq-engine".into())
             .spawn(move || w.run())
             .map_err(|e| Error::Config(format!("starting the engine thread: {e}")))?;
-        Ok(Self { info, tx: Mutex::new(Some(tx)), ledger, stop, worker: Some(worker) })
+        Ok(Self { info, grammars, tx: Mutex::new(Some(tx)), ledger, stop, worker: Some(worker) })
     }
 
     /// What the engine runs with.
@@ -369,8 +380,19 @@ impl Engine {
         if need > self.info.sequence_budget() {
             return refuse(Rejected::Budget { need, budget: self.info.sequence_budget() });
         }
+        let constraint = match &req.grammar {
+            None => None,
+            Some(_) if req.ignore_eos => {
+                return refuse(Rejected::Grammar("a grammar ends the completion: not with ignore_eos".into()))
+            }
+            // The first grammar builds the vocabulary's trie (once per engine).
+            Some(g) => match self.grammars.compile(g) {
+                Ok(c) => Some(c),
+                Err(e) => return refuse(Rejected::Grammar(e.to_string())),
+            },
+        };
         let feed = req.prompt.clone();
-        let job = Job { req, sink, arrived: Instant::now(), need, feed, carry: None };
+        let job = Job { req, sink, arrived: Instant::now(), need, feed, carry: None, constraint };
         let tx = self.tx.lock().expect("sender");
         match tx.as_ref() {
             Some(t) if t.send(job).is_ok() => Ok(()),
@@ -418,6 +440,8 @@ struct Live {
 enum Outcome {
     Finished(Finish),
     Cancelled,
+    /// This request alone failed (its grammar refused a step).
+    Failed(String),
 }
 
 struct Worker {
@@ -590,16 +614,23 @@ impl Worker {
                 }
             }
             // Plain greedy rows take one argmax over the batch on the device.
-            let (next, logprob) = if l.job.req.sampling.plain_greedy() && l.job.req.logprobs.is_none() {
+            let plain = l.job.req.sampling.plain_greedy() && l.job.req.logprobs.is_none();
+            let (next, logprob) = if plain && l.job.constraint.is_none() {
                 if greedy.is_none() {
                     greedy = Some(logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?);
                 }
                 (greedy.as_ref().expect("just set")[row], None)
-            } else if let Some(n) = l.job.req.logprobs {
-                // The sampler adjusts its copy in place; the log-probabilities are the raw logits'.
+            } else if l.job.req.logprobs.is_some() || l.job.constraint.is_some() {
+                // The sampler adjusts its copy in place (after the grammar's mask); the
+                // log-probabilities are the raw logits'.
                 let raw = logits.get(row)?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
-                let next = l.sampler.next(&mut raw.clone());
-                (next, Some(TokenLogprob::of(&raw, next, n)))
+                let mut work = raw.clone();
+                if let Some(Err(e)) = l.job.constraint.as_mut().map(|c| c.mask(&mut work)) {
+                    l.done = Some(Outcome::Failed(e.to_string()));
+                    continue;
+                }
+                let next = l.sampler.next(&mut work);
+                (next, l.job.req.logprobs.map(|n| TokenLogprob::of(&raw, next, n)))
             } else {
                 (l.sampler.sample(&logits.get(row)?)?, None)
             };
@@ -623,6 +654,15 @@ impl Worker {
     ) -> Result<()> {
         l.first.get_or_insert_with(Instant::now);
         let eos = !l.job.req.ignore_eos && model.info.eos_tokens.contains(&next);
+        // A grammar follows every token but the end; once complete, nothing may follow.
+        let mut complete = false;
+        if let (Some(c), false) = (l.job.constraint.as_mut(), eos) {
+            if let Err(e) = c.accept(next) {
+                l.done = Some(Outcome::Failed(e.to_string()));
+                return Ok(());
+            }
+            complete = c.finished();
+        }
         if !eos {
             l.out.push(next);
             if let Some(lp) = logprob {
@@ -637,7 +677,7 @@ impl Worker {
                 return Ok(());
             }
         }
-        l.done = if eos || l.text.stopped() {
+        l.done = if eos || complete || l.text.stopped() {
             Some(Outcome::Finished(Finish::Stop))
         } else if l.out.len() >= l.job.req.max_tokens {
             Some(Outcome::Finished(Finish::Length))
@@ -669,6 +709,7 @@ impl Worker {
             for l in &over {
                 match l.done {
                     Some(Outcome::Cancelled) => ledger.stats.cancelled += 1,
+                    Some(Outcome::Failed(_)) => ledger.stats.failed += 1,
                     _ => ledger.stats.finished += 1,
                 }
             }
@@ -676,7 +717,14 @@ impl Worker {
         self.publish();
         let now = Instant::now();
         for mut l in over {
-            let Some(Outcome::Finished(finish)) = l.done else { continue };
+            let finish = match l.done.take() {
+                Some(Outcome::Finished(f)) => f,
+                Some(Outcome::Failed(why)) => {
+                    l.job.sink.send(Event::Failed(why));
+                    continue;
+                }
+                _ => continue,
+            };
             let rest = l.text.finish();
             if !rest.is_empty() {
                 l.job.sink.send(Event::Text(rest));

@@ -81,6 +81,7 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
         logprobs: None,
         stop: Vec::new(),
         ignore_eos: false,
+        grammar: None,
     }
 }
 
