@@ -72,6 +72,8 @@ pub enum Finish {
     Length,
     /// The caches reached the model's context.
     Context,
+    /// The request's time limit ran out (the server's `--request-timeout`).
+    TimeLimit,
 }
 
 #[derive(Clone, Debug)]

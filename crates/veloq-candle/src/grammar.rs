@@ -23,21 +23,30 @@ pub enum Grammar {
     JsonObject,
     /// A JSON value valid under this schema (OpenAI's `json_schema`).
     JsonSchema(Value),
+    /// A grammar in llguidance's Lark dialect, which may inline JSON schemas (`%json {…}`): a
+    /// forced tool call's markup around its arguments.
+    Lark(String),
 }
 
 impl Grammar {
     /// The schema llguidance compiles: compact JSON (no free whitespace between tokens, which a
     /// small model can otherwise emit until `max_tokens` runs out).
-    fn schema(&self) -> Value {
-        let mut schema = match self {
-            Grammar::JsonObject => json!({"type": "object"}),
-            Grammar::JsonSchema(s) => s.clone(),
-        };
-        if let Value::Object(m) = &mut schema {
-            m.entry("x-guidance").or_insert_with(|| json!({"whitespace_flexible": false}));
+    fn top_level(&self) -> TopLevelGrammar {
+        match self {
+            Grammar::JsonObject => TopLevelGrammar::from_json_schema(compact(json!({"type": "object"}))),
+            Grammar::JsonSchema(s) => TopLevelGrammar::from_json_schema(compact(s.clone())),
+            Grammar::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
         }
-        schema
     }
+}
+
+/// `schema` asking for compact JSON (no free whitespace between tokens, which a small model can
+/// otherwise emit until `max_tokens` runs out), unless it says otherwise.
+pub fn compact(mut schema: Value) -> Value {
+    if let Value::Object(m) = &mut schema {
+        m.entry("x-guidance").or_insert_with(|| json!({"whitespace_flexible": false}));
+    }
+    schema
 }
 
 /// The vocabulary as llguidance reads it: each token's bytes in a trie, and the tokenizer.
@@ -94,7 +103,7 @@ impl Grammars {
     pub fn compile(&self, g: &Grammar) -> Result<Constraint> {
         let parser = self
             .factory()?
-            .create_parser(TopLevelGrammar::from_json_schema(g.schema()))
+            .create_parser(g.top_level())
             .map_err(|e| Error::Config(format!("the schema cannot be compiled: {e}")))?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
@@ -207,8 +216,8 @@ mod tests {
 
     #[test]
     fn a_schema_gets_compact_json_unless_it_says_otherwise() {
-        let s = Grammar::JsonSchema(json!({"type": "object", "x-guidance": {"whitespace_flexible": true}})).schema();
+        let s = compact(json!({"type": "object", "x-guidance": {"whitespace_flexible": true}}));
         assert_eq!(s["x-guidance"]["whitespace_flexible"], true);
-        assert_eq!(Grammar::JsonObject.schema()["x-guidance"]["whitespace_flexible"], false);
+        assert_eq!(compact(json!({"type": "object"}))["x-guidance"]["whitespace_flexible"], false);
     }
 }

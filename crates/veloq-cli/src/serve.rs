@@ -46,6 +46,10 @@ pub struct Args {
     /// context, as OpenAI does; the worst case is what admission reserves).
     #[arg(long)]
     pub default_max_tokens: Option<usize>,
+    /// Seconds a request may take, queued and running; then it ends with what it has generated
+    /// (finish_reason "length"). Default: no limit.
+    #[arg(long, value_parser = seconds)]
+    pub request_timeout: Option<f64>,
     /// The model id clients use (default: the GGUF file's name without extension).
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -94,6 +98,7 @@ impl Args {
             host: self.host.clone(),
             port: self.port,
             default_max_tokens: self.default_max_tokens,
+            request_timeout: self.request_timeout.map(Duration::from_secs_f64),
             max_body: self.max_body,
             header_timeout: Duration::from_secs(self.header_timeout),
             max_connections: self.max_connections,
@@ -112,6 +117,14 @@ impl Args {
 /// A size flag (`2GiB`…).
 pub fn size(s: &str) -> std::result::Result<usize, String> {
     parse_bytes(s).map_err(|e| e.to_string())
+}
+
+/// A positive number of seconds.
+fn seconds(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(format!("{s:?} is not a positive number of seconds")),
+    }
 }
 
 /// Loads the model, starts the server and serves until Ctrl-C.

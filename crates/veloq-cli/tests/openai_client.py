@@ -125,6 +125,50 @@ class City(pydantic.BaseModel):
 parsed = client.chat.completions.parse(model=model, messages=ask, max_tokens=120, temperature=0, response_format=City)
 check(isinstance(parsed.choices[0].message.parsed, City), f"parse(): {parsed.choices[0].message.parsed!r}")
 
+# Tools: a forced call (required, or one function by name) always parses and matches the
+# function's parameters, whole and streamed; a tool loop's second step (the call and its result
+# sent back) gets an answer; "auto" returns either text or well-formed calls.
+weather = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+           "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                          "properties": {"city": {"type": "string", "maxLength": 40}}}}}
+clock = {"type": "function", "function": {"name": "get_time", "description": "The time now",
+         "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+    r = client.chat.completions.create(model=model, messages=ask, max_tokens=60, temperature=0.7, seed=2,
+                                       tools=[weather, clock], tool_choice=choice)
+    m, call = r.choices[0].message, r.choices[0].message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    check(r.choices[0].finish_reason == "tool_calls" and m.content is None and call.type == "function",
+          f"tool_choice {choice}: {call}")
+    if call.function.name == "get_weather":
+        check(set(args) == {"city"} and isinstance(args["city"], str), f"weather arguments {args}")
+    else:
+        check(choice == "required" and call.function.name == "get_time" and args == {}, f"clock call {call}")
+named = {"type": "function", "function": {"name": "get_weather"}}
+calls = {}
+for c in client.chat.completions.create(model=model, messages=ask, max_tokens=60, temperature=0, tools=[weather],
+                                        tool_choice=named, stream=True):
+    for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+        calls.setdefault(tc.index, {"name": "", "arguments": ""})
+        calls[tc.index]["name"] += tc.function.name or ""
+        calls[tc.index]["arguments"] += tc.function.arguments or ""
+    if c.choices and c.choices[0].finish_reason:
+        check(c.choices[0].finish_reason == "tool_calls", "streamed finish_reason tool_calls")
+check(calls[0]["name"] == "get_weather" and "city" in json.loads(calls[0]["arguments"]), f"streamed call {calls}")
+whole = client.chat.completions.create(model=model, messages=ask, max_tokens=60, temperature=0, tools=[weather],
+                                       tool_choice=named).choices[0].message.tool_calls[0]
+check(json.loads(whole.function.arguments) == json.loads(calls[0]["arguments"]), "streamed call == whole call")
+loop = ask + [{"role": "assistant", "content": None, "tool_calls": [
+    {"id": whole.id, "type": "function", "function": {"name": "get_weather", "arguments": whole.function.arguments}}]},
+    {"role": "tool", "tool_call_id": whole.id, "content": "18 degrees and sunny"}]
+answer = client.chat.completions.create(model=model, messages=loop, max_tokens=40, temperature=0, tools=[weather])
+m = answer.choices[0].message
+check(bool(m.content) or bool(m.tool_calls), f"tool loop answered: {m}")
+auto = client.chat.completions.create(model=model, messages=ask, max_tokens=60, temperature=0, tools=[weather]).choices[0]
+check(auto.finish_reason in ("stop", "length") and auto.message.content or auto.finish_reason == "tool_calls"
+      and all(json.loads(t.function.arguments) is not None for t in auto.message.tool_calls), f"auto: {auto}")
+
 # Log-probabilities, whole and streamed: one entry per generated token, greedy's token at the top
 # of its alternatives, the entries' text spelling the answer; the same entries when streamed.
 lp = client.chat.completions.create(model=model, messages=question, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
@@ -138,6 +182,18 @@ streamed_lp = [e for c in client.chat.completions.create(model=model, messages=q
                for e in c.choices[0].logprobs.content]
 check([e.token for e in streamed_lp] == [e.token for e in content], "streamed entries")
 check(r.choices[0].logprobs is None, "none unless asked")
+
+# Text completions' logprobs in the legacy shape: one entry per token, the tokens spell the text,
+# the offsets place them in it, the greedy token leads its alternatives; streamed the same.
+c = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2)
+l = c.choices[0].logprobs
+check(len(l.tokens) == c.usage.completion_tokens == 6 and "".join(l.tokens) == c.choices[0].text, f"legacy tokens {l.tokens}")
+check(l.text_offset == [sum(len(t) for t in l.tokens[:i]) for i in range(6)], f"text_offset {l.text_offset}")
+check(all(len(top) <= 2 and max(top.values()) == lp for top, lp in zip(l.top_logprobs, l.token_logprobs)), "alternatives")
+sl = [e for x in client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0,
+      logprobs=2, stream=True) if x.choices and x.choices[0].logprobs for e in zip(
+      x.choices[0].logprobs.tokens, x.choices[0].logprobs.text_offset)]
+check(sl == list(zip(l.tokens, l.text_offset)), f"streamed legacy logprobs {sl}")
 
 # Errors come back as the client's exception types, with the server's message.
 for kwargs, exc, what in [

@@ -30,6 +30,8 @@ fn veloq() -> Command {
 struct Server {
     child: Child,
     addr: SocketAddr,
+    /// Its log lines so far.
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl Server {
@@ -52,8 +54,28 @@ impl Server {
             }
         };
         // Keep draining its log so it never blocks on a full pipe.
-        std::thread::spawn(move || lines.for_each(|l| eprintln!("[serve] {}", l.unwrap_or_default())));
-        Server { child, addr }
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = log.clone();
+        std::thread::spawn(move || {
+            for l in lines {
+                let l = l.unwrap_or_default();
+                eprintln!("[serve] {l}");
+                kept.lock().unwrap().push(l);
+            }
+        });
+        Server { child, addr, log }
+    }
+
+    /// Whether a log line containing `needle` appears within a few seconds.
+    fn logged(&self, needle: &str) -> bool {
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(5) {
+            if self.log.lock().unwrap().iter().any(|l| l.contains(needle)) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
     }
 
     fn http(&self, method: &str, path: &str, body: &[u8]) -> (u16, String) {
@@ -182,6 +204,53 @@ fn the_openai_client_streaming_and_not() {
     server.drained();
 }
 
+/// LangChain's ChatOpenAI: invoke, stream, bind_tools, with_structured_output.
+#[test]
+fn the_langchain_client() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(&["--method", "fp16"]);
+    let (_, models) = server.json("GET", "/v1/models", &json!(null));
+    let id = models["data"][0]["id"].as_str().unwrap().to_string();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/langchain_client.py");
+    let out = Command::new("python3")
+        .args([script, &format!("http://{}/v1", server.addr), &id])
+        .output()
+        .expect("python3 is needed for the LangChain client test");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("{stdout}");
+    assert!(
+        !stderr.contains("No module named 'langchain_openai'"),
+        "LangChain is not installed: python3 -m pip install langchain-openai==1.8.1 (.ci/run does)"
+    );
+    assert!(out.status.success(), "LangChain checks failed:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("all passed"));
+    server.drained();
+}
+
+/// The official Node client and the Vercel AI SDK (generateText, streamText, generateObject, tools),
+/// as `.ci/run` installs them (`npm ci` in tests/node).
+#[test]
+fn the_node_clients_and_the_ai_sdk() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/node");
+    assert!(
+        std::path::Path::new(dir).join("node_modules/ai").is_dir(),
+        "the Node clients are not installed: npm ci --prefix {dir} (.ci/run does)"
+    );
+    let server = Server::start(&["--method", "fp16"]);
+    let (_, models) = server.json("GET", "/v1/models", &json!(null));
+    let id = models["data"][0]["id"].as_str().unwrap().to_string();
+    let out = Command::new("node")
+        .args([&format!("{dir}/clients.mjs"), &format!("http://{}/v1", server.addr), &id])
+        .output()
+        .expect("node is needed for the Node client test");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("{stdout}");
+    assert!(out.status.success(), "Node client checks failed:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("all passed"));
+    server.drained();
+}
+
 #[test]
 fn bad_input_is_refused_and_the_server_stays_up() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -214,14 +283,23 @@ fn bad_input_is_refused_and_the_server_stays_up() {
         ("POST", "/v1/chat/completions", chat(json!({"max_tokens": 100000})), 400, "context_length_exceeded"),
         ("POST", "/v1/chat/completions", chat(json!({"max_tokens": u64::MAX})), 400, "context_length_exceeded"),
         ("POST", "/v1/chat/completions", chat(json!({"messages": []})), 400, "at least one message"),
-        ("POST", "/v1/chat/completions", chat(json!({"messages": [{"role": "tool", "content": "x"}]})), 400, "tool"),
+        ("POST", "/v1/chat/completions", chat(json!({"messages": [{"role": "robot", "content": "x"}]})), 400, "robot"),
         ("POST", "/v1/chat/completions", chat(json!({"max_token": 5})), 400, "unrecognized request argument"),
         (
             "POST",
             "/v1/chat/completions",
-            chat(json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]})),
+            chat(json!({"tools": [{"type": "web", "function": {"name": "f"}}]})),
             400,
             "tools",
+        ),
+        ("POST", "/v1/chat/completions", chat(json!({"tool_choice": "required"})), 400, "tools is empty"),
+        (
+            "POST",
+            "/v1/chat/completions",
+            chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}],
+                        "tool_choice": {"type": "function", "function": {"name": "g"}}})),
+            400,
+            "not in tools",
         ),
         ("POST", "/v1/chat/completions", chat(json!({"response_format": {"type": "yaml"}})), 400, "response_format"),
         (
@@ -260,6 +338,7 @@ fn bad_input_is_refused_and_the_server_stays_up() {
         }
         server.healthy();
     }
+    assert!(server.logged("refused (400): this model's maximum context length"), "a refusal's log line");
     // What the engine itself refused: the three over the context, the two grammars it cannot run.
     assert_eq!(server.metric("veloq_requests_total{outcome=\"rejected\"}"), 5.0, "three contexts, two grammars");
 
@@ -314,6 +393,7 @@ fn bad_input_is_refused_and_the_server_stays_up() {
     }
     server.drained();
     assert!(server.metric("veloq_requests_total{outcome=\"cancelled\"}") >= 1.0);
+    assert!(server.logged("cancelled: the client left before the end"), "a vanished client's log line");
     // fp16 has no shared tables: once idle its caches hold only the finished sequences kept for
     // their prefixes.
     let (resident, prefixes) = (server.metric("veloq_kv_resident_bytes"), server.metric("veloq_kv_prefix_bytes"));

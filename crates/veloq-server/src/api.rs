@@ -9,6 +9,8 @@ use veloq_candle::sampling::{SamplingOptions, TokenLogprob};
 use veloq_candle::engine::{Request, Summary};
 use veloq_candle::generate::Finish;
 use veloq_candle::grammar::Grammar;
+
+use crate::tools::{calls_text, response_text, Call, Tool, ToolChoice, Tools};
 use veloq_candle::model::Role;
 
 /// An error as OpenAI's API returns it: a status and `{"error": {message, type, param, code}}`.
@@ -119,6 +121,26 @@ pub struct Part {
 pub struct Message {
     pub role: String,
     pub content: Option<Content>,
+    /// An assistant turn's calls (a tool loop resends them).
+    pub tool_calls: Option<Vec<MessageCall>>,
+    /// A `tool` message's call; type-checked, not shown to the model (Hermes' format has none).
+    #[allow(dead_code)]
+    pub tool_call_id: Option<String>,
+    /// The speaker's or the function's name; type-checked, not shown to the model.
+    #[allow(dead_code)]
+    pub name: Option<String>,
+}
+
+/// An entry of an assistant message's `tool_calls`.
+#[derive(Deserialize, Debug, Clone)]
+pub struct MessageCall {
+    pub function: MessageFunction,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+pub struct MessageFunction {
+    pub name: String,
+    pub arguments: String,
 }
 
 /// What only chat completions take (the shared fields are read into [`Sampling`] from the same
@@ -129,6 +151,10 @@ pub struct ChatRequest {
     pub max_completion_tokens: Option<u64>,
     pub top_logprobs: Option<u64>,
     pub response_format: Option<ResponseFormat>,
+    pub tools: Option<Vec<Tool>>,
+    pub tool_choice: Option<ToolChoice>,
+    /// `false`: at most the first call of a reply is returned.
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// OpenAI's `response_format`: free text, any JSON object, or JSON under a schema (always
@@ -218,34 +244,19 @@ pub const CHAT_FIELDS: &[&str] = &[
 /// What text completions read besides.
 pub const COMPLETION_FIELDS: &[&str] = &["prompt", "echo", "suffix", "best_of"];
 
-/// Refuses, naming it, every field of the body that the endpoint does not act on: an unknown
-/// field (a typo, or an OpenAI feature veloq does not have), and the tool and structured-output
-/// fields in any form but their "not used" one. A field is never silently ignored.
+/// Refuses, naming it, every field of the body that the endpoint does not read: an unknown field
+/// (a typo, or an OpenAI feature veloq does not have). A field is never silently ignored.
 pub fn check_fields(body: &[u8], endpoint: &[&'static str]) -> Result<(), ApiError> {
     let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(body) else {
         return Ok(()); // the typed parse reports what is wrong with it
     };
-    for (name, value) in &fields {
-        let Some(&field) = SHARED_FIELDS.iter().chain(endpoint).find(|f| **f == name) else {
-            return Err(ApiError::invalid(
-                None,
-                format!("unrecognized request argument {name:?}: veloq serve does not read it"),
-            ));
-        };
-        let unused = match field {
-            "tools" => value.is_null() || value.as_array().is_some_and(Vec::is_empty),
-            "tool_choice" => value.is_null() || value == "none" || value == "auto",
-            "parallel_tool_calls" => true,
-            _ => continue,
-        };
-        if !unused {
-            return Err(ApiError::invalid(
-                Some(field),
-                format!("{field} is not supported yet: veloq serve cannot return tool calls"),
-            ));
-        }
+    match fields.keys().find(|name| !SHARED_FIELDS.iter().chain(endpoint).any(|f| f == name)) {
+        Some(name) => Err(ApiError::invalid(
+            None,
+            format!("unrecognized request argument {name:?}: veloq serve does not read it"),
+        )),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// OpenAI's own bound on stop strings.
@@ -254,12 +265,32 @@ const MAX_STOPS: usize = 4;
 /// OpenAI's bound on `n`, the choices of one request.
 const MAX_CHOICES: u64 = 128;
 
+/// OpenAI's bound on text completions' `logprobs`.
+const MAX_COMPLETION_LOGPROBS: u64 = 5;
+
 /// OpenAI's bound on `top_logprobs`.
 const MAX_TOP_LOGPROBS: u64 = 20;
 
 impl ChatRequest {
-    /// What the completion must spell, if anything.
-    pub fn grammar(&self) -> Result<Option<Grammar>, ApiError> {
+    /// The tools the request offers, unless it offers none or says `tool_choice: "none"`.
+    pub fn tools(&self) -> Result<Option<Tools>, ApiError> {
+        Tools::of(self.tools.as_deref(), self.tool_choice.as_ref())
+    }
+
+    /// What the completion must spell, if anything: a forced tool call, or the response format.
+    pub fn grammar(&self, tools: Option<&Tools>) -> Result<Option<Grammar>, ApiError> {
+        let forced = tools.and_then(Tools::grammar);
+        let format = self.format_grammar()?;
+        match (forced, format) {
+            (Some(_), Some(_)) => Err(ApiError::invalid(
+                Some("tool_choice"),
+                "a forced tool call and a response_format cannot both shape one reply",
+            )),
+            (forced, format) => Ok(forced.or(format)),
+        }
+    }
+
+    fn format_grammar(&self) -> Result<Option<Grammar>, ApiError> {
         Ok(match &self.response_format {
             None | Some(ResponseFormat::Text) => None,
             Some(ResponseFormat::JsonObject) => Some(Grammar::JsonObject),
@@ -292,28 +323,43 @@ impl ChatRequest {
         }
     }
 
-    /// The conversation as (role, text) messages.
-    pub fn messages(&self) -> Result<Vec<(Role, String)>, ApiError> {
+    /// The conversation as (role, text) messages, as the model reads it: `tools` offered in the
+    /// system turn, assistant calls and tool results in Hermes' markup.
+    pub fn messages(&self, tools: Option<&Tools>) -> Result<Vec<(Role, String)>, ApiError> {
         if self.messages.is_empty() {
             return Err(ApiError::invalid(Some("messages"), "messages must hold at least one message"));
         }
+        let mut out = self.message_texts()?;
+        if let Some(t) = tools {
+            match out.first_mut() {
+                Some((Role::System, text)) => *text = format!("{text}\n\n{}", t.system_text()),
+                _ => out.insert(0, (Role::System, t.system_text())),
+            }
+        }
+        Ok(out)
+    }
+
+    fn message_texts(&self) -> Result<Vec<(Role, String)>, ApiError> {
         self.messages
             .iter()
             .enumerate()
             .map(|(i, m)| {
                 let role = match m.role.as_str() {
                     "system" | "developer" => Role::System,
-                    "user" => Role::User,
+                    "user" | "tool" => Role::User,
                     "assistant" => Role::Assistant,
                     other => {
-                        return Err(ApiError::invalid(
-                            Some("messages"),
-                            format!(
-                                "messages[{i}].role {other:?} is not supported (system, developer, user, assistant)"
-                            ),
-                        ))
+                        let roles = "system, developer, user, assistant, tool";
+                        let why = format!("messages[{i}].role {other:?} is not supported ({roles})");
+                        return Err(ApiError::invalid(Some("messages"), why));
                     }
                 };
+                if m.tool_calls.as_ref().is_some_and(|c| !c.is_empty()) && m.role != "assistant" {
+                    return Err(ApiError::invalid(
+                        Some("messages"),
+                        format!("messages[{i}]: only assistant messages carry tool_calls"),
+                    ));
+                }
                 let text = match &m.content {
                     None => String::new(),
                     Some(Content::Text(t)) => t.clone(),
@@ -334,6 +380,22 @@ impl ChatRequest {
                         }
                         out
                     }
+                };
+                let text = match (m.role.as_str(), &m.tool_calls) {
+                    ("tool", _) => response_text(&text),
+                    (_, Some(calls)) if !calls.is_empty() => {
+                        let calls: Vec<Call> = calls
+                            .iter()
+                            .map(|c| Call { name: c.function.name.clone(), arguments: c.function.arguments.clone() })
+                            .collect();
+                        let calls = calls_text(&calls);
+                        if text.is_empty() {
+                            calls
+                        } else {
+                            format!("{text}\n{calls}")
+                        }
+                    }
+                    _ => text,
                 };
                 Ok((role, text))
             })
@@ -401,7 +463,16 @@ impl Sampling {
             seed: self.seed.unwrap_or_else(fresh_seed),
         };
         sampling.check(vocab).map_err(|e| ApiError::invalid(Some(e.field), e.message))?;
-        Ok(Request { prompt, max_tokens, sampling, logprobs, stop, ignore_eos: self.ignore_eos, grammar: None })
+        Ok(Request {
+            prompt,
+            max_tokens,
+            sampling,
+            logprobs,
+            stop,
+            ignore_eos: self.ignore_eos,
+            grammar: None,
+            time_limit: None,
+        })
     }
 
     /// The requests that serve `n` choices of `request`: choice `i` samples with the seed plus
@@ -434,13 +505,21 @@ impl Sampling {
         }
     }
 
-    /// Text completions: `logprobs` only off (their numeric form and `echo` are not supported).
-    pub fn refuse_logprobs(&self) -> Result<(), ApiError> {
+    /// Text completions: `logprobs` as OpenAI's legacy integer, the alternatives each generated
+    /// token comes with (0 to 5), or off.
+    pub fn completion_logprobs(&self) -> Result<Option<usize>, ApiError> {
         match &self.logprobs {
-            None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(()),
-            Some(_) => Err(ApiError::invalid(
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Number(n)) => match n.as_u64() {
+                Some(k) if k <= MAX_COMPLETION_LOGPROBS => Ok(Some(k as usize)),
+                _ => Err(ApiError::invalid(
+                    Some("logprobs"),
+                    format!("logprobs must be an integer from 0 to {MAX_COMPLETION_LOGPROBS}, got {n}"),
+                )),
+            },
+            Some(v) => Err(ApiError::invalid(
                 Some("logprobs"),
-                "logprobs on text completions are not supported yet (chat completions have them)",
+                format!("text completions take logprobs as an integer from 0 to {MAX_COMPLETION_LOGPROBS}, got {v}"),
             )),
         }
     }
@@ -471,11 +550,40 @@ pub fn logprob_json(tok: &Tokenizer, lp: &TokenLogprob) -> Value {
     e
 }
 
+/// Text completions' `logprobs` in OpenAI's legacy shape, from chat-style entries
+/// ([`logprob_json`]): the tokens' texts, their log-probabilities, the alternatives as
+/// `{text: logprob}` and where each token's text starts, counted in characters from `offset`.
+pub fn legacy_logprobs(entries: &[Value], offset: usize) -> Value {
+    let text = |e: &Value| e["token"].as_str().unwrap_or_default().to_string();
+    let mut at = offset;
+    let text_offset: Vec<usize> = entries
+        .iter()
+        .map(|e| {
+            let start = at;
+            at += text(e).chars().count();
+            start
+        })
+        .collect();
+    let top: Vec<Value> = entries
+        .iter()
+        .map(|e| {
+            let alternatives = e["top_logprobs"].as_array().map(Vec::as_slice).unwrap_or_default();
+            Value::Object(alternatives.iter().map(|a| (text(a), a["logprob"].clone())).collect())
+        })
+        .collect();
+    json!({
+        "tokens": entries.iter().map(text).collect::<Vec<_>>(),
+        "token_logprobs": entries.iter().map(|e| e["logprob"].clone()).collect::<Vec<_>>(),
+        "top_logprobs": top,
+        "text_offset": text_offset,
+    })
+}
+
 /// OpenAI's `finish_reason`.
 pub fn finish_reason(f: Finish) -> &'static str {
     match f {
         Finish::Stop => "stop",
-        Finish::Length | Finish::Context => "length",
+        Finish::Length | Finish::Context | Finish::TimeLimit => "length",
     }
 }
 
@@ -515,6 +623,8 @@ pub struct Choice {
     pub summary: Summary,
     /// Each token's entry, when the request asked for them.
     pub logprobs: Option<Vec<Value>>,
+    /// The tool calls the reply made (then its text is the calls' markup, not content).
+    pub calls: Vec<Call>,
 }
 
 /// Which endpoint a response belongs to: the two differ in object names and in where the text goes.
@@ -542,6 +652,13 @@ impl Reply {
             .map(|(index, c)| {
                 let reason = finish_reason(c.summary.finish);
                 match self.kind {
+                    Kind::Chat if !c.calls.is_empty() => json!({
+                        "index": index,
+                        "message": {"role": "assistant", "content": null,
+                                    "tool_calls": self.tool_calls(index, &c.calls, false)},
+                        "logprobs": c.logprobs.as_ref().map(|l| json!({"content": l})),
+                        "finish_reason": "tool_calls",
+                    }),
                     Kind::Chat => json!({
                         "index": index,
                         "message": {"role": "assistant", "content": c.text},
@@ -549,7 +666,8 @@ impl Reply {
                         "finish_reason": reason,
                     }),
                     Kind::Completion => {
-                        json!({"index": index, "text": c.text, "logprobs": null, "finish_reason": reason})
+                        let logprobs = c.logprobs.as_deref().map(|l| legacy_logprobs(l, 0));
+                        json!({"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": reason})
                     }
                 }
             })
@@ -565,17 +683,42 @@ impl Reply {
         })
     }
 
+    /// Calls as OpenAI lists them, each with an id unique to this response (streamed entries
+    /// also carry their place in the list).
+    fn tool_calls(&self, choice: usize, calls: &[Call], streamed: bool) -> Vec<Value> {
+        calls
+            .iter()
+            .enumerate()
+            .map(|(k, c)| {
+                let mut v = json!({"id": format!("call-{}-{choice}-{k}", self.id), "type": "function",
+                                   "function": {"name": c.name, "arguments": c.arguments}});
+                if streamed {
+                    v["index"] = json!(k);
+                }
+                v
+            })
+            .collect()
+    }
+
+    /// A stream chunk of choice `index` carrying its tool calls whole.
+    pub fn tool_chunk(&self, index: usize, calls: &[Call]) -> Value {
+        let delta = json!({"tool_calls": self.tool_calls(index, calls, true)});
+        json!({"id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
+               "choices": [{"index": index, "delta": delta, "logprobs": null, "finish_reason": null}]})
+    }
+
     /// A stream chunk of choice `index`: new text (chat: the first chunk carries the role), or
-    /// its end.
+    /// its end with OpenAI's `finish_reason`; a text completion's entries are placed from
+    /// `offset`, the characters of its text sent before.
     pub fn chunk(
         &self,
         index: usize,
         text: Option<&str>,
         first: bool,
-        finish: Option<Finish>,
+        reason: Option<&str>,
         logprobs: Option<&[Value]>,
+        offset: usize,
     ) -> Value {
-        let reason = finish.map(finish_reason);
         let choice = match self.kind {
             Kind::Chat => {
                 let mut delta = serde_json::Map::new();
@@ -589,7 +732,8 @@ impl Reply {
                 json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason})
             }
             Kind::Completion => {
-                json!({"index": index, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": reason})
+                let logprobs = logprobs.filter(|l| !l.is_empty()).map(|l| legacy_logprobs(l, offset));
+                json!({"index": index, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": reason})
             }
         };
         json!({"id": self.id, "object": self.object(true), "created": self.created, "model": self.model, "choices": [choice]})
@@ -698,8 +842,11 @@ mod tests {
         ] {
             assert_eq!(lp(&body).unwrap_err().param, Some(param), "{body}");
         }
-        let s = from_body::<Sampling>(br#"{"prompt": "x", "logprobs": 3}"#).unwrap();
-        assert_eq!(s.refuse_logprobs().unwrap_err().param, Some("logprobs"));
+        let clp = |body: &str| from_body::<Sampling>(body.as_bytes()).unwrap().completion_logprobs();
+        assert_eq!((clp(r#"{"logprobs": 3}"#).unwrap(), clp(r#"{"logprobs": null}"#).unwrap()), (Some(3), None));
+        for bad in [r#"{"logprobs": 6}"#, r#"{"logprobs": true}"#, r#"{"logprobs": -1}"#] {
+            assert_eq!(clp(bad).unwrap_err().param, Some("logprobs"), "{bad}");
+        }
         // Wrong types never reach the checks: the parse refuses them, naming the field.
         for (body, field) in [(r#"{"max_tokens": "ten"}"#, "max_tokens"), (r#"{"seed": -1}"#, "seed")] {
             let e = sampling(body).unwrap_err();
@@ -709,8 +856,7 @@ mod tests {
         assert!(from_body::<Sampling>(b"{").unwrap_err().message.starts_with("malformed JSON"));
     }
 
-    /// Every field is read or refused by name; the tool and format fields pass only in their
-    /// "not used" forms.
+    /// Every field is read or refused by name.
     #[test]
     fn fields_no_endpoint_reads_are_refused_by_name() {
         let chat = |extra: &str| format!(r#"{{"messages": [{{"role": "user", "content": "x"}}]{extra}}}"#);
@@ -726,8 +872,6 @@ mod tests {
             (r#", "max_token": 5"#, "\"max_token\""),
             (r#", "functions": [{"name": "f"}]"#, "\"functions\""),
             (r#", "prompt": "x""#, "\"prompt\""),
-            (r#", "tools": [{"type": "function", "function": {"name": "f"}}]"#, "tools"),
-            (r#", "tool_choice": "required""#, "tool_choice"),
         ] {
             let e = check_fields(chat(extra).as_bytes(), CHAT_FIELDS).unwrap_err();
             assert!(e.status == 400 && e.message.contains(says), "{extra}: {e:?}");
@@ -738,10 +882,23 @@ mod tests {
     }
 
     #[test]
+    fn legacy_logprobs_place_each_token_in_the_text() {
+        let entry = |t: &str, lp: f64, alt: &[(&str, f64)]| {
+            let top: Vec<Value> = alt.iter().map(|(a, l)| json!({"token": a, "logprob": l})).collect();
+            json!({"token": t, "logprob": lp, "bytes": t.as_bytes(), "top_logprobs": top})
+        };
+        let l = legacy_logprobs(&[entry(" Par", -0.5, &[(" Par", -0.5), (" Lyon", -2.0)]), entry("ís", -0.25, &[])], 7);
+        assert_eq!(l["tokens"], json!([" Par", "ís"]));
+        assert_eq!(l["token_logprobs"], json!([-0.5, -0.25]));
+        assert_eq!(l["top_logprobs"], json!([{" Par": -0.5, " Lyon": -2.0}, {}]));
+        assert_eq!(l["text_offset"], json!([7, 11]), "characters, not bytes");
+    }
+
+    #[test]
     fn response_formats_become_grammars() {
         let g = |format: &str| {
             let body = format!(r#"{{"messages": [], "response_format": {format}}}"#);
-            from_body::<ChatRequest>(body.as_bytes()).and_then(|r| r.grammar())
+            from_body::<ChatRequest>(body.as_bytes()).and_then(|r| r.grammar(None))
         };
         assert_eq!(g(r#"{"type": "text"}"#).unwrap(), None);
         assert_eq!(g(r#"{"type": "json_object"}"#).unwrap(), Some(Grammar::JsonObject));
@@ -766,10 +923,49 @@ mod tests {
             r#"{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}"#,
         )
         .unwrap();
-        assert_eq!(c.messages().unwrap(), vec![(Role::System, "Be brief.".into()), (Role::User, "hi".into())]);
-        let c: ChatRequest = serde_json::from_str(r#"{"messages": [{"role": "tool", "content": "x"}]}"#).unwrap();
-        assert!(c.messages().unwrap_err().message.contains("tool"));
+        assert_eq!(c.messages(None).unwrap(), vec![(Role::System, "Be brief.".into()), (Role::User, "hi".into())]);
+        let c: ChatRequest = serde_json::from_str(r#"{"messages": [{"role": "robot", "content": "x"}]}"#).unwrap();
+        assert!(c.messages(None).unwrap_err().message.contains("robot"));
         let c: ChatRequest = serde_json::from_str(r#"{"messages": []}"#).unwrap();
-        assert_eq!(c.messages().unwrap_err().param, Some("messages"));
+        assert_eq!(c.messages(None).unwrap_err().param, Some("messages"));
+    }
+
+    /// A tool loop's second request: the tools in the system turn (added to the client's own),
+    /// the assistant's call and the tool's result in Hermes' markup.
+    #[test]
+    fn a_tool_loop_reads_as_hermes_markup() {
+        let c: ChatRequest = serde_json::from_value(json!({
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}
+            ],
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+        }))
+        .unwrap();
+        let tools = c.tools().unwrap();
+        let m = c.messages(tools.as_ref()).unwrap();
+        assert_eq!(m.len(), 4);
+        assert!(m[0].1.starts_with("Be brief.\n\n# Tools") && m[0].1.contains("\"get_weather\""), "{}", m[0].1);
+        assert_eq!(
+            m[2],
+            (
+                Role::Assistant,
+                "<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}\n</tool_call>".into()
+            )
+        );
+        assert_eq!(m[3], (Role::User, "<tool_response>\n18 C, sunny\n</tool_response>".into()));
+        // Without a system message the tools make one; "none" offers nothing.
+        let mut plain = c.clone();
+        plain.messages.remove(0);
+        assert_eq!(plain.messages(tools.as_ref()).unwrap()[0].0, Role::System);
+        plain.tool_choice = Some(ToolChoice::Mode("none".into()));
+        assert!(plain.tools().unwrap().is_none());
+        let bad: ChatRequest = serde_json::from_value(json!({"messages": [{"role": "user", "content": "x",
+            "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]}))
+        .unwrap();
+        assert!(bad.messages(None).unwrap_err().message.contains("only assistant"));
     }
 }

@@ -25,11 +25,12 @@ use veloq_candle::model::{encode, Tokenizer};
 use veloq_candle::Forward;
 
 use crate::api::{
-    check_fields, from_body, logprob_json, ApiError, ChatRequest, Choice, CompletionRequest, Kind, Prompt, Reply,
-    Sampling, Usage, CHAT_FIELDS, COMPLETION_FIELDS,
+    check_fields, finish_reason, from_body, logprob_json, ApiError, ChatRequest, Choice, CompletionRequest, Kind,
+    Prompt, Reply, Sampling, Usage, CHAT_FIELDS, COMPLETION_FIELDS,
 };
 use crate::guard::{guard, Active, Gate, Guards, Waiting};
 use crate::metrics;
+use crate::tools::{Call, Tools};
 
 /// What every handler shares.
 pub(crate) struct App {
@@ -42,6 +43,8 @@ pub(crate) struct App {
     pub created: u64,
     /// Chat completions without `max_tokens` get at most this (default: the rest of the context).
     pub default_max_tokens: Option<usize>,
+    /// Every request's time limit.
+    pub request_timeout: Option<Duration>,
     pub next_id: AtomicU64,
     /// Print a line per finished request on stderr.
     pub log: bool,
@@ -134,7 +137,8 @@ async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) 
     let (req, sampling): (ChatRequest, Sampling) = (from_body(&body)?, from_body(&body)?);
     check_fields(&body, CHAT_FIELDS)?;
     app.check_model(&sampling)?;
-    let messages = req.messages()?;
+    let tools = req.tools()?;
+    let messages = req.messages(tools.as_ref())?;
     let (model, tok) = (app.model.clone(), app.tok.clone());
     let ids = tokenize(move || {
         let m: Vec<_> = messages.iter().map(|(r, t)| (*r, t.as_str())).collect();
@@ -145,18 +149,30 @@ async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) 
     let default = app.default_max_tokens.map_or(room, |d| d.min(room));
     let logprobs = req.logprobs(&sampling)?;
     let mut request = sampling.request(ids, req.max_completion_tokens, default, app.engine.info().vocab, logprobs)?;
-    request.grammar = req.grammar()?;
-    run(app.clone(), app.reply(Kind::Chat), sampling.choices(request)?, &sampling).await
+    request.grammar = req.grammar(tools.as_ref())?;
+    request.time_limit = app.request_timeout;
+    let calls = tools.map(|tools| CallReader {
+        forced: tools.grammar().is_some(),
+        tools,
+        parallel: req.parallel_tool_calls.unwrap_or(true),
+    });
+    run(app.clone(), app.reply(Kind::Chat), sampling.choices(request)?, &sampling, calls).await
 }
 
 async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let body = read(body)?;
     let (req, sampling): (CompletionRequest, Sampling) = (from_body(&body)?, from_body(&body)?);
     check_fields(&body, COMPLETION_FIELDS)?;
-    sampling.refuse_logprobs()?;
+    let logprobs = sampling.completion_logprobs()?;
     app.check_model(&sampling)?;
-    if req.echo == Some(true) || req.suffix.is_some() || req.best_of.is_some_and(|b| b != 1) {
-        return Err(ApiError::invalid(None, "echo, suffix and best_of are not supported"));
+    for (field, used) in [
+        ("echo", req.echo == Some(true)),
+        ("suffix", req.suffix.is_some()),
+        ("best_of", req.best_of.is_some_and(|b| b != 1)),
+    ] {
+        if used {
+            return Err(ApiError::invalid(Some(field), format!("{field} is not supported (only its off value)")));
+        }
     }
     let ids = match req.prompt.clone() {
         Prompt::Text(t) => text_ids(&app, t).await?,
@@ -176,8 +192,9 @@ async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejec
         }
     };
     // OpenAI's default for text completions.
-    let request = sampling.request(ids, None, 16, app.engine.info().vocab, None)?;
-    run(app.clone(), app.reply(Kind::Completion), sampling.choices(request)?, &sampling).await
+    let mut request = sampling.request(ids, None, 16, app.engine.info().vocab, logprobs)?;
+    request.time_limit = app.request_timeout;
+    run(app.clone(), app.reply(Kind::Completion), sampling.choices(request)?, &sampling, None).await
 }
 
 async fn text_ids(app: &App, text: String) -> Result<Vec<u32>, ApiError> {
@@ -217,16 +234,38 @@ impl Sink for ChannelSink {
     }
 }
 
+/// How a chat request's replies are read for tool calls.
+struct CallReader {
+    tools: Tools,
+    /// The grammar forces a call (a grammar error is the tools', not the response format's).
+    forced: bool,
+    /// `false`: only a reply's first call is returned.
+    parallel: bool,
+}
+
+impl CallReader {
+    /// The calls of a finished reply (none when it is text).
+    fn calls(&self, text: &str) -> Vec<Call> {
+        let mut calls = self.tools.parse(text).unwrap_or_default();
+        if !self.parallel {
+            calls.truncate(1);
+        }
+        calls
+    }
+}
+
 /// Runs a request's choices (each its own engine request, sampled with its own seed) and answers
-/// with all of them, whole or streamed.
+/// with all of them, whole or streamed; with tools, a reply that is a call comes back as one.
 async fn run(
     app: Arc<App>,
     reply: Reply,
     requests: Vec<veloq_candle::engine::Request>,
     sampling: &Sampling,
+    calls: Option<CallReader>,
 ) -> Result<Response, ApiError> {
+    let mut told = Told::new(&app, &reply.id);
     let active = Active::enter(&app.active);
-    let mut waiting = Waiting::wait(&app.waiting, app.guards.max_queued)?;
+    let mut waiting = Waiting::wait(&app.waiting, app.guards.max_queued).map_err(|e| told.refused(e))?;
     let (tx, mut rx) = unbounded_channel();
     let n = requests.len();
     // Each token's entry, per choice, while the request asked for them.
@@ -240,17 +279,20 @@ async fn run(
             Some(_) => tokio::task::block_in_place(|| app.engine.submit(request, sink)),
             None => app.engine.submit(request, sink),
         };
-        submitted.map_err(|r| match r {
-            Rejected::Context { .. } => {
-                ApiError::invalid(Some("messages"), r.to_string()).with_code("context_length_exceeded")
-            }
-            Rejected::Budget { .. } => {
-                ApiError::invalid(Some("max_tokens"), r.to_string()).with_code("kv_budget_exceeded")
-            }
-            Rejected::Grammar(m) => ApiError::invalid(Some("response_format"), m),
-            Rejected::Invalid(m) => ApiError::invalid(None, m),
-            Rejected::Stopped => server_error(r.to_string()).status(503),
-        })?;
+        submitted
+            .map_err(|r| match r {
+                Rejected::Context { .. } => {
+                    ApiError::invalid(Some("messages"), r.to_string()).with_code("context_length_exceeded")
+                }
+                Rejected::Budget { .. } => {
+                    ApiError::invalid(Some("max_tokens"), r.to_string()).with_code("kv_budget_exceeded")
+                }
+                Rejected::Grammar(m) if calls.as_ref().is_some_and(|c| c.forced) => ApiError::invalid(Some("tools"), m),
+                Rejected::Grammar(m) => ApiError::invalid(Some("response_format"), m),
+                Rejected::Invalid(m) => ApiError::invalid(None, m),
+                Rejected::Stopped => server_error(r.to_string()).status(503),
+            })
+            .map_err(|e| told.refused(e))?;
     }
     drop(tx);
     if sampling.stream {
@@ -265,6 +307,8 @@ async fn run(
             waiting,
             choices,
             left: n,
+            calls,
+            told,
             _active: active,
         };
         return Ok(Sse::new(futures_util::stream::unfold(state, Stream::next))
@@ -283,28 +327,69 @@ async fn run(
                 c.summary = Some(s);
                 left -= 1;
                 if left == 0 {
-                    let done: Vec<Choice> = choices.into_iter().filter_map(Partial::finished).collect();
+                    let mut done: Vec<Choice> = choices.into_iter().filter_map(Partial::finished).collect();
+                    if let Some(reader) = &calls {
+                        done.iter_mut().for_each(|c| c.calls = reader.calls(&c.text));
+                    }
+                    told.ended = true;
                     return Ok(Json(reply.full(&done)).into_response());
                 }
             }
-            Event::Failed(why) => return Err(server_error(why)),
+            Event::Failed(why) => return Err(told.refused(server_error(why))),
         }
     }
-    Err(server_error("the engine stopped before the request ended".into()))
+    Err(told.refused(server_error("the engine stopped before the request ended".into())))
+}
+
+/// A request's log line when it ends without an answer: refused (by the queue's bound, the
+/// engine, or a failure), or left by its client before the end (its handler or stream dropped).
+/// A finished request's line is [`App::log`]'s.
+struct Told {
+    log: bool,
+    id: String,
+    ended: bool,
+}
+
+impl Told {
+    fn new(app: &App, id: &str) -> Self {
+        Self { log: app.log, id: id.to_string(), ended: false }
+    }
+
+    /// Logs why the request gets `e` instead of an answer, and passes `e` on.
+    fn refused(&mut self, e: ApiError) -> ApiError {
+        if self.log {
+            eprintln!("{} refused ({}): {}", self.id, e.status, e.message);
+        }
+        self.ended = true;
+        e
+    }
+}
+
+impl Drop for Told {
+    fn drop(&mut self) {
+        if self.log && !self.ended {
+            eprintln!("{} cancelled: the client left before the end", self.id);
+        }
+    }
 }
 
 /// A choice on its way.
 #[derive(Default)]
 struct Partial {
+    /// Its text (whole responses), or what a stream holds back while it may be a tool call.
     text: String,
+    /// A stream sends its text as it comes (it is not, or can no longer be, a tool call).
+    flowing: bool,
     /// Entries gathered (whole responses) or not yet sent (streams).
     logprobs: Option<Vec<Value>>,
+    /// Characters of the tokens whose entries a stream has sent (where the next ones start).
+    placed: usize,
     summary: Option<Summary>,
 }
 
 impl Partial {
     fn finished(self) -> Option<Choice> {
-        Some(Choice { text: self.text, summary: self.summary?, logprobs: self.logprobs })
+        Some(Choice { text: self.text, summary: self.summary?, logprobs: self.logprobs, calls: Vec::new() })
     }
 }
 
@@ -339,6 +424,9 @@ struct Stream {
     choices: Vec<Partial>,
     /// Choices not yet ended.
     left: usize,
+    /// With tools: replies that start like a call are held back until they end.
+    calls: Option<CallReader>,
+    told: Told,
     _active: Active,
 }
 
@@ -348,9 +436,14 @@ impl Stream {
     }
 
     /// Choice `i`'s entries gathered since its last chunk (the text of a token may come later
-    /// than its entry: stop strings hold text back).
-    fn take_logprobs(&mut self, i: usize) -> Option<Vec<Value>> {
-        self.choices[i].logprobs.as_mut().map(std::mem::take)
+    /// than its entry: stop strings hold text back), with the characters of the tokens before.
+    fn take_logprobs(&mut self, i: usize) -> (Option<Vec<Value>>, usize) {
+        let c = &mut self.choices[i];
+        let before = c.placed;
+        let taken = c.logprobs.as_mut().map(std::mem::take);
+        let chars = |e: &Value| e["token"].as_str().map_or(0, |t| t.chars().count());
+        c.placed += taken.iter().flatten().map(chars).sum::<usize>();
+        (taken, before)
     }
 
     async fn next(mut self) -> Option<(Result<SseEvent, Infallible>, Self)> {
@@ -367,7 +460,7 @@ impl Stream {
                 Some((i, Event::Admitted)) => {
                     self.waiting.release();
                     if chat {
-                        self.pending.push_back(Self::data(&self.reply.chunk(i, None, true, None, None)))
+                        self.pending.push_back(Self::data(&self.reply.chunk(i, None, true, None, None, 0)))
                     }
                 }
                 Some((i, Event::Logprob(lp))) => {
@@ -375,13 +468,33 @@ impl Stream {
                     self.choices[i].logprobs.iter_mut().for_each(|v| v.push(entry.clone()));
                 }
                 Some((i, Event::Text(t))) => {
-                    let lp = self.take_logprobs(i);
-                    self.pending.push_back(Self::data(&self.reply.chunk(i, Some(&t), false, None, lp.as_deref())))
+                    let c = &mut self.choices[i];
+                    let text = if c.flowing || self.calls.is_none() {
+                        t
+                    } else {
+                        c.text.push_str(&t);
+                        if Tools::may_be_call(&c.text) {
+                            continue;
+                        }
+                        c.flowing = true;
+                        std::mem::take(&mut c.text)
+                    };
+                    let (lp, at) = self.take_logprobs(i);
+                    let chunk = self.reply.chunk(i, Some(&text), false, None, lp.as_deref(), at);
+                    self.pending.push_back(Self::data(&chunk))
                 }
                 Some((i, Event::Done(s))) => {
                     self.app.log(&self.reply, i, &s);
-                    let lp = self.take_logprobs(i);
-                    let end = self.reply.chunk(i, None, false, Some(s.finish), lp.as_deref());
+                    let (lp, at) = self.take_logprobs(i);
+                    let held = std::mem::take(&mut self.choices[i].text);
+                    let calls = self.calls.as_ref().map(|r| r.calls(&held)).unwrap_or_default();
+                    let reason = if calls.is_empty() { finish_reason(s.finish) } else { "tool_calls" };
+                    if !calls.is_empty() {
+                        self.pending.push_back(Self::data(&self.reply.tool_chunk(i, &calls)));
+                    } else if !held.is_empty() {
+                        self.pending.push_back(Self::data(&self.reply.chunk(i, Some(&held), false, None, None, 0)));
+                    }
+                    let end = self.reply.chunk(i, None, false, Some(reason), lp.as_deref(), at);
                     self.pending.push_back(Self::data(&end));
                     self.choices[i].summary = Some(s);
                     self.left -= 1;
@@ -394,14 +507,16 @@ impl Stream {
                     }
                     self.pending.push_back(SseEvent::default().data("[DONE]"));
                     self.ended = true;
+                    self.told.ended = true;
                 }
                 Some((_, Event::Failed(why))) => {
+                    let _ = self.told.refused(server_error(why.clone()));
                     self.pending.push_back(Self::data(&server_error(why).body()));
                     self.pending.push_back(SseEvent::default().data("[DONE]"));
                     self.ended = true;
                 }
                 None => {
-                    let e = server_error("the engine stopped before the request ended".into());
+                    let e = self.told.refused(server_error("the engine stopped before the request ended".into()));
                     self.pending.push_back(Self::data(&e.body()));
                     self.ended = true;
                 }

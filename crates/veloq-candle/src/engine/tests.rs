@@ -82,6 +82,7 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
         stop: Vec::new(),
         ignore_eos: false,
         grammar: None,
+        time_limit: None,
     }
 }
 
@@ -454,4 +455,48 @@ fn growing_reservations_admit_more_and_preempted_sequences_resume_exactly() {
         assert_eq!((a.completion_tokens, b.completion_tokens, b.prompt_tokens), (560, 560, 40), "seed {seed}");
         greedy_along(&model, p, &tokens_of(g), seed);
     }
+}
+
+#[test]
+fn a_time_limit_ends_a_request_running_or_queued() {
+    let seed = fresh_seed();
+    const LONG: usize = 1024;
+    let tok = Arc::new(word_tokenizer(VOCAB));
+    let model = Arc::new(tiny_model_seeded(VOCAB, LONG, seed));
+    // Room for one whole-context sequence at a time.
+    let probe = CacheConfig::fp16().build(&model).unwrap();
+    let cfg =
+        EngineConfig { kv_budget: probe.resident_bytes() + probe.sequence_bytes(LONG), ..EngineConfig::default() };
+    let engine = Engine::start(model, tok, CacheConfig::fp16(), cfg).unwrap();
+    let ps = prompts(seed, &[40, 40, 40]);
+    let long = |p: &Vec<u32>, limit: Option<Duration>| Request {
+        ignore_eos: true,
+        time_limit: limit,
+        ..greedy(p.clone(), LONG - p.len())
+    };
+    // 984 forward passes take far longer than a millisecond: the first ends on its limit, the
+    // second (no limit) runs to its length, the third runs out of time while the second holds the
+    // budget.
+    let rxs: Vec<_> = [Some(Duration::from_millis(1)), None, Some(Duration::from_millis(1))]
+        .iter()
+        .zip(&ps)
+        .map(|(&limit, p)| {
+            let (s, rx) = sink(usize::MAX);
+            engine.submit(long(p, limit), s).unwrap();
+            rx
+        })
+        .collect();
+    let ends: Vec<Summary> = rxs
+        .iter()
+        .map(|rx| match events(rx).last() {
+            Some(Event::Done(s)) => *s,
+            other => panic!("seed {seed}: {other:?}"),
+        })
+        .collect();
+    assert!(ends[0].finish == Finish::TimeLimit && ends[0].completion_tokens < LONG - 40, "{:?}", ends[0]);
+    assert_eq!((ends[1].finish, ends[1].completion_tokens), (Finish::Length, LONG - 40));
+    assert_eq!((ends[2].finish, ends[2].completion_tokens), (Finish::TimeLimit, 0), "{:?}", ends[2]);
+    assert!(ends[2].queued >= Duration::from_millis(1));
+    let s = engine.stats();
+    assert_eq!((s.finished, s.kv_reserved_bytes, s.running, s.queued), (3, 0, 0, 0), "{s:?}");
 }
