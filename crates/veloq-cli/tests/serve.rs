@@ -182,73 +182,48 @@ fn completion(prompt: Value, max_tokens: usize) -> Value {
     json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
 }
 
-#[test]
-fn the_openai_client_streaming_and_not() {
+/// Runs a client's checks (`program script BASE_URL MODEL_ID`, which prints "all passed") against
+/// a fresh fp16 server; `missing` is what stderr says when the client is not installed, `install`
+/// how to install it.
+fn client_checks(program: &str, script: &str, missing: &str, install: &str) {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let server = Server::start(&["--method", "fp16"]);
     let (_, models) = server.json("GET", "/v1/models", &json!(null));
     let id = models["data"][0]["id"].as_str().unwrap().to_string();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
-    let out = Command::new("python3")
+    let out = Command::new(program)
         .args([script, &format!("http://{}/v1", server.addr), &id])
         .output()
-        .expect("python3 is needed for the openai client test");
+        .unwrap_or_else(|e| panic!("{program} is needed for {script}: {e}"));
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     println!("{stdout}");
-    assert!(
-        !stderr.contains("No module named 'openai'"),
-        "the openai client is not installed: python3 -m pip install openai==3.57.0 (.ci/run does)"
-    );
-    assert!(out.status.success(), "openai client checks failed:\n{stdout}\n{stderr}");
+    assert!(!stderr.contains(missing), "not installed: {install} (.ci/run does)");
+    assert!(out.status.success(), "{script} failed:\n{stdout}\n{stderr}");
     assert!(stdout.contains("all passed"));
     server.drained();
+}
+
+/// The official Python client: streaming, n, structured output, tools, logprobs, errors.
+#[test]
+fn the_openai_client_streaming_and_not() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
+    client_checks("python3", script, "No module named 'openai'", "python3 -m pip install openai==3.57.0");
 }
 
 /// LangChain's ChatOpenAI: invoke, stream, bind_tools, with_structured_output.
 #[test]
 fn the_langchain_client() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let server = Server::start(&["--method", "fp16"]);
-    let (_, models) = server.json("GET", "/v1/models", &json!(null));
-    let id = models["data"][0]["id"].as_str().unwrap().to_string();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/langchain_client.py");
-    let out = Command::new("python3")
-        .args([script, &format!("http://{}/v1", server.addr), &id])
-        .output()
-        .expect("python3 is needed for the LangChain client test");
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    println!("{stdout}");
-    assert!(
-        !stderr.contains("No module named 'langchain_openai'"),
-        "LangChain is not installed: python3 -m pip install langchain-openai==1.8.1 (.ci/run does)"
-    );
-    assert!(out.status.success(), "LangChain checks failed:\n{stdout}\n{stderr}");
-    assert!(stdout.contains("all passed"));
-    server.drained();
+    let install = "python3 -m pip install langchain-openai==1.8.1";
+    client_checks("python3", script, "No module named 'langchain_openai'", install);
 }
 
 /// The official Node client and the Vercel AI SDK (generateText, streamText, generateObject, tools),
-/// as `.ci/run` installs them (`npm ci` in tests/node).
+/// as `.ci/run` installs them (`npm ci` in tests/node, pinned by its lockfile).
 #[test]
 fn the_node_clients_and_the_ai_sdk() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/node");
-    assert!(
-        std::path::Path::new(dir).join("node_modules/ai").is_dir(),
-        "the Node clients are not installed: npm ci --prefix {dir} (.ci/run does)"
-    );
-    let server = Server::start(&["--method", "fp16"]);
-    let (_, models) = server.json("GET", "/v1/models", &json!(null));
-    let id = models["data"][0]["id"].as_str().unwrap().to_string();
-    let out = Command::new("node")
-        .args([&format!("{dir}/clients.mjs"), &format!("http://{}/v1", server.addr), &id])
-        .output()
-        .expect("node is needed for the Node client test");
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    println!("{stdout}");
-    assert!(out.status.success(), "Node client checks failed:\n{stdout}\n{stderr}");
-    assert!(stdout.contains("all passed"));
-    server.drained();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/node/clients.mjs");
+    let install = concat!("npm ci --prefix ", env!("CARGO_MANIFEST_DIR"), "/tests/node");
+    client_checks("node", script, "ERR_MODULE_NOT_FOUND", install);
 }
 
 #[test]
