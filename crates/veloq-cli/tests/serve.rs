@@ -592,3 +592,23 @@ fn shutdown_finishes_running_streams() {
     let code = server.child.wait().unwrap();
     assert!(code.success(), "exit: {code:?}");
 }
+
+/// `--request-timeout`: a request that would run for a minute ends at its limit with what it has
+/// generated (finish_reason "length"), and the server goes on serving.
+#[test]
+fn a_request_timeout_ends_long_requests() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(&["--method", "fp16", "--request-timeout", "0.5"]);
+    let mut body = completion(json!("Once upon a time"), 1500);
+    body["ignore_eos"] = json!(true);
+    let t = Instant::now();
+    let (status, reply) = server.json("POST", "/v1/completions", &body);
+    assert_eq!(status, 200, "{reply}");
+    let generated = reply["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!(reply["choices"][0]["finish_reason"] == "length" && generated < 1500, "{reply}");
+    assert!(t.elapsed() < Duration::from_secs(20), "ended near its limit: {:?}", t.elapsed());
+    assert!(server.logged("finish TimeLimit"), "the log says why it ended");
+    let bad = veloq().args(["serve", "--request-timeout=-1"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("not a positive number of seconds"));
+    server.drained();
+}
