@@ -134,13 +134,7 @@ pub struct Message {
 /// An entry of an assistant message's `tool_calls`.
 #[derive(Deserialize, Debug, Clone)]
 pub struct MessageCall {
-    pub function: MessageFunction,
-}
-
-#[derive(Deserialize, Debug, Clone)]
-pub struct MessageFunction {
-    pub name: String,
-    pub arguments: String,
+    pub function: Call,
 }
 
 /// What only chat completions take (the shared fields are read into [`Sampling`] from the same
@@ -384,10 +378,7 @@ impl ChatRequest {
                 let text = match (m.role.as_str(), &m.tool_calls) {
                     ("tool", _) => response_text(&text),
                     (_, Some(calls)) if !calls.is_empty() => {
-                        let calls: Vec<Call> = calls
-                            .iter()
-                            .map(|c| Call { name: c.function.name.clone(), arguments: c.function.arguments.clone() })
-                            .collect();
+                        let calls: Vec<Call> = calls.iter().map(|c| c.function.clone()).collect();
                         let calls = calls_text(&calls);
                         if text.is_empty() {
                             calls

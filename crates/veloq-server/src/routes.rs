@@ -151,11 +151,7 @@ async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) 
     let mut request = sampling.request(ids, req.max_completion_tokens, default, app.engine.info().vocab, logprobs)?;
     request.grammar = req.grammar(tools.as_ref())?;
     request.time_limit = app.request_timeout;
-    let calls = tools.map(|tools| CallReader {
-        forced: tools.grammar().is_some(),
-        tools,
-        parallel: req.parallel_tool_calls.unwrap_or(true),
-    });
+    let calls = tools.map(|tools| CallReader { tools, parallel: req.parallel_tool_calls.unwrap_or(true) });
     run(app.clone(), app.reply(Kind::Chat), sampling.choices(request)?, &sampling, calls).await
 }
 
@@ -237,8 +233,6 @@ impl Sink for ChannelSink {
 /// How a chat request's replies are read for tool calls.
 struct CallReader {
     tools: Tools,
-    /// The grammar forces a call (a grammar error is the tools', not the response format's).
-    forced: bool,
     /// `false`: only a reply's first call is returned.
     parallel: bool,
 }
@@ -287,7 +281,10 @@ async fn run(
                 Rejected::Budget { .. } => {
                     ApiError::invalid(Some("max_tokens"), r.to_string()).with_code("kv_budget_exceeded")
                 }
-                Rejected::Grammar(m) if calls.as_ref().is_some_and(|c| c.forced) => ApiError::invalid(Some("tools"), m),
+                // A forced call's grammar comes from the tools, any other from the response format.
+                Rejected::Grammar(m) if calls.as_ref().is_some_and(|c| c.tools.forces_call()) => {
+                    ApiError::invalid(Some("tools"), m)
+                }
                 Rejected::Grammar(m) => ApiError::invalid(Some("response_format"), m),
                 Rejected::Invalid(m) => ApiError::invalid(None, m),
                 Rejected::Stopped => server_error(r.to_string()).status(503),
@@ -510,8 +507,8 @@ impl Stream {
                     self.told.ended = true;
                 }
                 Some((_, Event::Failed(why))) => {
-                    let _ = self.told.refused(server_error(why.clone()));
-                    self.pending.push_back(Self::data(&server_error(why).body()));
+                    let e = self.told.refused(server_error(why));
+                    self.pending.push_back(Self::data(&e.body()));
                     self.pending.push_back(SseEvent::default().data("[DONE]"));
                     self.ended = true;
                 }

@@ -51,8 +51,8 @@ pub struct Named {
     pub name: String,
 }
 
-/// A call the model made, as an assistant message or the server's answer carries it.
-#[derive(Clone, Debug, PartialEq)]
+/// A call the model made, as an assistant message's `function` or the server's answer carries it.
+#[derive(Deserialize, Clone, Debug, PartialEq)]
 pub struct Call {
     pub name: String,
     /// The arguments as JSON text (OpenAI's `function.arguments`).
@@ -159,6 +159,11 @@ impl Tools {
             "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{}\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>",
             signatures.join("\n")
         )
+    }
+
+    /// Whether the request forces one call (`required`, a named function).
+    pub fn forces_call(&self) -> bool {
+        self.mode != Mode::Auto
     }
 
     /// The grammar that forces one call (`required`, a named function), or `None` (`auto`).
