@@ -8,12 +8,15 @@ use anyhow::{bail, Context, Result};
 
 use veloq::artifact::Calibration;
 use veloq::calibrate::TextFingerprint;
-use veloq_candle::collect::{calibrate, collect_activations, Activations};
+use veloq_candle::collect::{calibrate, collect_activations, record, Activations};
 use veloq_candle::config::CacheConfig;
 use veloq_candle::method::Vq;
 use veloq_candle::model::{encode, Model, Tokenizer};
 use veloq_candle::Method;
 use veloq_cli::progress::bar;
+
+use crate::second_stage::{ScoreResidual, StageSpec};
+use crate::simulate::{Sides, Simulation};
 
 /// The tokens of the text at `path`.
 pub fn read_tokens(tok: &Tokenizer, path: &Path) -> Result<Vec<u32>> {
@@ -95,4 +98,99 @@ pub fn config(method: Method, cal: Option<Calibration>) -> Result<CacheConfig> {
 pub fn chosen_methods(names: &[Method]) -> Vec<Method> {
     let names = if names.is_empty() { Method::catalogue() } else { names.to_vec() };
     std::iter::once(Method::Fp16).chain(names.into_iter().filter(|m| *m != Method::Fp16)).collect()
+}
+
+/// A lab candidate beside the product's methods: its label, what it is, and how to build it.
+pub struct Candidate {
+    /// `sim:<method>` or `sim:<method>+<stage>`.
+    pub label: String,
+    /// A line for tables.
+    pub description: String,
+    /// Its caches.
+    pub simulation: Simulation,
+}
+
+/// Issue 34's candidates for every calibrated VecInfer method in `chosen`: when `apart`, the
+/// method with keys alone and values alone coded (the other side f16); for each of `stages`,
+/// the method simulated alone (its codecs in an fp16 cache, [`Simulation`]: what simulating
+/// changes against the real cache) and with that key second stage, trained on the calibration
+/// text's keys and queries (recorded again, in `window`-position passes). A stage's gain is read
+/// against the simulated method.
+pub fn simulations(
+    model: &Model,
+    calib: &[u32],
+    window: usize,
+    chosen: &[Method],
+    cals: &[Option<Calibration>],
+    stages: &[StageSpec],
+    apart: bool,
+) -> Result<Vec<Candidate>> {
+    let mut out = Vec::new();
+    let hd = model.info.identity.head_dim;
+    for (m, cal) in chosen.iter().zip(cals) {
+        let Some(cal) = cal else { continue };
+        if apart {
+            for (sides, label, what) in [(Sides::Keys, "k-only", "values f16"), (Sides::Values, "v-only", "keys f16")] {
+                out.push(Candidate {
+                    label: format!("sim:{m}/{label}"),
+                    description: format!("{}, {what} (simulated)", m.describe(hd)),
+                    simulation: Simulation::new(cal, sides, None)?,
+                });
+            }
+        }
+        if !stages.is_empty() {
+            let describe = format!("{} (simulated: f16 cache of its reconstructions)", m.describe(hd));
+            out.push(Candidate {
+                label: format!("sim:{m}"),
+                description: describe,
+                simulation: Simulation::new(cal, Sides::Both, None)?,
+            });
+        }
+    }
+    if stages.is_empty() || cals.iter().all(Option::is_none) {
+        return Ok(out);
+    }
+    let b = bar(calib.len() as u64, "recording queries");
+    let acts = record(model, calib, window, true, &mut |n| b.set_position(n as u64))?;
+    b.finish();
+    let id = &model.info.identity;
+    for (m, cal) in chosen.iter().zip(cals) {
+        let Some(cal) = cal else { continue };
+        let coded: Vec<Vec<f32>> = acts
+            .layers
+            .iter()
+            .zip(&cal.layers)
+            .map(|(a, l)| {
+                let mut k = vec![0.0f32; a.keys.len()];
+                l.keys.decode(&l.keys.encode_vec(&a.keys)?, &mut k)?;
+                Ok(k)
+            })
+            .collect::<Result<_>>()?;
+        for s in stages {
+            let b = bar(id.n_layers as u64, &format!("{m}+{s}"));
+            let residuals = acts
+                .layers
+                .iter()
+                .zip(&coded)
+                .map(|(a, c)| {
+                    let r = ScoreResidual::train(&a.keys, c, &a.queries, id.n_kv_heads, hd, s.rank, s.bits);
+                    b.inc(1);
+                    r.map_err(anyhow::Error::msg)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            b.finish();
+            let extra = residuals.first().map_or(0.0, ScoreResidual::bits_per_element);
+            out.push(Candidate {
+                label: format!("sim:{m}+{s}"),
+                description: format!(
+                    "{} + key second stage: {} coefficients of {} bits per position and kv head (+{extra:.3} key bits)",
+                    m.describe(hd),
+                    s.rank,
+                    if s.bits == 0 { 32 } else { s.bits }
+                ),
+                simulation: Simulation::new(cal, Sides::Both, Some(residuals))?,
+            });
+        }
+    }
+    Ok(out)
 }

@@ -14,10 +14,10 @@
 
 use candle_core::{DType, D};
 
-use veloq_candle::config::CacheConfig;
 use veloq_candle::error::{Error, Result};
 use veloq_candle::model::{Logits, Model};
-use veloq_candle::Method;
+
+use crate::source::CacheSource;
 
 #[derive(Clone, Copy, Debug)]
 /// How [`evaluate`] cuts and feeds the text.
@@ -73,7 +73,7 @@ impl MethodScore {
 pub fn evaluate(
     model: &Model,
     tokens: &[u32],
-    methods: &[(String, CacheConfig)],
+    methods: &[(String, &dyn CacheSource)],
     cfg: EvalConfig,
     progress: &mut dyn FnMut(usize),
 ) -> Result<Vec<MethodScore>> {
@@ -92,13 +92,13 @@ pub fn evaluate(
             tokens.len()
         )));
     }
-    if !matches!(methods.first(), Some((_, c)) if matches!(c.method, Method::Fp16)) {
+    if !methods.first().is_some_and(|(_, c)| c.is_reference()) {
         return Err(Error::Config("eval: the first method must be fp16 (the reference)".into()));
     }
     let span = &tokens[..cfg.ctx * cfg.windows];
     for (label, c) in methods {
-        if let Some(cal) = &c.calibration {
-            if let Some(at) = cal.text.first_overlap(span) {
+        if let Some(text) = c.calibration_text() {
+            if let Some(at) = text.first_overlap(span) {
                 return Err(Error::CalibrationOverlap { method: label.clone(), at });
             }
         }
@@ -108,8 +108,8 @@ pub fn evaluate(
         .map(|(label, c)| {
             Ok(MethodScore {
                 label: label.clone(),
-                code_bits: c.code_bits_per_element(model, cfg.ctx)?,
-                stream_bits: c.stream_bits_per_element(model)?,
+                code_bits: c.code_bits(model, cfg.ctx)?,
+                stream_bits: c.stream_bits(model)?,
                 ..Default::default()
             })
         })
@@ -122,7 +122,7 @@ pub fn evaluate(
         }
         let mut reference: Vec<Vec<f32>> = Vec::new();
         for (m, (_, config)) in methods.iter().enumerate() {
-            let mut caches = config.build(model)?;
+            let mut caches = config.build(model, 1, None)?;
             let first = cfg.ctx / 2;
             let mut scored = 0;
             for start in (0..cfg.ctx).step_by(cfg.step) {

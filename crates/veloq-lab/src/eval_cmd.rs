@@ -14,9 +14,11 @@ use veloq_candle::model::Model;
 use veloq_candle::Method;
 use veloq_cli::args::Files;
 use veloq_cli::progress::bar;
-use veloq_lab::calibrations::{calibration_tokens, calibrations, chosen_methods, config, read_tokens};
+use veloq_lab::calibrations::{calibration_tokens, calibrations, chosen_methods, config, read_tokens, simulations};
 use veloq_lab::eval::{evaluate, total_tokens, EvalConfig, MethodScore};
 use veloq_lab::plot;
+use veloq_lab::second_stage::StageSpec;
+use veloq_lab::source::{sources, CacheSource};
 
 #[derive(ClapArgs)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -54,6 +56,15 @@ pub struct Args {
     /// Print the method names and exit.
     #[arg(long)]
     pub list: bool,
+    /// Issue 34's candidate: also score every VecInfer method simulated (its reconstructions in an
+    /// fp16 cache) alone and with a key second stage of each shape (`r8b4`: 8 coefficients of 4
+    /// bits per position and kv head, carrying the score error the queries see), comma separated.
+    #[arg(long, value_delimiter = ',')]
+    pub second_stage: Vec<StageSpec>,
+    /// Also score every VecInfer method with only its keys coded and with only its values coded
+    /// (the other side f16; simulated), to tell which side loses what.
+    #[arg(long)]
+    pub apart: bool,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     #[arg(long)]
@@ -111,15 +122,20 @@ pub fn run(a: Args) -> Result<()> {
     }
     let calib_window = a.calib_window.unwrap_or(max_ctx);
     let cals = calibrations(&model, &model_path, &calib, &chosen, a.seed, calib_window, &a.files.cache_dir)?;
+    let hd = model.info.identity.head_dim;
+    let candidates = simulations(&model, &calib, calib_window, &chosen, &cals, &a.second_stage, a.apart)?;
     let methods: Vec<(String, CacheConfig)> =
         chosen.iter().zip(cals).map(|(m, c)| Ok((m.to_string(), config(*m, c)?))).collect::<Result<_>>()?;
+    let mut runs_on = sources(&methods);
+    runs_on.extend(candidates.iter().map(|c| (c.label.clone(), &c.simulation as &dyn CacheSource)));
+    let descriptions: Vec<String> =
+        chosen.iter().map(|m| m.describe(hd)).chain(candidates.iter().map(|c| c.description.clone())).collect();
     let mut runs = Vec::new();
-    let hd = model.info.identity.head_dim;
     for (&ctx, &windows) in a.ctx.iter().zip(&windows) {
         let cfg = EvalConfig { ctx, windows, step: a.step };
-        let b = bar(total_tokens(&cfg, methods.len()) as u64, &format!("eval ctx {ctx}"));
+        let b = bar(total_tokens(&cfg, runs_on.len()) as u64, &format!("eval ctx {ctx}"));
         let started = std::time::Instant::now();
-        let scores = evaluate(&model, &eval_tokens, &methods, cfg, &mut |n| b.set_position(n as u64))?;
+        let scores = evaluate(&model, &eval_tokens, &runs_on, cfg, &mut |n| b.set_position(n as u64))?;
         b.finish();
         print_table(ctx, windows, &scores);
         if let Some(prefix) = &a.plot {
@@ -130,7 +146,7 @@ pub fn run(a: Args) -> Result<()> {
         runs.push(json!({
             "ctx": ctx, "windows": windows, "scored_tokens": scores[0].scored,
             "seconds": started.elapsed().as_secs_f64(),
-            "methods": scores.iter().zip(&chosen).map(|(s, m)| row_json(s, &scores[0], m, hd)).collect::<Vec<_>>(),
+            "methods": scores.iter().zip(&descriptions).map(|(s, d)| row_json(s, &scores[0], d)).collect::<Vec<_>>(),
         }));
     }
     let out = json!({
@@ -208,9 +224,9 @@ fn replot(json: &Path, model_path: &Path, chosen: &[Method], a: &Args) -> Result
     Ok(())
 }
 
-fn row_json(s: &MethodScore, reference: &MethodScore, method: &Method, head_dim: usize) -> serde_json::Value {
+fn row_json(s: &MethodScore, reference: &MethodScore, description: &str) -> serde_json::Value {
     json!({
-        "method": s.label, "description": method.describe(head_dim), "code_bits_per_element": s.code_bits,
+        "method": s.label, "description": description, "code_bits_per_element": s.code_bits,
         "stream_bits_per_element": s.stream_bits,
         "resident_kv_bytes": s.resident_bytes, "ppl": s.ppl(), "delta_ppl": s.ppl() - reference.ppl(),
         "kl": s.kl(), "top1_agreement": s.top1(), "scored_tokens": s.scored,

@@ -8,10 +8,14 @@ pub mod calibrations;
 #[cfg(feature = "cuda")]
 pub mod cuda_checks;
 pub mod eval;
+pub mod linalg;
 pub mod measure;
 pub mod needle;
 pub mod plot;
 pub mod probe;
+pub mod second_stage;
+pub mod simulate;
+pub mod source;
 pub mod synthetic;
 
 #[cfg(test)]

@@ -5,10 +5,11 @@
 //! a batch of cases through one cache.
 
 use veloq_candle::cache::{SeqStep, Step};
-use veloq_candle::config::CacheConfig;
 use veloq_candle::error::{Error, Result};
 use veloq_candle::generate::with_bos;
 use veloq_candle::model::{decode, encode, ChatTemplate, Logits, Model, Tokenizer};
+
+use crate::source::CacheSource;
 
 /// The repeated filler haystack of the passkey papers.
 pub const FILLER: &str = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ";
@@ -119,7 +120,7 @@ pub fn keys(seed: u64, n: usize) -> Vec<u32> {
 pub fn answers(
     model: &Model,
     tok: &Tokenizer,
-    cfg: &CacheConfig,
+    cfg: &dyn CacheSource,
     prompts: &[Vec<u32>],
     max_tokens: usize,
     chunk: usize,
@@ -130,7 +131,7 @@ pub fn answers(
 /// [`answers`] as token ids, without the end-of-sequence token.
 pub fn answer_ids(
     model: &Model,
-    cfg: &CacheConfig,
+    cfg: &dyn CacheSource,
     prompts: &[Vec<u32>],
     max_tokens: usize,
     chunk: usize,
@@ -139,8 +140,7 @@ pub fn answer_ids(
         return Err(Error::Config("answers need non-empty prompts, a token to generate and a chunk".into()));
     }
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    let cfg = CacheConfig { capacity: Some(longest + max_tokens), ..cfg.clone() };
-    let mut caches = cfg.build_batch(model, prompts.len())?;
+    let mut caches = cfg.build(model, prompts.len(), Some(longest + max_tokens))?;
     let argmax = |logits: &candle_core::Tensor| -> Result<Vec<u32>> {
         Ok(logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?)
     };
@@ -187,6 +187,7 @@ pub fn answer_ids(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use veloq_candle::config::CacheConfig;
 
     /// A batch of prompts of different lengths, prefilled in ragged chunks and decoded together,
     /// gives each prompt's own greedy tokens (compared while the single run's top two logits are

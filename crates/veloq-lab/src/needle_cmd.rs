@@ -9,7 +9,6 @@ use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use serde_json::json;
 
-use veloq::artifact::Calibration;
 use veloq::kernels::KernelChoice;
 use veloq_candle::config::{CacheConfig, WindowConfig};
 use veloq_candle::model::{encode, LoadOptions, Model, Tokenizer};
@@ -19,9 +18,13 @@ use veloq_cli::args::{CudaFlags, Files};
 use veloq_cli::progress::bar;
 use veloq_lab::needle::{self, answers, correct, keys, wilson};
 use veloq_lab::plot::{self, Heat};
-use veloq_lab::probe::{needle_attention, HeadMass};
+use veloq_lab::probe::{needle_attention, HeadMass, KeyCoder};
 
-use veloq_lab::calibrations::{calibration_tokens, calibrations, chosen_methods, config, read_tokens};
+use veloq_lab::calibrations::{
+    calibration_tokens, calibrations, chosen_methods, config, read_tokens, simulations, Candidate,
+};
+use veloq_lab::second_stage::StageSpec;
+use veloq_lab::source::{sources, CacheSource};
 
 #[derive(ClapArgs)]
 pub struct Args {
@@ -88,6 +91,15 @@ pub struct Args {
     /// method's coded keys, and the score error there and elsewhere (VecInfer methods).
     #[arg(long)]
     probe: bool,
+    /// Issue 34's candidate: also answer with every VecInfer method simulated (its
+    /// reconstructions in an fp16 cache) alone and with a key second stage of each shape (`r8b4`:
+    /// 8 coefficients of 4 bits per position and kv head), comma separated.
+    #[arg(long, value_delimiter = ',')]
+    second_stage: Vec<StageSpec>,
+    /// Also answer with every VecInfer method's keys alone coded and values alone coded (the
+    /// other side f16; simulated), to tell which side loses the needle.
+    #[arg(long)]
+    apart: bool,
     /// Train (or find in the cache) the methods' calibrations and stop: prepares a run on another
     /// machine (copy ~/.cache/veloq/eval there).
     #[arg(long)]
@@ -157,21 +169,22 @@ pub fn run(a: Args) -> Result<()> {
     let calib = calibration_tokens(&tok, &calib_path, a.calib_tokens)?;
     // Calibrations come from the CPU model over windows as long as the longest prompt (or
     // --calib-window).
-    let cals = if device.is_cpu() && calib_window <= capacity {
-        calibrations(&model, &model_path, &calib, &chosen, a.seed, calib_window, &a.files.cache_dir)?
-    } else {
-        let (cpu, _) = Model::open(&model_path, capacity.max(calib_window))?;
-        calibrations(&cpu, &model_path, &calib, &chosen, a.seed, calib_window, &a.files.cache_dir)?
-    };
+    let on_cpu = device.is_cpu() && calib_window <= capacity;
+    let cpu = if on_cpu { None } else { Some(Model::open(&model_path, capacity.max(calib_window))?.0) };
+    let calib_model = cpu.as_ref().unwrap_or(&model);
+    let cals = calibrations(calib_model, &model_path, &calib, &chosen, a.seed, calib_window, &a.files.cache_dir)?;
     if a.calibrate_only {
         eprintln!("calibrations ready in {}", a.files.cache_dir.join("eval").display());
         return Ok(());
     }
+    let candidates = simulations(calib_model, &calib, calib_window, &chosen, &cals, &a.second_stage, a.apart)?;
     let methods: Vec<(String, CacheConfig)> = chosen
         .iter()
         .zip(cals)
         .map(|(m, c)| Ok((m.to_string(), CacheConfig { kernels, ..config(*m, c)? })))
         .collect::<Result<_>>()?;
+    let mut runs = sources(&methods);
+    runs.extend(candidates.iter().map(|c| (c.label.clone(), &c.simulation as &dyn CacheSource)));
 
     let text_path = a.text.clone().unwrap_or_else(|| a.files.text("emma"));
     let (prefix, question) = needle::frame(&model, &tok, !a.raw)?;
@@ -221,16 +234,17 @@ pub fn run(a: Args) -> Result<()> {
             &model,
             &tok,
             &methods,
+            &candidates,
             &first.iter().map(|c| (c.ids.as_slice(), c.key)).collect::<Vec<_>>(),
             &a.json,
         );
     }
-    let total: usize = cases.iter().map(|c| c.ids.len()).sum::<usize>() * methods.len();
+    let total: usize = cases.iter().map(|c| c.ids.len()).sum::<usize>() * runs.len();
     println!(
         "{}: {} cases × {} methods, {} prompt tokens in all; greedy {} tokens, the first number must equal the key",
         model.info.identity.name,
         cases.len(),
-        methods.len(),
+        runs.len(),
         total,
         a.answer_tokens
     );
@@ -239,8 +253,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut done = 0u64;
     let mut rows: Vec<serde_json::Value> = Vec::new();
     // results[method][hay][depth][length] = (correct, asked)
-    let mut results =
-        vec![vec![vec![vec![(0usize, 0usize); a.lengths.len()]; a.depths.len()]; hays.len()]; methods.len()];
+    let mut results = vec![vec![vec![vec![(0usize, 0usize); a.lengths.len()]; a.depths.len()]; hays.len()]; runs.len()];
     let header = json!({"model": model.info.identity.name, "device": format!("{device:?}"), "lengths": a.lengths,
         "depths_percent": a.depths, "keys_per_cell": a.keys, "chat": !a.raw, "batch": batch_size,
         "text": text_path.file_name().map(|s| s.to_string_lossy().into_owned())});
@@ -252,7 +265,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut timing = Vec::new();
     // A method that fails (say, out of device memory) is reported and left out; the others run.
     let mut failed: Vec<(usize, String)> = Vec::new();
-    'methods: for (mi, (label, cfg)) in methods.iter().enumerate() {
+    'methods: for (mi, (label, cfg)) in runs.iter().enumerate() {
         let start = std::time::Instant::now();
         let before = done;
         // Cases of one length together: a batch's prompts end within a chunk of each other.
@@ -260,7 +273,7 @@ pub fn run(a: Args) -> Result<()> {
             let group: Vec<&Case> = cases.iter().filter(|c| c.length == length).collect();
             for batch in group.chunks(batch_size) {
                 let prompts: Vec<Vec<u32>> = batch.iter().map(|c| c.ids.clone()).collect();
-                let texts = match answers(&model, &tok, cfg, &prompts, a.answer_tokens, a.chunk) {
+                let texts = match answers(&model, &tok, *cfg, &prompts, a.answer_tokens, a.chunk) {
                     Ok(t) => t,
                     Err(e) => {
                         let why = format!("{label}, length {length}: {e:#}");
@@ -301,7 +314,7 @@ pub fn run(a: Args) -> Result<()> {
 
     let mut heats = Vec::new();
     let mut summary = Vec::new();
-    for (mi, (label, _)) in methods.iter().enumerate() {
+    for (mi, (label, _)) in runs.iter().enumerate() {
         if failed.iter().any(|f| f.0 == mi) {
             continue;
         }
@@ -335,7 +348,7 @@ pub fn run(a: Args) -> Result<()> {
         eprintln!("wrote {}", p.display());
     }
     if !failures.is_empty() {
-        bail!("{} of {} methods failed: {}", failures.len(), methods.len(), failures.join("; "));
+        bail!("{} of {} methods failed: {}", failures.len(), runs.len(), failures.join("; "));
     }
     Ok(())
 }
@@ -346,15 +359,18 @@ fn probe(
     model: &Model,
     tok: &Tokenizer,
     methods: &[(String, CacheConfig)],
+    candidates: &[Candidate],
     cases: &[(&[u32], u32)],
     json_path: &Option<PathBuf>,
 ) -> Result<()> {
-    let coded: Vec<(&str, &Calibration, &WindowConfig)> = methods
+    let mut coded: Vec<(&str, &dyn KeyCoder, &WindowConfig)> = methods
         .iter()
-        .filter_map(|(l, c)| c.calibration.as_ref().map(|cal| (l.as_str(), cal.as_ref(), &c.window)))
+        .filter_map(|(l, c)| c.calibration.as_ref().map(|cal| (l.as_str(), cal.as_ref() as &dyn KeyCoder, &c.window)))
         .collect();
     let Some(window) = coded.first().map(|c| c.2) else { bail!("--probe needs at least one VecInfer method") };
-    let cals: Vec<&Calibration> = coded.iter().map(|c| c.1).collect();
+    // Candidates keep the cache's sink and window here: the probe compares keys, not caches.
+    coded.extend(candidates.iter().map(|c| (c.label.as_str(), &c.simulation as &dyn KeyCoder, window)));
+    let cals: Vec<&dyn KeyCoder> = coded.iter().map(|c| c.1).collect();
     let b = bar(cases.len() as u64, "probing");
     let mut sum: Vec<HeadMass> = Vec::new();
     for (n, &(ids, key)) in cases.iter().enumerate() {

@@ -32,6 +32,22 @@ pub struct HeadMass {
     pub err_rest: Vec<f32>,
 }
 
+/// What a method's keys become before attention scores them: a layer's `[tokens, kv heads,
+/// head_dim]` keys in, their reconstruction out.
+pub trait KeyCoder {
+    /// Layer `layer`'s keys through the method.
+    fn reconstruct(&self, layer: usize, keys: &[f32]) -> Result<Vec<f32>>;
+}
+
+impl KeyCoder for Calibration {
+    fn reconstruct(&self, layer: usize, keys: &[f32]) -> Result<Vec<f32>> {
+        let codec = &self.layers[layer].keys;
+        let mut k = vec![0.0f32; keys.len()];
+        codec.decode(&codec.encode_vec(keys)?, &mut k)?;
+        Ok(k)
+    }
+}
+
 /// Probes every (layer, head) for the sequence `ids` (prompt then answer; the answer starts at
 /// `answer_from`), the needle at `needle`. One entry per head, layer-major. The sequence goes
 /// through the model in one forward pass (its attention memory grows with the square of its
@@ -41,7 +57,7 @@ pub fn needle_attention(
     ids: &[u32],
     needle: Range<usize>,
     answer_from: usize,
-    calibrations: &[&Calibration],
+    coders: &[&dyn KeyCoder],
     window: &WindowConfig,
 ) -> Result<Vec<HeadMass>> {
     if answer_from == 0 || answer_from >= ids.len() || needle.end > answer_from || needle.is_empty() {
@@ -57,17 +73,10 @@ pub fn needle_attention(
     let mut out = Vec::with_capacity(acts.layers.len() * nh);
     for (l, a) in acts.layers.iter().enumerate() {
         let sliding = model.layer_window(l);
-        // Exact keys, then each calibration's decoded keys (exact again for sliding layers).
+        // Exact keys, then each method's reconstructed keys (exact again for sliding layers).
         let mut keys: Vec<Vec<f32>> = vec![a.keys.clone()];
-        for c in calibrations {
-            let codec = &c.layers[l].keys;
-            if sliding.is_some() {
-                keys.push(a.keys.clone());
-                continue;
-            }
-            let mut k = vec![0.0f32; a.keys.len()];
-            codec.decode(&codec.encode_vec(&a.keys)?, &mut k)?;
-            keys.push(k);
+        for c in coders {
+            keys.push(if sliding.is_some() { a.keys.clone() } else { c.reconstruct(l, &a.keys)? });
         }
         for h in 0..nh {
             let kv = h / group;

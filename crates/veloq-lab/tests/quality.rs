@@ -14,6 +14,7 @@ use veloq_candle::config::CacheConfig;
 use veloq_candle::model::{encode, Model};
 use veloq_candle::Error;
 use veloq_lab::eval::{evaluate, EvalConfig};
+use veloq_lab::source::sources;
 
 fn cache_dir() -> PathBuf {
     std::env::var_os("VELOQ_CACHE").map(PathBuf::from).unwrap_or_else(veloq::paths::default_cache_dir)
@@ -79,14 +80,14 @@ fn evaluation_refuses_calibration_text() {
         calibrate(&f.model, &f.calib, CodecSpec::keys(shape()), CodecSpec::values(shape()), 0, &mut |_| {}).unwrap();
     let methods = vec![("fp16".to_string(), CacheConfig::fp16()), ("vq-2".to_string(), CacheConfig::vecinfer(cal))];
     let cfg = EvalConfig { ctx: 128, windows: 1, step: 16 };
-    match evaluate(&f.model, &f.persuasion[200..], &methods, cfg, &mut |_| {}) {
+    match evaluate(&f.model, &f.persuasion[200..], &sources(&methods), cfg, &mut |_| {}) {
         Err(Error::CalibrationOverlap { method, at }) => {
             assert_eq!(method, "vq-2");
             assert!(at < 128, "overlap reported at {at}");
         }
         other => panic!("expected a refusal, got {other:?}"),
     }
-    let s = evaluate(&f.model, &f.emma[4096..], &methods, cfg, &mut |_| {}).unwrap();
+    let s = evaluate(&f.model, &f.emma[4096..], &sources(&methods), cfg, &mut |_| {}).unwrap();
     assert_eq!((s[0].scored, s[1].scored), (63, 63));
     assert_eq!((s[0].kl(), s[0].top1()), (0.0, 1.0));
     assert!(s[0].ppl() > 2.0 && s[0].ppl() < 100.0, "fp16 perplexity {}", s[0].ppl());

@@ -1,0 +1,422 @@
+//! A candidate codec scored before kernels carry it: an fp16 cache whose positions are replaced
+//! by what the candidate would reconstruct (a calibration's codecs, plus a [`ScoreResidual`]
+//! second stage for keys) when the real cache would code them. The residency is the real
+//! cache's: the first `sink` positions stay exact, a step's own rows and the recent window stay
+//! exact, and positions leave the window for codes a flush block at a time after each step (the
+//! wrapper keeps the window's exact rows and rewrites the inner cache's tail with
+//! reconstructions). What differs is arithmetic only: attention reads f16-rounded
+//! reconstructions instead of scoring codes through lookup tables — which the harnesses measure by
+//! running the same codecs through the real cache beside it.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Tensor};
+
+use veloq::artifact::Calibration;
+use veloq::calibrate::TextFingerprint;
+use veloq::codec::vecinfer::VecInferCodec;
+use veloq_candle::cache::{LayerCache, ModelCache, Policy, Step};
+use veloq_candle::config::{CacheConfig, WindowConfig};
+use veloq_candle::error::{Error, Result};
+use veloq_candle::model::Model;
+
+use crate::probe::KeyCoder;
+use crate::second_stage::ScoreResidual;
+use crate::source::CacheSource;
+
+/// One layer's candidate: a side without a codec stays exact.
+struct SimLayer {
+    keys: Option<VecInferCodec>,
+    values: Option<VecInferCodec>,
+    residual: Option<ScoreResidual>,
+}
+
+/// Which sides a simulation codes (the others stay f16): keys and values apart is the first
+/// question about a codec that loses retrieval.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sides {
+    /// Keys and values through the calibration's codecs.
+    Both,
+    /// Keys only (values f16).
+    Keys,
+    /// Values only (keys f16).
+    Values,
+}
+
+/// A calibration's codecs (and an optional key second stage per layer) applied to an fp16 cache.
+pub struct Simulation {
+    layers: Vec<Arc<SimLayer>>,
+    window: WindowConfig,
+    stream_bits: f64,
+    text: TextFingerprint,
+}
+
+impl Simulation {
+    /// `residuals`, when given, has one key stage per layer (only where keys are coded).
+    pub fn new(cal: &Calibration, sides: Sides, residuals: Option<Vec<ScoreResidual>>) -> Result<Self> {
+        let n = cal.layers.len();
+        if residuals.as_ref().is_some_and(|r| r.len() != n) {
+            return Err(Error::Config(format!("a second stage per layer: {n} layers")));
+        }
+        if residuals.is_some() && sides == Sides::Values {
+            return Err(Error::Config("a key second stage needs coded keys".into()));
+        }
+        let extra = residuals.as_ref().and_then(|r| r.first()).map_or(0.0, ScoreResidual::bits_per_element);
+        let mut stages = residuals.map(|r| r.into_iter().map(Some).collect()).unwrap_or_else(|| vec![None; n]);
+        let (k, v) = (sides != Sides::Values, sides != Sides::Keys);
+        let layers = cal
+            .layers
+            .iter()
+            .zip(stages.iter_mut())
+            .map(|(l, s)| {
+                let (keys, values) = (k.then(|| l.keys.clone()), v.then(|| l.values.clone()));
+                Arc::new(SimLayer { keys, values, residual: s.take() })
+            })
+            .collect();
+        let kb = if k { cal.keys.shape.bits_per_element() + extra } else { 16.0 };
+        let vb = if v { cal.values.shape.bits_per_element() } else { 16.0 };
+        Ok(Self { layers, window: WindowConfig::default(), stream_bits: (kb + vb) / 2.0, text: cal.text.clone() })
+    }
+}
+
+impl KeyCoder for Simulation {
+    fn reconstruct(&self, layer: usize, keys: &[f32]) -> Result<Vec<f32>> {
+        let l = &self.layers[layer];
+        Simulated::reconstruct(keys, l.keys.as_ref(), l.residual.as_ref())
+    }
+}
+
+impl CacheSource for Simulation {
+    fn build(&self, model: &Model, slots: usize, capacity: Option<usize>) -> Result<ModelCache> {
+        let fp16 = CacheConfig { capacity, ..CacheConfig::fp16() }.build_batch(model, slots)?;
+        let layers =
+            fp16.into_layers()
+                .into_iter()
+                .enumerate()
+                .map(|(l, inner)| match model.layer_window(l) {
+                    // Sliding-window layers stay f16 in the real cache too.
+                    Some(_) => inner,
+                    None => Box::new(Simulated::new(inner, self.layers[l].clone(), self.window, slots))
+                        as Box<dyn LayerCache>,
+                })
+                .collect();
+        ModelCache::new(layers)
+    }
+    fn code_bits(&self, _model: &Model, tokens: usize) -> Result<f64> {
+        let sink = self.window.sink.min(tokens);
+        Ok((sink as f64 * 16.0 + (tokens - sink) as f64 * self.stream_bits) / tokens.max(1) as f64)
+    }
+    fn stream_bits(&self, _model: &Model) -> Result<f64> {
+        Ok(self.stream_bits)
+    }
+    fn calibration_text(&self) -> Option<&TextFingerprint> {
+        Some(&self.text)
+    }
+    fn is_reference(&self) -> bool {
+        false
+    }
+}
+
+/// One slot's rows not yet coded: positions `coded..` (those past the sink), exact.
+#[derive(Default)]
+struct Pending {
+    coded: usize,
+    keys: Vec<f32>,
+    values: Vec<f32>,
+}
+
+struct Simulated {
+    inner: Box<dyn LayerCache>,
+    layer: Arc<SimLayer>,
+    window: WindowConfig,
+    slots: Vec<Pending>,
+    /// The rows' dims after the token axis, dtype and device, from the first append.
+    shape: Option<(Vec<usize>, DType, candle_core::Device)>,
+}
+
+fn host_rows(x: &Tensor) -> Result<Vec<f32>> {
+    Ok(x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+impl Simulated {
+    fn new(inner: Box<dyn LayerCache>, layer: Arc<SimLayer>, window: WindowConfig, slots: usize) -> Self {
+        let slots = (0..slots).map(|_| Pending { coded: window.sink, ..Default::default() }).collect();
+        Self { inner, layer, window, slots, shape: None }
+    }
+
+    /// Where a sequence of `len` positions has its codes end: the real cache's policy (codes
+    /// from the sink on, a block at a time, at least `window` recent positions left exact).
+    fn coded_end(&self, len: usize) -> usize {
+        let w = &self.window;
+        w.sink + Policy::coded(w.sink, w.window, w.flush_block, usize::MAX).footprint(len).coded
+    }
+
+    /// Rows through `codec` (then `stage`); without a codec, the rows themselves.
+    fn reconstruct(rows: &[f32], codec: Option<&VecInferCodec>, stage: Option<&ScoreResidual>) -> Result<Vec<f32>> {
+        let Some(codec) = codec else { return Ok(rows.to_vec()) };
+        let mut out = vec![0.0f32; rows.len()];
+        codec.decode(&codec.encode_vec(rows)?, &mut out)?;
+        if let Some(s) = stage {
+            s.correct(rows, &mut out);
+        }
+        Ok(out)
+    }
+
+    /// Codes slot `slot` up to where the flush rule says: its inner tail is truncated and
+    /// appended again, reconstructions first, the window's exact rows after.
+    fn flush(&mut self, slot: usize) -> Result<()> {
+        let Some((dims, dtype, device)) = self.shape.clone() else { return Ok(()) };
+        let len = self.inner.len(slot);
+        let end = self.coded_end(len);
+        let p = &self.slots[slot];
+        if end <= p.coded {
+            return Ok(());
+        }
+        let row: usize = dims.iter().product();
+        let n = (end - p.coded) * row;
+        let mut k = Self::reconstruct(&p.keys[..n], self.layer.keys.as_ref(), self.layer.residual.as_ref())?;
+        let mut v = Self::reconstruct(&p.values[..n], self.layer.values.as_ref(), None)?;
+        k.extend_from_slice(&p.keys[n..]);
+        v.extend_from_slice(&p.values[n..]);
+        let start = p.coded;
+        let shape: Vec<usize> = std::iter::once(len - start).chain(dims.iter().copied()).collect();
+        let t =
+            |x: Vec<f32>| -> Result<Tensor> { Ok(Tensor::from_vec(x, shape.as_slice(), &device)?.to_dtype(dtype)?) };
+        let (k, v) = (t(k)?, t(v)?);
+        self.inner.truncate(slot, start)?;
+        self.inner.append(&k, &v, &Step::single(slot, start, len - start)?)?;
+        self.inner.commit()?;
+        let p = &mut self.slots[slot];
+        p.keys.drain(..n);
+        p.values.drain(..n);
+        p.coded = end;
+        Ok(())
+    }
+}
+
+impl LayerCache for Simulated {
+    fn append(&mut self, k: &Tensor, v: &Tensor, step: &Step) -> Result<()> {
+        self.inner.append(k, v, step)?;
+        if self.shape.is_none() {
+            self.shape = Some((k.dims()[1..].to_vec(), k.dtype(), k.device().clone()));
+        }
+        let (kr, vr) = (host_rows(k)?, host_rows(v)?);
+        let row = kr.len() / step.tokens().max(1);
+        for (i, seq) in step.seqs().iter().enumerate() {
+            let p = &mut self.slots[seq.slot];
+            for (j, r) in step.rows(i).enumerate() {
+                if seq.start + j >= p.coded {
+                    p.keys.extend_from_slice(&kr[r * row..(r + 1) * row]);
+                    p.values.extend_from_slice(&vr[r * row..(r + 1) * row]);
+                }
+            }
+        }
+        Ok(())
+    }
+    fn attend(&self, q: &Tensor, step: &Step, scale: f32) -> Result<Tensor> {
+        self.inner.attend(q, step, scale)
+    }
+    fn commit(&mut self) -> Result<()> {
+        self.inner.commit()?;
+        (0..self.slots.len()).try_for_each(|s| self.flush(s))
+    }
+    fn slots(&self) -> usize {
+        self.inner.slots()
+    }
+    fn len(&self, slot: usize) -> usize {
+        self.inner.len(slot)
+    }
+    fn truncate(&mut self, slot: usize, len: usize) -> Result<()> {
+        self.inner.truncate(slot, len)?;
+        let sink = self.window.sink;
+        let row = self.shape.as_ref().map_or(0, |s| s.0.iter().product());
+        let p = &mut self.slots[slot];
+        if len < p.coded {
+            // Every position left past the sink is coded already; the slot codes on from `len`.
+            *p = Pending { coded: sink.max(len), ..Default::default() };
+        } else {
+            let keep = (len - p.coded) * row;
+            p.keys.truncate(keep);
+            p.values.truncate(keep);
+        }
+        Ok(())
+    }
+    fn resident_bytes(&self) -> usize {
+        self.inner.resident_bytes()
+    }
+    fn sequence_bytes(&self, positions: usize) -> usize {
+        self.inner.sequence_bytes(positions)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use candle_core::Device;
+    use veloq::calibrate::{train_codec, KMeansConfig};
+    use veloq::codec::codebook::PqShape;
+    use veloq::codec::vecinfer::CodecSpec;
+    use veloq_candle::cache::SeqStep;
+
+    /// Per slot: keys and values, row after row.
+    type Held = Arc<Mutex<Vec<(Vec<f32>, Vec<f32>)>>>;
+
+    /// An inner cache that only keeps what it is given, per slot, for the test to read.
+    struct Rows(Held, usize);
+
+    impl LayerCache for Rows {
+        fn append(&mut self, k: &Tensor, v: &Tensor, step: &Step) -> Result<()> {
+            let (k, v) = (host_rows(k)?, host_rows(v)?);
+            let mut s = self.0.lock().unwrap();
+            for (i, seq) in step.seqs().iter().enumerate() {
+                assert_eq!(s[seq.slot].0.len(), seq.start * self.1, "appends continue the slot");
+                let r = step.rows(i);
+                s[seq.slot].0.extend_from_slice(&k[r.start * self.1..r.end * self.1]);
+                s[seq.slot].1.extend_from_slice(&v[r.start * self.1..r.end * self.1]);
+            }
+            Ok(())
+        }
+        fn attend(&self, _: &Tensor, _: &Step, _: f32) -> Result<Tensor> {
+            Err(Error::Config("not in this test".into()))
+        }
+        fn commit(&mut self) -> Result<()> {
+            Ok(())
+        }
+        fn slots(&self) -> usize {
+            self.0.lock().unwrap().len()
+        }
+        fn len(&self, slot: usize) -> usize {
+            self.0.lock().unwrap()[slot].0.len() / self.1
+        }
+        fn truncate(&mut self, slot: usize, len: usize) -> Result<()> {
+            let mut s = self.0.lock().unwrap();
+            s[slot].0.truncate(len * self.1);
+            s[slot].1.truncate(len * self.1);
+            Ok(())
+        }
+        fn resident_bytes(&self) -> usize {
+            0
+        }
+        fn sequence_bytes(&self, _: usize) -> usize {
+            0
+        }
+    }
+
+    /// After every commit the inner cache holds what the real cache's residency would: each
+    /// slot's sink and recent window as given, every position the policy has coded as the
+    /// codec's reconstruction plus the stage's correction (applied here by hand, row by row),
+    /// rounded to the input's f16 — through ragged prefill, decode steps and truncations.
+    #[test]
+    fn the_inner_cache_holds_reconstructions_where_the_real_cache_holds_codes() {
+        let mut s = crate::testing::fresh_seed() | 1;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
+        };
+        let (nkv, d, nq) = (2usize, 16usize, 4usize);
+        let row = nkv * d;
+        let train: Vec<f32> = (0..200 * row).map(|_| next()).collect();
+        let shape = PqShape::new(4, 4).unwrap();
+        let (codec, _) = train_codec(&train, nkv, d, &CodecSpec::keys(shape), &KMeansConfig::new(16, 3)).unwrap();
+        let mut coded = vec![0.0f32; train.len()];
+        codec.decode(&codec.encode_vec(&train).unwrap(), &mut coded).unwrap();
+        let queries: Vec<f32> = (0..200 * nq * d).map(|_| next()).collect();
+        let stage = ScoreResidual::train(&train, &coded, &queries, nkv, d, 3, 6).unwrap();
+        let layer = Arc::new(SimLayer {
+            keys: Some(codec.clone()),
+            values: Some(codec.clone()),
+            residual: Some(stage.clone()),
+        });
+        let store = Arc::new(Mutex::new(vec![(Vec::new(), Vec::new()); 2]));
+        let window = WindowConfig { window: 16, flush_block: 8, sink: 4 };
+        let mut sim = Simulated::new(Box::new(Rows(store.clone(), row)), layer, window, 2);
+        let f16 = |x: f32| half::f16::from_f32(x).to_f32();
+        // Every row ever given per slot (f16-rounded, as the cache receives it).
+        let mut given: Vec<(Vec<f32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); 2];
+        let mut run = |sim: &mut Simulated, given: &mut Vec<(Vec<f32>, Vec<f32>)>, seqs: Vec<SeqStep>| {
+            let n: usize = seqs.iter().map(|q| q.len).sum();
+            let k: Vec<f32> = (0..n * row).map(|_| f16(next())).collect();
+            let v: Vec<f32> = (0..n * row).map(|_| f16(next())).collect();
+            let step = Step::new(seqs).unwrap();
+            let t = |x: &Vec<f32>| {
+                Tensor::from_vec(x.clone(), (n, nkv, d), &Device::Cpu).unwrap().to_dtype(DType::F16).unwrap()
+            };
+            sim.append(&t(&k), &t(&v), &step).unwrap();
+            sim.commit().unwrap();
+            for (i, q) in step.seqs().iter().enumerate() {
+                let r = step.rows(i);
+                let g = &mut given[q.slot];
+                g.0.truncate(q.start * row);
+                g.1.truncate(q.start * row);
+                g.0.extend_from_slice(&k[r.start * row..r.end * row]);
+                g.1.extend_from_slice(&v[r.start * row..r.end * row]);
+            }
+        };
+        let check = |sim: &Simulated, given: &[(Vec<f32>, Vec<f32>)], coded_from: [usize; 2]| {
+            let held = store.lock().unwrap();
+            for slot in 0..2 {
+                let (gk, gv) = &given[slot];
+                let len = gk.len() / row;
+                let end = sim.coded_end(len);
+                assert_eq!(held[slot].0.len(), gk.len(), "slot {slot} length");
+                for p in 0..len {
+                    let (ek, ev) = (&gk[p * row..(p + 1) * row], &gv[p * row..(p + 1) * row]);
+                    let (want_k, want_v) = if p >= coded_from[slot].max(window.sink) && p < end {
+                        let mut k = vec![0.0f32; row];
+                        codec.decode(&codec.encode_vec(ek).unwrap(), &mut k).unwrap();
+                        stage.correct(ek, &mut k);
+                        let mut v = vec![0.0f32; row];
+                        codec.decode(&codec.encode_vec(ev).unwrap(), &mut v).unwrap();
+                        (k.into_iter().map(f16).collect::<Vec<_>>(), v.into_iter().map(f16).collect::<Vec<_>>())
+                    } else {
+                        (ek.to_vec(), ev.to_vec())
+                    };
+                    assert_eq!(
+                        &held[slot].0[p * row..(p + 1) * row],
+                        want_k.as_slice(),
+                        "slot {slot} key at {p} of {len}"
+                    );
+                    assert_eq!(
+                        &held[slot].1[p * row..(p + 1) * row],
+                        want_v.as_slice(),
+                        "slot {slot} value at {p} of {len}"
+                    );
+                }
+            }
+        };
+        // A ragged prefill (13 and 41 tokens), then decode steps.
+        run(&mut sim, &mut given, vec![SeqStep { slot: 0, start: 0, len: 13 }, SeqStep { slot: 1, start: 0, len: 41 }]);
+        check(&sim, &given, [0, 0]);
+        // 41 positions: 4 sink, then codes in blocks of 8 while 16 stay exact: 16 coded, to 20.
+        assert_eq!((sim.coded_end(41), sim.coded_end(13), sim.coded_end(28)), (20, 4, 12));
+        for i in 0..19 {
+            run(
+                &mut sim,
+                &mut given,
+                vec![SeqStep { slot: 0, start: 13 + i, len: 1 }, SeqStep { slot: 1, start: 41 + i, len: 1 }],
+            );
+            check(&sim, &given, [0, 0]);
+        }
+        // Truncations: slot 0 inside its window, slot 1 into its codes (kept as they were), then
+        // both grow again.
+        let (l0, l1) = (store.lock().unwrap()[0].0.len() / row - 3, 20);
+        sim.truncate(0, l0).unwrap();
+        sim.truncate(1, l1).unwrap();
+        given[0].0.truncate(l0 * row);
+        given[0].1.truncate(l0 * row);
+        // Slot 1's positions below 20 were coded before: the store holds them coded; the test's
+        // copy must say so too.
+        let held1 = store.lock().unwrap()[1].clone();
+        given[1] = (held1.0.clone(), held1.1.clone());
+        run(
+            &mut sim,
+            &mut given,
+            vec![SeqStep { slot: 0, start: l0, len: 9 }, SeqStep { slot: 1, start: l1, len: 30 }],
+        );
+        check(&sim, &given, [0, l1]);
+    }
+}
