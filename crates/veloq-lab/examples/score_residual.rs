@@ -19,6 +19,7 @@ use clap::Parser;
 use veloq::calibrate::{train_codec, KMeansConfig};
 use veloq::codec::codebook::PqShape;
 use veloq::codec::vecinfer::CodecSpec;
+use veloq_candle::cache::Heads;
 use veloq_candle::collect::record;
 use veloq_candle::model::{encode, Model};
 use veloq_lab::second_stage::ScoreResidual;
@@ -80,8 +81,9 @@ fn main() -> anyhow::Result<()> {
                 ("4-bit", _) => decoded(&four, &cb.keys),
                 (_, 0) => Ok(kb2.clone()),
                 _ => {
-                    let stage = ScoreResidual::train(&ca.keys, &ka2, &ca.queries, nkv, d, *r, *bits)
-                        .map_err(anyhow::Error::msg)?;
+                    let stage =
+                        ScoreResidual::train(&ca.keys, &ka2, &ca.queries, Heads { q: nh, kv: nkv, dim: d }, *r, *bits)
+                            .map_err(anyhow::Error::msg)?;
                     let mut k = kb2.clone();
                     stage.correct(&cb.keys, &mut k);
                     Ok(k)

@@ -15,7 +15,9 @@ use veloq_candle::model::{encode, Model, Tokenizer};
 use veloq_candle::Method;
 use veloq_cli::progress::bar;
 
-use crate::second_stage::{ScoreResidual, StageSpec};
+use veloq_candle::cache::Heads;
+
+use crate::second_stage::{ScoreResidual, StageSide, StageSpec};
 use crate::simulate::{Sides, Simulation};
 
 /// The tokens of the text at `path`.
@@ -134,7 +136,7 @@ pub fn simulations(
                 out.push(Candidate {
                     label: format!("sim:{m}/{label}"),
                     description: format!("{}, {what} (simulated)", m.describe(hd)),
-                    simulation: Simulation::new(cal, sides, None)?,
+                    simulation: Simulation::new(cal, sides, None, None)?,
                 });
             }
         }
@@ -143,7 +145,7 @@ pub fn simulations(
             out.push(Candidate {
                 label: format!("sim:{m}"),
                 description: describe,
-                simulation: Simulation::new(cal, Sides::Both, None)?,
+                simulation: Simulation::new(cal, Sides::Both, None, None)?,
             });
         }
     }
@@ -154,41 +156,53 @@ pub fn simulations(
     let acts = record(model, calib, window, true, &mut |n| b.set_position(n as u64))?;
     b.finish();
     let id = &model.info.identity;
+    let heads = Heads { q: model.info.n_heads, kv: id.n_kv_heads, dim: hd };
+    // The output projections' rows, as [hidden, heads, head_dim] "queries" of the value stages.
+    let projections: Vec<Vec<f32>> = if stages.iter().any(|s| s.side.values()) {
+        (0..id.n_layers)
+            .map(|l| Ok(model.attention_output(l)?.flatten_all()?.to_vec1::<f32>()?))
+            .collect::<Result<_>>()?
+    } else {
+        Vec::new()
+    };
     for (m, cal) in chosen.iter().zip(cals) {
         let Some(cal) = cal else { continue };
-        let coded: Vec<Vec<f32>> = acts
-            .layers
-            .iter()
-            .zip(&cal.layers)
-            .map(|(a, l)| {
-                let mut k = vec![0.0f32; a.keys.len()];
-                l.keys.decode(&l.keys.encode_vec(&a.keys)?, &mut k)?;
-                Ok(k)
-            })
-            .collect::<Result<_>>()?;
+        let through = |x: &[f32], codec: &veloq::codec::vecinfer::VecInferCodec| -> Result<Vec<f32>> {
+            let mut y = vec![0.0f32; x.len()];
+            codec.decode(&codec.encode_vec(x)?, &mut y)?;
+            Ok(y)
+        };
         for s in stages {
             let b = bar(id.n_layers as u64, &format!("{m}+{s}"));
-            let residuals = acts
-                .layers
-                .iter()
-                .zip(&coded)
-                .map(|(a, c)| {
-                    let r = ScoreResidual::train(&a.keys, c, &a.queries, id.n_kv_heads, hd, s.rank, s.bits);
-                    b.inc(1);
-                    r.map_err(anyhow::Error::msg)
-                })
-                .collect::<Result<Vec<_>>>()?;
+            let (mut ks, mut vs) = (Vec::new(), Vec::new());
+            for (l, (a, c)) in acts.layers.iter().zip(&cal.layers).enumerate() {
+                let train = |x: &[f32], coded: &[f32], q: &[f32]| {
+                    ScoreResidual::train(x, coded, q, heads, s.rank, s.bits).map_err(anyhow::Error::msg)
+                };
+                if s.side.keys() {
+                    ks.push(train(&a.keys, &through(&a.keys, &c.keys)?, &a.queries)?);
+                }
+                if s.side.values() {
+                    vs.push(train(&a.values, &through(&a.values, &c.values)?, &projections[l])?);
+                }
+                b.inc(1);
+            }
             b.finish();
-            let extra = residuals.first().map_or(0.0, ScoreResidual::bits_per_element);
+            let extra = s.bits_per_element(hd);
+            let what = match s.side {
+                StageSide::Keys => "key",
+                StageSide::Values => "value",
+                StageSide::Both => "key and value",
+            };
             out.push(Candidate {
                 label: format!("sim:{m}+{s}"),
                 description: format!(
-                    "{} + key second stage: {} coefficients of {} bits per position and kv head (+{extra:.3} key bits)",
+                    "{} + {what} second stage: {} coefficients of {} bits per position and kv head (+{extra:.3} bits per element of each)",
                     m.describe(hd),
                     s.rank,
                     if s.bits == 0 { 32 } else { s.bits }
                 ),
-                simulation: Simulation::new(cal, Sides::Both, Some(residuals))?,
+                simulation: Simulation::new(cal, Sides::Both, (!ks.is_empty()).then_some(ks), (!vs.is_empty()).then_some(vs))?,
             });
         }
     }

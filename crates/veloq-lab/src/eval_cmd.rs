@@ -57,8 +57,9 @@ pub struct Args {
     #[arg(long)]
     pub list: bool,
     /// Issue 34's candidate: also score every VecInfer method simulated (its reconstructions in an
-    /// fp16 cache) alone and with a key second stage of each shape (`r8b4`: 8 coefficients of 4
-    /// bits per position and kv head, carrying the score error the queries see), comma separated.
+    /// fp16 cache) alone and with a second stage of each shape, comma separated: `r8b4` (keys: 8
+    /// coefficients of 4 bits per position and kv head, carrying the score error the queries
+    /// see), `v:r8b4` (values, weighed by the output projection), `kv:r8b4` (both).
     #[arg(long, value_delimiter = ',')]
     pub second_stage: Vec<StageSpec>,
     /// Also score every VecInfer method with only its keys coded and with only its values coded

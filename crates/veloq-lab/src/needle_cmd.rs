@@ -92,8 +92,9 @@ pub struct Args {
     #[arg(long)]
     probe: bool,
     /// Issue 34's candidate: also answer with every VecInfer method simulated (its
-    /// reconstructions in an fp16 cache) alone and with a key second stage of each shape (`r8b4`:
-    /// 8 coefficients of 4 bits per position and kv head), comma separated.
+    /// reconstructions in an fp16 cache) alone and with a second stage of each shape, comma
+    /// separated: `r8b4` (keys: 8 coefficients of 4 bits per position and kv head), `v:r8b4`
+    /// (values, weighed by the output projection), `kv:r8b4` (both).
     #[arg(long, value_delimiter = ',')]
     second_stage: Vec<StageSpec>,
     /// Also answer with every VecInfer method's keys alone coded and values alone coded (the

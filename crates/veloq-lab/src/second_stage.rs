@@ -7,27 +7,69 @@
 //! tables unchanged. c is stored as b-bit uniform codes with a calibrated step per (kv head,
 //! component): r·b/head_dim more bits per key element.
 
+use veloq_candle::cache::Heads;
+
 use crate::linalg::{jacobi, spectral};
 
 /// Added to C's diagonal before C^{-½}, as a fraction of its mean eigenvalue: directions no query
 /// visits carry no score error, and must not blow up.
 const RIDGE: f64 = 1e-3;
 
-/// A stage's shape as the command line names it: `r8b4` (rank 8, 4-bit coefficients), `r8f32`
-/// (unquantized: the ceiling).
+/// Which side a stage corrects. Keys are weighed by the queries' second moment (the score
+/// error); values by the attention output projection's Gram matrix per head (the error the
+/// residual stream receives when a head reads that position).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StageSide {
+    /// Keys.
+    Keys,
+    /// Values.
+    Values,
+    /// Both, each in its own metric.
+    Both,
+}
+
+impl StageSide {
+    /// Whether keys get a stage.
+    pub fn keys(self) -> bool {
+        self != StageSide::Values
+    }
+    /// Whether values get a stage.
+    pub fn values(self) -> bool {
+        self != StageSide::Keys
+    }
+}
+
+/// A stage's shape as the command line names it: `r8b4` (keys: rank 8, 4-bit coefficients),
+/// `v:r8b4` (values), `kv:r8b4` (both), `r8f32` (unquantized: the ceiling).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StageSpec {
-    /// Coefficients per key (per kv head and position).
+    /// Which side.
+    pub side: StageSide,
+    /// Coefficients per position and kv head.
     pub rank: usize,
     /// Bits per coefficient, 1–8; 0 for f32.
     pub bits: u32,
 }
 
+impl StageSpec {
+    /// Bits the stage adds per element of each side it corrects.
+    pub fn bits_per_element(&self, head_dim: usize) -> f64 {
+        (self.rank as u32 * if self.bits == 0 { 32 } else { self.bits }) as f64 / head_dim as f64
+    }
+}
+
 impl std::str::FromStr for StageSpec {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let bad = || format!("{s:?} is not a second stage: r<rank>b<bits> (r8b4) or r<rank>f32");
-        let rest = s.strip_prefix('r').ok_or_else(bad)?;
+        let bad = || format!("{s:?} is not a second stage: [k:|v:|kv:]r<rank>b<bits> (r8b4, v:r8b4) or r<rank>f32");
+        let (side, shape) = match s.split_once(':') {
+            None => (StageSide::Keys, s),
+            Some(("k", x)) => (StageSide::Keys, x),
+            Some(("v", x)) => (StageSide::Values, x),
+            Some(("kv", x)) => (StageSide::Both, x),
+            Some(_) => return Err(bad()),
+        };
+        let rest = shape.strip_prefix('r').ok_or_else(bad)?;
         let (rank, bits) = match rest.split_once('b') {
             Some((r, b)) => (r, b.parse::<u32>().map_err(|_| bad())?),
             None => (rest.strip_suffix("f32").ok_or_else(bad)?, 0),
@@ -36,12 +78,17 @@ impl std::str::FromStr for StageSpec {
         if rank == 0 || bits > 8 || (bits == 0 && !rest.ends_with("f32")) {
             return Err(bad());
         }
-        Ok(Self { rank, bits })
+        Ok(Self { side, rank, bits })
     }
 }
 
 impl std::fmt::Display for StageSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.side {
+            StageSide::Keys => {}
+            StageSide::Values => write!(f, "v:")?,
+            StageSide::Both => write!(f, "kv:")?,
+        }
         match self.bits {
             0 => write!(f, "r{}f32", self.rank),
             b => write!(f, "r{}b{b}", self.rank),
@@ -124,16 +171,18 @@ impl ScoreResidual {
     /// Trains the stage of one layer from calibration keys, the same keys through the first
     /// stage (`coded`), both `[tokens, kv_heads, dim]`, and the queries `[tokens, q heads, dim]`
     /// (each kv head pools its query group). `bits` per coefficient, 1–8, or 0 for unquantized
-    /// coefficients (the ceiling).
+    /// coefficients (the ceiling). For values, pass them with the rows of the attention output
+    /// projection as the "queries" (`[hidden, q heads, dim]`: each output coordinate reads a
+    /// value error through its row), so the metric is the projection's Gram matrix per group.
     pub fn train(
         keys: &[f32],
         coded: &[f32],
         queries: &[f32],
-        kv_heads: usize,
-        dim: usize,
+        heads: Heads,
         rank: usize,
         bits: u32,
     ) -> Result<Self, String> {
+        let Heads { q: q_heads, kv: kv_heads, dim } = heads;
         let row = kv_heads * dim;
         if row == 0 || keys.is_empty() || !keys.len().is_multiple_of(row) || coded.len() != keys.len() {
             return Err(format!(
@@ -143,18 +192,22 @@ impl ScoreResidual {
             ));
         }
         let tokens = keys.len() / row;
-        if !queries.len().is_multiple_of(tokens * dim) || !(queries.len() / (tokens * dim)).is_multiple_of(kv_heads) {
-            return Err(format!("queries ({}) are not [{tokens}, a multiple of {kv_heads}, {dim}]", queries.len()));
+        let qrow = q_heads * dim;
+        if !q_heads.is_multiple_of(kv_heads) || qrow == 0 || queries.is_empty() || !queries.len().is_multiple_of(qrow) {
+            return Err(format!(
+                "queries ({}) are not [rows, {q_heads}, {dim}] over {kv_heads} kv heads",
+                queries.len()
+            ));
         }
         if rank == 0 || rank > dim || bits > 8 {
             return Err(format!("rank {rank} must be 1..={dim} and bits {bits} 0..=8"));
         }
-        let nh = queries.len() / (tokens * dim);
+        let (nh, qrows) = (q_heads, queries.len() / qrow);
         let group = nh / kv_heads;
         let err: Vec<f32> = keys.iter().zip(coded).map(|(k, c)| k - c).collect();
         let heads = (0..kv_heads)
             .map(|kv| {
-                let qs = (0..tokens).flat_map(|t| (kv * group..(kv + 1) * group).map(move |h| (t * nh + h) * dim));
+                let qs = (0..qrows).flat_map(|t| (kv * group..(kv + 1) * group).map(move |h| (t * nh + h) * dim));
                 let mut c = second_moment(qs.map(|o| &queries[o..o + dim]), dim);
                 let e = second_moment((0..tokens).map(|t| &err[(t * kv_heads + kv) * dim..][..dim]), dim);
                 let tr: f64 = (0..dim).map(|i| c[i * dim + i]).sum();
@@ -213,11 +266,6 @@ impl ScoreResidual {
         let b = if self.bits == 0 { 32 } else { self.bits };
         (self.rank as u32 * b) as f64 / self.dim as f64
     }
-
-    /// Its shape.
-    pub fn spec(&self) -> StageSpec {
-        StageSpec { rank: self.rank, bits: self.bits }
-    }
 }
 
 #[cfg(test)]
@@ -273,7 +321,8 @@ mod tests {
                 })
                 .collect()
         };
-        let exact = ScoreResidual::train(&keys, &coded, &queries, nkv, d, rank, 0).unwrap();
+        let exact =
+            ScoreResidual::train(&keys, &coded, &queries, Heads { q: nkv * group, kv: nkv, dim: d }, rank, 0).unwrap();
         let after = err_after(&exact);
         for kv in 0..nkv {
             // The maths, from the same second moments (the ridge moves it by about 1e-3).
@@ -312,7 +361,9 @@ mod tests {
         for kv in 0..nkv {
             assert!(after[kv] <= other[kv] * 1.001 + 1e-9, "kv {kv}: optimal {} vs plain {}", after[kv], other[kv]);
         }
-        let coarse = err_after(&ScoreResidual::train(&keys, &coded, &queries, nkv, d, rank, 8).unwrap());
+        let coarse = err_after(
+            &ScoreResidual::train(&keys, &coded, &queries, Heads { q: nkv * group, kv: nkv, dim: d }, rank, 8).unwrap(),
+        );
         for kv in 0..nkv {
             let before: f64 = err_after(&ScoreResidual {
                 rank,
@@ -328,17 +379,28 @@ mod tests {
             );
         }
         assert_eq!(exact.bits_per_element(), 3.0 * 32.0 / 8.0);
-        assert!(ScoreResidual::train(&keys, &coded, &queries, nkv, d, 0, 4).is_err());
-        assert!(ScoreResidual::train(&keys[1..], &coded, &queries, nkv, d, 2, 4).is_err());
+        assert!(ScoreResidual::train(&keys, &coded, &queries, Heads { q: nkv * group, kv: nkv, dim: d }, 0, 4).is_err());
+        assert!(ScoreResidual::train(&keys[1..], &coded, &queries, Heads { q: nkv * group, kv: nkv, dim: d }, 2, 4)
+            .is_err());
+        assert!(
+            ScoreResidual::train(&keys, &coded, &queries, Heads { q: 3, kv: nkv, dim: d }, 2, 4).is_err(),
+            "3 query heads over 2 kv heads"
+        );
     }
 
     #[test]
     fn stage_names_round_trip() {
-        for (name, rank, bits) in [("r8b4", 8, 4), ("r2b8", 2, 8), ("r16f32", 16, 0)] {
+        for (name, side, rank, bits) in [
+            ("r8b4", StageSide::Keys, 8, 4),
+            ("v:r2b8", StageSide::Values, 2, 8),
+            ("kv:r16f32", StageSide::Both, 16, 0),
+        ] {
             let s: StageSpec = name.parse().unwrap();
-            assert_eq!((s.rank, s.bits, s.to_string()), (rank, bits, name.to_string()));
+            assert_eq!((s.side, s.rank, s.bits, s.to_string()), (side, rank, bits, name.to_string()));
         }
-        for bad in ["8b4", "r0b4", "r8b9", "r8", "r8b", "rxb4", "r8b0"] {
+        assert_eq!("k:r8b4".parse::<StageSpec>().unwrap().to_string(), "r8b4");
+        assert_eq!("r16b4".parse::<StageSpec>().unwrap().bits_per_element(64), 1.0);
+        for bad in ["8b4", "r0b4", "r8b9", "r8", "r8b", "rxb4", "r8b0", "q:r8b4", "v:"] {
             assert!(bad.parse::<StageSpec>().is_err(), "{bad} parsed");
         }
     }

@@ -29,6 +29,7 @@ struct SimLayer {
     keys: Option<VecInferCodec>,
     values: Option<VecInferCodec>,
     residual: Option<ScoreResidual>,
+    value_residual: Option<ScoreResidual>,
 }
 
 /// Which sides a simulation codes (the others stay f16): keys and values apart is the first
@@ -52,29 +53,44 @@ pub struct Simulation {
 }
 
 impl Simulation {
-    /// `residuals`, when given, has one key stage per layer (only where keys are coded).
-    pub fn new(cal: &Calibration, sides: Sides, residuals: Option<Vec<ScoreResidual>>) -> Result<Self> {
+    /// `key_stages` and `value_stages`, when given, have one stage per layer (only on a side that
+    /// is coded).
+    pub fn new(
+        cal: &Calibration,
+        sides: Sides,
+        key_stages: Option<Vec<ScoreResidual>>,
+        value_stages: Option<Vec<ScoreResidual>>,
+    ) -> Result<Self> {
         let n = cal.layers.len();
-        if residuals.as_ref().is_some_and(|r| r.len() != n) {
-            return Err(Error::Config(format!("a second stage per layer: {n} layers")));
-        }
-        if residuals.is_some() && sides == Sides::Values {
-            return Err(Error::Config("a key second stage needs coded keys".into()));
-        }
-        let extra = residuals.as_ref().and_then(|r| r.first()).map_or(0.0, ScoreResidual::bits_per_element);
-        let mut stages = residuals.map(|r| r.into_iter().map(Some).collect()).unwrap_or_else(|| vec![None; n]);
         let (k, v) = (sides != Sides::Values, sides != Sides::Keys);
+        for (stages, coded, side) in [(&key_stages, k, "key"), (&value_stages, v, "value")] {
+            match stages {
+                Some(st) if st.len() != n => {
+                    return Err(Error::Config(format!("a {side} second stage per layer: {n} layers")))
+                }
+                Some(_) if !coded => return Err(Error::Config(format!("a {side} second stage needs that side coded"))),
+                _ => {}
+            }
+        }
+        let extra = |st: &Option<Vec<ScoreResidual>>| {
+            st.as_ref().and_then(|r| r.first()).map_or(0.0, ScoreResidual::bits_per_element)
+        };
+        let (ek, ev) = (extra(&key_stages), extra(&value_stages));
+        let spread = |st: Option<Vec<ScoreResidual>>| -> Vec<Option<ScoreResidual>> {
+            st.map(|r| r.into_iter().map(Some).collect()).unwrap_or_else(|| vec![None; n])
+        };
         let layers = cal
             .layers
             .iter()
-            .zip(stages.iter_mut())
-            .map(|(l, s)| {
+            .zip(spread(key_stages))
+            .zip(spread(value_stages))
+            .map(|((l, residual), value_residual)| {
                 let (keys, values) = (k.then(|| l.keys.clone()), v.then(|| l.values.clone()));
-                Arc::new(SimLayer { keys, values, residual: s.take() })
+                Arc::new(SimLayer { keys, values, residual, value_residual })
             })
             .collect();
-        let kb = if k { cal.keys.shape.bits_per_element() + extra } else { 16.0 };
-        let vb = if v { cal.values.shape.bits_per_element() } else { 16.0 };
+        let kb = if k { cal.keys.shape.bits_per_element() + ek } else { 16.0 };
+        let vb = if v { cal.values.shape.bits_per_element() + ev } else { 16.0 };
         Ok(Self { layers, window: WindowConfig::default(), stream_bits: (kb + vb) / 2.0, text: cal.text.clone() })
     }
 }
@@ -175,7 +191,7 @@ impl Simulated {
         let row: usize = dims.iter().product();
         let n = (end - p.coded) * row;
         let mut k = Self::reconstruct(&p.keys[..n], self.layer.keys.as_ref(), self.layer.residual.as_ref())?;
-        let mut v = Self::reconstruct(&p.values[..n], self.layer.values.as_ref(), None)?;
+        let mut v = Self::reconstruct(&p.values[..n], self.layer.values.as_ref(), self.layer.value_residual.as_ref())?;
         k.extend_from_slice(&p.keys[n..]);
         v.extend_from_slice(&p.values[n..]);
         let start = p.coded;
@@ -258,7 +274,7 @@ mod tests {
     use veloq::calibrate::{train_codec, KMeansConfig};
     use veloq::codec::codebook::PqShape;
     use veloq::codec::vecinfer::CodecSpec;
-    use veloq_candle::cache::SeqStep;
+    use veloq_candle::cache::{Heads, SeqStep};
 
     /// Per slot: keys and values, row after row.
     type Held = Arc<Mutex<Vec<(Vec<f32>, Vec<f32>)>>>;
@@ -325,11 +341,16 @@ mod tests {
         let mut coded = vec![0.0f32; train.len()];
         codec.decode(&codec.encode_vec(&train).unwrap(), &mut coded).unwrap();
         let queries: Vec<f32> = (0..200 * nq * d).map(|_| next()).collect();
-        let stage = ScoreResidual::train(&train, &coded, &queries, nkv, d, 3, 6).unwrap();
+        let stage = ScoreResidual::train(&train, &coded, &queries, Heads { q: nq, kv: nkv, dim: d }, 3, 6).unwrap();
+        // The value stage from another set of rows (an output projection's, in the harness).
+        let vstage =
+            ScoreResidual::train(&train, &coded, &queries[..37 * nq * d], Heads { q: nq, kv: nkv, dim: d }, 2, 5)
+                .unwrap();
         let layer = Arc::new(SimLayer {
             keys: Some(codec.clone()),
             values: Some(codec.clone()),
             residual: Some(stage.clone()),
+            value_residual: Some(vstage.clone()),
         });
         let store = Arc::new(Mutex::new(vec![(Vec::new(), Vec::new()); 2]));
         let window = WindowConfig { window: 16, flush_block: 8, sink: 4 };
@@ -371,6 +392,7 @@ mod tests {
                         stage.correct(ek, &mut k);
                         let mut v = vec![0.0f32; row];
                         codec.decode(&codec.encode_vec(ev).unwrap(), &mut v).unwrap();
+                        vstage.correct(ev, &mut v);
                         (k.into_iter().map(f16).collect::<Vec<_>>(), v.into_iter().map(f16).collect::<Vec<_>>())
                     } else {
                         (ek.to_vec(), ev.to_vec())

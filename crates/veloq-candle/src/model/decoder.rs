@@ -274,6 +274,17 @@ impl Model {
         layers + self.output.bytes()
     }
 
+    /// Layer `layer`'s attention output projection as f32 `[hidden, heads × head_dim]` (read
+    /// through the layer's own product, so any weight format gives the matrix it applies): what
+    /// an error in a head's values becomes in the residual stream, for codecs that weigh it.
+    pub fn attention_output(&self, layer: usize) -> Result<Tensor> {
+        let l = self.layers.get(layer).ok_or_else(|| Error::Config(format!("no layer {layer}")))?;
+        let n = self.info.n_heads * self.info.identity.head_dim;
+        let eye = Tensor::eye(n, DType::F32, self.embed.device())?;
+        // Row i of eye·Wᵀ is W's column i.
+        Ok(l.wo.forward(&eye)?.t()?.contiguous()?.to_dtype(DType::F32)?)
+    }
+
     /// The window of a sliding-window layer, `None` for layers that see every position.
     pub fn layer_window(&self, layer: usize) -> Option<usize> {
         self.layers.get(layer).and_then(|l| l.window)
