@@ -649,6 +649,31 @@ mod tests {
     use crate::config::CacheConfig;
     use veloq::kernels::KernelChoice;
 
+    /// The output projection read back is the matrix the layer applies, in its orientation:
+    /// `W x` from it equals the layer's own product on random rows.
+    #[test]
+    fn attention_output_is_the_matrix_the_layer_applies() {
+        let m = crate::testing::tiny_model(50, 32);
+        let w = m.attention_output(1).unwrap();
+        assert_eq!(w.dims(), &[64, 64]);
+        let mut s = crate::testing::fresh_seed() | 1;
+        let x: Vec<f32> = (0..3 * 64)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            })
+            .collect();
+        let x = Tensor::from_vec(x, (3, 64), &Device::Cpu).unwrap();
+        let want = m.layers[1].wo.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+        let got = x.matmul(&w.t().unwrap()).unwrap().to_vec2::<f32>().unwrap();
+        for (a, b) in want.iter().flatten().zip(got.iter().flatten()) {
+            assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "{a} vs {b}");
+        }
+        assert!(m.attention_output(2).is_err(), "the tiny model has two layers");
+    }
+
     /// A tiny random model runs ragged steps — sequences at different positions with different
     /// token counts, one slot idle — and each sequence gets the logits it gets alone, on the CPU
     /// kernels and on the portable backend.
