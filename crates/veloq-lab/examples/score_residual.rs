@@ -20,8 +20,7 @@ use veloq::calibrate::{train_codec, KMeansConfig};
 use veloq::codec::codebook::PqShape;
 use veloq::codec::vecinfer::CodecSpec;
 use veloq_candle::cache::Heads;
-use veloq_candle::collect::record;
-use veloq_candle::model::{encode, Model};
+use veloq_lab::held_out::smollm2_activations;
 use veloq_lab::second_stage::ScoreResidual;
 
 #[derive(Parser)]
@@ -39,16 +38,7 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let cache = match args.cache {
-        Some(c) => c,
-        None => PathBuf::from(std::env::var("HOME")?).join(".cache/veloq"),
-    };
-    let (model, tok) = Model::open(&cache.join("smollm2-135m-instruct.q4_1.gguf"), 8192)?;
-    let calib = encode(&tok, &std::fs::read_to_string(cache.join("austen/persuasion.txt"))?)?;
-    let held = encode(&tok, &std::fs::read_to_string(cache.join("austen/emma.txt"))?)?;
-    let (calib, held) = (&calib[..4096], &held[4000..4000 + 2048]);
-    let a = record(&model, calib, 2048, true, &mut |_| {})?;
-    let b = record(&model, held, 2048, true, &mut |_| {})?;
+    let (model, a, b) = smollm2_activations(args.cache)?;
     let (nh, nkv, d) = (model.info.n_heads, model.info.identity.n_kv_heads, model.info.identity.head_dim);
     let group = nh / nkv;
     let row = nkv * d;

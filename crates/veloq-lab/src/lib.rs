@@ -8,6 +8,7 @@ pub mod calibrations;
 #[cfg(feature = "cuda")]
 pub mod cuda_checks;
 pub mod eval;
+pub mod held_out;
 pub mod linalg;
 pub mod measure;
 pub mod needle;
