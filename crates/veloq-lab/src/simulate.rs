@@ -1,6 +1,6 @@
 //! A candidate codec scored before kernels carry it: an fp16 cache whose positions are replaced
-//! by what the candidate would reconstruct (a calibration's codecs, plus a [`ScoreResidual`]
-//! second stage for keys) when the real cache would code them. The residency is the real
+//! by what the candidate would reconstruct (a calibration's codecs, plus [`ScoreResidual`]
+//! second stages for keys or values) when the real cache would code them. The residency is the real
 //! cache's: the first `sink` positions stay exact, a step's own rows and the recent window stay
 //! exact, and positions leave the window for codes a flush block at a time after each step (the
 //! wrapper keeps the window's exact rows and rewrites the inner cache's tail with
@@ -44,7 +44,8 @@ pub enum Sides {
     Values,
 }
 
-/// A calibration's codecs (and an optional key second stage per layer) applied to an fp16 cache.
+/// A calibration's codecs (and optional key and value second stages per layer) applied to an fp16
+/// cache.
 pub struct Simulation {
     layers: Vec<Arc<SimLayer>>,
     window: WindowConfig,
@@ -118,6 +119,7 @@ impl CacheSource for Simulation {
                 .collect();
         ModelCache::new(layers)
     }
+    /// The sink in f16, every other position at the stream rate (the f16 window not counted).
     fn code_bits(&self, _model: &Model, tokens: usize) -> Result<f64> {
         let sink = self.window.sink.min(tokens);
         Ok((sink as f64 * 16.0 + (tokens - sink) as f64 * self.stream_bits) / tokens.max(1) as f64)
