@@ -18,6 +18,7 @@ use veloq::codec::codebook::{Granularity, PqShape};
 use veloq::codec::vecinfer::CodecSpec;
 use veloq_lab::held_out::smollm2_activations;
 use veloq_lab::linalg::{jacobi, matvec, spectral};
+use veloq_lab::simulate::round_trip;
 
 #[derive(Clone, Copy, PartialEq, ValueEnum)]
 enum Basis {
@@ -61,8 +62,7 @@ fn main() -> anyhow::Result<()> {
         let (ca, cb) = (&a.layers[l], &b.layers[l]);
         let cfg = KMeansConfig::new(256, 7 + l as u64);
         let (base, _) = train_codec(&ca.keys, nkv, d, &base_spec, &cfg)?;
-        let mut kb = vec![0.0f32; cb.keys.len()];
-        base.decode(&base.encode_vec(&cb.keys)?, &mut kb)?;
+        let kb = round_trip(&base, &cb.keys)?;
         // Per kv head: mean of keys, second moment of its group's queries.
         let row = nkv * d;
         let mut mu = vec![0.0f64; row];
@@ -145,8 +145,7 @@ fn main() -> anyhow::Result<()> {
         };
         let (metric, _) = train_codec(&whiten(&ca.keys), nkv, d, &metric_spec, &cfg)?;
         let wb = whiten(&cb.keys);
-        let mut xm = vec![0.0f32; wb.len()];
-        metric.decode(&metric.encode_vec(&wb)?, &mut xm)?;
+        let xm = round_trip(&metric, &wb)?;
         let mut km = vec![0.0f32; xm.len()];
         for (r, (src, dst)) in xm.chunks_exact(d).zip(km.chunks_exact_mut(d)).enumerate() {
             let kv = r % nkv;

@@ -22,6 +22,7 @@ use veloq::codec::vecinfer::CodecSpec;
 use veloq_candle::cache::Heads;
 use veloq_lab::held_out::smollm2_activations;
 use veloq_lab::second_stage::ScoreResidual;
+use veloq_lab::simulate::round_trip;
 
 #[derive(Parser)]
 struct Args {
@@ -59,16 +60,11 @@ fn main() -> anyhow::Result<()> {
         let spec = |sub| CodecSpec::keys(PqShape::new(sub, 8).expect("a shape"));
         let (two, _) = train_codec(&ca.keys, nkv, d, &spec(4), &KMeansConfig::new(256, 7 + l as u64))?;
         let (four, _) = train_codec(&ca.keys, nkv, d, &spec(2), &KMeansConfig::new(256, 7 + l as u64))?;
-        let decoded = |codec: &veloq::codec::vecinfer::VecInferCodec, keys: &[f32]| -> anyhow::Result<Vec<f32>> {
-            let mut k = vec![0.0f32; keys.len()];
-            codec.decode(&codec.encode_vec(keys)?, &mut k)?;
-            Ok(k)
-        };
-        let (ka2, kb2) = (decoded(&two, &ca.keys)?, decoded(&two, &cb.keys)?);
+        let (ka2, kb2) = (round_trip(&two, &ca.keys)?, round_trip(&two, &cb.keys)?);
         let keysets: Vec<Vec<f32>> = configs
             .iter()
             .map(|(name, _, r, bits)| match (name.as_str(), r) {
-                ("4-bit", _) => decoded(&four, &cb.keys),
+                ("4-bit", _) => Ok(round_trip(&four, &cb.keys)?),
                 (_, 0) => Ok(kb2.clone()),
                 _ => {
                     let stage =

@@ -18,7 +18,7 @@ use veloq_cli::progress::bar;
 use veloq_candle::cache::Heads;
 
 use crate::second_stage::{ScoreResidual, StageSide, StageSpec};
-use crate::simulate::{Sides, Simulation};
+use crate::simulate::{round_trip, Sides, Simulation};
 
 /// The tokens of the text at `path`.
 pub fn read_tokens(tok: &Tokenizer, path: &Path) -> Result<Vec<u32>> {
@@ -167,23 +167,28 @@ pub fn simulations(
     };
     for (m, cal) in chosen.iter().zip(cals) {
         let Some(cal) = cal else { continue };
-        let through = |x: &[f32], codec: &veloq::codec::vecinfer::VecInferCodec| -> Result<Vec<f32>> {
-            let mut y = vec![0.0f32; x.len()];
-            codec.decode(&codec.encode_vec(x)?, &mut y)?;
-            Ok(y)
-        };
+        // The first stage's reconstructions, once per method for every stage that needs them.
+        let (mut coded_keys, mut coded_values) = (Vec::new(), Vec::new());
+        for (a, l) in acts.layers.iter().zip(&cal.layers) {
+            if stages.iter().any(|s| s.side.keys()) {
+                coded_keys.push(round_trip(&l.keys, &a.keys)?);
+            }
+            if stages.iter().any(|s| s.side.values()) {
+                coded_values.push(round_trip(&l.values, &a.values)?);
+            }
+        }
         for s in stages {
             let b = bar(id.n_layers as u64, &format!("{m}+{s}"));
             let (mut ks, mut vs) = (Vec::new(), Vec::new());
-            for (l, (a, c)) in acts.layers.iter().zip(&cal.layers).enumerate() {
+            for (l, a) in acts.layers.iter().enumerate() {
                 let train = |x: &[f32], coded: &[f32], q: &[f32]| {
                     ScoreResidual::train(x, coded, q, heads, s.rank, s.bits).map_err(anyhow::Error::msg)
                 };
                 if s.side.keys() {
-                    ks.push(train(&a.keys, &through(&a.keys, &c.keys)?, &a.queries)?);
+                    ks.push(train(&a.keys, &coded_keys[l], &a.queries)?);
                 }
                 if s.side.values() {
-                    vs.push(train(&a.values, &through(&a.values, &c.values)?, &projections[l])?);
+                    vs.push(train(&a.values, &coded_values[l], &projections[l])?);
                 }
                 b.inc(1);
             }

@@ -15,6 +15,8 @@ use veloq_candle::config::WindowConfig;
 use veloq_candle::error::{Error, Result};
 use veloq_candle::model::Model;
 
+use crate::simulate::round_trip;
+
 /// One (layer, query head), averaged over the answer's queries.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HeadMass {
@@ -41,10 +43,7 @@ pub trait KeyCoder {
 
 impl KeyCoder for Calibration {
     fn reconstruct(&self, layer: usize, keys: &[f32]) -> Result<Vec<f32>> {
-        let codec = &self.layers[layer].keys;
-        let mut k = vec![0.0f32; keys.len()];
-        codec.decode(&codec.encode_vec(keys)?, &mut k)?;
-        Ok(k)
+        round_trip(&self.layers[layer].keys, keys)
     }
 }
 

@@ -24,6 +24,14 @@ use crate::probe::KeyCoder;
 use crate::second_stage::ScoreResidual;
 use crate::source::CacheSource;
 
+/// `rows` (`[tokens, heads, head_dim]`) encoded and decoded by `codec`: what attention over its
+/// codes reads. Every experiment and candidate reconstructs through this one function.
+pub fn round_trip(codec: &VecInferCodec, rows: &[f32]) -> Result<Vec<f32>> {
+    let mut out = vec![0.0f32; rows.len()];
+    codec.decode(&codec.encode_vec(rows)?, &mut out)?;
+    Ok(out)
+}
+
 /// One layer's candidate: a side without a codec stays exact.
 struct SimLayer {
     keys: Option<VecInferCodec>,
@@ -172,8 +180,7 @@ impl Simulated {
     /// Rows through `codec` (then `stage`); without a codec, the rows themselves.
     fn reconstruct(rows: &[f32], codec: Option<&VecInferCodec>, stage: Option<&ScoreResidual>) -> Result<Vec<f32>> {
         let Some(codec) = codec else { return Ok(rows.to_vec()) };
-        let mut out = vec![0.0f32; rows.len()];
-        codec.decode(&codec.encode_vec(rows)?, &mut out)?;
+        let mut out = round_trip(codec, rows)?;
         if let Some(s) = stage {
             s.correct(rows, &mut out);
         }
