@@ -12,7 +12,8 @@ use veloq::codec::vecinfer::CodecSpec;
 use crate::cache::{LayerCache, ModelCache, Step};
 use crate::config::CacheConfig;
 use crate::error::{Error, Result};
-use crate::model::{Logits, Model};
+use crate::method::Vq;
+use crate::model::{encode, Logits, Model, Tokenizer};
 
 /// Every layer's activations over some text, and that text's fingerprint (which the calibration
 /// carries, so evaluation can refuse to score on it).
@@ -192,6 +193,67 @@ pub fn calibrate(
         progress(i + 1);
     }
     Ok(Calibration::new(id.clone(), keys, values, seed, tokens, layers)?.with_text(acts.text.clone()))
+}
+
+/// How [`calibrate_text`] reads its text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CalibrateOptions {
+    /// Tokens of text to calibrate on (the text must have at least this many).
+    pub tokens: usize,
+    /// Positions per forward pass while collecting: post-RoPE keys depend on position, so at
+    /// least the context the codecs will code (the model must be opened for this many).
+    pub window: usize,
+    /// k-means seed.
+    pub seed: u64,
+}
+
+impl Default for CalibrateOptions {
+    /// 8,192 tokens in one window, seed 0: what `veloq calibrate` runs.
+    fn default() -> Self {
+        Self { tokens: 8192, window: 8192, seed: 0 }
+    }
+}
+
+/// Where [`calibrate_text`] is: `Collecting` activations (tokens done of all), then k-means
+/// (`Training` layers done of all).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Progress {
+    /// Tokens run through the model, of all.
+    Collecting(usize, usize),
+    /// Layers whose codecs are trained, of all.
+    Training(usize, usize),
+}
+
+/// The calibration of VecInfer method `vq` for `model` on the first `opts.tokens` tokens of
+/// `text`: what `veloq calibrate` and the Python binding's `calibrate` run.
+pub fn calibrate_text(
+    model: &Model,
+    tok: &Tokenizer,
+    text: &str,
+    vq: Vq,
+    opts: &CalibrateOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<Calibration> {
+    let mut ids = encode(tok, text)?;
+    if opts.tokens == 0 || ids.len() < opts.tokens {
+        return Err(Error::Config(format!(
+            "calibration needs {} tokens of text; this text has {}",
+            opts.tokens,
+            ids.len()
+        )));
+    }
+    if opts.window > model.max_context() {
+        return Err(Error::Config(format!(
+            "a collection window of {} positions needs the model opened for that many (it is for {})",
+            opts.window,
+            model.max_context()
+        )));
+    }
+    ids.truncate(opts.tokens);
+    let total = ids.len();
+    let acts = collect_activations(model, &ids, opts.window, &mut |n| progress(Progress::Collecting(n, total)))?;
+    let layers = acts.layers.len();
+    calibrate(model, &acts, vq.keys, vq.values, opts.seed, &mut |n| progress(Progress::Training(n, layers)))
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use candle_core::Device;
 
-use veloq::artifact::Calibration;
+use veloq::artifact::{Calibration, ModelIdentity};
 use veloq::codec::block::BlockCodec;
 use veloq::codec::kivi::{KiviAxis, KiviCodec};
 use veloq::codec::lloyd_max::LloydMaxCodec;
@@ -127,8 +127,8 @@ impl CacheConfig {
     }
 
     /// Each layer's codecs (`None` for fp16).
-    fn codecs(&self, model: &Model) -> Result<Option<Vec<LayerPair>>> {
-        let id = &model.info.identity;
+    fn codecs(&self, g: &Geometry) -> Result<Option<Vec<LayerPair>>> {
+        let id = &g.identity;
         let (h, d) = (id.n_kv_heads, id.head_dim);
         let layers = 0..id.n_layers;
         Ok(Some(match (&self.method, &self.calibration) {
@@ -137,7 +137,7 @@ impl CacheConfig {
                 return Err(Error::CalibrationMismatch("VecInfer without a calibration".into()))
             }
             (Method::VecInfer(_), Some(cal)) => {
-                check_calibration(cal, model)?;
+                check_calibration(cal, id)?;
                 cal.layers
                     .iter()
                     .map(|l| (Arc::new(l.keys.clone()) as Arc<dyn BlockCodec>, Arc::new(l.values.clone()) as _))
@@ -161,7 +161,7 @@ impl CacheConfig {
     /// Stored bits per cached element once `tokens` positions are coded, all metadata counted
     /// (group scales, codebooks and smoothing scales amortised over the tokens); 16 for fp16.
     pub fn code_bits_per_element(&self, model: &Model, tokens: usize) -> Result<f64> {
-        Ok(match self.codecs(model)? {
+        Ok(match self.codecs(&Geometry::of(model))? {
             None => 16.0,
             Some(pairs) => {
                 let sum: f64 = pairs.iter().map(|(k, v)| k.bits_per_element(tokens) + v.bits_per_element(tokens)).sum();
@@ -176,7 +176,7 @@ impl CacheConfig {
     pub fn stream_bits_per_element(&self, model: &Model) -> Result<f64> {
         let id = &model.info.identity;
         let n = 1024;
-        Ok(match self.codecs(model)? {
+        Ok(match self.codecs(&Geometry::of(model))? {
             None => 16.0,
             Some(pairs) => {
                 let bytes: usize = pairs.iter().map(|(k, v)| k.encoded_len(n) + v.encoded_len(n)).sum();
@@ -197,21 +197,29 @@ impl CacheConfig {
     /// [`kernels`](Self::kernels) says; the scalar baselines have fused kernels on the CPU only
     /// (elsewhere their codes live and attend on the device in tensor ops).
     pub fn build_batch(&self, model: &Model, slots: usize) -> Result<ModelCache> {
-        let id = &model.info.identity;
-        let heads = Heads { q: model.info.n_heads, kv: id.n_kv_heads, dim: id.head_dim };
-        let dev = model.device();
-        let capacity = self.capacity.unwrap_or(model.max_context());
+        self.build_for(&Geometry::of(model), model.device(), slots)
+    }
+
+    /// [`build_batch`](Self::build_batch) for a model described by its geometry alone (one veloq
+    /// does not run: a transformers model through the Python binding), on `dev`.
+    pub fn build_for(&self, g: &Geometry, dev: &Device, slots: usize) -> Result<ModelCache> {
+        let id = &g.identity;
+        let heads = Heads { q: g.q_heads, kv: id.n_kv_heads, dim: id.head_dim };
+        if g.windows.len() != id.n_layers {
+            return Err(Error::Shape(format!("{} layer windows for {} layers", g.windows.len(), id.n_layers)));
+        }
+        let capacity = self.capacity.unwrap_or(g.max_context);
         let dense_fused = self.kernels.resolve(dense_kernels(dev))?;
         let vecinfer_fused = match &self.calibration {
             Some(cal) => {
-                check_calibration(cal, model)?;
+                check_calibration(cal, id)?;
                 Some(self.kernels.resolve(fused_available(dev, cal, heads.q))?)
             }
             _ => None,
         };
         // The scalar baselines' codecs (VecInfer's come from the calibration, layer by layer):
         // the CPU's kernels on the CPU, tensor ops on the device elsewhere.
-        let baselines = if vecinfer_fused.is_none() { self.codecs(model)? } else { None };
+        let baselines = if vecinfer_fused.is_none() { self.codecs(g)? } else { None };
         let scalar_fused = match &baselines {
             Some(_) => self.kernels.resolve(scalar_kernels(dev))?,
             None => false,
@@ -248,7 +256,7 @@ impl CacheConfig {
         let w = self.window;
         let mut layers: Vec<Box<dyn LayerCache>> = Vec::with_capacity(id.n_layers);
         for i in 0..id.n_layers {
-            if let Some(window) = model.layer_window(i) {
+            if let Some(window) = g.windows[i] {
                 layers.push(dense(Policy::sliding(window, capacity))?);
                 continue;
             }
@@ -311,6 +319,34 @@ impl CacheConfig {
     }
 }
 
+/// What caches are built for: the model's identity (which calibrations fit it), its query heads,
+/// the layers that slide over a window, and the longest context. A [`Model`] has one; a model veloq
+/// does not run (transformers', through the Python binding) states its own.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Geometry {
+    /// Name, architecture, layers, kv heads, head dim.
+    pub identity: ModelIdentity,
+    /// Query heads (a multiple of the kv heads).
+    pub q_heads: usize,
+    /// Per layer, the sliding window it attends over (`None`: global attention).
+    pub windows: Vec<Option<usize>>,
+    /// Positions a sequence may reach unless [`CacheConfig::capacity`] says fewer.
+    pub max_context: usize,
+}
+
+impl Geometry {
+    /// `model`'s.
+    pub fn of(model: &Model) -> Self {
+        let id = &model.info.identity;
+        Self {
+            identity: id.clone(),
+            q_heads: model.info.n_heads,
+            windows: (0..id.n_layers).map(|i| model.layer_window(i)).collect(),
+            max_context: model.max_context(),
+        }
+    }
+}
+
 /// Whether fused kernels serve the scalar baselines (KIVI, rotation + Lloyd–Max) on `dev`.
 fn scalar_kernels(dev: &Device) -> std::result::Result<(), String> {
     match dev {
@@ -349,8 +385,8 @@ fn fused_available(dev: &Device, cal: &Calibration, q_heads: usize) -> std::resu
     }
 }
 
-fn check_calibration(cal: &Calibration, model: &Model) -> Result<()> {
-    let (m, id) = (&cal.model, &model.info.identity);
+fn check_calibration(cal: &Calibration, id: &ModelIdentity) -> Result<()> {
+    let m = &cal.model;
     if m.architecture != id.architecture
         || m.n_layers != id.n_layers
         || m.n_kv_heads != id.n_kv_heads

@@ -165,52 +165,127 @@ pub fn generate_ids(
     opts: &GenerateOptions,
     on_event: &mut dyn FnMut(Event<'_>),
 ) -> Result<GenerateOutput> {
-    let model = runner.model();
-    opts.validate(model.info.vocab)?;
-    let mut proc = Sampler::new(opts.sampling.clone(), prompt_ids);
-    let start = Instant::now();
-    let logits = prefill(runner, caches, 0, prompt_ids, opts.prefill_chunk, &mut |done, total| {
+    let mut d = Decoding::start(runner, caches, prompt_ids, opts, &mut |done, total| {
         on_event(Event::Prefilled { done, total })
     })?;
-    let mut next = proc.sample(&logits)?;
-    let prefill_s = start.elapsed().as_secs_f64();
-    let start = Instant::now();
-    let mut tokens = Vec::new();
-    let mut text = TextStream::new(Vec::new());
-    let finish = loop {
-        tokens.push(next);
-        let piece = text.push(tok, next)?;
+    while let Some(piece) = d.step(runner, tok, caches)? {
         if !piece.is_empty() {
             on_event(Event::Text(&piece));
         }
-        if model.info.eos_tokens.contains(&next) {
-            break Finish::Stop;
-        }
-        if tokens.len() >= opts.max_tokens {
-            break Finish::Length;
-        }
-        if caches.len(0) >= model.max_context() {
-            break Finish::Context;
-        }
-        let logits = runner.forward(&[next], caches, Logits::Last)?.squeeze(0)?;
-        next = proc.sample(&logits)?;
-    };
-    let rest = text.finish();
-    if !rest.is_empty() {
-        on_event(Event::Text(&rest));
     }
-    let decode_s = start.elapsed().as_secs_f64();
-    let len = caches.len(0);
-    Ok(GenerateOutput {
-        prompt_tokens: prompt_ids.len(),
-        text: decode(tok, &tokens)?,
-        tokens,
-        finish,
-        prefill_s,
-        decode_s,
-        kv_resident_bytes: caches.resident_bytes(),
-        kv_fp16_bytes: fp16_bytes(model, len),
-    })
+    d.output(runner, tok, caches)
+}
+
+/// Generation pulled one token at a time by its caller: [`generate_ids`] is a loop over it, and an
+/// iterator that stops early (Python's `for piece in model.generate(..., stream=True)`) just drops
+/// it, leaving the caches with what was fed. It borrows nothing between calls: each step is handed
+/// the runner, tokenizer and caches it started with.
+pub struct Decoding {
+    sampler: Sampler,
+    /// Sampled, not yet taken into the output.
+    next: u32,
+    tokens: Vec<u32>,
+    text: TextStream,
+    finish: Option<Finish>,
+    flushed: bool,
+    max_tokens: usize,
+    prompt_tokens: usize,
+    prefill_s: f64,
+    decode_start: Instant,
+    decode_s: f64,
+}
+
+impl Decoding {
+    /// Validates `opts`, prefills `prompt_ids` into slot 0 (reporting `done, total` prompt tokens
+    /// as chunks go in) and samples the first token.
+    pub fn start(
+        runner: &dyn Forward,
+        caches: &mut ModelCache,
+        prompt_ids: &[u32],
+        opts: &GenerateOptions,
+        on_prefill: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
+        opts.validate(runner.model().info.vocab)?;
+        let mut sampler = Sampler::new(opts.sampling.clone(), prompt_ids);
+        let start = Instant::now();
+        let logits = prefill(runner, caches, 0, prompt_ids, opts.prefill_chunk, on_prefill)?;
+        let next = sampler.sample(&logits)?;
+        Ok(Self {
+            sampler,
+            next,
+            tokens: Vec::new(),
+            text: TextStream::new(Vec::new()),
+            finish: None,
+            flushed: false,
+            max_tokens: opts.max_tokens,
+            prompt_tokens: prompt_ids.len(),
+            prefill_s: start.elapsed().as_secs_f64(),
+            decode_start: Instant::now(),
+            decode_s: 0.0,
+        })
+    }
+
+    /// Takes the sampled token and, unless it ends generation, feeds it and samples the next. The
+    /// text it completes (empty while a character is still partial), then what the stream held
+    /// back once generation has ended, then `None`.
+    pub fn step(&mut self, runner: &dyn Forward, tok: &Tokenizer, caches: &mut ModelCache) -> Result<Option<String>> {
+        if self.finish.is_some() {
+            if self.flushed {
+                return Ok(None);
+            }
+            self.flushed = true;
+            let rest = self.text.finish();
+            return Ok((!rest.is_empty()).then_some(rest));
+        }
+        let model = runner.model();
+        let next = self.next;
+        self.tokens.push(next);
+        let piece = self.text.push(tok, next)?;
+        self.finish = if model.info.eos_tokens.contains(&next) {
+            Some(Finish::Stop)
+        } else if self.tokens.len() >= self.max_tokens {
+            Some(Finish::Length)
+        } else if caches.len(0) >= model.max_context() {
+            Some(Finish::Context)
+        } else {
+            let logits = runner.forward(&[next], caches, Logits::Last)?.squeeze(0)?;
+            self.next = self.sampler.sample(&logits)?;
+            None
+        };
+        if self.finish.is_some() {
+            self.decode_s = self.decode_start.elapsed().as_secs_f64();
+        }
+        Ok(Some(piece))
+    }
+
+    /// Why generation ended, once it has.
+    pub fn finish(&self) -> Option<Finish> {
+        self.finish
+    }
+
+    /// Tokens taken so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// What was generated, with its timings and the caches' size. Before the end, the tokens so
+    /// far, as if `max_tokens` had been reached.
+    pub fn output(&self, runner: &dyn Forward, tok: &Tokenizer, caches: &ModelCache) -> Result<GenerateOutput> {
+        let decode_s = match self.finish {
+            Some(_) => self.decode_s,
+            None => self.decode_start.elapsed().as_secs_f64(),
+        };
+        Ok(GenerateOutput {
+            prompt_tokens: self.prompt_tokens,
+            text: decode(tok, &self.tokens)?,
+            tokens: self.tokens.clone(),
+            finish: self.finish.unwrap_or(Finish::Length),
+            prefill_s: self.prefill_s,
+            decode_s,
+            kv_resident_bytes: caches.resident_bytes(),
+            kv_fp16_bytes: fp16_bytes(runner.model(), caches.len(0)),
+        })
+    }
 }
 
 #[cfg(test)]

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 
-use veloq_candle::collect::{calibrate, collect_activations};
-use veloq_candle::model::{encode, Model};
+use veloq_candle::collect::{calibrate_text, CalibrateOptions, Progress};
+use veloq_candle::model::Model;
 use veloq_candle::Method;
 
 use crate::args::Files;
@@ -53,17 +53,18 @@ pub fn run(a: Args) -> Result<()> {
     let text_path = a.text.clone().unwrap_or_else(|| a.files.text("persuasion"));
     let text = std::fs::read_to_string(&text_path)
         .with_context(|| format!("reading {} (run scripts/fetch-data)", text_path.display()))?;
-    let mut ids = encode(&tok, &text)?;
-    if ids.len() < a.tokens {
-        bail!("{} has {} tokens, fewer than the {} asked for", text_path.display(), ids.len(), a.tokens);
-    }
-    ids.truncate(a.tokens);
-    let b = bar(ids.len() as u64, "collecting");
-    let acts = collect_activations(&model, &ids, a.window, &mut |n| b.set_position(n as u64))?;
-    b.finish();
-    let b = bar(acts.layers.len() as u64, "k-means");
-    let cal = calibrate(&model, &acts, vq.keys, vq.values, a.seed, &mut |n| b.set_position(n as u64))?;
-    b.finish();
+    let opts = CalibrateOptions { tokens: a.tokens, window: a.window, seed: a.seed };
+    let (collecting, training) =
+        (bar(a.tokens as u64, "collecting"), bar(model.info.identity.n_layers as u64, "k-means"));
+    let cal = calibrate_text(&model, &tok, &text, vq, &opts, &mut |p| match p {
+        Progress::Collecting(n, _) => collecting.set_position(n as u64),
+        Progress::Training(n, _) => {
+            collecting.finish();
+            training.set_position(n as u64)
+        }
+    })
+    .with_context(|| format!("calibrating on {}", text_path.display()))?;
+    training.finish();
     let out = a.out.clone().unwrap_or_else(|| a.files.calibration(&a.method));
     if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir)?;
@@ -76,7 +77,7 @@ pub fn run(a: Args) -> Result<()> {
         cal.layers.len(),
         a.method.describe(model.info.identity.head_dim),
         cal.bits_per_element(4096),
-        ids.len()
+        cal.calibration_tokens
     );
     Ok(())
 }

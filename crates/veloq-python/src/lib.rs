@@ -1,0 +1,36 @@
+//! veloq for Python: the `veloq._native` extension module, which the pure-Python package `veloq`
+//! (python/veloq) re-exports. It stands on the library's typed front door — method names, devices
+//! and kernel switches parse exactly as the CLI and the server parse them — and maps the
+//! library's errors to exception classes.
+
+mod cache;
+mod calibrate;
+mod errors;
+mod model;
+mod serve;
+
+use pyo3::prelude::*;
+
+/// The method names veloq knows, with a line each: what is stored, at how many bits (head_dim 64).
+#[pyfunction]
+#[pyo3(signature = (head_dim = 64))]
+fn methods(head_dim: usize) -> Vec<(String, String)> {
+    veloq_candle::Method::catalogue().into_iter().map(|m| (m.to_string(), m.describe(head_dim))).collect()
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    errors::register(m)?;
+    m.add_class::<model::Model>()?;
+    m.add_class::<model::Generation>()?;
+    m.add_class::<model::Chat>()?;
+    m.add_class::<model::Result_>()?;
+    m.add_class::<cache::Calibration>()?;
+    m.add_class::<cache::KvCache>()?;
+    m.add_class::<serve::Server>()?;
+    m.add_function(wrap_pyfunction!(serve::serve, m)?)?;
+    m.add_function(wrap_pyfunction!(calibrate::calibrate, m)?)?;
+    m.add_function(wrap_pyfunction!(methods, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,140 @@
+"""The codec and the cache over NumPy arrays, against exact references: codes that decode to
+what the cache attends over, and attention equal to softmax attention over those vectors."""
+
+import os
+
+import numpy as np
+import pytest
+
+import veloq
+
+
+@pytest.fixture
+def rng():
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="module")
+def cal(calibration_path):
+    return veloq.Calibration.load(calibration_path)
+
+
+def keys_like(rng, cal, tokens):
+    """Random vectors at the scale of real keys (the codebooks' own spread)."""
+    return (rng.standard_normal((tokens, cal.kv_heads, cal.head_dim)) * 2.0).astype(np.float32)
+
+
+def test_calibration_describes_itself(cal):
+    assert (cal.layers, cal.kv_heads, cal.head_dim, cal.method) == (30, 3, 64, "vq-4")
+    assert 4.0 < cal.bits_per_element(4096) < 4.5
+    assert cal.bits_per_element(1 << 20) < cal.bits_per_element(1024), "codebooks amortise"
+
+
+def test_codes_are_four_bits_and_decode_to_the_nearest_reconstruction(cal, rng):
+    x = keys_like(rng, cal, 40)
+    codes = cal.quantize(3, "keys", x)
+    assert codes.dtype == np.uint8 and codes.shape == (40 * 3 * 64 * 4 // 8,)
+    y = cal.dequantize(3, "keys", codes)
+    assert y.shape == x.shape and y.dtype == np.float32
+    # A reconstruction is a fixed point of the codec: coding it again gives the same codes.
+    assert np.array_equal(cal.quantize(3, "keys", y), codes)
+    # And it is no worse than the reconstruction of any other token's codes (the search is an argmin).
+    err = ((x - y) ** 2).sum(axis=(1, 2))
+    shuffled = cal.dequantize(3, "keys", cal.quantize(3, "keys", x[::-1].copy()))[::-1]
+    assert (err <= ((x - shuffled) ** 2).sum(axis=(1, 2)) + 1e-3).all()
+
+
+def test_codec_input_is_checked(cal, rng):
+    with pytest.raises(veloq.ShapeError, match="expected shape"):
+        cal.quantize(0, "keys", np.zeros((4, 2, 64), np.float32))
+    with pytest.raises(veloq.ConfigError, match="layer 30"):
+        cal.quantize(30, "keys", keys_like(rng, cal, 2))
+    with pytest.raises(veloq.ConfigError, match="side"):
+        cal.quantize(0, "queries", keys_like(rng, cal, 2))
+    with pytest.raises(veloq.ShapeError, match="whole number"):
+        cal.dequantize(0, "values", np.zeros(7, np.uint8))
+
+
+def reference(q, k, v, scale):
+    """Causal softmax attention, GQA, in float64: q [t, hq, d] for the last t of n positions."""
+    t, hq, _ = q.shape
+    n, hk, _ = k.shape
+    out = np.zeros(q.shape)
+    for h in range(hq):
+        kh, vh = k[:, h // (hq // hk)].astype(np.float64), v[:, h // (hq // hk)].astype(np.float64)
+        for i in range(t):
+            s = kh[: n - t + i + 1] @ q[i, h].astype(np.float64) * scale
+            p = np.exp(s - s.max())
+            out[i, h] = p @ vh[: n - t + i + 1] / p.sum()
+    return out
+
+
+def f16(x):
+    return x.astype(np.float16).astype(np.float32)
+
+
+def test_kv_cache_attends_over_codes_as_softmax_over_their_reconstructions(cal, rng):
+    cache = veloq.KvCache("vq-4", q_heads=9, calibration=cal, max_context=512)
+    layer, n, scale = 5, 200, 0.125
+    k, v = keys_like(rng, cal, n + 1), keys_like(rng, cal, n + 1)
+    q = rng.standard_normal((n + 1, 9, 64)).astype(np.float32)
+    # A prefill step attends over its own rows (f16): exact softmax attention up to f16 rounding.
+    y = cache.attend(layer, q[None, :n], k[None, :n], v[None, :n], scale)[0]
+    assert np.abs(y - reference(q[:n], f16(k[:n]), f16(v[:n]), scale)).max() < 1e-4
+    assert cache.length(layer) == n and cache.length(0) == 0
+    # The next step attends over what the prefill left: the oldest positions as codes (their
+    # reconstructions), the first (sinks) and the most recent as f16 rows. Which boundary the
+    # residency chose is found, not assumed; it must code most of the sequence.
+    y = cache.attend(layer, q[None, n:], k[None, n:], v[None, n:], scale)[0]
+    # Rows are kept in f16 until they are coded, so the codes are of the f16 rows.
+    kq = cal.dequantize(layer, "keys", cal.quantize(layer, "keys", f16(k)))
+    vq = cal.dequantize(layer, "values", cal.quantize(layer, "values", f16(v)))
+    errors = {}
+    for sink in (0, 1, 2, 4, 8):
+        for end in range(sink, n + 1):
+            kk, vv = f16(k).copy(), f16(v).copy()
+            kk[sink:end], vv[sink:end] = kq[sink:end], vq[sink:end]
+            errors[(sink, end)] = np.abs(y - reference(q[n:], kk, vv, scale)).max()
+    (sink, end), best = min(errors.items(), key=lambda e: e[1])
+    assert best < 1e-4, (sink, end, best)
+    assert end - sink > n * 3 // 4, f"only {end - sink} of {n} positions coded"
+    assert errors[(0, 0)] > 100 * best, "codes and f16 rows are told apart"
+
+
+def test_kv_cache_holds_fewer_bytes_than_fp16(cal, rng):
+    n = 1024
+    coded = veloq.KvCache("vq-4", q_heads=9, calibration=cal, max_context=n)
+    dense = veloq.KvCache("fp16", q_heads=9, layers=30, kv_heads=3, head_dim=64, max_context=n)
+    empty = coded.resident_bytes
+    for layer in range(30):
+        k, v = keys_like(rng, cal, n), keys_like(rng, cal, n)
+        q = rng.standard_normal((1, n, 9, 64)).astype(np.float32)
+        coded.attend(layer, q, k[None], v[None])
+        dense.attend(layer, q, k[None], v[None])
+    fp16 = n * 30 * 3 * 64 * 2 * 2
+    assert dense.resident_bytes >= fp16
+    # Codes at 4 bits are a quarter of f16; the tables, sinks and recent rows come on top.
+    assert coded.resident_bytes - empty < fp16 / 3.5, (coded.resident_bytes, empty, fp16)
+    coded.truncate(0)
+    assert coded.length(7) == 0 and coded.resident_bytes == empty
+
+
+def test_kv_cache_input_is_checked(cal, rng):
+    with pytest.raises(veloq.ConfigError, match="multiple"):
+        veloq.KvCache("vq-4", q_heads=8, calibration=cal)
+    with pytest.raises(veloq.ConfigError, match="layers, kv_heads and head_dim"):
+        veloq.KvCache("fp16", q_heads=9)
+    with pytest.raises(veloq.CalibrationError):
+        veloq.KvCache("vq-4", q_heads=9, layers=30, kv_heads=3, head_dim=64)
+    with pytest.raises(veloq.CalibrationError, match="head_dim"):
+        veloq.KvCache("vq-4", q_heads=9, calibration=cal, head_dim=128)
+    cache = veloq.KvCache("vq-4", q_heads=9, calibration=cal, max_context=16)
+    k = keys_like(rng, cal, 4)[None]
+    q = rng.standard_normal((1, 4, 9, 64)).astype(np.float32)
+    with pytest.raises(veloq.ShapeError, match="q"):
+        cache.attend(0, q[:, :, :3], k, k)
+    with pytest.raises(veloq.ContextOverflowError):
+        cache.attend(0, np.repeat(q, 5, axis=1), np.repeat(k, 5, axis=1), np.repeat(k, 5, axis=1))
+    assert cache.length(0) == 0, "a refused step changes nothing"

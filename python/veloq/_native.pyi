@@ -1,0 +1,191 @@
+"""Type stubs of veloq's extension module (re-exported by ``veloq``)."""
+
+from os import PathLike
+from typing import Callable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+
+class VeloqError(Exception): ...
+class ModelError(VeloqError): ...
+class MethodError(VeloqError): ...
+class CalibrationError(VeloqError): ...
+class DeviceError(VeloqError): ...
+class ContextOverflowError(VeloqError): ...
+class ShapeError(VeloqError): ...
+class ConfigError(VeloqError): ...
+class OutOfMemoryError(VeloqError): ...
+
+_Path = Union[str, PathLike]
+
+def methods(head_dim: int = 64) -> list[tuple[str, str]]:
+    """The method names veloq knows, each with what it stores and at how many bits per element."""
+
+class Result:
+    """What a generation produced."""
+    text: str
+    tokens: list[int]
+    finish_reason: str  # "stop", "length", "context"
+    prompt_tokens: int
+    prefill_s: float
+    decode_s: float
+    kv_resident_bytes: int
+    kv_fp16_bytes: int
+    @property
+    def decode_tok_s(self) -> float: ...
+
+class Generation(Iterator[str]):
+    """A streaming generation: iterate it for the text's pieces; ``result`` once exhausted."""
+    def __iter__(self) -> "Generation": ...
+    def __next__(self) -> str: ...
+    @property
+    def result(self) -> Optional[Result]: ...
+    @property
+    def tokens(self) -> list[int]: ...
+
+class Chat:
+    """A conversation whose history stays in the cache."""
+    def say(
+        self,
+        message: str,
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: Optional[float] = None,
+        top_k: Optional[int] = None,
+        min_p: Optional[float] = None,
+        repetition_penalty: float = 1.0,
+        seed: Optional[int] = None,
+        on_text: Optional[Callable[[str], object]] = None,
+    ) -> Result: ...
+    def reset(self) -> None: ...
+    @property
+    def history(self) -> list[int]: ...
+    @property
+    def kv_resident_bytes(self) -> int: ...
+
+class Model:
+    """A GGUF model opened with the caches of one method."""
+    @staticmethod
+    def open(
+        path: _Path,
+        method: str = "vq-4",
+        calibration: Optional[_Path] = None,
+        device: str = "cpu",
+        max_context: int = 8192,
+        kernels: str = "auto",
+    ) -> "Model": ...
+    @property
+    def method(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def max_context(self) -> int: ...
+    def info(self) -> dict[str, Union[int, float, str]]: ...
+    def tokenize(self, text: str) -> list[int]: ...
+    def detokenize(self, ids: Sequence[int]) -> str: ...
+    def generate(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: Optional[float] = None,
+        top_k: Optional[int] = None,
+        min_p: Optional[float] = None,
+        repetition_penalty: float = 1.0,
+        seed: Optional[int] = None,
+        chat: bool = True,
+        stream: bool = False,
+    ) -> Union[str, Generation]: ...
+    def chat(self) -> Chat: ...
+
+def calibrate(
+    model: _Path,
+    text: Union[str, PathLike],
+    *,
+    method: str = "vq-4",
+    tokens: int = 8192,
+    window: int = 8192,
+    seed: int = 0,
+    out: Optional[_Path] = None,
+    progress: Optional[Callable[[str, int, int], object]] = None,
+) -> str:
+    """Trains a VecInfer method's codebooks on the model's keys and values over ``text``."""
+
+class Server:
+    """A running OpenAI-compatible server; a context manager that stops it on exit."""
+    url: str
+    model: str
+    @property
+    def running(self) -> bool: ...
+    def stop(self) -> None: ...
+    def __enter__(self) -> "Server": ...
+    def __exit__(self, *args: object) -> bool: ...
+
+def serve(
+    model: Model,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    name: Optional[str] = None,
+    kv_budget: Union[int, str, None] = None,
+    max_seqs: Optional[int] = None,
+    default_max_tokens: Optional[int] = None,
+    log: bool = False,
+) -> Server: ...
+
+class Calibration:
+    """A VecInfer calibration: every layer's key and value codecs."""
+    @staticmethod
+    def load(path: _Path) -> "Calibration": ...
+    @property
+    def layers(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def method(self) -> str: ...
+    def bits_per_element(self, tokens: int = 4096) -> float: ...
+    def quantize(self, layer: int, side: str, x: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]: ...
+    def dequantize(self, layer: int, side: str, codes: npt.NDArray[np.uint8]) -> npt.NDArray[np.float32]: ...
+
+class KvCache:
+    """veloq's KV cache for a model veloq does not run: codes per layer, attended by veloq's kernels."""
+    def __init__(
+        self,
+        method: str = "vq-4",
+        *,
+        q_heads: int,
+        calibration: Union[Calibration, _Path, None] = None,
+        layers: Optional[int] = None,
+        kv_heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
+        windows: Optional[Sequence[Optional[int]]] = None,
+        max_context: int = 8192,
+        batch: int = 1,
+        kernels: str = "auto",
+    ) -> None: ...
+    def attend(
+        self,
+        layer: int,
+        q: npt.NDArray[np.float32],
+        k: npt.NDArray[np.float32],
+        v: npt.NDArray[np.float32],
+        scale: Optional[float] = None,
+    ) -> npt.NDArray[np.float32]: ...
+    def length(self, layer: int = 0, seq: int = 0) -> int: ...
+    def truncate(self, length: int = 0) -> None: ...
+    @property
+    def resident_bytes(self) -> int: ...
+    @property
+    def method(self) -> str: ...
+    @property
+    def layers(self) -> int: ...
