@@ -154,6 +154,19 @@ class Calibration:
     @property
     def method(self) -> str: ...
     def bits_per_element(self, tokens: int = 4096) -> float: ...
+    @staticmethod
+    def train(
+        keys: Sequence[npt.NDArray[np.float32]],
+        values: Sequence[npt.NDArray[np.float32]],
+        *,
+        method: str = "vq-4",
+        name: str = "python",
+        architecture: str = "python",
+        token_ids: Optional[Sequence[int]] = None,
+        seed: int = 0,
+        progress: Optional[Callable[[int, int], object]] = None,
+    ) -> "Calibration": ...
+    def save(self, path: _Path) -> None: ...
     def quantize(self, layer: int, side: str, x: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]: ...
     def dequantize(self, layer: int, side: str, codes: npt.NDArray[np.uint8]) -> npt.NDArray[np.float32]: ...
 

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::Tensor;
 
-use veloq::artifact::{Calibration, LayerCodecs};
+use veloq::artifact::{Calibration, LayerCodecs, ModelIdentity};
 use veloq::calibrate::{train_codec_with_progress, KMeansConfig, TextFingerprint};
 use veloq::codec::vecinfer::CodecSpec;
 
@@ -177,7 +177,26 @@ pub fn calibrate(
     seed: u64,
     progress: &mut dyn FnMut(usize),
 ) -> Result<Calibration> {
-    let id = &model.info.identity;
+    calibrate_for(&model.info.identity, acts, keys, values, seed, progress)
+}
+
+/// [`calibrate`] for a model known by its identity alone (one veloq does not run: a transformers
+/// model, whose activations the Python binding collects).
+pub fn calibrate_for(
+    id: &ModelIdentity,
+    acts: &Activations,
+    keys: CodecSpec,
+    values: CodecSpec,
+    seed: u64,
+    progress: &mut dyn FnMut(usize),
+) -> Result<Calibration> {
+    if acts.layers.len() != id.n_layers {
+        return Err(Error::Shape(format!(
+            "activations of {} layers for a model of {}",
+            acts.layers.len(),
+            id.n_layers
+        )));
+    }
     let tokens = acts.layers.first().map_or(0, |a| a.keys.len() / (id.n_kv_heads * id.head_dim));
     let mut layers = Vec::with_capacity(acts.layers.len());
     for (i, a) in acts.layers.iter().enumerate() {

@@ -11,8 +11,10 @@ use numpy::{IntoPyArray, PyArray1, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDy
 use pyo3::prelude::*;
 
 use veloq::artifact::{Calibration as RustCalibration, ModelIdentity};
+use veloq::calibrate::TextFingerprint;
 use veloq::codec::vecinfer::VecInferCodec;
 use veloq_candle::cache::{ModelCache, Step};
+use veloq_candle::collect::{calibrate_for, Activations, LayerActivations};
 use veloq_candle::config::Geometry;
 use veloq_candle::{CacheConfig, Method};
 
@@ -55,6 +57,87 @@ impl Calibration {
     #[staticmethod]
     fn load(path: PathBuf) -> PyResult<Self> {
         Ok(Self { inner: Arc::new(RustCalibration::load(&path).py()?) })
+    }
+
+    /// Trains the codecs of VecInfer `method` from a model's own activations: `keys` and
+    /// `values`, one `[tokens, kv_heads, head_dim]` float32 array per layer (post-RoPE keys), for
+    /// a model named `name` of `architecture`. `token_ids` (the text's tokens) go into the
+    /// artifact's fingerprint, so evaluation can refuse to score on calibration text.
+    /// `progress(done, total)` after each layer.
+    #[staticmethod]
+    #[pyo3(signature = (keys, values, *, method = "vq-4", name = "python", architecture = "python", token_ids = None, seed = 0, progress = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn train(
+        py: Python<'_>,
+        keys: Vec<PyReadonlyArrayDyn<'_, f32>>,
+        values: Vec<PyReadonlyArrayDyn<'_, f32>>,
+        method: &str,
+        name: &str,
+        architecture: &str,
+        token_ids: Option<Vec<u32>>,
+        seed: u64,
+        progress: Option<Py<PyAny>>,
+    ) -> PyResult<Self> {
+        let m = parse_method(method)?;
+        let Method::VecInfer(vq) = m else {
+            return Err(crate::errors::MethodError::new_err(format!(
+                "{m} has no codebooks to train (a vq-… method does)"
+            )));
+        };
+        let first = keys.first().ok_or_else(|| ShapeError::new_err("train: no layers"))?;
+        let &[tokens, heads, dim] = first.shape() else {
+            return Err(ShapeError::new_err(format!(
+                "keys[0]: expected [tokens, kv_heads, head_dim], got {:?}",
+                first.shape()
+            )));
+        };
+        if values.len() != keys.len() {
+            return Err(ShapeError::new_err(format!("{} layers of keys, {} of values", keys.len(), values.len())));
+        }
+        let shape = [Some(tokens), Some(heads), Some(dim)];
+        let mut layers = Vec::with_capacity(keys.len());
+        for (i, (k, v)) in keys.iter().zip(&values).enumerate() {
+            layers.push(LayerActivations {
+                keys: rows(k, &shape, &format!("keys[{i}]"))?.to_vec(),
+                values: rows(v, &shape, &format!("values[{i}]"))?.to_vec(),
+                ..LayerActivations::default()
+            });
+        }
+        let text = token_ids.map(|ids| TextFingerprint::of_tokens(&ids)).unwrap_or_default();
+        let acts = Activations { layers, text };
+        let id = ModelIdentity {
+            name: name.into(),
+            architecture: architecture.into(),
+            n_layers: keys.len(),
+            n_kv_heads: heads,
+            head_dim: dim,
+        };
+        let total = keys.len();
+        let mut callback_error = None;
+        let cal = py
+            .detach(|| {
+                calibrate_for(&id, &acts, vq.keys, vq.values, seed, &mut |done| {
+                    if let (Some(f), None) = (&progress, &callback_error) {
+                        if let Err(e) = Python::attach(|py| f.call1(py, (done, total))) {
+                            callback_error = Some(e);
+                        }
+                    }
+                })
+            })
+            .py()?;
+        if let Some(e) = callback_error {
+            return Err(e);
+        }
+        Ok(Self { inner: Arc::new(cal) })
+    }
+
+    /// Writes the artifact (safetensors, the format `veloq calibrate` writes).
+    fn save(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| ConfigError::new_err(format!("creating {}: {e}", dir.display())))?;
+        }
+        py.detach(|| self.inner.save(&path)).py()
     }
 
     /// Decoder layers.

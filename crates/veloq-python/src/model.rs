@@ -59,9 +59,15 @@ impl Model {
         }
         let calibration = match (method.needs_calibration(), calibration) {
             (true, None) => Some(calibration_path(&veloq::paths::default_cache_dir(), &path, &method)),
+            (false, Some(c)) => {
+                return Err(crate::errors::CalibrationError::new_err(format!(
+                    "{method} takes no calibration (given {})",
+                    c.display()
+                )))
+            }
             (_, c) => c,
         };
-        if let Some(c) = calibration.as_ref().filter(|c| method.needs_calibration() && !c.exists()) {
+        if let Some(c) = calibration.as_ref().filter(|c| !c.exists()) {
             return Err(crate::errors::CalibrationError::new_err(format!(
                 "no calibration for {method} at {} (make one with veloq.calibrate({:?}, method={:?}))",
                 c.display(),
@@ -70,11 +76,7 @@ impl Model {
             )));
         }
         let options = RunOptions { device, kernels, max_context, ..RunOptions::default() };
-        let loaded = py
-            .detach(|| {
-                runtime::load(&path, &method, calibration.as_deref().filter(|_| method.needs_calibration()), &options)
-            })
-            .py()?;
+        let loaded = py.detach(|| runtime::load(&path, &method, calibration.as_deref(), &options)).py()?;
         Ok(Self {
             runner: Arc::new(loaded.runner),
             tokenizer: Arc::new(loaded.tokenizer),

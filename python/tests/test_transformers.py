@@ -1,0 +1,177 @@
+"""veloq.transformers on CPU with the real SmolLM2, loaded by transformers from the GGUF file
+scripts/fetch-data brings: greedy tokens against DynamicCache, logits within the codec's error,
+resident bytes measured from what each cache holds, and the needle through this path. Skipped
+where torch and transformers are not installed (they are in CI: .ci/run)."""
+
+import re
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import veloq  # noqa: E402
+import veloq.transformers as vt  # noqa: E402
+from conftest import CACHE, MODEL, TEXT  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def hf():
+    tok = transformers.AutoTokenizer.from_pretrained(CACHE, gguf_file=MODEL.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(CACHE, gguf_file=MODEL.name, attn_implementation="veloq")
+    model.eval()
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def hf_cal(hf, tmp_path_factory):
+    model, tok = hf
+    out = tmp_path_factory.mktemp("hfcal") / "smollm2-hf.vq-4.safetensors"
+    stages = []
+    cal = vt.calibrate(model, tok, TEXT, tokens=2048, out=out, progress=lambda *a: stages.append(a))
+    assert out.exists() and veloq.Calibration.load(out).layers == 30
+    assert stages[0] == ("collecting", 2048, 2048) and stages[-1] == ("training", 30, 30)
+    return cal
+
+
+def prompt_ids(tok, text):
+    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+
+
+def test_geometry_is_read_from_the_config(hf):
+    g = vt.geometry(hf[0])
+    assert (g["layers"], g["q_heads"], g["kv_heads"], g["head_dim"]) == (30, 9, 3, 64)
+    assert g["windows"] == [None] * 30
+
+
+def test_fp16_through_veloq_equals_dynamic_cache(hf):
+    # fp16 rows are exact up to f16 rounding of keys and values: the same greedy tokens.
+    model, tok = hf
+    ids = prompt_ids(tok, "What is the capital of France?")
+    ref = model.generate(ids, max_new_tokens=16, do_sample=False, cache=transformers.DynamicCache())
+    got = model.generate(ids, max_new_tokens=16, do_sample=False, cache=vt.VeloqCache(model, method="fp16"))
+    assert torch.equal(ref, got)
+
+
+def test_vq4_tracks_dynamic_cache_in_less_memory(hf, hf_cal):
+    model, tok = hf
+    text = TEXT.read_text()[200_000:206_000]
+    ids = tok(text, return_tensors="pt").input_ids[:, :1024]
+    with torch.no_grad():
+        dyn = transformers.DynamicCache()
+        ref = model(ids, cache=dyn).logits[0, -1]
+        cache = vt.VeloqCache(model, hf_cal, max_context=2048)
+        model(ids[:, :-1], cache=cache)  # the prefix leaves the window: codes
+        got = model(ids[:, -1:], cache=cache).logits[0, -1]
+    p, q = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
+    kl = float((p.exp() * (p - q)).sum())
+    # The codec's error, measured against fp16 on this text by `veloq-lab eval` (vq-4 KL ~0.01 per
+    # token at ctx 512–2048), bounds the next-token distribution's distance; a broken path is
+    # orders of magnitude off (random keys give KL > 1).
+    assert kl < 0.1, kl
+    assert cache.get_seq_length() == 1024
+    assert vt.kv_bytes(dyn) == 1024 * 30 * 3 * 64 * 2 * 4  # float32 keys and values
+    fp16_bytes = 1024 * 30 * 3 * 64 * 2 * 2
+    assert vt.kv_bytes(cache) < fp16_bytes / 3, (vt.kv_bytes(cache), fp16_bytes)
+
+
+def test_vq4_greedy_matches_dynamic_cache_for_the_first_tokens(hf, hf_cal):
+    model, tok = hf
+    ids = prompt_ids(tok, "List the days of the week.")
+    ref = model.generate(ids, max_new_tokens=16, do_sample=False, cache=transformers.DynamicCache())
+    got = model.generate(ids, max_new_tokens=16, do_sample=False, cache=vt.VeloqCache(model, hf_cal))
+    n = ids.shape[1]
+    agree = int((ref[0, n:] == got[0, n:]).cumprod(0).sum())
+    assert agree >= 8, (agree, tok.decode(ref[0, n:]), tok.decode(got[0, n:]))
+
+
+# The needle harness's prompt and scoring (crates/veloq-lab/src/needle.rs): the filler haystack,
+# the key said twice, the chat question, and the answer's first run of digits, exactly.
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+QUESTION = "\n\nWhat is the pass key in the text above? Answer with the number only."
+
+
+def needle_prompt(tok, key, depth, words=700):
+    hay = (FILLER * (words // len(FILLER.split()) + 1)).split()[:words]
+    at = round(depth * len(hay))
+    text = " ".join(hay[:at]) + f" The pass key is {key}. Remember it. {key} is the pass key. " + " ".join(hay[at:])
+    return prompt_ids(tok, text + QUESTION)
+
+
+def correct(answer, key):
+    """The answer's first run of digits is the key, exactly."""
+    m = re.search(r"\d+", answer)
+    return m is not None and m.group(0) == str(key)
+
+
+def test_the_needle_is_found_through_this_path(hf, hf_cal):
+    model, tok = hf
+    cases = [(61750, 0.2), (48213, 0.5), (90357, 0.8)]
+    answers = {"dynamic": [], "veloq": []}
+    for key, depth in cases:
+        ids = needle_prompt(tok, key, depth)
+        assert 900 < ids.shape[1] < 1200
+        for label, cache in [("dynamic", transformers.DynamicCache()), ("veloq", vt.VeloqCache(model, hf_cal, max_context=2048))]:
+            out = model.generate(ids, max_new_tokens=16, do_sample=False, cache=cache)
+            answers[label].append(correct(tok.decode(out[0, ids.shape[1] :]), key))
+    # 4-bit codes retrieve as fp16 does (the README's needle grid): the same prompts answered.
+    assert answers["dynamic"] == [True] * 3, answers
+    assert answers["veloq"] == answers["dynamic"], answers
+
+
+def test_misuse_is_refused(hf, hf_cal):
+    model, tok = hf
+    with pytest.raises(veloq.CalibrationError, match="needs a calibration"):
+        vt.VeloqCache(model, method="vq-4")
+    # A calibration of another geometry (head_dim 32) is refused before any work.
+    rng = np.random.default_rng(0)
+    small = [rng.standard_normal((512, 3, 32)).astype(np.float32) for _ in range(30)]
+    with pytest.raises(veloq.CalibrationError, match="head_dim"):
+        vt.VeloqCache(model, veloq.Calibration.train(small, small, method="vq-4"))
+    tok.pad_token = tok.pad_token or tok.eos_token
+    ids = tok(["a b c", "a"], return_tensors="pt", padding=True)
+    with pytest.raises(NotImplementedError, match="padded"):
+        model(**ids, cache=vt.VeloqCache(model, method="fp16"))
+    # Without a VeloqCache the veloq attention runs SDPA: the same logits as a plain model.
+    x = tok("Hello there", return_tensors="pt").input_ids
+    with torch.no_grad():
+        a = model(x, use_cache=False).logits
+        b = model(x, cache=transformers.DynamicCache()).logits
+    assert torch.allclose(a, b, atol=1e-4)
+
+
+GEMMA = CACHE / "gemma-3-270m-q4_k_m.gguf"
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    if not GEMMA.exists():
+        pytest.fail(f"{GEMMA} missing: run scripts/fetch-data")
+    tok = transformers.AutoTokenizer.from_pretrained(CACHE, gguf_file=GEMMA.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(CACHE, gguf_file=GEMMA.name, attn_implementation="veloq")
+    return model.eval(), tok
+
+
+def test_gemma3_sliding_windows_head_dim_256_and_gqa(gemma):
+    model, tok = gemma
+    g = vt.geometry(model)
+    assert (g["head_dim"], g["q_heads"], g["kv_heads"]) == (256, 4, 1)
+    assert g["windows"].count(None) == 3 and set(g["windows"]) == {512, None}
+    # 900 positions: past the 512-position window of the sliding layers.
+    ids = tok(TEXT.read_text()[300_000:306_000], return_tensors="pt").input_ids[:, :900]
+    with torch.no_grad():
+        ref = model(ids, cache=transformers.DynamicCache()).logits[0, -1]
+        fp16 = vt.VeloqCache(model, method="fp16", max_context=1024)
+        model(ids[:, :-1], cache=fp16)
+        got = model(ids[:, -1:], cache=fp16).logits[0, -1]
+        # f16 keys and values against float32 ones: the logits move by f16 rounding alone.
+        assert (ref - got).abs().max() < 0.1, float((ref - got).abs().max())
+        cal = vt.calibrate(model, tok, TEXT, tokens=1024)
+        coded = vt.VeloqCache(model, cal, max_context=1024)
+        model(ids[:, :-1], cache=coded)
+        q = torch.log_softmax(model(ids[:, -1:], cache=coded).logits[0, -1], -1)
+    p = torch.log_softmax(ref, -1)
+    kl = float((p.exp() * (p - q)).sum())
+    assert kl < 0.1, kl
+    assert coded.get_seq_length() == 900 and fp16.resident_bytes > coded.resident_bytes

@@ -1,0 +1,299 @@
+"""A compressed KV cache for Hugging Face transformers models.
+
+``VeloqCache`` is a transformers ``Cache`` whose layers live in veloq (VecInfer codes, or a
+baseline's), and ``attn_implementation="veloq"`` is an attention function that attends over them
+with veloq's kernels — fp16 keys are never rebuilt::
+
+    import veloq.transformers as vt                      # registers attn_implementation="veloq"
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="veloq")
+    cal = vt.calibrate(model, tokenizer, text)           # once per model: the codebooks
+    out = model.generate(ids, past_key_values=vt.VeloqCache(model, cal), max_new_tokens=64)
+
+The attention function takes the step's queries, keys and values from the model, hands the keys
+and values to the cache's layer (where they become codes once they leave the recent window) and
+returns attention over everything the layer holds. A forward pass without a ``VeloqCache`` (no
+cache, or another cache) runs transformers' SDPA instead. This build runs on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from typing import Callable, Optional, Union
+
+import numpy as np
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from . import _native
+from ._native import Calibration, ConfigError, DeviceError, KvCache
+
+__all__ = ["VeloqCache", "calibrate", "geometry", "kv_bytes"]
+
+# The layer whose `update` ran last on this thread: transformers calls the attention function
+# right after the cache's update for the same layer, and passes it no handle to the cache.
+_current = threading.local()
+
+
+def geometry(model) -> dict:
+    """The cache geometry of a transformers model: layers, heads, kv heads, head dim, per-layer windows."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    layers = cfg.num_hidden_layers
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * layers
+    window = getattr(cfg, "sliding_window", None)
+    windows = [window if t == "sliding_attention" and window else None for t in types]
+    return {
+        "layers": layers,
+        "q_heads": heads,
+        "kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+        "head_dim": head_dim,
+        "windows": windows,
+        "name": getattr(cfg, "_name_or_path", "") or cfg.model_type,
+        "architecture": cfg.model_type,
+    }
+
+
+class VeloqLayer(CacheLayerMixin):
+    """One decoder layer's slot in a ``VeloqCache``: the storage is veloq's; this object is what
+    transformers' cache API talks to."""
+
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, owner: "VeloqCache", index: int):
+        super().__init__()
+        self.owner, self.index = owner, index
+        self.is_sliding = owner.windows[index] is not None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.owner._ensure(key_states)
+        _current.layer = self
+        # The attention function stores them (it needs the queries too, to attend in one call).
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.owner.native.length(self.index) if self.owner.native is not None else 0
+
+    def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.owner.max_context
+
+    def reset(self) -> None:
+        self.owner.reset()
+
+    def offload(self):
+        raise NotImplementedError("a VeloqCache keeps its layers in veloq's memory; there is nothing to offload")
+
+    def prefetch(self):
+        pass
+
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("VeloqCache does not reorder sequences (beam search); use greedy or sampling")
+
+
+class VeloqCache(Cache):
+    """A KV cache kept by veloq for a transformers model.
+
+    ``calibration`` is a ``veloq.Calibration`` or the path of one (``calibrate`` or
+    ``veloq calibrate`` make them); without one, ``method`` must need none ("fp16", "kivi-2",
+    "rlm-4", …). ``max_context`` bounds a sequence's positions.
+    """
+
+    def __init__(
+        self,
+        model,
+        calibration: Union[Calibration, str, os.PathLike, None] = None,
+        *,
+        method: Optional[str] = None,
+        max_context: int = 8192,
+        kernels: str = "auto",
+    ):
+        g = geometry(model)
+        if isinstance(calibration, (str, os.PathLike)):
+            calibration = Calibration.load(calibration)
+        if method is None:
+            method = calibration.method if calibration is not None else "vq-4"
+        self.geometry, self.windows, self.max_context = g, g["windows"], max_context
+        self._spec = dict(
+            method=method,
+            q_heads=g["q_heads"],
+            calibration=calibration,
+            layers=g["layers"],
+            kv_heads=g["kv_heads"],
+            head_dim=g["head_dim"],
+            windows=g["windows"],
+            max_context=max_context,
+            kernels=kernels,
+        )
+        # Built now to fail early on a calibration of another model; rebuilt for the first step's batch.
+        self.native: Optional[KvCache] = KvCache(**self._spec)
+        self._batch = 1
+        self._fresh = True
+        super().__init__(layers=[VeloqLayer(self, i) for i in range(g["layers"])])
+
+    def _ensure(self, key_states: torch.Tensor) -> None:
+        if key_states.device.type != "cpu":
+            raise DeviceError(f"veloq.transformers runs on CPU tensors in this build, not {key_states.device}")
+        batch = key_states.shape[0]
+        if batch != self._batch:
+            if not self._fresh:
+                raise ConfigError(f"the cache holds {self._batch} sequences; a step of {batch} cannot continue it")
+            self.native = KvCache(**self._spec, batch=batch)
+            self._batch = batch
+        self._fresh = False
+
+    def reset(self) -> None:
+        self.native.truncate(0)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes veloq holds for this cache (codes, rows, the codecs' tables) — all of its KV memory."""
+        return self.native.resident_bytes
+
+    @property
+    def method(self) -> str:
+        return self.native.method
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length()
+
+    def __repr__(self) -> str:
+        return f"VeloqCache(method={self.method!r}, layers={len(self.layers)}, length={self.get_seq_length()})"
+
+
+def _np(x: torch.Tensor) -> np.ndarray:
+    """[batch, heads, tokens, dim] → [batch, tokens, heads, dim] float32 NumPy (one copy)."""
+    return x.detach().transpose(1, 2).to(torch.float32).contiguous().numpy()
+
+
+def _last_query_sees_all(mask: torch.Tensor) -> bool:
+    """Whether a full-attention layer's mask lets every sequence's last query see every position:
+    true of a causal mask, false where padding hides positions."""
+    last = mask[..., -1, :]
+    return bool(last.all()) if last.dtype == torch.bool else bool((last == 0).all())
+
+
+def veloq_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    **kwargs,
+):
+    """The ``attn_implementation="veloq"`` function: attention over a ``VeloqCache`` layer."""
+    layer = getattr(_current, "layer", None)
+    _current.layer = None
+    if layer is None or layer.index != getattr(module, "layer_idx", layer.index):
+        # No VeloqCache on this pass (use_cache=False, another cache): plain SDPA.
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("veloq attention has no logit soft-capping (Gemma 2); use Gemma 3 or another family")
+    if dropout and module.training:
+        raise NotImplementedError("veloq attention is for inference (no dropout)")
+    if attention_mask is not None and not layer.is_sliding and not _last_query_sees_all(attention_mask):
+        raise NotImplementedError("veloq attention does not take padded batches; run sequences one at a time")
+    if scaling is None:
+        scaling = 1.0 / math.sqrt(query.shape[-1])
+    out = layer.owner.native.attend(layer.index, _np(query), _np(key), _np(value), float(scaling))
+    return torch.from_numpy(out).to(query.dtype), None
+
+
+AttentionInterface.register("veloq", veloq_attention)
+# The masks SDPA takes: the pass without a VeloqCache runs SDPA with them; with one, the cache is
+# causal (and windowed) by construction and the mask only tells padding apart.
+AttentionMaskInterface.register("veloq", sdpa_mask)
+
+
+def kv_bytes(cache) -> int:
+    """Bytes of KV memory a cache holds: a ``VeloqCache``'s as veloq allocated them, a transformers
+    cache's from the tensors its layers hold (keys, values and any quantized storage)."""
+    if isinstance(cache, VeloqCache):
+        return cache.resident_bytes
+    seen, total = set(), 0
+    for layer in cache.layers:
+        for t in vars(layer).values():
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
+def calibrate(
+    model,
+    tokenizer,
+    text: Union[str, os.PathLike],
+    *,
+    method: str = "vq-4",
+    tokens: int = 8192,
+    window: Optional[int] = None,
+    seed: int = 0,
+    out: Union[str, os.PathLike, None] = None,
+    progress: Optional[Callable[[str, int, int], object]] = None,
+) -> Calibration:
+    """Calibrates ``method`` on ``model``'s own post-RoPE keys and values over ``text`` (a string or
+    a file's path): the first ``tokens`` tokens, run ``window`` positions at a time (default all at
+    once), then k-means per layer. Writes the artifact to ``out`` when given (the same format
+    ``veloq calibrate`` writes) and returns it."""
+    if isinstance(text, os.PathLike):
+        with open(text, encoding="utf-8") as f:
+            text = f.read()
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    if len(ids) < tokens:
+        raise ConfigError(f"calibration needs {tokens} tokens of text; this text has {len(ids)}")
+    ids = ids[:tokens]
+    window = window or tokens
+    g = geometry(model)
+    keys = [[] for _ in range(g["layers"])]
+    values = [[] for _ in range(g["layers"])]
+
+    class Recorder(DynamicLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            keys[self.index].append(_np(key_states)[0])
+            values[self.index].append(_np(value_states)[0])
+            return super().update(key_states, value_states, *args, **kwargs)
+
+    device = next(model.parameters()).device
+    done = 0
+    with torch.no_grad():
+        for start in range(0, tokens, window):
+            layers = []
+            for i in range(g["layers"]):
+                layer = Recorder()
+                layer.index = i
+                layers.append(layer)
+            chunk = ids[start : start + window][None].to(device)
+            model(chunk, past_key_values=Cache(layers=layers), use_cache=True)
+            done += chunk.shape[1]
+            if progress is not None:
+                progress("collecting", done, tokens)
+    cal = Calibration.train(
+        [np.concatenate(k) for k in keys],
+        [np.concatenate(v) for v in values],
+        method=method,
+        name=g["name"],
+        architecture=g["architecture"],
+        token_ids=ids.tolist(),
+        seed=seed,
+        progress=None if progress is None else (lambda done, total: progress("training", done, total)),
+    )
+    if out is not None:
+        cal.save(out)
+    return cal
