@@ -17,6 +17,7 @@ cache, or another cache) runs transformers' SDPA instead. This build runs on CPU
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import threading
@@ -236,6 +237,12 @@ def kv_bytes(cache) -> int:
     return total
 
 
+def _cache_kwarg(model) -> str:
+    """The name a model's forward takes its cache by: `cache` from transformers 5.2x on,
+    `past_key_values` before (and still accepted, deprecated)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def calibrate(
     model,
     tokenizer,
@@ -280,7 +287,7 @@ def calibrate(
                 layer.index = i
                 layers.append(layer)
             chunk = ids[start : start + window][None].to(device)
-            model(chunk, past_key_values=Cache(layers=layers), use_cache=True)
+            model(chunk, use_cache=True, **{_cache_kwarg(model): Cache(layers=layers)})
             done += chunk.shape[1]
             if progress is not None:
                 progress("collecting", done, tokens)
