@@ -60,9 +60,13 @@ def test_sampling_is_seeded_and_checked(model):
     a = model.generate("Write a word.", max_tokens=8, temperature=1.0, seed=7)
     b = model.generate("Write a word.", max_tokens=8, temperature=1.0, seed=7)
     assert a == b
-    for bad in ({"temperature": -1.0}, {"top_p": 7.0}, {"max_tokens": 0}, {"top_k": 0}):
+    for bad in ({"temperature": -1.0}, {"top_p": 7.0}, {"max_tokens": 0}, {"top_k": 0}, {"presence_penalty": 3.0}):
         with pytest.raises(veloq.ConfigError):
             model.generate("x", **bad)
+    with pytest.raises(TypeError, match="max_token"):
+        model.generate("x", max_token=4)  # a typo is an error, never ignored
+    with pytest.raises(TypeError, match="temperature"):
+        model.generate("x", temperature="hot")
 
 
 def test_a_prompt_past_the_context_is_refused(model_path, calibration_path):

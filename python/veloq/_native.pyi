@@ -57,6 +57,8 @@ class Chat:
         top_k: Optional[int] = None,
         min_p: Optional[float] = None,
         repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
         seed: Optional[int] = None,
         on_text: Optional[Callable[[str], object]] = None,
     ) -> Result: ...
@@ -98,6 +100,8 @@ class Model:
         top_k: Optional[int] = None,
         min_p: Optional[float] = None,
         repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
         seed: Optional[int] = None,
         chat: bool = True,
         stream: bool = False,

@@ -195,6 +195,36 @@ sl = [e for x in client.completions.create(model=model, prompt="The capital of F
       x.choices[0].logprobs.tokens, x.choices[0].logprobs.text_offset)]
 check(sl == list(zip(l.tokens, l.text_offset)), f"streamed legacy logprobs {sl}")
 
+# echo (what lm-evaluation-harness's loglikelihood asks for): the prompt comes back before the
+# completion, with an entry for each prompt token (the first null: nothing precedes it) ahead of
+# the completion's; max_tokens=0 scores the prompt alone; a batch of one token-id prompt (as
+# lm-eval sends it) the same way.
+e = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0,
+                              logprobs=2, echo=True)
+el, n = e.choices[0].logprobs, e.usage.prompt_tokens
+check(e.choices[0].text == "The capital of France is" + c.choices[0].text, f"echo text {e.choices[0].text!r}")
+check(len(el.tokens) == n + 6 and el.token_logprobs[0] is None and el.top_logprobs[0] is None, "echo entries")
+check(el.tokens[n:] == l.tokens and all(abs(a - b) < 1e-3 for a, b in zip(el.token_logprobs[n:], l.token_logprobs)),
+      "the completion's entries as without echo")
+check(all(lp <= 0 and max(top.values()) >= lp - 1e-6 for lp, top in zip(el.token_logprobs[1:n], el.top_logprobs[1:n])),
+      "prompt entries")
+z = client.completions.create(model=model, prompt="The capital of France is", max_tokens=0, temperature=0,
+                              logprobs=1, echo=True)
+zl = z.choices[0].logprobs
+check(z.choices[0].text == "The capital of France is" and z.usage.completion_tokens == 0 and len(zl.tokens) == n,
+      f"max_tokens=0 echoes the prompt alone: {z.choices[0].text!r} {z.usage}")
+check(all(abs(a - b) < 1e-3 for a, b in zip(zl.token_logprobs[1:], el.token_logprobs[1:n])), "the same prompt entries")
+t = client.completions.create(model=model, prompt=[[504, 3575, 282, 4649, 314]], max_tokens=1, temperature=0,
+                              logprobs=1, echo=True)
+check(len(t.choices[0].logprobs.tokens) == 6 and t.usage.prompt_tokens == 5, "a token-id prompt in a batch of one")
+for kwargs, what in [(dict(stream=True), "echo is not supported with stream"),
+                     (dict(prompt=[[1, 2], [3, 4]]), "one prompt per request")]:
+    try:
+        client.completions.create(**{**dict(model=model, prompt="Hi", max_tokens=2, echo=True), **kwargs})
+        check(False, what)
+    except openai.BadRequestError as err:
+        check(what in str(err), what)
+
 # Errors come back as the client's exception types, with the server's message.
 for kwargs, exc, what in [
     (dict(top_p=7), openai.BadRequestError, "top_p"),

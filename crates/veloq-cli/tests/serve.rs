@@ -217,6 +217,15 @@ fn the_langchain_client() {
     client_checks("python3", script, "No module named 'langchain_openai'", install);
 }
 
+/// lm-evaluation-harness's `local-completions`: a loglikelihood task over `echo` and `logprobs`,
+/// its scores against the same GGUF run by transformers.
+#[test]
+fn lm_evaluation_harness_loglikelihood() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/lm_eval_client.py");
+    let install = "python3 -m pip install lm_eval==0.4.13 transformers==5.24.0 torch==2.15.0 gguf accelerate";
+    client_checks("python3", script, "No module named 'lm_eval'", install);
+}
+
 /// The official Node client and the Vercel AI SDK (generateText, streamText, generateObject, tools),
 /// as `.ci/run` installs them (`npm ci` in tests/node, pinned by its lockfile).
 #[test]

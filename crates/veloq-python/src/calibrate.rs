@@ -44,7 +44,7 @@ pub fn calibrate(
         _ => text.extract()?,
     };
     let opts = CalibrateOptions { tokens, window, seed };
-    let out = out.unwrap_or_else(|| calibration_path(&veloq::paths::default_cache_dir(), &model, &m));
+    let out = out.unwrap_or_else(|| calibration_path(&crate::cache_dir(), &model, &m));
     let mut callback_error = None;
     let cal = py
         .detach(|| {

@@ -9,7 +9,15 @@ mod errors;
 mod model;
 mod serve;
 
+use std::path::PathBuf;
+
 use pyo3::prelude::*;
+
+/// Where calibrations are looked for and written unless a call says otherwise: `$VELOQ_CACHE`,
+/// else `~/.cache/veloq` — the CLI's `--cache-dir` default, read here at the binding's edge.
+pub(crate) fn cache_dir() -> PathBuf {
+    std::env::var_os("VELOQ_CACHE").map(PathBuf::from).unwrap_or_else(veloq::paths::default_cache_dir)
+}
 
 /// The method names veloq knows, with a line each: what is stored, at how many bits (head_dim 64).
 #[pyfunction]

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use pyo3::exceptions::PyStopIteration;
+use pyo3::exceptions::{PyStopIteration, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -38,8 +38,9 @@ pub fn parse_method(method: &str) -> PyResult<Method> {
 #[pymethods]
 impl Model {
     /// Opens the GGUF file at `path` with the caches of `method` (default "vq-4"). A VecInfer
-    /// method loads `calibration`, by default `~/.cache/veloq/<model>.<method>.safetensors` (what
-    /// `veloq.calibrate` and `veloq calibrate` write).
+    /// method loads `calibration`, by default `<cache>/<model>.<method>.safetensors` with
+    /// `<cache>` `$VELOQ_CACHE` or `~/.cache/veloq` (what `veloq.calibrate` and `veloq calibrate`
+    /// write).
     #[staticmethod]
     #[pyo3(signature = (path, method = "vq-4", calibration = None, device = "cpu", max_context = 8192, kernels = "auto"))]
     fn open(
@@ -58,7 +59,7 @@ impl Model {
             return Err(ConfigError::new_err("max_context must be at least 1"));
         }
         let calibration = match (method.needs_calibration(), calibration) {
-            (true, None) => Some(calibration_path(&veloq::paths::default_cache_dir(), &path, &method)),
+            (true, None) => Some(calibration_path(&crate::cache_dir(), &path, &method)),
             (false, Some(c)) => {
                 return Err(crate::errors::CalibrationError::new_err(format!(
                     "{method} takes no calibration (given {})",
@@ -141,24 +142,18 @@ impl Model {
 
     /// Generates after `prompt` (in the model's chat template unless `chat=False`). Returns the
     /// text, or with `stream=True` an iterator over its pieces as they come (its `result` holds
-    /// the tokens, finish reason and timings once it is exhausted). Greedy at temperature 0.
-    #[pyo3(signature = (prompt, *, max_tokens = 128, temperature = 0.0, top_p = None, top_k = None, min_p = None, repetition_penalty = 1.0, seed = None, chat = true, stream = false))]
-    #[allow(clippy::too_many_arguments)]
+    /// the tokens, finish reason and timings once it is exhausted). Sampling keywords as
+    /// [`options`] lists them (128 tokens, greedy by default).
+    #[pyo3(signature = (prompt, *, chat = true, stream = false, **sampling))]
     fn generate(
         slf: Bound<'_, Self>,
         prompt: &str,
-        max_tokens: usize,
-        temperature: f64,
-        top_p: Option<f64>,
-        top_k: Option<usize>,
-        min_p: Option<f64>,
-        repetition_penalty: f64,
-        seed: Option<u64>,
         chat: bool,
         stream: bool,
+        sampling: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Py<PyAny>> {
         let py = slf.py();
-        let opts = options(max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed)?;
+        let opts = options(sampling, 128)?;
         let model = slf.get();
         let ids = prompt_ids(model.runner.model(), &model.tokenizer, prompt, chat).py()?;
         let g = Generation::start(py, slf.clone().unbind(), &ids, &opts)?;
@@ -190,27 +185,35 @@ impl Model {
     }
 }
 
-/// Generation settings from the keyword arguments, checked before any work.
-fn options(
-    max_tokens: usize,
-    temperature: f64,
-    top_p: Option<f64>,
-    top_k: Option<usize>,
-    min_p: Option<f64>,
-    repetition_penalty: f64,
-    seed: Option<u64>,
-) -> PyResult<GenerateOptions> {
-    let sampling = SamplingOptions {
-        temperature,
-        top_p,
-        top_k,
-        min_p,
-        repetition_penalty,
-        seed: seed.unwrap_or(SamplingOptions::default().seed),
-        ..SamplingOptions::default()
-    };
-    let opts = GenerateOptions { max_tokens, sampling, ..GenerateOptions::default() };
-    Ok(opts)
+/// The sampling keywords `generate` and `Chat.say` take, over `max_tokens` tokens by default:
+/// max_tokens, temperature (0: greedy), top_p, top_k, min_p, repetition_penalty,
+/// presence_penalty, frequency_penalty, seed. The library checks their values when generation
+/// starts; a keyword outside these is a TypeError here.
+fn options(kwargs: Option<&Bound<'_, PyDict>>, max_tokens: usize) -> PyResult<GenerateOptions> {
+    let mut o = GenerateOptions { max_tokens, sampling: SamplingOptions::default(), ..GenerateOptions::default() };
+    for (k, v) in kwargs.into_iter().flat_map(|d| d.iter()) {
+        let key: String = k.extract()?;
+        let wrong = |e: PyErr| PyTypeError::new_err(format!("{key}: {e}"));
+        let s = &mut o.sampling;
+        match key.as_str() {
+            "max_tokens" => o.max_tokens = v.extract().map_err(wrong)?,
+            "temperature" => s.temperature = v.extract().map_err(wrong)?,
+            "top_p" => s.top_p = v.extract().map_err(wrong)?,
+            "top_k" => s.top_k = v.extract().map_err(wrong)?,
+            "min_p" => s.min_p = v.extract().map_err(wrong)?,
+            "repetition_penalty" => s.repetition_penalty = v.extract().map_err(wrong)?,
+            "presence_penalty" => s.presence_penalty = v.extract().map_err(wrong)?,
+            "frequency_penalty" => s.frequency_penalty = v.extract().map_err(wrong)?,
+            "seed" => s.seed = v.extract::<Option<u64>>().map_err(wrong)?.unwrap_or(s.seed),
+            _ => {
+                return Err(PyTypeError::new_err(format!(
+                    "unexpected keyword argument {key:?} (sampling takes max_tokens, temperature, top_p, top_k, \
+                     min_p, repetition_penalty, presence_penalty, frequency_penalty, seed)"
+                )))
+            }
+        }
+    }
+    Ok(o)
 }
 
 /// What a generation produced: `text`, `tokens`, `finish_reason` ("stop", "length",
@@ -384,22 +387,16 @@ impl Chat {
 impl Chat {
     /// Adds the user's turn and generates the reply; `on_text(piece)` is called as text comes.
     /// A turn that fails (past the context, a bad setting) leaves the conversation as it was.
-    #[pyo3(signature = (message, *, max_tokens = 256, temperature = 0.0, top_p = None, top_k = None, min_p = None, repetition_penalty = 1.0, seed = None, on_text = None))]
-    #[allow(clippy::too_many_arguments)]
+    /// Sampling keywords as `generate` takes them (256 tokens by default).
+    #[pyo3(signature = (message, *, on_text = None, **sampling))]
     fn say(
         &self,
         py: Python<'_>,
         message: &str,
-        max_tokens: usize,
-        temperature: f64,
-        top_p: Option<f64>,
-        top_k: Option<usize>,
-        min_p: Option<f64>,
-        repetition_penalty: f64,
-        seed: Option<u64>,
         on_text: Option<Py<PyAny>>,
+        sampling: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Result_> {
-        let opts = options(max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed)?;
+        let opts = options(sampling, 256)?;
         let mut callback_error = None;
         let out = py.detach(|| {
             self.with(|chat| {

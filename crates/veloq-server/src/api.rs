@@ -173,13 +173,15 @@ pub struct JsonSchemaFormat {
     pub strict: Option<bool>,
 }
 
-/// `prompt`: a string, one string in a list, or token ids.
+/// `prompt`: a string, one string in a list, token ids, or one list of token ids in a list (as
+/// lm-evaluation-harness sends a batch of one).
 #[derive(Deserialize, Debug, Clone)]
 #[serde(untagged)]
 pub enum Prompt {
     Text(String),
     Texts(Vec<String>),
     Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
 }
 
 /// What only text completions take.
@@ -459,6 +461,7 @@ impl Sampling {
             max_tokens,
             sampling,
             logprobs,
+            prompt_logprobs: None,
             stop,
             ignore_eos: self.ignore_eos,
             grammar: None,
@@ -541,6 +544,18 @@ pub fn logprob_json(tok: &Tokenizer, lp: &TokenLogprob) -> Value {
     e
 }
 
+/// A prompt token's entry: [`logprob_json`]'s, or for the first token (nothing precedes it) its
+/// text with a null log-probability and no alternatives, as OpenAI's `echo` reports it.
+pub fn prompt_logprob_json(tok: &Tokenizer, token: u32, lp: Option<&TokenLogprob>) -> Value {
+    match lp {
+        Some(lp) => logprob_json(tok, lp),
+        None => {
+            let text = tok.decode(&[token], false).unwrap_or_default();
+            json!({"token": text, "logprob": null, "bytes": text.as_bytes(), "top_logprobs": null})
+        }
+    }
+}
+
 /// Text completions' `logprobs` in OpenAI's legacy shape, from chat-style entries
 /// ([`logprob_json`]): the tokens' texts, their log-probabilities, the alternatives as
 /// `{text: logprob}` and where each token's text starts, counted in characters from `offset`.
@@ -557,9 +572,9 @@ pub fn legacy_logprobs(entries: &[Value], offset: usize) -> Value {
         .collect();
     let top: Vec<Value> = entries
         .iter()
-        .map(|e| {
-            let alternatives = e["top_logprobs"].as_array().map(Vec::as_slice).unwrap_or_default();
-            Value::Object(alternatives.iter().map(|a| (text(a), a["logprob"].clone())).collect())
+        .map(|e| match e["top_logprobs"].as_array() {
+            Some(alternatives) => Value::Object(alternatives.iter().map(|a| (text(a), a["logprob"].clone())).collect()),
+            None => Value::Null,
         })
         .collect();
     json!({
@@ -610,6 +625,8 @@ impl Usage {
 /// One finished choice of a whole (not streamed) response.
 #[derive(Clone, Debug)]
 pub struct Choice {
+    /// What the choice begins with before its completion: the prompt, when `echo` asked for it.
+    pub echo: Option<String>,
     pub text: String,
     pub summary: Summary,
     /// Each token's entry, when the request asked for them.
@@ -658,7 +675,8 @@ impl Reply {
                     }),
                     Kind::Completion => {
                         let logprobs = c.logprobs.as_deref().map(|l| legacy_logprobs(l, 0));
-                        json!({"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": reason})
+                        let text = format!("{}{}", c.echo.as_deref().unwrap_or_default(), c.text);
+                        json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
                     }
                 }
             })

@@ -20,13 +20,14 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use veloq_candle::engine::{Engine, Event, Rejected, Sink, Summary};
+use veloq_candle::generate::Finish;
 use veloq_candle::generate::{chat_ids, with_bos};
-use veloq_candle::model::{encode, Tokenizer};
+use veloq_candle::model::{decode, encode, Tokenizer};
 use veloq_candle::Forward;
 
 use crate::api::{
-    check_fields, finish_reason, from_body, logprob_json, ApiError, ChatRequest, Choice, CompletionRequest, Kind,
-    Prompt, Reply, Sampling, Usage, CHAT_FIELDS, COMPLETION_FIELDS,
+    check_fields, finish_reason, from_body, logprob_json, prompt_logprob_json, ApiError, ChatRequest, Choice,
+    CompletionRequest, Kind, Prompt, Reply, Sampling, Usage, CHAT_FIELDS, COMPLETION_FIELDS,
 };
 use crate::guard::{guard, Active, Gate, Guards, Waiting};
 use crate::metrics;
@@ -152,7 +153,7 @@ async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) 
     request.grammar = req.grammar(tools.as_ref())?;
     request.time_limit = app.request_timeout;
     let calls = tools.map(|tools| CallReader { tools, parallel: req.parallel_tool_calls.unwrap_or(true) });
-    run(app.clone(), app.reply(Kind::Chat), sampling.choices(request)?, &sampling, calls).await
+    run(app.clone(), app.reply(Kind::Chat), sampling.choices(request)?, &sampling, calls, None).await
 }
 
 async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
@@ -161,16 +162,24 @@ async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejec
     check_fields(&body, COMPLETION_FIELDS)?;
     let logprobs = sampling.completion_logprobs()?;
     app.check_model(&sampling)?;
-    for (field, used) in [
-        ("echo", req.echo == Some(true)),
-        ("suffix", req.suffix.is_some()),
-        ("best_of", req.best_of.is_some_and(|b| b != 1)),
-    ] {
+    let echo = req.echo == Some(true);
+    if echo && sampling.stream {
+        return Err(ApiError::invalid(Some("echo"), "echo is not supported with stream (ask for the whole response)"));
+    }
+    for (field, used) in [("suffix", req.suffix.is_some()), ("best_of", req.best_of.is_some_and(|b| b != 1))] {
         if used {
             return Err(ApiError::invalid(Some(field), format!("{field} is not supported (only its off value)")));
         }
     }
-    let ids = match req.prompt.clone() {
+    // lm-evaluation-harness sends its tokenized prompt as a batch of one.
+    let prompt = match req.prompt.clone() {
+        Prompt::TokenLists(mut v) if v.len() == 1 => Prompt::Tokens(v.pop().unwrap_or_default()),
+        Prompt::TokenLists(v) => {
+            return Err(ApiError::invalid(Some("prompt"), format!("one prompt per request, got {}", v.len())))
+        }
+        p => p,
+    };
+    let ids = match prompt.clone() {
         Prompt::Text(t) => text_ids(&app, t).await?,
         Prompt::Texts(v) if v.len() == 1 => text_ids(&app, v.into_iter().next().unwrap_or_default()).await?,
         Prompt::Texts(v) => {
@@ -186,11 +195,25 @@ async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejec
             }
             ids
         }
+        Prompt::TokenLists(_) => unreachable!("a batch of one was unwrapped above"),
     };
-    // OpenAI's default for text completions.
-    let mut request = sampling.request(ids, None, 16, app.engine.info().vocab, logprobs)?;
+    // `echo`: the prompt comes back before the completion — as the client sent it, or the
+    // text of its token ids — with each prompt token's log-probability when `logprobs` is on.
+    // `max_tokens: 0` with `echo` scores the prompt alone (one token is generated, not shown).
+    let echo = match (echo, &prompt) {
+        (false, _) => None,
+        (true, Prompt::Text(t)) => Some(t.clone()),
+        (true, Prompt::Texts(v)) => Some(v.concat()),
+        (true, _) => Some(decode(&app.tok, &ids).map_err(|e| server_error(e.to_string()))?),
+    }
+    .map(|text| Echo { text, hide: sampling.max_tokens == Some(0) });
+    let hide = echo.as_ref().is_some_and(|e| e.hide);
+    let mut request = sampling.request(ids, hide.then_some(1), 16, app.engine.info().vocab, logprobs)?;
+    if echo.is_some() {
+        request.prompt_logprobs = logprobs;
+    }
     request.time_limit = app.request_timeout;
-    run(app.clone(), app.reply(Kind::Completion), sampling.choices(request)?, &sampling, None).await
+    run(app.clone(), app.reply(Kind::Completion), sampling.choices(request)?, &sampling, None, echo).await
 }
 
 async fn text_ids(app: &App, text: String) -> Result<Vec<u32>, ApiError> {
@@ -248,14 +271,24 @@ impl CallReader {
     }
 }
 
+/// What a text completion's `echo` puts before each choice's completion.
+struct Echo {
+    /// The prompt.
+    text: String,
+    /// `max_tokens: 0`: the prompt alone (the one token generated is not shown or counted).
+    hide: bool,
+}
+
 /// Runs a request's choices (each its own engine request, sampled with its own seed) and answers
 /// with all of them, whole or streamed; with tools, a reply that is a call comes back as one.
+/// `echo` (whole text completions only) puts the prompt, and its tokens' entries, first.
 async fn run(
     app: Arc<App>,
     reply: Reply,
     requests: Vec<veloq_candle::engine::Request>,
     sampling: &Sampling,
     calls: Option<CallReader>,
+    echo: Option<Echo>,
 ) -> Result<Response, ApiError> {
     let mut told = Told::new(&app, &reply.id);
     let active = Active::enter(&app.active);
@@ -313,18 +346,35 @@ async fn run(
             .into_response());
     }
     let mut left = n;
+    let hide = echo.as_ref().is_some_and(|e| e.hide);
     while let Some((i, e)) = rx.recv().await {
         let c = &mut choices[i];
         match e {
             Event::Admitted => waiting.release(),
+            Event::Text(_) | Event::Logprob(_) if hide => {}
             Event::Text(t) => c.text.push_str(&t),
             Event::Logprob(lp) => c.logprobs.iter_mut().for_each(|v| v.push(logprob_json(&app.tok, &lp))),
-            Event::Done(s) => {
+            Event::PromptLogprob(t, lp) => c.prompt.push(prompt_logprob_json(&app.tok, t, lp.as_ref())),
+            Event::Done(mut s) => {
                 app.log(&reply, i, &s);
+                if hide {
+                    (s.completion_tokens, s.finish) = (0, Finish::Length);
+                }
                 c.summary = Some(s);
                 left -= 1;
                 if left == 0 {
-                    let mut done: Vec<Choice> = choices.into_iter().filter_map(Partial::finished).collect();
+                    let echoed = echo.as_ref().map(|e| e.text.clone());
+                    let mut done: Vec<Choice> = choices
+                        .into_iter()
+                        .filter_map(|mut c| {
+                            if let Some(l) = c.logprobs.as_mut() {
+                                l.splice(0..0, std::mem::take(&mut c.prompt));
+                            }
+                            let mut choice = c.finished()?;
+                            choice.echo = echoed.clone();
+                            Some(choice)
+                        })
+                        .collect();
                     if let Some(reader) = &calls {
                         done.iter_mut().for_each(|c| c.calls = reader.calls(&c.text));
                     }
@@ -381,12 +431,14 @@ struct Partial {
     logprobs: Option<Vec<Value>>,
     /// Characters of the tokens whose entries a stream has sent (where the next ones start).
     placed: usize,
+    /// The prompt tokens' entries (`echo` with `logprobs`).
+    prompt: Vec<Value>,
     summary: Option<Summary>,
 }
 
 impl Partial {
     fn finished(self) -> Option<Choice> {
-        Some(Choice { text: self.text, summary: self.summary?, logprobs: self.logprobs, calls: Vec::new() })
+        Some(Choice { echo: None, text: self.text, summary: self.summary?, logprobs: self.logprobs, calls: Vec::new() })
     }
 }
 
@@ -460,6 +512,8 @@ impl Stream {
                         self.pending.push_back(Self::data(&self.reply.chunk(i, None, true, None, None, 0)))
                     }
                 }
+                // Streams take no `echo`: nothing asks for the prompt's entries.
+                Some((_, Event::PromptLogprob(..))) => {}
                 Some((i, Event::Logprob(lp))) => {
                     let entry = logprob_json(&self.app.tok, &lp);
                     self.choices[i].logprobs.iter_mut().for_each(|v| v.push(entry.clone()));

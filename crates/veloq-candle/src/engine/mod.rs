@@ -29,6 +29,8 @@ use tokenizers::Tokenizer;
 use self::schedule::{plan, Admission, Progress};
 use self::stats::Ledger;
 pub use self::stats::Stats;
+use candle_core::Tensor;
+
 use crate::cache::{ModelCache, Step};
 use crate::config::CacheConfig;
 use crate::error::{Error, Result};
@@ -117,6 +119,11 @@ pub struct Request {
     pub sampling: SamplingOptions,
     /// Report each generated token's log-probability with this many most likely alternatives.
     pub logprobs: Option<usize>,
+    /// Report each prompt token's log-probability under the tokens before it, with this many
+    /// alternatives (the first token has none): what `echo` with `logprobs` answers, and what a
+    /// loglikelihood evaluation scores. Such a request feeds its whole prompt (no resident prefix
+    /// is reused: its logits are needed).
+    pub prompt_logprobs: Option<usize>,
     /// The completion ends before the first of these.
     pub stop: Vec<String>,
     /// Run to `max_tokens` through end-of-sequence tokens (benchmarks: every request the same
@@ -138,8 +145,12 @@ pub enum Event {
     /// More completion text (never part of a stop string).
     Text(String),
     /// The next generated token's log-probability (requests that ask for them; sent before the
-    /// text it adds; not for an end-of-sequence token).
+    /// text it adds; not for an end-of-sequence token unless the request scores its prompt).
     Logprob(TokenLogprob),
+    /// The next prompt token and its log-probability (requests that ask for them: every prompt
+    /// token in order, after `Admitted` and before any `Text`; `None` for the first, which
+    /// nothing precedes).
+    PromptLogprob(u32, Option<TokenLogprob>),
     /// The completion ended.
     Done(Summary),
     /// The engine failed while running it (its slot is freed).
@@ -259,6 +270,8 @@ struct Job {
 
 /// What a preempted sequence had done, kept while it waits to run again.
 struct Carry {
+    /// Prompt tokens whose log-probabilities were sent.
+    scored: usize,
     out: Vec<u32>,
     sampler: Sampler,
     text: TextStream,
@@ -438,6 +451,11 @@ struct Live {
     first: Option<Instant>,
     /// Set once the request is over (its slot is freed after the step).
     done: Option<Outcome>,
+    /// Prompt tokens whose log-probabilities were sent (requests that ask for them).
+    scored: usize,
+    /// The raw logits after the last prompt token fed, while the next one's log-probability is
+    /// still to be sent (a prompt fed over several steps).
+    scoring: Option<Vec<f32>>,
 }
 
 enum Outcome {
@@ -558,7 +576,8 @@ impl Worker {
     }
 
     fn admit(&mut self) {
-        while let Some(a) = self.adm.admit(|j: &Job| &j.feed) {
+        // A request scoring its prompt needs every prompt token's logits: it reuses no prefix.
+        while let Some(a) = self.adm.admit(|j: &Job| if j.req.prompt_logprobs.is_some() { &[] } else { &j.feed }) {
             let (mut job, slot, reserved) = (a.item, a.slot, a.bytes);
             let mut broken = a.evicted.iter().find_map(|&e| self.caches.truncate(e, 0).err());
             // A slot keeps the shared prefix; a layer that cannot cut there (a sliding window
@@ -577,6 +596,7 @@ impl Worker {
             let carry = job.carry.take().unwrap_or_else(|| {
                 let r = &job.req;
                 Carry {
+                    scored: 0,
                     out: Vec::new(),
                     sampler: Sampler::new(r.sampling.clone(), &r.prompt),
                     text: TextStream::new(r.stop.clone()),
@@ -601,6 +621,8 @@ impl Worker {
                 admitted: carry.admitted,
                 first: carry.first,
                 done,
+                scored: carry.scored,
+                scoring: None,
             });
             if let Some(e) = broken {
                 self.fail_all(&format!("emptying a cache slot failed: {e}"));
@@ -631,11 +653,43 @@ impl Worker {
             }
         }
         let t0 = Instant::now();
-        let logits = self.model.forward_step(&tokens, &Step::new(seqs.clone())?, &mut self.caches, Logits::Last)?;
+        // A step that feeds prompt tokens a request scores computes every token's logits.
+        let scores = |l: &Live| l.job.req.prompt_logprobs.is_some() && l.scored < l.job.req.prompt.len();
+        let all = seqs.iter().any(|s| {
+            let l = &self.live[at[s.slot]];
+            l.fed < l.job.feed.len() && scores(l)
+        });
+        let step = Step::new(seqs.clone())?;
+        let logits =
+            self.model.forward_step(&tokens, &step, &mut self.caches, if all { Logits::All } else { Logits::Last })?;
+        let (every, logits) = match all {
+            false => (None, logits),
+            true => {
+                let mut end = 0u32;
+                let last: Vec<u32> = seqs
+                    .iter()
+                    .map(|s| {
+                        end += s.len as u32;
+                        end - 1
+                    })
+                    .collect();
+                let index = Tensor::new(last.as_slice(), logits.device())?;
+                let last = logits.index_select(&index, 0)?;
+                (Some(logits), last)
+            }
+        };
         let (mut prompt_fed, mut sampled) = (0, 0);
         let mut greedy: Option<Vec<u32>> = None;
+        let mut offset = 0;
         for (row, s) in seqs.iter().enumerate() {
             let l = &mut self.live[at[s.slot]];
+            let first = offset;
+            offset += s.len;
+            if let (Some(every), true, true) = (&every, l.fed < l.job.feed.len(), scores(l)) {
+                if !Self::score(every, first, s.len, l) {
+                    continue;
+                }
+            }
             if l.fed < l.job.feed.len() {
                 l.fed += s.len;
                 prompt_fed += s.len;
@@ -672,6 +726,38 @@ impl Worker {
         Ok(())
     }
 
+    /// Sends the log-probabilities of the prompt tokens this step fed for `l` (`len` rows of
+    /// `every` from `first`: the step's logits for each token), each under the logits before it,
+    /// and keeps the last row for the next step's first token. False when the client has gone.
+    fn score(every: &Tensor, first: usize, len: usize, l: &mut Live) -> bool {
+        let n = l.job.req.prompt_logprobs.unwrap_or(0);
+        let prompt = &l.job.req.prompt;
+        let rows = match every.narrow(0, first, len).and_then(|r| r.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>())
+        {
+            Ok(r) => r,
+            Err(e) => {
+                l.done = Some(Outcome::Failed(format!("prompt log-probabilities: {e}")));
+                return false;
+            }
+        };
+        for (j, row) in rows.into_iter().enumerate() {
+            let at = l.fed + j;
+            if at >= l.scored && at < prompt.len() {
+                let lp = match at {
+                    0 => None,
+                    _ => l.scoring.as_ref().map(|prev| TokenLogprob::of(prev, prompt[at], n)),
+                };
+                if !l.job.sink.send(Event::PromptLogprob(prompt[at], lp)) {
+                    l.done = Some(Outcome::Cancelled);
+                    return false;
+                }
+                l.scored = at + 1;
+            }
+            l.scoring = (at + 1 < prompt.len()).then_some(row);
+        }
+        true
+    }
+
     /// A sequence's next token: its text to the client, and whether it ends here.
     fn take(
         model: &Model,
@@ -692,6 +778,14 @@ impl Worker {
                 return Ok(());
             }
             complete = c.finished();
+        }
+        // A request scoring its prompt (`echo`) gets the end-of-sequence token's entry too: a
+        // loglikelihood harness counts one entry per generated token.
+        if let (true, Some(lp), true) = (eos, &logprob, l.job.req.prompt_logprobs.is_some()) {
+            if !l.job.sink.send(Event::Logprob(lp.clone())) {
+                l.done = Some(Outcome::Cancelled);
+                return Ok(());
+            }
         }
         if !eos {
             l.out.push(next);
@@ -832,9 +926,9 @@ impl Worker {
     fn preempt(&mut self, i: usize) -> Result<()> {
         let l = self.live.remove(i);
         let given = self.give_back(&l);
-        let Live { mut job, out, sampler, text, cached, admitted, first, .. } = l;
+        let Live { mut job, out, sampler, text, cached, admitted, first, scored, .. } = l;
         job.feed = job.req.prompt.iter().chain(&out).copied().collect();
-        job.carry = Some(Carry { out, sampler, text, cached, admitted, first });
+        job.carry = Some(Carry { scored, out, sampler, text, cached, admitted, first });
         let bytes = self.admission_bytes(&job);
         self.adm.push_front(job, bytes);
         self.ledger.lock().expect("ledger").stats.preempted += 1;

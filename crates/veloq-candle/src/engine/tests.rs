@@ -79,6 +79,7 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
         max_tokens,
         sampling: SamplingOptions::greedy(),
         logprobs: None,
+        prompt_logprobs: None,
         stop: Vec::new(),
         ignore_eos: false,
         grammar: None,
@@ -499,4 +500,53 @@ fn a_time_limit_ends_a_request_running_or_queued() {
     assert!(ends[2].queued >= Duration::from_millis(1));
     let s = engine.stats();
     assert_eq!((s.finished, s.kv_reserved_bytes, s.running, s.queued), (3, 0, 0, 0), "{s:?}");
+}
+
+/// A request that scores its prompt gets every prompt token's log-probability under the tokens
+/// before it (the first has none), in order and before its text, equal to a one-shot forward pass
+/// over the prompt's logits — though the prompt is fed over several steps beside another
+/// sequence, and though a second identical request finds the first resident (it reuses nothing).
+#[test]
+fn prompt_logprobs_equal_a_one_shot_forward_pass() {
+    let seed = fresh_seed();
+    let model = Arc::new(tiny_model_seeded(VOCAB, CONTEXT, seed));
+    let cfg = EngineConfig { step_tokens: 32, ..EngineConfig::default() };
+    let engine = Engine::start(model.clone(), Arc::new(word_tokenizer(VOCAB)), CacheConfig::fp16(), cfg).unwrap();
+    let ps = prompts(seed, &[100, 30]);
+    let mut caches = CacheConfig::fp16().build(&model).unwrap();
+    let all = model.forward(&ps[0], &mut caches, Logits::All).unwrap().to_dtype(candle_core::DType::F32).unwrap();
+    let rows = all.to_vec2::<f32>().unwrap();
+    let plain = {
+        let (s, rx) = sink(usize::MAX);
+        engine.submit(greedy(ps[0].clone(), 5), s).unwrap();
+        text_of(&events(&rx))
+    };
+    for round in 0..2 {
+        let (s, rx) = sink(usize::MAX);
+        engine.submit(Request { prompt_logprobs: Some(2), ..greedy(ps[0].clone(), 5) }, s).unwrap();
+        let (other, orx) = sink(usize::MAX);
+        engine.submit(greedy(ps[1].clone(), 40), other).unwrap();
+        let ev = events(&rx);
+        assert!(matches!(events(&orx).last(), Some(Event::Done(_))));
+        let scored: Vec<(u32, Option<TokenLogprob>)> = ev
+            .iter()
+            .filter_map(|e| if let Event::PromptLogprob(t, l) = e { Some((*t, l.clone())) } else { None })
+            .collect();
+        let first_text = ev.iter().position(|e| matches!(e, Event::Text(_))).unwrap();
+        let last_scored = ev.iter().rposition(|e| matches!(e, Event::PromptLogprob(..))).unwrap();
+        assert!(last_scored < first_text, "round {round}: prompt entries come before the text");
+        assert_eq!(scored.iter().map(|s| s.0).collect::<Vec<_>>(), ps[0], "round {round}");
+        assert!(scored[0].1.is_none());
+        for (i, (t, lp)) in scored.iter().enumerate().skip(1) {
+            let want = TokenLogprob::of(&rows[i - 1], *t, 2);
+            let got = lp.as_ref().unwrap();
+            assert!(
+                (got.logprob - want.logprob).abs() < 1e-3,
+                "seed {seed} round {round} token {i}: {got:?} vs {want:?}"
+            );
+            assert_eq!(got.top.len(), 2);
+            assert!(got.top[0].1 >= got.top[1].1 && got.top[0].1 >= got.logprob - 1e-6);
+        }
+        assert_eq!(text_of(&ev), plain, "round {round}: scoring changes no output");
+    }
 }
