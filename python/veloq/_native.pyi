@@ -1,12 +1,18 @@
 """Type stubs of veloq's extension module (re-exported by ``veloq``)."""
 
 from os import PathLike
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union, final
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import TypedDict, Unpack
 
 __version__: str
+__all__ = [
+    "__version__", "VeloqError", "ModelError", "MethodError", "CalibrationError", "DeviceError",
+    "ContextOverflowError", "ShapeError", "ConfigError", "OutOfMemoryError", "Model", "Generation",
+    "Chat", "Result", "Calibration", "KvCache", "Server", "serve", "calibrate", "methods",
+]
 
 class VeloqError(Exception): ...
 class ModelError(VeloqError): ...
@@ -20,9 +26,22 @@ class OutOfMemoryError(VeloqError): ...
 
 _Path = Union[str, PathLike]
 
+class _Sampling(TypedDict, total=False):
+    """The sampling keywords of ``Model.generate`` and ``Chat.say`` (greedy by default)."""
+    max_tokens: int  # 128 for generate, 256 for say
+    temperature: float  # 0: greedy
+    top_p: Optional[float]
+    top_k: Optional[int]
+    min_p: Optional[float]
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: Optional[int]
+
 def methods(head_dim: int = 64) -> list[tuple[str, str]]:
     """The method names veloq knows, each with what it stores and at how many bits per element."""
 
+@final
 class Result:
     """What a generation produced."""
     text: str
@@ -36,6 +55,7 @@ class Result:
     @property
     def decode_tok_s(self) -> float: ...
 
+@final
 class Generation(Iterator[str]):
     """A streaming generation: iterate it for the text's pieces; ``result`` once exhausted."""
     def __iter__(self) -> "Generation": ...
@@ -45,22 +65,11 @@ class Generation(Iterator[str]):
     @property
     def tokens(self) -> list[int]: ...
 
+@final
 class Chat:
     """A conversation whose history stays in the cache."""
     def say(
-        self,
-        message: str,
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: Optional[float] = None,
-        top_k: Optional[int] = None,
-        min_p: Optional[float] = None,
-        repetition_penalty: float = 1.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        seed: Optional[int] = None,
-        on_text: Optional[Callable[[str], object]] = None,
+        self, message: str, *, on_text: Optional[Callable[[str], object]] = None, **sampling: Unpack[_Sampling]
     ) -> Result: ...
     def reset(self) -> None: ...
     @property
@@ -68,6 +77,7 @@ class Chat:
     @property
     def kv_resident_bytes(self) -> int: ...
 
+@final
 class Model:
     """A GGUF model opened with the caches of one method."""
     @staticmethod
@@ -91,20 +101,7 @@ class Model:
     def tokenize(self, text: str) -> list[int]: ...
     def detokenize(self, ids: Sequence[int]) -> str: ...
     def generate(
-        self,
-        prompt: str,
-        *,
-        max_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: Optional[float] = None,
-        top_k: Optional[int] = None,
-        min_p: Optional[float] = None,
-        repetition_penalty: float = 1.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        seed: Optional[int] = None,
-        chat: bool = True,
-        stream: bool = False,
+        self, prompt: str, *, chat: bool = True, stream: bool = False, **sampling: Unpack[_Sampling]
     ) -> Union[str, Generation]: ...
     def chat(self) -> Chat: ...
 
@@ -121,6 +118,7 @@ def calibrate(
 ) -> str:
     """Trains a VecInfer method's codebooks on the model's keys and values over ``text``."""
 
+@final
 class Server:
     """A running OpenAI-compatible server; a context manager that stops it on exit."""
     url: str
@@ -143,6 +141,7 @@ def serve(
     log: bool = False,
 ) -> Server: ...
 
+@final
 class Calibration:
     """A VecInfer calibration: every layer's key and value codecs."""
     @staticmethod
@@ -174,10 +173,11 @@ class Calibration:
     def quantize(self, layer: int, side: str, x: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]: ...
     def dequantize(self, layer: int, side: str, codes: npt.NDArray[np.uint8]) -> npt.NDArray[np.float32]: ...
 
+@final
 class KvCache:
     """veloq's KV cache for a model veloq does not run: codes per layer, attended by veloq's kernels."""
-    def __init__(
-        self,
+    def __new__(
+        cls,
         method: str = "vq-4",
         *,
         q_heads: int,
@@ -189,7 +189,7 @@ class KvCache:
         max_context: int = 8192,
         batch: int = 1,
         kernels: str = "auto",
-    ) -> None: ...
+    ) -> "KvCache": ...
     def attend(
         self,
         layer: int,
