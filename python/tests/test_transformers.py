@@ -76,14 +76,28 @@ def test_vq4_tracks_dynamic_cache_in_less_memory(hf, hf_cal):
     assert vt.kv_bytes(cache) < fp16_bytes / 3, (vt.kv_bytes(cache), fp16_bytes)
 
 
-def test_vq4_greedy_matches_dynamic_cache_for_the_first_tokens(hf, hf_cal):
+def test_vq4_chooses_dynamic_caches_tokens_wherever_the_choice_is_clear(hf, hf_cal):
+    # Teacher-forced over DynamicCache's greedy continuation: each step attends over the earlier
+    # positions as codes, and must pick the reference's token wherever the reference's top two
+    # logits are 0.5 apart (far beyond vq-4's logit error; closer calls may go either way, and a
+    # free-running comparison would end at the first of them).
     model, tok = hf
     ids = prompt_ids(tok, "List the days of the week.")
-    ref = model.generate(ids, max_new_tokens=16, do_sample=False, cache=transformers.DynamicCache())
-    got = model.generate(ids, max_new_tokens=16, do_sample=False, cache=vt.VeloqCache(model, hf_cal))
     n = ids.shape[1]
-    agree = int((ref[0, n:] == got[0, n:]).cumprod(0).sum())
-    assert agree >= 8, (agree, tok.decode(ref[0, n:]), tok.decode(got[0, n:]))
+    ref = model.generate(ids, max_new_tokens=16, do_sample=False, cache=transformers.DynamicCache(),
+                         output_scores=True, return_dict_in_generate=True)
+    seq = ref.sequences
+    cache = vt.VeloqCache(model, hf_cal)
+    compared = 0
+    with torch.no_grad():
+        logits = model(seq[:, :n], cache=cache).logits[0, -1]
+        for i, scores in enumerate(ref.scores):
+            top = scores[0].topk(2).values
+            if float(top[0] - top[1]) > 0.5:
+                assert int(logits.argmax()) == int(seq[0, n + i]), (i, tok.decode(seq[0, n:]))
+                compared += 1
+            logits = model(seq[:, n + i : n + i + 1], cache=cache).logits[0, -1]
+    assert compared >= 8, compared
 
 
 # The needle harness's prompt and scoring (crates/veloq-lab/src/needle.rs): the filler haystack,
