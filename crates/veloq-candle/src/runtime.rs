@@ -145,7 +145,7 @@ impl Loaded {
 
 /// Opens the GGUF model at `model` on `options.device` with its tokenizer, and configures the
 /// caches of `method` (a VecInfer method loads the calibration at `calibration`, which must have
-/// been made for this model and this method).
+/// been made for this model and this method; any other method refuses one rather than ignore it).
 pub fn load(model: &Path, method: &Method, calibration: Option<&Path>, options: &RunOptions) -> Result<Loaded> {
     let device = options.device.open(&options.cuda)?;
     let load = LoadOptions { max_context: options.max_context, dequantize: options.dequantize };
@@ -158,7 +158,10 @@ pub fn load(model: &Path, method: &Method, calibration: Option<&Path>, options: 
                 model.display()
             )))
         }
-        (false, _) => None,
+        (false, Some(path)) => {
+            return Err(Error::CalibrationMismatch(format!("{method} takes no calibration (given {})", path.display())))
+        }
+        (false, None) => None,
     };
     let cache = CacheConfig { kernels: options.kernels, ..CacheConfig::new(*method, cal)? };
     Ok(Loaded { runner: Runner::new(m, &options.cuda), tokenizer, cache })

@@ -292,9 +292,6 @@ impl KvCache {
                 )))
             }
         };
-        if method.needs_calibration() && cal.is_none() {
-            return Err(crate::errors::CalibrationError::new_err(format!("{method} needs a calibration")));
-        }
         if q_heads == 0 || !q_heads.is_multiple_of(identity.n_kv_heads) {
             return Err(ConfigError::new_err(format!(
                 "q_heads {q_heads} must be a multiple of kv_heads {}",

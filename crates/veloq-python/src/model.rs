@@ -60,15 +60,10 @@ impl Model {
         }
         let calibration = match (method.needs_calibration(), calibration) {
             (true, None) => Some(calibration_path(&crate::cache_dir(), &path, &method)),
-            (false, Some(c)) => {
-                return Err(crate::errors::CalibrationError::new_err(format!(
-                    "{method} takes no calibration (given {})",
-                    c.display()
-                )))
-            }
             (_, c) => c,
         };
-        if let Some(c) = calibration.as_ref().filter(|c| !c.exists()) {
+        // A method that takes none is refused one by `runtime::load`.
+        if let Some(c) = calibration.as_ref().filter(|c| method.needs_calibration() && !c.exists()) {
             return Err(crate::errors::CalibrationError::new_err(format!(
                 "no calibration for {method} at {} (make one with veloq.calibrate({:?}, method={:?}))",
                 c.display(),
