@@ -282,14 +282,15 @@ mod tests {
         ((-2.0 * u().ln()).sqrt() * (std::f64::consts::TAU * u()).cos()) as f32
     }
 
-    /// The expected squared score error after the stage, E_q[(q·(k − k̂'))²] over the training
-    /// rows, against the maths: unquantized, it is what the residual had less the top `rank`
+    /// The expected squared score error after the stage, E_q[(q·(k − k̂'))²] with queries and
+    /// key residuals from the training rows, against the maths: unquantized, it is what the residual had less the top `rank`
     /// eigenvalues of C^½ E[eeᵀ] C^½ (the best any rank-`rank` stage can do), and no other
     /// rank-`rank` stage (the top eigenvectors of C alone) does better; 8-bit coefficients come
     /// within 0.2% of the residual's error of it.
     #[test]
     fn the_stage_removes_the_top_of_the_score_error() {
-        let mut seed = crate::testing::fresh_seed() | 1;
+        let first = crate::testing::fresh_seed() | 1;
+        let mut seed = first;
         let (d, nkv, group, tokens, rank) = (8usize, 2usize, 3usize, 600usize, 3usize);
         // Queries of a few strong directions, residuals with their own anisotropy.
         let mixing: Vec<f32> = (0..d * d).map(|_| gaussian(&mut seed)).collect();
@@ -303,21 +304,21 @@ mod tests {
         let keys: Vec<f32> = (0..tokens * nkv * d).map(|_| gaussian(&mut seed) * 2.0).collect();
         let coded: Vec<f32> =
             keys.iter().enumerate().map(|(i, k)| k - gaussian(&mut seed) * (0.3 + (i % d) as f32 * 0.1)).collect();
+        // The score error as the stage's objective states it, E_q E_e[(q·e')²] = tr(C E[e'e'ᵀ]):
+        // queries and keys are drawn independently here, so pairing each key only with its own
+        // row's queries would add sampling noise of a few percent that no stage can remove.
+        let query_moment = |kv: usize| {
+            let qs = (0..tokens).flat_map(|t| (kv * group..(kv + 1) * group).map(move |h| (t * nkv * group + h) * d));
+            second_moment(qs.map(|o| &queries[o..o + d]), d)
+        };
         let err_after = |stage: &ScoreResidual| -> Vec<f64> {
             let mut fixed = coded.clone();
             stage.correct(&keys, &mut fixed);
+            let left: Vec<f32> = keys.iter().zip(&fixed).map(|(k, f)| k - f).collect();
             (0..nkv)
                 .map(|kv| {
-                    let mut s = 0.0f64;
-                    for t in 0..tokens {
-                        let e: Vec<f32> =
-                            (0..d).map(|j| keys[(t * nkv + kv) * d + j] - fixed[(t * nkv + kv) * d + j]).collect();
-                        for h in kv * group..(kv + 1) * group {
-                            let q = &queries[(t * nkv * group + h) * d..][..d];
-                            s += (q.iter().zip(&e).map(|(a, b)| a * b).sum::<f32>() as f64).powi(2);
-                        }
-                    }
-                    s / (tokens * group) as f64
+                    let e = second_moment((0..tokens).map(|t| &left[(t * nkv + kv) * d..][..d]), d);
+                    query_moment(kv).iter().zip(&e).map(|(c, e)| c * e).sum()
                 })
                 .collect()
         };
@@ -325,9 +326,8 @@ mod tests {
             ScoreResidual::train(&keys, &coded, &queries, Heads { q: nkv * group, kv: nkv, dim: d }, rank, 0).unwrap();
         let after = err_after(&exact);
         for kv in 0..nkv {
-            // The maths, from the same second moments (the ridge moves it by about 1e-3).
-            let qs = (0..tokens).flat_map(|t| (kv * group..(kv + 1) * group).map(move |h| (t * nkv * group + h) * d));
-            let c = second_moment(qs.map(|o| &queries[o..o + d]), d);
+            // The maths, from the same second moments (the ridge moves it by less than 1e-3).
+            let c = query_moment(kv);
             let err: Vec<f32> = keys.iter().zip(&coded).map(|(k, c)| k - c).collect();
             let e = second_moment((0..tokens).map(|t| &err[(t * nkv + kv) * d..][..d]), d);
             let (vals, vecs) = jacobi(&c, d);
@@ -343,23 +343,31 @@ mod tests {
             let before: f64 = ev.iter().sum();
             let best: f64 = ev[rank..].iter().sum();
             assert!(
-                (after[kv] - best).abs() <= 0.01 * before,
-                "kv {kv}: {} after the stage, the maths says {best} (of {before})",
+                (after[kv] - best).abs() <= 1e-3 * before,
+                "seed {first}, kv {kv}: {} after the stage, the maths says {best} (of {before})",
                 after[kv]
             );
-            assert!(after[kv] < 0.9 * before, "kv {kv}: the stage must remove the top of {before}, left {}", after[kv]);
+            assert!(
+                after[kv] < 0.9 * before,
+                "seed {first}, kv {kv}: the stage must remove the top of {before}, left {}",
+                after[kv]
+            );
         }
         // Any other rank-`rank` basis does no better: the top eigenvectors of C alone, c = Pᵀe.
         let mut plain = exact.clone();
         for (kv, h) in plain.heads.iter_mut().enumerate() {
-            let qs = (0..tokens).flat_map(|t| (kv * group..(kv + 1) * group).map(move |hh| (t * nkv * group + hh) * d));
-            let p = top_rows(&second_moment(qs.map(|o| &queries[o..o + d]), d), d, rank);
+            let p = top_rows(&query_moment(kv), d, rank);
             h.a = p.iter().flatten().map(|&x| x as f32).collect();
             h.b = h.a.clone();
         }
         let other = err_after(&plain);
         for kv in 0..nkv {
-            assert!(after[kv] <= other[kv] * 1.001 + 1e-9, "kv {kv}: optimal {} vs plain {}", after[kv], other[kv]);
+            assert!(
+                after[kv] <= other[kv] * 1.001 + 1e-9,
+                "seed {first}, kv {kv}: optimal {} vs plain {}",
+                after[kv],
+                other[kv]
+            );
         }
         let coarse = err_after(
             &ScoreResidual::train(&keys, &coded, &queries, Heads { q: nkv * group, kv: nkv, dim: d }, rank, 8).unwrap(),
@@ -373,7 +381,7 @@ mod tests {
             })[kv];
             assert!(
                 coarse[kv] <= after[kv] + 0.002 * before,
-                "kv {kv}: 8-bit {} vs exact {} (of {before})",
+                "seed {first}, kv {kv}: 8-bit {} vs exact {} (of {before})",
                 coarse[kv],
                 after[kv]
             );
