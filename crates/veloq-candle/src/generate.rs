@@ -8,7 +8,7 @@ use tokenizers::Tokenizer;
 use crate::cache::ModelCache;
 use crate::config::fp16_bytes;
 use crate::error::{Error, Result};
-use crate::model::{decode, encode, encode_parts, Logits, Model, Role};
+use crate::model::{decode, encode, encode_parts, Logits, Model, Role, Transcript};
 use crate::prefill::{prefill, DEFAULT_CHUNK};
 use crate::runner::Forward;
 use crate::sampling::{Sampler, SamplingOptions};
@@ -140,7 +140,13 @@ pub fn prompt_ids(model: &Model, tok: &Tokenizer, prompt: &str, chat: bool) -> R
 /// BOS when the model asks for one. Control tokens typed inside a message are text (see
 /// [`encode_parts`]).
 pub fn chat_ids(model: &Model, tok: &Tokenizer, messages: &[(Role, &str)]) -> Result<Vec<u32>> {
-    let mut ids = encode_parts(tok, &model.chat_template(tok).render_parts(messages, tok)?)?;
+    transcript_ids(model, tok, &Transcript::of(messages))
+}
+
+/// [`chat_ids`] of a transcript: tools, calls and their results as the file's template shows them
+/// (a written-out template takes plain messages only, see [`Template::takes_tools`](crate::model::Template::takes_tools)).
+pub fn transcript_ids(model: &Model, tok: &Tokenizer, transcript: &Transcript) -> Result<Vec<u32>> {
+    let mut ids = encode_parts(tok, &model.chat_template(tok).transcript_parts(transcript, tok)?)?;
     with_bos(model, &mut ids);
     Ok(ids)
 }

@@ -15,7 +15,7 @@ pub use decoder::{LoadOptions, Logits, Model};
 #[cfg(feature = "cuda")]
 pub(crate) use decoder::{Qkv, RopeRows};
 pub use jinja::{JinjaTemplate, Template};
-pub use template::{ChatTemplate, Part, Role};
+pub use template::{ChatTemplate, Part, Role, Transcript};
 pub use tokenizer::{decode, encode, encode_parts, load_tokenizer, word_tokenizer};
 pub use tokenizers::Tokenizer;
 

@@ -3,6 +3,7 @@
 //! reply. Which one a model takes: its vocabulary's markers, else its family's
 //! ([`Architecture::chat_template`](super::arch::Architecture::chat_template)).
 
+use serde_json::{json, Map, Value};
 use tokenizers::Tokenizer;
 
 /// Who said a message of a conversation.
@@ -14,6 +15,62 @@ pub enum Role {
     User,
     /// The model.
     Assistant,
+}
+
+impl Role {
+    /// The role's name in chat templates and OpenAI's API.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::System => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+        }
+    }
+}
+
+/// A conversation as OpenAI's API and Hugging Face's chat templates write it, for a template that
+/// reads more than (role, text) pairs.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Transcript {
+    /// JSON messages: `role`, `content` (text), and where they apply `tool_calls` (each with
+    /// `id`, `type` and `function` {`name`, `arguments` as an object}), `tool_call_id`, `name`.
+    pub messages: Vec<Value>,
+    /// The functions offered, as OpenAI's `tools` entries.
+    pub tools: Vec<Value>,
+    /// More template variables (`chat_template_kwargs`: `date_string`, `enable_thinking`…).
+    pub kwargs: Map<String, Value>,
+}
+
+impl Transcript {
+    /// Plain (role, text) messages.
+    pub fn of(messages: &[(Role, &str)]) -> Self {
+        let messages = messages.iter().map(|(r, c)| json!({"role": r.name(), "content": c})).collect();
+        Self { messages, ..Self::default() }
+    }
+
+    /// The messages as (role, text) pairs, when that is all there is: no tools, no calls, text
+    /// content, system, user and assistant roles only.
+    pub fn plain(&self) -> Option<Vec<(Role, &str)>> {
+        if !self.tools.is_empty() {
+            return None;
+        }
+        self.messages
+            .iter()
+            .map(|m| {
+                let m = m.as_object()?;
+                if m.keys().any(|k| k != "role" && k != "content") {
+                    return None;
+                }
+                let role = match m.get("role")?.as_str()? {
+                    "system" => Role::System,
+                    "user" => Role::User,
+                    "assistant" => Role::Assistant,
+                    _ => return None,
+                };
+                Some((role, m.get("content")?.as_str()?))
+            })
+            .collect()
+    }
 }
 
 /// A piece of a rendered conversation.
@@ -110,11 +167,7 @@ impl ChatTemplate {
         match self {
             ChatTemplate::ChatMl => {
                 for &(role, text) in messages {
-                    let role = match role {
-                        Role::System => "system",
-                        Role::User => "user",
-                        Role::Assistant => "assistant",
-                    };
+                    let role = role.name();
                     markup(&mut out, format!("<|im_start|>{role}\n"));
                     content(&mut out, text.to_string());
                     markup(&mut out, "<|im_end|>\n".into());

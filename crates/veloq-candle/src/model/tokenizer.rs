@@ -22,14 +22,39 @@ pub fn load_tokenizer(ct: &gguf_file::Content) -> Result<Tokenizer> {
     }
     let mut tok = Tokenizer::from_gguf(ct).map_err(|e| Error::Tokenizer(e.to_string()))?;
     let pre = ct.metadata.get("tokenizer.ggml.pre").and_then(|v| v.to_string().ok()).cloned().unwrap_or_default();
-    if pre == "smollm" {
-        let seq = Sequence::new(vec![
+    let pipeline = match pre.as_str() {
+        "smollm" => Some(Sequence::new(vec![
             PreTokenizerWrapper::Digits(Digits::new(true)),
             PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
-        ]);
+        ])),
+        "llama-bpe" => Some(split_then_bytes(LLAMA3_SPLIT)?),
+        "tekken" => Some(split_then_bytes(TEKKEN_SPLIT)?),
+        _ => None,
+    };
+    if let Some(seq) = pipeline {
         tok.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(seq)));
     }
     Ok(tok)
+}
+
+/// Llama 3's split (its tokenizer.json's, case-insensitive contractions spelled out), which
+/// llama.cpp names `llama-bpe` (candle knows it only as `llama3`).
+const LLAMA3_SPLIT: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Mistral's Tekken split (Mistral Nemo's tokenizer.json): words split at case changes, single
+/// digits.
+const TEKKEN_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A regex split, each piece kept, then bytes to GPT-2's alphabet (no prefix space).
+fn split_then_bytes(regex: &str) -> Result<Sequence> {
+    use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+    use tokenizers::SplitDelimiterBehavior;
+    let split = Split::new(SplitPattern::Regex(regex.into()), SplitDelimiterBehavior::Isolated, false)
+        .map_err(|e| Error::Tokenizer(e.to_string()))?;
+    Ok(Sequence::new(vec![
+        PreTokenizerWrapper::Split(split),
+        PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, false)),
+    ]))
 }
 
 /// A tokenizer for models without a vocabulary (random-weight geometries): token `i` is the word
