@@ -38,9 +38,13 @@ impl Server {
     fn start(args: &[&str]) -> Server {
         let model = cache_dir().join("smollm2-135m-instruct.q4_1.gguf");
         assert!(model.exists(), "{} missing: run scripts/fetch-data", model.display());
+        Self::start_model(&model, args)
+    }
+
+    fn start_model(model: &std::path::Path, args: &[&str]) -> Server {
         let mut child = veloq()
             .args(["serve", "--port", "0", "--max-context", "2048", "--model"])
-            .arg(&model)
+            .arg(model)
             .args(args)
             .stderr(Stdio::piped())
             .spawn()
@@ -620,4 +624,51 @@ fn a_request_timeout_ends_long_requests() {
     let bad = veloq().args(["serve", "--request-timeout=-1"]).output().unwrap();
     assert!(String::from_utf8_lossy(&bad.stderr).contains("not a positive number of seconds"));
     server.drained();
+}
+
+/// Tools in the family's own format, on the tiny random GGUFs that carry Llama 3.1's and Mistral
+/// Nemo's templates (`scripts/fixtures/chat_templates.py`): a tool loop sent as OpenAI clients send
+/// it (arguments as JSON text, `content: null`) becomes the prompt llama-server --jinja builds
+/// (its length; the ids themselves are checked in veloq-candle's `chat_templates`), and a forced
+/// call comes back parsed from the family's form (`{"name", "parameters"}`, `[{"name",
+/// "arguments"}]`) with an id Mistral's template takes back.
+#[test]
+fn tools_in_the_families_own_formats() {
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../veloq-candle/tests/fixtures");
+    for name in ["llama3-chat-tiny", "mistral-chat-tiny"] {
+        let s = Server::start_model(&fixtures.join(format!("{name}.gguf")), &["--method", "fp16"]);
+        let cases: Vec<Value> =
+            serde_json::from_slice(&std::fs::read(fixtures.join(format!("{name}.chat.json"))).unwrap()).unwrap();
+        let case = cases.iter().find(|c| c["name"] == "a tool loop").unwrap();
+        let mut messages = case["request"]["messages"].clone();
+        messages[1]["content"] = Value::Null;
+        let arguments = &mut messages[1]["tool_calls"][0]["function"]["arguments"];
+        *arguments = json!(arguments.to_string());
+        let body = json!({"messages": messages, "tools": case["request"]["tools"], "max_tokens": 1,
+                          "chat_template_kwargs": {"date_string": "26 Jul 2024"}});
+        let (status, r) = s.json("POST", "/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{name}: {r}");
+        assert_eq!(r["usage"]["prompt_tokens"], case["ids"].as_array().unwrap().len(), "{name}: {r}");
+
+        let unit = json!([{"type": "function", "function": {"name": "set_unit", "parameters": {"type": "object",
+            "properties": {"unit": {"type": "string", "enum": ["C", "F"]}}, "required": ["unit"],
+            "additionalProperties": false}}}]);
+        let body = json!({"messages": [{"role": "user", "content": "Use Celsius."}], "tools": unit,
+                          "tool_choice": "required", "max_tokens": 120, "temperature": 0});
+        let (status, r) = s.json("POST", "/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{name}: {r}");
+        let choice = &r["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{name}: {r}");
+        let call = &choice["message"]["tool_calls"][0];
+        assert_eq!(call["function"]["name"], "set_unit", "{name}: {r}");
+        let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert!(args["unit"] == "C" || args["unit"] == "F", "{name}: {args}");
+        let id = call["id"].as_str().unwrap();
+        assert!(id.len() == 9 && id.chars().all(|c| c.is_ascii_alphanumeric()), "{name}: {id}");
+        // The call goes back into the conversation with its result, and the template takes it.
+        let body = json!({"messages": [{"role": "user", "content": "Use Celsius."}, choice["message"],
+                          {"role": "tool", "tool_call_id": id, "content": "done"}], "tools": unit, "max_tokens": 1});
+        let (status, r) = s.json("POST", "/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{name}: {r}");
+    }
 }

@@ -10,8 +10,8 @@ use veloq_candle::engine::{Request, Summary};
 use veloq_candle::generate::Finish;
 use veloq_candle::grammar::Grammar;
 
-use crate::tools::{calls_text, response_text, Call, Tool, ToolChoice, Tools};
-use veloq_candle::model::Role;
+use crate::tools::{calls_text, response_text, Call, Tool, ToolChoice, ToolFormat, Tools};
+use veloq_candle::model::{Role, Transcript};
 
 /// An error as OpenAI's API returns it: a status and `{"error": {message, type, param, code}}`.
 #[derive(Debug, Clone, PartialEq)]
@@ -123,17 +123,16 @@ pub struct Message {
     pub content: Option<Content>,
     /// An assistant turn's calls (a tool loop resends them).
     pub tool_calls: Option<Vec<MessageCall>>,
-    /// A `tool` message's call; type-checked, not shown to the model (Hermes' format has none).
-    #[allow(dead_code)]
+    /// A `tool` message's call (shown to templates that take tools; Hermes' format has none).
     pub tool_call_id: Option<String>,
-    /// The speaker's or the function's name; type-checked, not shown to the model.
-    #[allow(dead_code)]
+    /// The speaker's or the function's name (shown to templates that take tools).
     pub name: Option<String>,
 }
 
 /// An entry of an assistant message's `tool_calls`.
 #[derive(Deserialize, Debug, Clone)]
 pub struct MessageCall {
+    pub id: Option<String>,
     pub function: Call,
 }
 
@@ -149,6 +148,8 @@ pub struct ChatRequest {
     pub tool_choice: Option<ToolChoice>,
     /// `false`: at most the first call of a reply is returned.
     pub parallel_tool_calls: Option<bool>,
+    /// Variables for the model's chat template (an extension llama.cpp's server and vLLM share).
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
 }
 
 /// OpenAI's `response_format`: free text, any JSON object, or JSON under a schema (always
@@ -236,6 +237,7 @@ pub const CHAT_FIELDS: &[&str] = &[
     "tool_choice",
     "parallel_tool_calls",
     "response_format",
+    "chat_template_kwargs",
 ];
 /// What text completions read besides.
 pub const COMPLETION_FIELDS: &[&str] = &["prompt", "echo", "suffix", "best_of"];
@@ -269,8 +271,52 @@ const MAX_TOP_LOGPROBS: u64 = 20;
 
 impl ChatRequest {
     /// The tools the request offers, unless it offers none or says `tool_choice: "none"`.
-    pub fn tools(&self) -> Result<Option<Tools>, ApiError> {
-        Tools::of(self.tools.as_deref(), self.tool_choice.as_ref())
+    pub fn tools(&self, format: ToolFormat) -> Result<Option<Tools>, ApiError> {
+        Tools::of(self.tools.as_deref(), self.tool_choice.as_ref(), format)
+    }
+
+    /// The conversation for the model's template: when it `takes_tools`, the messages, calls
+    /// (arguments as objects) and results as they are, with the tools offered; else plain
+    /// (role, text) messages with the tools in Hermes' markup ([`messages`](Self::messages)).
+    pub fn transcript(&self, tools: Option<&Tools>, takes_tools: bool) -> Result<Transcript, ApiError> {
+        let kwargs = self.chat_template_kwargs.clone().unwrap_or_default();
+        if !takes_tools {
+            let messages = self.messages(tools)?;
+            let m: Vec<(Role, &str)> = messages.iter().map(|(r, t)| (*r, t.as_str())).collect();
+            return Ok(Transcript { kwargs, ..Transcript::of(&m) });
+        }
+        let texts = self.plain_texts()?;
+        let messages = self
+            .messages
+            .iter()
+            .zip(texts)
+            .map(|(m, (role, text))| {
+                let mut v = serde_json::Map::new();
+                let role = if m.role == "tool" { "tool" } else { role.name() };
+                v.insert("role".into(), json!(role));
+                v.insert("content".into(), json!(text));
+                if let Some(calls) = m.tool_calls.as_ref().filter(|c| !c.is_empty()) {
+                    let calls: Vec<Value> = calls
+                        .iter()
+                        .map(|c| {
+                            let arguments = serde_json::from_str::<Value>(&c.function.arguments)
+                                .unwrap_or_else(|_| Value::String(c.function.arguments.clone()));
+                            json!({"id": c.id, "type": "function",
+                                   "function": {"name": c.function.name, "arguments": arguments}})
+                        })
+                        .collect();
+                    v.insert("tool_calls".into(), Value::Array(calls));
+                }
+                if let Some(id) = &m.tool_call_id {
+                    v.insert("tool_call_id".into(), json!(id));
+                }
+                if let Some(name) = &m.name {
+                    v.insert("name".into(), json!(name));
+                }
+                Value::Object(v)
+            })
+            .collect();
+        Ok(Transcript { messages, tools: tools.map(Tools::entries).unwrap_or_default(), kwargs })
     }
 
     /// What the completion must spell, if anything: a forced tool call, or the response format.
@@ -322,9 +368,6 @@ impl ChatRequest {
     /// The conversation as (role, text) messages, as the model reads it: `tools` offered in the
     /// system turn, assistant calls and tool results in Hermes' markup.
     pub fn messages(&self, tools: Option<&Tools>) -> Result<Vec<(Role, String)>, ApiError> {
-        if self.messages.is_empty() {
-            return Err(ApiError::invalid(Some("messages"), "messages must hold at least one message"));
-        }
         let mut out = self.message_texts()?;
         if let Some(t) = tools {
             match out.first_mut() {
@@ -335,7 +378,37 @@ impl ChatRequest {
         Ok(out)
     }
 
+    /// [`plain_texts`](Self::plain_texts) with calls and results in Hermes' markup.
     fn message_texts(&self) -> Result<Vec<(Role, String)>, ApiError> {
+        let texts = self.plain_texts()?;
+        Ok(self
+            .messages
+            .iter()
+            .zip(texts)
+            .map(|(m, (role, text))| {
+                let text = match (m.role.as_str(), &m.tool_calls) {
+                    ("tool", _) => response_text(&text),
+                    (_, Some(calls)) if !calls.is_empty() => {
+                        let calls: Vec<Call> = calls.iter().map(|c| c.function.clone()).collect();
+                        let calls = calls_text(&calls);
+                        if text.is_empty() {
+                            calls
+                        } else {
+                            format!("{text}\n{calls}")
+                        }
+                    }
+                    _ => text,
+                };
+                (role, text)
+            })
+            .collect())
+    }
+
+    /// Each message's role and text, as a template reads them (`tool` results as user turns).
+    fn plain_texts(&self) -> Result<Vec<(Role, String)>, ApiError> {
+        if self.messages.is_empty() {
+            return Err(ApiError::invalid(Some("messages"), "messages must hold at least one message"));
+        }
         self.messages
             .iter()
             .enumerate()
@@ -376,19 +449,6 @@ impl ChatRequest {
                         }
                         out
                     }
-                };
-                let text = match (m.role.as_str(), &m.tool_calls) {
-                    ("tool", _) => response_text(&text),
-                    (_, Some(calls)) if !calls.is_empty() => {
-                        let calls: Vec<Call> = calls.iter().map(|c| c.function.clone()).collect();
-                        let calls = calls_text(&calls);
-                        if text.is_empty() {
-                            calls
-                        } else {
-                            format!("{text}\n{calls}")
-                        }
-                    }
-                    _ => text,
                 };
                 Ok((role, text))
             })
@@ -692,14 +752,15 @@ impl Reply {
         })
     }
 
-    /// Calls as OpenAI lists them, each with an id unique to this response (streamed entries
-    /// also carry their place in the list).
+    /// Calls as OpenAI lists them (streamed entries also carry their place in the list), each
+    /// with an id unique to this response: nine letters and digits, the only ids Mistral's
+    /// template takes back.
     fn tool_calls(&self, choice: usize, calls: &[Call], streamed: bool) -> Vec<Value> {
         calls
             .iter()
             .enumerate()
             .map(|(k, c)| {
-                let mut v = json!({"id": format!("call-{}-{choice}-{k}", self.id), "type": "function",
+                let mut v = json!({"id": call_id(&format!("{}-{choice}-{k}", self.id)), "type": "function",
                                    "function": {"name": c.name, "arguments": c.arguments}});
                 if streamed {
                     v["index"] = json!(k);
@@ -767,6 +828,19 @@ impl Reply {
             (Kind::Completion, _) => "text_completion",
         }
     }
+}
+
+/// Nine letters and digits from `key` (FNV-1a, base 62).
+fn call_id(key: &str) -> String {
+    const DIGITS: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ";
+    let mut h = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    (0..9)
+        .map(|_| {
+            let d = DIGITS[(h % 62) as usize] as char;
+            h /= 62;
+            d
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -954,7 +1028,7 @@ mod tests {
             "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
         }))
         .unwrap();
-        let tools = c.tools().unwrap();
+        let tools = c.tools(ToolFormat::Hermes).unwrap();
         let m = c.messages(tools.as_ref()).unwrap();
         assert_eq!(m.len(), 4);
         assert!(m[0].1.starts_with("Be brief.\n\n# Tools") && m[0].1.contains("\"get_weather\""), "{}", m[0].1);
@@ -971,10 +1045,60 @@ mod tests {
         plain.messages.remove(0);
         assert_eq!(plain.messages(tools.as_ref()).unwrap()[0].0, Role::System);
         plain.tool_choice = Some(ToolChoice::Mode("none".into()));
-        assert!(plain.tools().unwrap().is_none());
+        assert!(plain.tools(ToolFormat::Hermes).unwrap().is_none());
         let bad: ChatRequest = serde_json::from_value(json!({"messages": [{"role": "user", "content": "x",
             "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]}))
         .unwrap();
         assert!(bad.messages(None).unwrap_err().message.contains("only assistant"));
+    }
+
+    /// A template that takes tools gets the messages as they are: calls with their ids and
+    /// arguments as objects, the `tool` role, the tools offered and `chat_template_kwargs`; one that
+    /// takes none gets plain messages in Hermes' markup. Call ids are nine letters and digits.
+    #[test]
+    fn a_tool_loop_goes_to_a_template_that_takes_tools_as_it_is() {
+        let c: ChatRequest = serde_json::from_value(json!({
+            "messages": [
+                {"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "call0A1b2", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"C\"}"}}]},
+                {"role": "tool", "tool_call_id": "call0A1b2", "name": "get_weather", "content": "18 C"}
+            ],
+            "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+            "chat_template_kwargs": {"date_string": "26 Jul 2024"}
+        }))
+        .unwrap();
+        let tools = c.tools(ToolFormat::Llama3).unwrap();
+        let t = c.transcript(tools.as_ref(), true).unwrap();
+        assert_eq!(t.kwargs["date_string"], "26 Jul 2024");
+        assert_eq!(t.messages[0], json!({"role": "system", "content": "Be brief."}));
+        assert_eq!(
+            t.messages[2],
+            json!({"role": "assistant", "content": "", "tool_calls": [{"id": "call0A1b2", "type": "function",
+                   "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}}]})
+        );
+        // Arguments keep the client's order (the template shows them as they are).
+        assert_eq!(
+            t.messages[2]["tool_calls"][0]["function"]["arguments"].to_string(),
+            r#"{"city":"Paris","unit":"C"}"#
+        );
+        assert_eq!(
+            t.messages[3],
+            json!({"role": "tool", "content": "18 C", "tool_call_id": "call0A1b2", "name": "get_weather"})
+        );
+        assert_eq!(
+            t.tools,
+            vec![json!({"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}})]
+        );
+        let hermes = c.transcript(tools.as_ref(), false).unwrap();
+        assert!(
+            hermes.tools.is_empty() && hermes.messages[3]["content"].as_str().unwrap().starts_with("<tool_response>")
+        );
+        let ids: Vec<String> = (0..3).map(|k| call_id(&format!("chatcmpl-1-0-{k}"))).collect();
+        assert!(ids.iter().all(|id| id.len() == 9 && id.chars().all(|c| c.is_ascii_alphanumeric())), "{ids:?}");
+        assert!(ids[0] != ids[1] && ids[1] != ids[2]);
     }
 }

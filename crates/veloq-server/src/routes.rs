@@ -21,7 +21,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use veloq_candle::engine::{Engine, Event, Rejected, Sink, Summary};
 use veloq_candle::generate::Finish;
-use veloq_candle::generate::{chat_ids, with_bos};
+use veloq_candle::generate::{transcript_ids, with_bos};
 use veloq_candle::model::{decode, encode, Tokenizer};
 use veloq_candle::Forward;
 
@@ -31,7 +31,7 @@ use crate::api::{
 };
 use crate::guard::{guard, Active, Gate, Guards, Waiting};
 use crate::metrics;
-use crate::tools::{Call, Tools};
+use crate::tools::{Call, ToolFormat, Tools};
 
 /// What every handler shares.
 pub(crate) struct App {
@@ -138,14 +138,11 @@ async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) 
     let (req, sampling): (ChatRequest, Sampling) = (from_body(&body)?, from_body(&body)?);
     check_fields(&body, CHAT_FIELDS)?;
     app.check_model(&sampling)?;
-    let tools = req.tools()?;
-    let messages = req.messages(tools.as_ref())?;
+    let template = app.model.model().chat_template(&app.tok);
+    let tools = req.tools(ToolFormat::of(&template))?;
+    let transcript = req.transcript(tools.as_ref(), template.takes_tools())?;
     let (model, tok) = (app.model.clone(), app.tok.clone());
-    let ids = tokenize(move || {
-        let m: Vec<_> = messages.iter().map(|(r, t)| (*r, t.as_str())).collect();
-        chat_ids(model.model(), &tok, &m).map_err(|e| e.to_string())
-    })
-    .await?;
+    let ids = tokenize(move || transcript_ids(model.model(), &tok, &transcript).map_err(|e| e.to_string())).await?;
     let room = app.engine.info().max_context.saturating_sub(ids.len());
     let default = app.default_max_tokens.map_or(room, |d| d.min(room));
     let logprobs = req.logprobs(&sampling)?;
@@ -524,7 +521,7 @@ impl Stream {
                         t
                     } else {
                         c.text.push_str(&t);
-                        if Tools::may_be_call(&c.text) {
+                        if self.calls.as_ref().is_some_and(|r| r.tools.may_be_call(&c.text)) {
                             continue;
                         }
                         c.flowing = true;

@@ -1,7 +1,9 @@
-//! OpenAI's tools in the Hermes format that Qwen 2.5, Hermes and many fine-tunes are trained on:
-//! the functions' signatures in the system turn, a call as
+//! OpenAI's tools, in the format of the model's family ([`ToolFormat`]): a template that takes
+//! tools (Llama 3.1, Mistral, Qwen 2.5…) is given them, the calls and the results as they are;
+//! for one that takes none, they are written in the Hermes format many fine-tunes are trained on
+//! (the functions' signatures in the system turn, a call as
 //! `<tool_call>{"name": …, "arguments": {…}}</tool_call>`, a result as a `<tool_response>` in a
-//! user turn. A reply that starts with a call is returned as `tool_calls`; `tool_choice:
+//! user turn). A reply that starts with a call is returned as `tool_calls`; `tool_choice:
 //! required` or a named function forces one call through the grammar, so its arguments always
 //! parse and match the function's parameters.
 
@@ -9,6 +11,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use veloq_candle::grammar::{compact, Grammar};
+use veloq_candle::model::Template;
 
 use crate::api::ApiError;
 
@@ -59,6 +62,37 @@ pub struct Call {
     pub arguments: String,
 }
 
+/// How a family writes a call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolFormat {
+    /// `<tool_call>{"name": …, "arguments": {…}}</tool_call>`, one block per call (Hermes, Qwen).
+    Hermes,
+    /// The reply is one `{"name": …, "parameters": {…}}` object (Llama 3.1's custom tools).
+    Llama3,
+    /// `[TOOL_CALLS]` (a control token, not in the text) then `[{"name": …, "arguments": {…}}, …]`
+    /// (Mistral).
+    Mistral,
+}
+
+impl ToolFormat {
+    /// The format the model's template shows calls in: Mistral's and Llama 3's by their markup,
+    /// else Hermes' (also what a template without tools is given).
+    pub fn of(template: &Template) -> Self {
+        match template {
+            Template::Jinja(j) if j.takes_tools() && j.source().contains("[TOOL_CALLS]") => ToolFormat::Mistral,
+            Template::Jinja(j) if j.takes_tools() && j.source().contains("<tool_call>") => ToolFormat::Hermes,
+            Template::Jinja(j)
+                if j.takes_tools()
+                    && j.source().contains("<|start_header_id|>")
+                    && j.source().contains("\"parameters\"") =>
+            {
+                ToolFormat::Llama3
+            }
+            _ => ToolFormat::Hermes,
+        }
+    }
+}
+
 /// What the model must or may do with the tools of one request.
 #[derive(Clone, Debug, PartialEq)]
 enum Mode {
@@ -74,12 +108,17 @@ enum Mode {
 pub struct Tools {
     functions: Vec<Function>,
     mode: Mode,
+    format: ToolFormat,
 }
 
 impl Tools {
     /// The request's tools, or `None` when it offers none or says `"none"`; a 400 naming the
     /// field for anything malformed.
-    pub fn of(tools: Option<&[Tool]>, choice: Option<&ToolChoice>) -> Result<Option<Self>, ApiError> {
+    pub fn of(
+        tools: Option<&[Tool]>,
+        choice: Option<&ToolChoice>,
+        format: ToolFormat,
+    ) -> Result<Option<Self>, ApiError> {
         let bad = |field: &'static str, why: String| ApiError::invalid(Some(field), why);
         let tools = tools.unwrap_or_default();
         let mut functions = Vec::with_capacity(tools.len());
@@ -137,11 +176,27 @@ impl Tools {
                 _ => Err(bad("tool_choice", "tool_choice asks for a call but tools is empty".into())),
             };
         }
-        Ok(Some(Self { functions, mode }))
+        Ok(Some(Self { functions, mode, format }))
     }
 
     fn parameters(f: &Function) -> Value {
         f.parameters.clone().unwrap_or_else(|| json!({"type": "object"}))
+    }
+
+    /// The functions as OpenAI's `tools` entries, for a template that takes them.
+    pub fn entries(&self) -> Vec<Value> {
+        self.functions
+            .iter()
+            .map(|f| {
+                let mut function = serde_json::Map::new();
+                function.insert("name".into(), json!(f.name));
+                if let Some(d) = &f.description {
+                    function.insert("description".into(), json!(d));
+                }
+                function.insert("parameters".into(), Self::parameters(f));
+                json!({"type": "function", "function": function})
+            })
+            .collect()
     }
 
     /// The system turn's text that offers the functions, in Hermes' words.
@@ -180,29 +235,70 @@ impl Tools {
                        "properties": {"name": {"const": f.name}, "arguments": Self::parameters(f)}})
             })
             .collect();
+        let arguments = match self.format {
+            ToolFormat::Llama3 => "parameters",
+            ToolFormat::Hermes | ToolFormat::Mistral => "arguments",
+        };
+        let calls: Vec<Value> = calls
+            .into_iter()
+            .map(|mut c| {
+                if arguments != "arguments" {
+                    c["required"] = json!(["name", arguments]);
+                    let a = c["properties"]["arguments"].take();
+                    let p = c["properties"].as_object_mut().expect("an object");
+                    p.remove("arguments");
+                    p.insert(arguments.into(), a);
+                }
+                c
+            })
+            .collect();
         let schema = compact(json!({"anyOf": calls}));
-        Some(Grammar::Lark(format!("start: \"{OPEN}\\n\" call \"\\n{CLOSE}\"\ncall: %json {schema}\n")))
+        Some(Grammar::Lark(match self.format {
+            ToolFormat::Hermes => format!("start: \"{OPEN}\\n\" call \"\\n{CLOSE}\"\ncall: %json {schema}\n"),
+            ToolFormat::Llama3 => format!("start: call\ncall: %json {schema}\n"),
+            ToolFormat::Mistral => format!("start: \"[\" call \"]\"\ncall: %json {schema}\n"),
+        }))
     }
 
-    /// The calls of a reply that starts with one (after white space): every well-formed
-    /// `<tool_call>` block naming one of the functions; `None` when the reply is text.
+    /// The calls of a reply that starts with one (after white space), in the format of the
+    /// family; `None` when the reply is text or names a function not offered.
     pub fn parse(&self, text: &str) -> Option<Vec<Call>> {
-        let mut rest = text.trim_start().strip_prefix(OPEN)?;
+        let text = text.trim_start();
+        let calls = match self.format {
+            ToolFormat::Hermes => Self::parse_hermes(text)?,
+            ToolFormat::Llama3 => {
+                let text = text.strip_prefix("<|python_tag|>").unwrap_or(text);
+                vec![Self::call(&serde_json::from_str(text.trim_end()).ok()?, "parameters")?]
+            }
+            ToolFormat::Mistral => {
+                let text = text.strip_prefix("[TOOL_CALLS]").unwrap_or(text);
+                let list: Vec<Value> = serde_json::from_str(text.trim_end()).ok()?;
+                list.iter().map(|v| Self::call(v, "arguments")).collect::<Option<Vec<_>>>()?
+            }
+        };
+        let known = calls.iter().all(|c| self.functions.iter().any(|f| f.name == c.name));
+        (known && !calls.is_empty()).then_some(calls)
+    }
+
+    /// A call object `{"name": …, <arguments>: {…} or "…"}`.
+    fn call(v: &Value, arguments: &str) -> Option<Call> {
+        let name = v.get("name")?.as_str()?;
+        let arguments = match v.get(arguments).or_else(|| v.get("arguments")) {
+            Some(Value::String(s)) => s.clone(),
+            Some(a @ Value::Object(_)) => a.to_string(),
+            None => "{}".to_string(),
+            Some(_) => return None,
+        };
+        Some(Call { name: name.to_string(), arguments })
+    }
+
+    /// Every well-formed `<tool_call>` block of a reply that starts with one.
+    fn parse_hermes(text: &str) -> Option<Vec<Call>> {
+        let mut rest = text.strip_prefix(OPEN)?;
         let mut calls = Vec::new();
         loop {
             let (body, after) = rest.split_once(CLOSE).unwrap_or((rest, ""));
-            let v: Value = serde_json::from_str(body.trim()).ok()?;
-            let name = v.get("name")?.as_str()?;
-            if !self.functions.iter().any(|f| f.name == name) {
-                return None;
-            }
-            let arguments = match v.get("arguments") {
-                Some(Value::String(s)) => s.clone(),
-                Some(a @ Value::Object(_)) => a.to_string(),
-                None => "{}".to_string(),
-                Some(_) => return None,
-            };
-            calls.push(Call { name: name.to_string(), arguments });
+            calls.push(Self::call(&serde_json::from_str(body.trim()).ok()?, "arguments")?);
             match after.trim_start().strip_prefix(OPEN) {
                 Some(next) => rest = next,
                 None => return Some(calls),
@@ -212,9 +308,14 @@ impl Tools {
 
     /// Whether a reply that begins with `text` may still turn out to be a call (a stream holds
     /// such text back until it knows).
-    pub fn may_be_call(text: &str) -> bool {
+    pub fn may_be_call(&self, text: &str) -> bool {
         let t = text.trim_start();
-        t.starts_with(OPEN) || OPEN.starts_with(t)
+        let opens = |open: &str| t.starts_with(open) || open.starts_with(t);
+        match self.format {
+            ToolFormat::Hermes => opens(OPEN),
+            ToolFormat::Llama3 => opens("{") || opens("<|python_tag|>"),
+            ToolFormat::Mistral => opens("[") || opens("[TOOL_CALLS]"),
+        }
     }
 }
 
@@ -247,7 +348,7 @@ mod tests {
         ]))
         .unwrap();
         let c: Option<ToolChoice> = serde_json::from_value(choice).unwrap();
-        Tools::of(Some(&t), c.as_ref())
+        Tools::of(Some(&t), c.as_ref(), ToolFormat::Hermes)
     }
 
     #[test]
@@ -267,11 +368,11 @@ mod tests {
             let e = tools(choice).unwrap_err();
             assert!(e.status == 400 && e.message.contains(says), "{e:?}");
         }
-        let e = Tools::of(Some(&[]), Some(&ToolChoice::Mode("required".into()))).unwrap_err();
+        let e = Tools::of(Some(&[]), Some(&ToolChoice::Mode("required".into())), ToolFormat::Hermes).unwrap_err();
         assert!(e.message.contains("tools is empty"), "{e:?}");
         let bad: Vec<Tool> =
             serde_json::from_value(json!([{"type": "function", "function": {"name": "a b"}}])).unwrap();
-        assert!(Tools::of(Some(&bad), None).unwrap_err().message.contains("function.name"));
+        assert!(Tools::of(Some(&bad), None, ToolFormat::Hermes).unwrap_err().message.contains("function.name"));
     }
 
     #[test]
@@ -292,8 +393,44 @@ mod tests {
         ] {
             assert_eq!(t.parse(text), None, "{text}");
         }
-        assert!(Tools::may_be_call(" <tool") && Tools::may_be_call("<tool_call>{\"na") && !Tools::may_be_call("Hi"));
+        assert!(t.may_be_call(" <tool") && t.may_be_call("<tool_call>{\"na") && !t.may_be_call("Hi"));
         // What the model is shown of its own earlier call parses back to the same call.
         assert_eq!(t.parse(&calls_text(&got)).unwrap(), got);
+    }
+
+    /// Llama 3's reply is one `{"name", "parameters"}` object, Mistral's a list after
+    /// `[TOOL_CALLS]`; a forced call's grammar spells each family's own form.
+    #[test]
+    fn llama3_and_mistral_calls() {
+        let of = |format| {
+            let t: Vec<Tool> = serde_json::from_value(json!([{"type": "function", "function": {"name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]))
+            .unwrap();
+            Tools::of(Some(&t), Some(&ToolChoice::Mode("required".into())), format).unwrap().unwrap()
+        };
+        let paris = vec![Call { name: "get_weather".into(), arguments: r#"{"city":"Paris"}"#.into() }];
+        let llama = of(ToolFormat::Llama3);
+        assert_eq!(llama.parse(r#" {"name": "get_weather", "parameters": {"city": "Paris"}}"#), Some(paris.clone()));
+        assert_eq!(
+            llama.parse(r#"<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}"#),
+            Some(paris.clone())
+        );
+        assert_eq!(llama.parse(r#"{"name": "launch", "parameters": {}}"#), None);
+        assert_eq!(llama.parse("It is sunny."), None);
+        assert!(llama.may_be_call(" {\"na") && !llama.may_be_call("It"));
+        let Some(Grammar::Lark(g)) = llama.grammar() else { panic!() };
+        assert!(g.starts_with("start: call\n") && g.contains("\"parameters\"") && !g.contains("\"arguments\""), "{g}");
+
+        let mistral = of(ToolFormat::Mistral);
+        let two = r#"[{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcdefghi"}, {"name": "get_weather", "arguments": "{\"city\":\"Rome\"}"}]"#;
+        let got = mistral.parse(two).unwrap();
+        assert_eq!((got.len(), &got[0]), (2, &paris[0]));
+        assert_eq!(got[1].arguments, r#"{"city":"Rome"}"#);
+        assert_eq!(mistral.parse(&format!("[TOOL_CALLS]{two}")).unwrap().len(), 2);
+        assert_eq!(mistral.parse("[1, 2]"), None);
+        assert_eq!(mistral.parse("[]"), None);
+        assert!(mistral.may_be_call("[{") && mistral.may_be_call("[TOOL") && !mistral.may_be_call("Sure"));
+        let Some(Grammar::Lark(g)) = mistral.grammar() else { panic!() };
+        assert!(g.starts_with("start: \"[\" call \"]\"") && g.contains("\"arguments\""), "{g}");
     }
 }
