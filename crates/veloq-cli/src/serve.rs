@@ -37,13 +37,15 @@ pub struct Args {
     /// that starts with it (its next turn, the same system prompt).
     #[arg(long)]
     pub no_prefix_cache: bool,
-    /// What admission reserves per request: `worst-case` (prompt + max_tokens up front, never
-    /// preempted) or `grow` (the prompt, then storage as it grows; the newest sequence is
-    /// preempted and resumed later when memory runs short).
-    #[arg(long, default_value_t = Reserve::WorstCase)]
+    /// What admission reserves per request: `auto` (a request that names max_tokens, its worst
+    /// case; a chat that names none, its prompt and 256 positions, then storage as it grows),
+    /// `worst-case` (prompt + max_tokens up front, never preempted) or `grow` (the prompt, then
+    /// storage as it grows). When memory runs short the newest growing sequence is preempted and
+    /// resumed later, exactly where it stopped.
+    #[arg(long, default_value_t = Reserve::Auto)]
     pub reserve: Reserve,
     /// Chat completions without max_tokens generate at most this many (default: the rest of the
-    /// context, as OpenAI does; the worst case is what admission reserves).
+    /// context, as OpenAI does).
     #[arg(long)]
     pub default_max_tokens: Option<usize>,
     /// Seconds a request may take, queued and running; then it ends with what it has generated

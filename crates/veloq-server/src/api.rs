@@ -467,6 +467,7 @@ impl Sampling {
         vocab: usize,
         logprobs: Option<usize>,
     ) -> Result<Request, ApiError> {
+        let open_ended = max_tokens.or(self.max_tokens).is_none();
         let max_tokens = match max_tokens.or(self.max_tokens) {
             Some(0) => return Err(ApiError::invalid(Some("max_tokens"), "max_tokens must be at least 1")),
             Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
@@ -519,6 +520,7 @@ impl Sampling {
         Ok(Request {
             prompt,
             max_tokens,
+            open_ended,
             sampling,
             logprobs,
             prompt_logprobs: None,

@@ -443,7 +443,7 @@ impl App {
     fn log(&self, r: &Reply, choice: usize, s: &Summary) {
         if self.log {
             eprintln!(
-                "{}#{choice} prompt {} (cached {}) completion {} finish {:?} queued {:.0} ms first token {:.0} ms total {:.0} ms",
+                "{}#{choice} prompt {} (cached {}) completion {} finish {:?} queued {:.0} ms first token {:.0} ms total {:.0} ms{}",
                 r.id,
                 s.prompt_tokens,
                 s.cached_tokens,
@@ -451,7 +451,11 @@ impl App {
                 s.finish,
                 s.queued.as_secs_f64() * 1e3,
                 s.first_token.as_secs_f64() * 1e3,
-                s.total.as_secs_f64() * 1e3
+                s.total.as_secs_f64() * 1e3,
+                match s.preemptions {
+                    0 => String::new(),
+                    n => format!(" preempted {n}×"),
+                }
             );
         }
     }

@@ -66,23 +66,34 @@ pub struct EngineConfig {
 /// What admission reserves of the KV budget for a request.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Reserve {
+    /// A request that states its `max_tokens` reserves its worst case; an open-ended one
+    /// ([`Request::open_ended`]: a chat without `max_tokens`, whose limit is the rest of the
+    /// context) reserves its prompt and [`OPEN_AHEAD`] positions, then grows as
+    /// [`Grow`](Self::Grow) does — so a server does not hold a whole context idle for every such
+    /// chat, and only open-ended sequences are ever preempted.
+    #[default]
+    Auto,
     /// Its worst case (prompt + `max_tokens` positions) up front: an admitted request always
     /// finishes without waiting again, and a request that may run long holds its memory idle.
-    #[default]
     WorstCase,
     /// Its prompt up front, then its storage as it grows; when the budget runs short the most
-    /// recently arrived sequence is preempted — its slot given up, its progress kept, and it
-    /// waits at the head of the queue to feed its prompt and output again (vLLM's recompute).
+    /// recently arrived growing sequence is preempted — its slot given up, its progress kept, and
+    /// it waits at the head of the queue to feed its prompt and output again (vLLM's recompute).
     Grow,
 }
+
+/// Positions an open-ended request reserves beyond its prompt under [`Reserve::Auto`]: most chat
+/// replies end within them.
+pub const OPEN_AHEAD: usize = 256;
 
 impl std::str::FromStr for Reserve {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s {
+            "auto" => Ok(Reserve::Auto),
             "worst-case" => Ok(Reserve::WorstCase),
             "grow" => Ok(Reserve::Grow),
-            _ => Err(format!("unknown reservation {s:?}: worst-case or grow")),
+            _ => Err(format!("unknown reservation {s:?}: auto, worst-case or grow")),
         }
     }
 }
@@ -90,6 +101,7 @@ impl std::str::FromStr for Reserve {
 impl std::fmt::Display for Reserve {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
+            Reserve::Auto => "auto",
             Reserve::WorstCase => "worst-case",
             Reserve::Grow => "grow",
         })
@@ -103,7 +115,7 @@ impl Default for EngineConfig {
             max_seqs: 64,
             step_tokens: DEFAULT_CHUNK,
             prefix_cache: true,
-            reserve: Reserve::WorstCase,
+            reserve: Reserve::Auto,
         }
     }
 }
@@ -115,6 +127,9 @@ pub struct Request {
     pub prompt: Vec<u32>,
     /// Tokens to generate at most.
     pub max_tokens: usize,
+    /// The client named no limit: `max_tokens` is the rest of the context, and under
+    /// [`Reserve::Auto`] the request reserves what it grows into instead of all of it.
+    pub open_ended: bool,
     /// How the next token is chosen (the request's own seeded sampler).
     pub sampling: SamplingOptions,
     /// Report each generated token's log-probability with this many most likely alternatives.
@@ -174,6 +189,8 @@ pub struct Summary {
     pub first_token: Duration,
     /// From submission to the end.
     pub total: Duration,
+    /// Times it was preempted (its memory given back, then fed again where it stopped).
+    pub preemptions: usize,
 }
 
 /// Where a request's events go.
@@ -278,6 +295,7 @@ struct Carry {
     cached: usize,
     admitted: Instant,
     first: Option<Instant>,
+    preemptions: usize,
 }
 
 /// A running engine: submit requests, read its stats. Dropping it stops the worker (running
@@ -449,6 +467,8 @@ struct Live {
     text: TextStream,
     admitted: Instant,
     first: Option<Instant>,
+    /// Times it was preempted so far.
+    preemptions: usize,
     /// Set once the request is over (its slot is freed after the step).
     done: Option<Outcome>,
     /// Prompt tokens whose log-probabilities were sent (requests that ask for them).
@@ -544,6 +564,7 @@ impl Worker {
                 queued: waited,
                 first_token: waited,
                 total: waited,
+                preemptions: j.carry.as_ref().map_or(0, |c| c.preemptions),
             }));
         }
         {
@@ -567,12 +588,15 @@ impl Worker {
         self.adm.push(job, bytes);
     }
 
-    /// What admission reserves for `job`: its worst case, or what its feed takes and one more.
+    /// What admission reserves for `job`: its worst case, or what its feed takes and one more
+    /// (open-ended requests under `Auto`: [`OPEN_AHEAD`] more).
     fn admission_bytes(&self, job: &Job) -> usize {
-        match self.reserve {
-            Reserve::WorstCase => job.need,
-            Reserve::Grow => self.info.sequence_bytes(job.feed.len() + 1).min(job.need),
-        }
+        let ahead = match (self.reserve, job.req.open_ended) {
+            (Reserve::WorstCase, _) | (Reserve::Auto, false) => return job.need,
+            (Reserve::Grow, _) => 1,
+            (Reserve::Auto, true) => OPEN_AHEAD,
+        };
+        self.info.sequence_bytes(job.feed.len() + ahead).min(job.need)
     }
 
     fn admit(&mut self) {
@@ -603,6 +627,7 @@ impl Worker {
                     cached,
                     admitted: Instant::now(),
                     first: None,
+                    preemptions: 0,
                 }
             });
             // A preempted request was told once; it only resumes.
@@ -620,6 +645,7 @@ impl Worker {
                 text: carry.text,
                 admitted: carry.admitted,
                 first: carry.first,
+                preemptions: carry.preemptions,
                 done,
                 scored: carry.scored,
                 scoring: None,
@@ -633,7 +659,7 @@ impl Worker {
 
     /// One forward pass over every live sequence, then their new tokens.
     fn step(&mut self) -> Result<()> {
-        if self.reserve == Reserve::Grow {
+        if self.reserve != Reserve::WorstCase {
             self.grow()?;
         }
         let progress: Vec<Progress> = self
@@ -861,6 +887,7 @@ impl Worker {
                 queued: l.admitted - l.job.arrived,
                 first_token: l.first.unwrap_or(now) - l.job.arrived,
                 total: now - l.job.arrived,
+                preemptions: l.preemptions,
             }));
         }
         if let Some(e) = broken {
@@ -885,7 +912,8 @@ impl Worker {
     }
 
     /// Grows the reservations of the sequences about to decode to what their next position takes,
-    /// preempting the most recently arrived sequences while the budget cannot hold them all.
+    /// preempting the most recently arrived growing sequences (those not holding their worst
+    /// case) while the budget cannot hold them all.
     fn grow(&mut self) -> Result<()> {
         loop {
             let extra: Vec<usize> = self
@@ -916,7 +944,8 @@ impl Worker {
                 // Alone, a request always fits: its worst case was checked at submission.
                 return Err(Error::Config("the KV budget cannot hold one sequence's next position".into()));
             }
-            let newest = (0..self.live.len()).max_by_key(|&i| self.live[i].job.arrived).expect("live");
+            let growing = (0..self.live.len()).filter(|&i| self.live[i].reserved < self.live[i].job.need);
+            let newest = growing.max_by_key(|&i| self.live[i].job.arrived).expect("a sequence that needs more grows");
             self.preempt(newest)?;
         }
     }
@@ -926,9 +955,9 @@ impl Worker {
     fn preempt(&mut self, i: usize) -> Result<()> {
         let l = self.live.remove(i);
         let given = self.give_back(&l);
-        let Live { mut job, out, sampler, text, cached, admitted, first, scored, .. } = l;
+        let Live { mut job, out, sampler, text, cached, admitted, first, scored, preemptions, .. } = l;
         job.feed = job.req.prompt.iter().chain(&out).copied().collect();
-        job.carry = Some(Carry { scored, out, sampler, text, cached, admitted, first });
+        job.carry = Some(Carry { scored, out, sampler, text, cached, admitted, first, preemptions: preemptions + 1 });
         let bytes = self.admission_bytes(&job);
         self.adm.push_front(job, bytes);
         self.ledger.lock().expect("ledger").stats.preempted += 1;

@@ -77,6 +77,7 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
     Request {
         prompt,
         max_tokens,
+        open_ended: false,
         sampling: SamplingOptions::greedy(),
         logprobs: None,
         prompt_logprobs: None,
@@ -479,6 +480,60 @@ fn growing_reservations_admit_more_and_preempted_sequences_resume_exactly() {
         let (Some(Event::Done(a)), Some(Event::Done(b))) = (w.last(), g.last()) else { panic!("seed {seed}") };
         assert_eq!((a.completion_tokens, b.completion_tokens, b.prompt_tokens), (560, 560, 40), "seed {seed}");
         greedy_along(&model, p, &tokens_of(g), seed);
+    }
+}
+
+/// `Auto`: a request that names its limit reserves its worst case and is never preempted; an
+/// open-ended one reserves its prompt and `OPEN_AHEAD` positions and grows, and gives way first —
+/// even to a newer request (under `Grow` the newest gives way, whatever it stated).
+#[test]
+fn open_ended_requests_grow_and_give_way_to_stated_ones() {
+    let seed = fresh_seed();
+    let tok = Arc::new(word_tokenizer(VOCAB));
+    let model = Arc::new(tiny_model_seeded(VOCAB, 1024, seed));
+    let probe = CacheConfig::fp16().build(&model).unwrap();
+    // Two open-ended chats (40 + up to 900) and a newer stated request (40 + 700) start together
+    // — the budget holds exactly what Auto reserves for the three — and run out of memory while
+    // all three decode.
+    let (open, stated) = (probe.sequence_bytes(40 + OPEN_AHEAD), probe.sequence_bytes(740));
+    let budget = probe.resident_bytes() + 2 * open + stated;
+    assert!(3 * stated > 2 * open + stated && probe.sequence_bytes(940) <= 2 * open + stated);
+    let ps = prompts(seed, &[40, 40, 40]);
+    let run = |reserve: Reserve| {
+        let cfg = EngineConfig { kv_budget: budget, reserve, step_tokens: 64, ..EngineConfig::default() };
+        let engine = Engine::start(model.clone(), tok.clone(), CacheConfig::fp16(), cfg).unwrap();
+        let rxs: Vec<_> = ps
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let (s, rx) = sink(usize::MAX);
+                let req = match i {
+                    2 => greedy(p.clone(), 700),
+                    _ => Request { open_ended: true, ..greedy(p.clone(), 900) },
+                };
+                engine.submit(req, s).unwrap();
+                std::thread::sleep(Duration::from_millis(5));
+                rx
+            })
+            .collect();
+        let outs: Vec<Vec<Event>> = rxs.iter().map(events).collect();
+        (outs, engine.stats())
+    };
+    let preemptions = |evs: &[Event]| match evs.last() {
+        Some(Event::Done(s)) => s.preemptions,
+        e => panic!("seed {seed}: {e:?}"),
+    };
+    let (auto, stats) = run(Reserve::Auto);
+    assert_eq!((stats.peak_running, stats.finished, stats.failed, stats.kv_reserved_bytes), (3, 3, 0, 0), "{stats:?}");
+    assert_eq!(preemptions(&auto[2]), 0, "seed {seed}: the stated request kept its memory");
+    assert!(preemptions(&auto[0]) + preemptions(&auto[1]) >= 1, "seed {seed}: {stats:?}");
+    for (p, evs) in ps.iter().zip(&auto) {
+        greedy_along(&model, p, &tokens_of(evs), seed);
+    }
+    let (grow, _) = run(Reserve::Grow);
+    assert!(preemptions(&grow[2]) >= 1, "seed {seed}: under Grow the newest gives way");
+    for ((a, g), n) in auto.iter().zip(&grow).zip([900, 900, 700]) {
+        assert_eq!((tokens_of(a).len(), tokens_of(a)), (n, tokens_of(g)), "seed {seed}");
     }
 }
 
