@@ -1,6 +1,7 @@
-//! The forward pass's weight matrices: candle's quantized matmul, except for Q4_1 weights on the
-//! CPU, which go to veloq's kernel (`veloq::kernels::cpu::q4_1`: candle has no SIMD path for
-//! Q4_1, and SmolLM2's common GGUF is Q4_1), and f16 weights on CUDA applied to a decode step's
+//! The forward pass's weight matrices: candle's quantized matmul, except for Q4_1 and Q8_0
+//! weights on the CPU, which go to veloq's kernel (`veloq::kernels::cpu::quant`: candle has no
+//! SIMD path for Q4_1, SmolLM2's common GGUF is Q4_1, and its Q8_0 output matrix ran on candle's
+//! one thread), and f16 weights on CUDA applied to a decode step's
 //! rows (1–8), which go to veloq's GEMV (`veloq::kernels::cuda::gemv_f16_many`: one launch, f32 in
 //! and out, where candle's path is cast, cuBLAS GEMM, cast). [`Linear::fused`] also folds the
 //! norms, RoPE, residual adds and gated MLP around a layer's products into them: an 8B layer is
@@ -11,14 +12,16 @@ use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul};
 use candle_core::{DType, Device, Module, Tensor};
+use veloq::kernels::cpu::quant::{self, Format};
 
 use super::source::Weight;
 use crate::error::Result;
 
 pub(crate) enum Linear {
     Candle(QMatMul),
-    /// `rows × cols` weights as Q4_1 blocks, row after row.
-    Q41 {
+    /// `rows × cols` weights as GGUF blocks, row after row, multiplied by veloq's CPU kernel.
+    Blocks {
+        format: Format,
         blocks: Vec<u8>,
         rows: usize,
         cols: usize,
@@ -47,15 +50,19 @@ impl Linear {
             _ if dequantize => return Ok(Linear::Candle(QMatMul::Tensor(q.dequantize(device)?))),
             _ => {}
         }
-        let own = device.is_cpu()
-            && q.dtype() == GgmlDType::Q4_1
-            && q.shape().rank() == 2
-            && q.shape().dims()[1].is_multiple_of(veloq::kernels::cpu::q4_1::BLOCK);
-        if !own {
-            return Ok(Linear::Candle(QMatMul::QTensor(Arc::new(q))));
+        let format = match q.dtype() {
+            GgmlDType::Q4_1 => Some(Format::Q4_1),
+            GgmlDType::Q8_0 => Some(Format::Q8_0),
+            _ => None,
+        };
+        let own = device.is_cpu() && q.shape().rank() == 2 && q.shape().dims()[1].is_multiple_of(quant::BLOCK);
+        match format {
+            Some(format) if own => {
+                let (rows, cols) = q.shape().dims2()?;
+                Ok(Linear::Blocks { format, blocks: q.data()?.into_owned(), rows, cols })
+            }
+            _ => Ok(Linear::Candle(QMatMul::QTensor(Arc::new(q)))),
         }
-        let (rows, cols) = q.shape().dims2()?;
-        Ok(Linear::Q41 { blocks: q.data()?.into_owned(), rows, cols })
     }
 
     /// Bytes of the weights as stored (what one pass over them reads).
@@ -63,7 +70,7 @@ impl Linear {
         match self {
             Linear::Candle(QMatMul::QTensor(q)) => q.storage_size_in_bytes(),
             Linear::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => t.elem_count() * t.dtype().size_in_bytes(),
-            Linear::Q41 { blocks, .. } => blocks.len(),
+            Linear::Blocks { blocks, .. } => blocks.len(),
         }
     }
 }
@@ -132,16 +139,16 @@ impl Module for Linear {
             #[cfg(feature = "cuda")]
             Linear::Candle(QMatMul::TensorF16(w)) if gemv::applies(x, w) => gemv::forward(x, w),
             Linear::Candle(q) => q.forward(x),
-            Linear::Q41 { blocks, rows, cols } => {
+            Linear::Blocks { format, blocks, rows, cols } => {
                 let mut dims = x.dims().to_vec();
                 let k = dims.pop().unwrap_or(0);
                 if k != *cols {
-                    candle_core::bail!("Q4_1 weights [{rows}, {cols}] applied to activations {:?}", x.shape());
+                    candle_core::bail!("{format:?} weights [{rows}, {cols}] applied to activations {:?}", x.shape());
                 }
                 let n = x.elem_count() / k.max(1);
                 let xs = x.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
                 let mut out = vec![0f32; n * rows];
-                veloq::kernels::cpu::q4_1::matmul(&xs, n, k, blocks, *rows, &mut out)
+                quant::matmul(*format, &xs, n, k, blocks, *rows, &mut out)
                     .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
                 dims.push(*rows);
                 Tensor::from_vec(out, dims, x.device())

@@ -2,4 +2,4 @@
 
 pub mod attention;
 pub mod gemm;
-pub mod q4_1;
+pub mod quant;
