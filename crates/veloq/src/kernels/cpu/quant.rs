@@ -303,14 +303,14 @@ mod avx2 {
                 let v = _mm_loadl_epi64(b.add(2 + 8 * j) as *const __m128i);
                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))
             });
-            for i in 0..rows {
+            for (i, t) in total[..rows].iter_mut().enumerate() {
                 // SAFETY: token i's block bi is x[i·k + bi·32 ..][..32], inside x (checked above).
                 let xp = x.as_ptr().add(i * k + bi * BLOCK);
                 let mut s = _mm256_mul_ps(q[0], _mm256_loadu_ps(xp));
                 s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xp.add(8)), s);
                 s = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xp.add(16)), s);
                 s = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xp.add(24)), s);
-                total[i] = _mm256_fmadd_ps(d, s, total[i]);
+                *t = _mm256_fmadd_ps(d, s, *t);
             }
         }
         for (a, t) in acc.iter_mut().zip(total) {
