@@ -1,13 +1,14 @@
-//! A multi-turn conversation whose history lives in the caches: each turn feeds only its own new
-//! tokens (a follow-up turn appended after positions are already codes), never the whole
-//! conversation again.
+//! A multi-turn conversation whose history lives in the caches: each turn renders the whole
+//! conversation in the model's own chat template (the file's Jinja, else its family's) and feeds
+//! only what the caches do not already hold — the new turn, where the template renders earlier
+//! turns as they were fed — never the whole conversation again.
 
 use tokenizers::Tokenizer;
 
 use crate::cache::ModelCache;
 use crate::error::{Error, Result};
-use crate::generate::{generate_ids, prompt_ids, Event, Finish, GenerateOptions, GenerateOutput};
-use crate::model::{encode, ChatTemplate};
+use crate::generate::{chat_ids, generate_ids, Event, GenerateOptions, GenerateOutput};
+use crate::model::Role;
 use crate::runner::Forward;
 
 /// A conversation with a model, in slot 0 of its caches.
@@ -22,19 +23,17 @@ pub struct Chat<'m> {
 /// between turns (the Python binding).
 pub struct Conversation {
     caches: ModelCache,
-    template: ChatTemplate,
-    /// Tokens of the conversation not yet in the caches: the reply's last token (generation does
-    /// not feed it) and whatever closes the reply.
-    unfed: Vec<u32>,
-    /// Every token of the conversation, fed or not (what a single feed would see).
+    messages: Vec<(Role, String)>,
+    /// The tokens the caches hold, in order.
+    fed: Vec<u32>,
+    /// Every token of the conversation: what was fed for the last turn and the reply generated.
     history: Vec<u32>,
 }
 
 impl<'m> Chat<'m> {
     /// A new conversation in the model's chat template (raw text when it has none).
     pub fn new(model: &'m dyn Forward, tok: &'m Tokenizer, caches: ModelCache) -> Self {
-        let template = model.model().info.arch.chat_template(tok);
-        Self { model, tok, c: Conversation { caches, template, unfed: Vec::new(), history: Vec::new() } }
+        Self { model, tok, c: Conversation { caches, messages: Vec::new(), fed: Vec::new(), history: Vec::new() } }
     }
 
     /// Continues a conversation on the model it was started with.
@@ -55,42 +54,53 @@ impl<'m> Chat<'m> {
         opts: &GenerateOptions,
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<GenerateOutput> {
-        let fed = self.c.caches.len(0);
-        let mut ids = self.c.unfed.clone();
-        if self.c.history.is_empty() {
-            ids.extend(prompt_ids(self.model.model(), self.tok, user, true)?);
-        } else {
-            ids.extend(encode(self.tok, &self.c.template.turn(user))?);
-        }
-        let need = fed + ids.len() + 1;
+        let mut messages: Vec<(Role, &str)> = self.c.messages.iter().map(|(r, t)| (*r, t.as_str())).collect();
+        messages.push((Role::User, user));
+        let ids = chat_ids(self.model.model(), self.tok, &messages)?;
+        let need = ids.len() + 1;
         let max = self.model.model().max_context();
         if need > max {
             return Err(Error::ContextOverflow { requested: need, max });
         }
-        let out = generate_ids(self.model, self.tok, &mut self.c.caches, &ids, opts, on_event).inspect_err(|_| {
-            let _ = self.c.caches.truncate(0, fed);
-        })?;
-        // The carried tokens (the last reply's end) are in the history already.
-        self.c.history.extend(&ids[self.c.unfed.len()..]);
+        // What the caches hold and the new rendering share stays; the rest is fed.
+        let keep = self.c.fed.iter().zip(&ids).take_while(|(a, b)| a == b).count();
+        if keep < self.c.fed.len() {
+            self.c.caches.truncate(0, keep)?;
+            self.c.fed.truncate(keep);
+        }
+        let out =
+            generate_ids(self.model, self.tok, &mut self.c.caches, &ids[keep..], opts, on_event).inspect_err(|_| {
+                let _ = self.c.caches.truncate(0, keep);
+            })?;
+        // The reply's last token is not fed yet (nothing attends to it): the next turn's
+        // rendering decides what follows it.
+        self.c.fed = ids.clone();
+        self.c.fed.extend(&out.tokens[..out.tokens.len() - 1]);
+        self.c.history = ids;
         self.c.history.extend(&out.tokens);
-        let last = *out.tokens.last().expect("generation yields at least one token");
-        self.c.unfed = vec![last];
-        self.c.unfed.extend(encode(self.tok, self.c.template.close_reply(out.finish == Finish::Stop))?);
-        self.c.history.extend(&self.c.unfed[1..]);
+        self.c.messages.push((Role::User, user.to_string()));
+        self.c.messages.push((Role::Assistant, out.text.clone()));
         Ok(out)
     }
 
     /// Forgets the conversation (frees the caches' positions).
     pub fn reset(&mut self) -> Result<()> {
         self.c.caches.truncate(0, 0)?;
-        self.c.unfed.clear();
+        self.c.messages.clear();
+        self.c.fed.clear();
         self.c.history.clear();
         Ok(())
     }
 
-    /// Every token of the conversation so far, in order, including those not yet fed.
+    /// Every token of the conversation so far, in order: the last turn as fed and the reply
+    /// generated after it.
     pub fn history(&self) -> &[u32] {
         &self.c.history
+    }
+
+    /// The conversation's messages so far.
+    pub fn messages(&self) -> &[(Role, String)] {
+        &self.c.messages
     }
 
     /// The caches holding the conversation.

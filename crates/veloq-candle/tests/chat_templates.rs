@@ -54,3 +54,41 @@ fn smollm2_prompts_match_llama_server() {
     assert!(gguf.exists(), "{} is missing: run scripts/fetch-data", gguf.display());
     matches_llama_server("smollm2", &gguf);
 }
+
+/// `Chat` renders every turn in the file's own template (Llama 3.1's system header and all) and
+/// feeds only what the caches do not hold: the second turn's prompt is the whole conversation as
+/// the template renders it, of which the caches already held at least the first turn (the random
+/// model's reply, bytes that are not UTF-8, does not come back as the same tokens; SmolLM2's
+/// does, `smollm2.rs`).
+#[test]
+fn chat_turns_follow_the_files_template_and_feed_only_the_new_turn() {
+    use veloq_candle::chat::Chat;
+    use veloq_candle::config::CacheConfig;
+    use veloq_candle::generate::{chat_ids, GenerateOptions};
+    use veloq_candle::model::Role;
+    use veloq_candle::sampling::SamplingOptions;
+
+    let (model, tok) = Model::open(&fixture::path("llama3-chat-tiny", "gguf"), 1024).unwrap();
+    let opts = GenerateOptions { max_tokens: 6, sampling: SamplingOptions::greedy(), ..GenerateOptions::default() };
+    let mut chat = Chat::new(&model, &tok, CacheConfig::fp16().build(&model).unwrap());
+    let first = chat.say("Name a river.", &opts, &mut |_| {}).unwrap();
+    let reply = first.text.clone();
+    let second = chat.say("And a lake?", &opts, &mut |_| {}).unwrap();
+    let whole = chat_ids(
+        &model,
+        &tok,
+        &[(Role::User, "Name a river."), (Role::Assistant, &reply), (Role::User, "And a lake?")],
+    )
+    .unwrap();
+    assert_eq!(&chat.history()[..whole.len()], &whole[..], "the second turn's prompt is the file's rendering");
+    assert!(tok.decode(&whole, false).unwrap().contains("Cutting Knowledge Date"), "Llama 3.1's own system header");
+    assert!(
+        second.prompt_tokens <= whole.len() - first.prompt_tokens,
+        "fed {} of {} (the first turn held {})",
+        second.prompt_tokens,
+        whole.len(),
+        first.prompt_tokens
+    );
+    assert_eq!(chat.caches().len(0), whole.len() + second.tokens.len() - 1);
+    assert_eq!(chat.messages().len(), 4);
+}

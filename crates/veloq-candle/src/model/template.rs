@@ -220,28 +220,10 @@ impl ChatTemplate {
 
     /// Where a message of `role` begins (Llama 3 and Phi-3).
     fn message_start(self, role: Role) -> String {
-        let name = match role {
-            Role::System => "system",
-            Role::User => "user",
-            Role::Assistant => "assistant",
-        };
+        let name = role.name();
         match self {
             ChatTemplate::Llama3 => format!("<|start_header_id|>{name}<|end_header_id|>\n\n"),
             _ => format!("<|{name}|>\n"),
-        }
-    }
-
-    /// What closes a reply before the next turn: the end-of-turn marker when the reply did not
-    /// produce one itself (`ended` false: cut by a token limit), then the newline between turns.
-    pub fn close_reply(self, ended: bool) -> &'static str {
-        match (self, ended) {
-            (ChatTemplate::ChatMl, false) => "<|im_end|>\n",
-            (ChatTemplate::Gemma, false) => "<end_of_turn>\n",
-            (ChatTemplate::Llama3, false) => "<|eot_id|>",
-            (ChatTemplate::Llama3, true) => "",
-            (ChatTemplate::Phi3, false) => "<|end|>\n",
-            (ChatTemplate::Raw, _) => "",
-            (_, true) => "\n",
         }
     }
 }
@@ -276,9 +258,5 @@ mod tests {
             ChatTemplate::Phi3.render(&talk),
             "<|system|>\nBe brief.<|end|>\n<|user|>\nhi<|end|>\n<|assistant|>\nhello<|end|>\n<|user|>\nwhy?<|end|>\n<|assistant|>\n"
         );
-        // A reply cut short gets its end marker; one that ended has it already.
-        assert_eq!(ChatTemplate::Llama3.close_reply(false), "<|eot_id|>");
-        assert_eq!(ChatTemplate::Llama3.close_reply(true), "");
-        assert_eq!(ChatTemplate::Phi3.close_reply(false), "<|end|>\n");
     }
 }
