@@ -136,8 +136,13 @@ impl Run {
     /// Loads the model with its tokenizer and configures its caches.
     pub fn load(&self) -> Result<Loaded> {
         let model = self.files.model();
-        let cal = self.method.needs_calibration().then(|| self.files.calibration(&self.method));
-        if let Some(c) = cal.as_ref().filter(|c| !c.exists()) {
+        // A calibration given for a method that takes none goes to the library, which refuses it
+        // by name rather than dropping it.
+        let cal = match &self.files.calibration {
+            Some(given) => Some(given.clone()),
+            None => self.method.needs_calibration().then(|| self.files.calibration(&self.method)),
+        };
+        if let Some(c) = cal.as_ref().filter(|c| self.method.needs_calibration() && !c.exists()) {
             anyhow::bail!(
                 "no calibration for {} at {} (make one with `veloq calibrate --model {} --method {}`)",
                 self.method,

@@ -672,3 +672,27 @@ fn tools_in_the_families_own_formats() {
         assert_eq!(status, 200, "{name}: {r}");
     }
 }
+
+/// A `--calibration` given for a method that takes none is refused by name, not dropped.
+#[test]
+fn a_calibration_for_a_method_that_takes_none_is_refused() {
+    let model = cache_dir().join("smollm2-135m-instruct.q4_1.gguf");
+    let out = veloq()
+        .args([
+            "generate",
+            "--method",
+            "kivi-4",
+            "--max-tokens",
+            "1",
+            "--prompt",
+            "hi",
+            "--calibration",
+            "any.safetensors",
+            "--model",
+        ])
+        .arg(&model)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("kivi-4 takes no calibration"), "{err}");
+}
