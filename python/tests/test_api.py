@@ -115,3 +115,11 @@ def test_the_server_answers_the_openai_client_as_generate_does(model):
     assert not server.running
     with pytest.raises(veloq.ConfigError):
         veloq.serve(model, port=0, kv_budget="lots")
+    with pytest.raises(veloq.ConfigError, match="auto, worst-case or grow"):
+        veloq.serve(model, port=0, reserve="sometimes")
+    with veloq.serve(model, port=0, kv_budget="64MiB", reserve="worst-case", prefix_cache=False) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        again = client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": "Name three colours."}], max_tokens=24, temperature=0
+        )
+        assert again.choices[0].message.content == reply.choices[0].message.content

@@ -137,6 +137,8 @@ def serve(
     name: Optional[str] = None,
     kv_budget: Union[int, str, None] = None,
     max_seqs: Optional[int] = None,
+    reserve: Optional[str] = None,
+    prefix_cache: bool = True,
     default_max_tokens: Optional[int] = None,
     log: bool = False,
 ) -> Server: ...

@@ -36,9 +36,11 @@ fn bytes(v: &Bound<'_, PyAny>) -> PyResult<usize> {
 
 /// Starts `veloq serve` for `model` at `host:port` (0: any free port) and returns at once.
 /// `kv_budget` bounds the caches' bytes (admission by KV memory), `max_seqs` the sequences decoded
-/// together; `default_max_tokens` caps requests that send none.
+/// together, `reserve` what admission holds per request (`auto`, `worst-case`, `grow`: the CLI's
+/// `--reserve`), `prefix_cache` keeps finished conversations resident; `default_max_tokens` caps
+/// requests that send none.
 #[pyfunction]
-#[pyo3(signature = (model, *, host = "127.0.0.1", port = 8080, name = None, kv_budget = None, max_seqs = None, default_max_tokens = None, log = false))]
+#[pyo3(signature = (model, *, host = "127.0.0.1", port = 8080, name = None, kv_budget = None, max_seqs = None, reserve = None, prefix_cache = true, default_max_tokens = None, log = false))]
 #[allow(clippy::too_many_arguments)]
 pub fn serve(
     py: Python<'_>,
@@ -48,11 +50,16 @@ pub fn serve(
     name: Option<String>,
     kv_budget: Option<Bound<'_, PyAny>>,
     max_seqs: Option<usize>,
+    reserve: Option<&str>,
+    prefix_cache: bool,
     default_max_tokens: Option<usize>,
     log: bool,
 ) -> PyResult<Server> {
     let m = model.get();
-    let mut engine = EngineConfig::default();
+    let mut engine = EngineConfig { prefix_cache, ..EngineConfig::default() };
+    if let Some(r) = reserve {
+        engine.reserve = r.parse().map_err(|e: String| ConfigError::new_err(format!("reserve: {e}")))?;
+    }
     if let Some(b) = kv_budget {
         engine.kv_budget = bytes(&b)?;
     }
