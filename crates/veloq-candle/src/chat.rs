@@ -24,16 +24,15 @@ pub struct Chat<'m> {
 pub struct Conversation {
     caches: ModelCache,
     messages: Vec<(Role, String)>,
-    /// The tokens the caches hold, in order.
-    fed: Vec<u32>,
     /// Every token of the conversation: what was fed for the last turn and the reply generated.
+    /// The caches hold its first `caches.len(0)` (the reply's last token is not fed).
     history: Vec<u32>,
 }
 
 impl<'m> Chat<'m> {
     /// A new conversation in the model's chat template (raw text when it has none).
     pub fn new(model: &'m dyn Forward, tok: &'m Tokenizer, caches: ModelCache) -> Self {
-        Self { model, tok, c: Conversation { caches, messages: Vec::new(), fed: Vec::new(), history: Vec::new() } }
+        Self { model, tok, c: Conversation { caches, messages: Vec::new(), history: Vec::new() } }
     }
 
     /// Continues a conversation on the model it was started with.
@@ -63,19 +62,17 @@ impl<'m> Chat<'m> {
             return Err(Error::ContextOverflow { requested: need, max });
         }
         // What the caches hold and the new rendering share stays; the rest is fed.
-        let keep = self.c.fed.iter().zip(&ids).take_while(|(a, b)| a == b).count();
-        if keep < self.c.fed.len() {
+        let held = &self.c.history[..self.c.caches.len(0)];
+        let keep = held.iter().zip(&ids).take_while(|(a, b)| a == b).count();
+        if keep < held.len() {
             self.c.caches.truncate(0, keep)?;
-            self.c.fed.truncate(keep);
         }
         let out =
             generate_ids(self.model, self.tok, &mut self.c.caches, &ids[keep..], opts, on_event).inspect_err(|_| {
                 let _ = self.c.caches.truncate(0, keep);
             })?;
-        // The reply's last token is not fed yet (nothing attends to it): the next turn's
+        // The reply's last token is not fed (nothing attends to it yet): the next turn's
         // rendering decides what follows it.
-        self.c.fed = ids.clone();
-        self.c.fed.extend(&out.tokens[..out.tokens.len() - 1]);
         self.c.history = ids;
         self.c.history.extend(&out.tokens);
         self.c.messages.push((Role::User, user.to_string()));
@@ -87,7 +84,6 @@ impl<'m> Chat<'m> {
     pub fn reset(&mut self) -> Result<()> {
         self.c.caches.truncate(0, 0)?;
         self.c.messages.clear();
-        self.c.fed.clear();
         self.c.history.clear();
         Ok(())
     }

@@ -11,7 +11,7 @@ use veloq_candle::generate::Finish;
 use veloq_candle::grammar::Grammar;
 
 use crate::tools::{calls_text, response_text, Call, Tool, ToolChoice, ToolFormat, Tools};
-use veloq_candle::model::{Role, Transcript};
+use veloq_candle::model::{Role, Template, Transcript};
 
 /// An error as OpenAI's API returns it: a status and `{"error": {message, type, param, code}}`.
 #[derive(Debug, Clone, PartialEq)]
@@ -278,9 +278,16 @@ impl ChatRequest {
     /// The conversation for the model's template: when it `takes_tools`, the messages, calls
     /// (arguments as objects) and results as they are, with the tools offered; else plain
     /// (role, text) messages with the tools in Hermes' markup ([`messages`](Self::messages)).
-    pub fn transcript(&self, tools: Option<&Tools>, takes_tools: bool) -> Result<Transcript, ApiError> {
+    /// `chat_template_kwargs` needs the file's own template (a written-out one has no variables).
+    pub fn transcript(&self, tools: Option<&Tools>, template: &Template) -> Result<Transcript, ApiError> {
         let kwargs = self.chat_template_kwargs.clone().unwrap_or_default();
-        if !takes_tools {
+        if !kwargs.is_empty() && matches!(template, Template::Builtin(_)) {
+            return Err(ApiError::invalid(
+                Some("chat_template_kwargs"),
+                "this model's file has no chat template of its own (its family's is written out), so it takes no template variables",
+            ));
+        }
+        if !template.takes_tools() {
             let messages = self.messages(tools)?;
             let m: Vec<(Role, &str)> = messages.iter().map(|(r, t)| (*r, t.as_str())).collect();
             return Ok(Transcript { kwargs, ..Transcript::of(&m) });
@@ -848,6 +855,7 @@ fn call_id(key: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use veloq_candle::model::{ChatTemplate, JinjaTemplate};
 
     /// The request a body gives, its choices checked.
     fn sampling(body: &str) -> Result<Request, ApiError> {
@@ -1073,7 +1081,9 @@ mod tests {
         }))
         .unwrap();
         let tools = c.tools(ToolFormat::Llama3).unwrap();
-        let t = c.transcript(tools.as_ref(), true).unwrap();
+        let llama3 = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ tools }}";
+        let native = Template::Jinja(std::sync::Arc::new(JinjaTemplate::new(llama3, "", "").unwrap()));
+        let t = c.transcript(tools.as_ref(), &native).unwrap();
         assert_eq!(t.kwargs["date_string"], "26 Jul 2024");
         assert_eq!(t.messages[0], json!({"role": "system", "content": "Be brief."}));
         assert_eq!(
@@ -1095,10 +1105,14 @@ mod tests {
             vec![json!({"type": "function", "function": {"name": "get_weather", "description": "Weather",
                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}})]
         );
-        let hermes = c.transcript(tools.as_ref(), false).unwrap();
+        let plain = Template::Jinja(std::sync::Arc::new(JinjaTemplate::new("{{ messages }}", "", "").unwrap()));
+        let hermes = c.transcript(tools.as_ref(), &plain).unwrap();
         assert!(
             hermes.tools.is_empty() && hermes.messages[3]["content"].as_str().unwrap().starts_with("<tool_response>")
         );
+        // A written-out template has no variables: the field is refused by name.
+        let e = c.transcript(tools.as_ref(), &Template::Builtin(ChatTemplate::ChatMl)).unwrap_err();
+        assert_eq!((e.status, e.param), (400, Some("chat_template_kwargs")), "{e:?}");
         let ids: Vec<String> = (0..3).map(|k| call_id(&format!("chatcmpl-1-0-{k}"))).collect();
         assert!(ids.iter().all(|id| id.len() == 9 && id.chars().all(|c| c.is_ascii_alphanumeric())), "{ids:?}");
         assert!(ids[0] != ids[1] && ids[1] != ids[2]);

@@ -20,8 +20,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use veloq_candle::engine::{Engine, Event, Rejected, Sink, Summary};
-use veloq_candle::generate::Finish;
-use veloq_candle::generate::{transcript_ids, with_bos};
+use veloq_candle::generate::{transcript_ids, with_bos, Finish};
 use veloq_candle::model::{decode, encode, Tokenizer};
 use veloq_candle::Forward;
 
@@ -140,7 +139,7 @@ async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) 
     app.check_model(&sampling)?;
     let template = app.model.model().chat_template(&app.tok);
     let tools = req.tools(ToolFormat::of(&template))?;
-    let transcript = req.transcript(tools.as_ref(), template.takes_tools())?;
+    let transcript = req.transcript(tools.as_ref(), &template)?;
     let (model, tok) = (app.model.clone(), app.tok.clone());
     let ids = tokenize(move || transcript_ids(model.model(), &tok, &transcript).map_err(|e| e.to_string())).await?;
     let room = app.engine.info().max_context.saturating_sub(ids.len());

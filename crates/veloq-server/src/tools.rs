@@ -91,6 +91,14 @@ impl ToolFormat {
             _ => ToolFormat::Hermes,
         }
     }
+
+    /// The key a call's arguments go under.
+    fn arguments(self) -> &'static str {
+        match self {
+            ToolFormat::Llama3 => "parameters",
+            ToolFormat::Hermes | ToolFormat::Mistral => "arguments",
+        }
+    }
 }
 
 /// What the model must or may do with the tools of one request.
@@ -228,28 +236,12 @@ impl Tools {
             Mode::Required => self.functions.iter().collect(),
             Mode::Named(n) => self.functions.iter().filter(|f| &f.name == n).collect(),
         };
+        let arguments = self.format.arguments();
         let calls: Vec<Value> = allowed
             .iter()
             .map(|f| {
-                json!({"type": "object", "additionalProperties": false, "required": ["name", "arguments"],
-                       "properties": {"name": {"const": f.name}, "arguments": Self::parameters(f)}})
-            })
-            .collect();
-        let arguments = match self.format {
-            ToolFormat::Llama3 => "parameters",
-            ToolFormat::Hermes | ToolFormat::Mistral => "arguments",
-        };
-        let calls: Vec<Value> = calls
-            .into_iter()
-            .map(|mut c| {
-                if arguments != "arguments" {
-                    c["required"] = json!(["name", arguments]);
-                    let a = c["properties"]["arguments"].take();
-                    let p = c["properties"].as_object_mut().expect("an object");
-                    p.remove("arguments");
-                    p.insert(arguments.into(), a);
-                }
-                c
+                json!({"type": "object", "additionalProperties": false, "required": ["name", arguments],
+                       "properties": {"name": {"const": f.name}, arguments: Self::parameters(f)}})
             })
             .collect();
         let schema = compact(json!({"anyOf": calls}));
@@ -268,12 +260,12 @@ impl Tools {
             ToolFormat::Hermes => Self::parse_hermes(text)?,
             ToolFormat::Llama3 => {
                 let text = text.strip_prefix("<|python_tag|>").unwrap_or(text);
-                vec![Self::call(&serde_json::from_str(text.trim_end()).ok()?, "parameters")?]
+                vec![Self::call(&serde_json::from_str(text.trim_end()).ok()?, self.format.arguments())?]
             }
             ToolFormat::Mistral => {
                 let text = text.strip_prefix("[TOOL_CALLS]").unwrap_or(text);
                 let list: Vec<Value> = serde_json::from_str(text.trim_end()).ok()?;
-                list.iter().map(|v| Self::call(v, "arguments")).collect::<Option<Vec<_>>>()?
+                list.iter().map(|v| Self::call(v, self.format.arguments())).collect::<Option<Vec<_>>>()?
             }
         };
         let known = calls.iter().all(|c| self.functions.iter().any(|f| f.name == c.name));
@@ -298,7 +290,7 @@ impl Tools {
         let mut calls = Vec::new();
         loop {
             let (body, after) = rest.split_once(CLOSE).unwrap_or((rest, ""));
-            calls.push(Self::call(&serde_json::from_str(body.trim()).ok()?, "arguments")?);
+            calls.push(Self::call(&serde_json::from_str(body.trim()).ok()?, ToolFormat::Hermes.arguments())?);
             match after.trim_start().strip_prefix(OPEN) {
                 Some(next) => rest = next,
                 None => return Some(calls),

@@ -21,8 +21,6 @@ use crate::error::{Error, Result};
 pub struct JinjaTemplate {
     /// The template (named [`NAME`]) and its globals (`bos_token`, `eos_token`).
     env: Environment<'static>,
-    /// Whether the template reads `tools` (then calls and results go to it as they are).
-    takes_tools: bool,
     source: String,
 }
 
@@ -54,17 +52,17 @@ impl JinjaTemplate {
         let today = strftime("%d %b %Y", std::time::SystemTime::now()).expect("a fixed format");
         env.add_global("date_string", today);
         env.add_template_owned(NAME, source.clone()).map_err(|e| template_error(&e))?;
-        let takes_tools = source.contains("tools");
-        Ok(Self { env, takes_tools, source })
+        Ok(Self { env, source })
     }
 
     fn template(&self) -> Result<minijinja::Template<'_, '_>> {
         self.env.get_template(NAME).map_err(|e| template_error(&e))
     }
 
-    /// Whether the template offers tools and shows calls and their results itself.
+    /// Whether the template offers tools and shows calls and their results itself (it reads
+    /// `tools`).
     pub fn takes_tools(&self) -> bool {
-        self.takes_tools
+        self.source.contains("tools")
     }
 
     /// The template's text.
@@ -125,17 +123,22 @@ impl JinjaTemplate {
     }
 }
 
-/// Python's `json.dumps(value, ensure_ascii=False, indent=indent)`, which Hugging Face's `tojson`
-/// is: `", "` and `": "` between items on one line, keys in their order, nothing escaped for HTML
-/// (minijinja's own `tojson` is compact and escapes `<`, `>`, `&` and `'`).
+/// Python's `json.dumps(value, ensure_ascii=…, indent=…, sort_keys=…)`, which Hugging Face's
+/// `tojson` is (`ensure_ascii` off unless asked): `", "` and `": "` between items on one line,
+/// keys in their order, nothing escaped for HTML (minijinja's own `tojson` is compact and escapes
+/// `<`, `>`, `&` and `'`).
 fn tojson(value: JinjaValue, kwargs: minijinja::value::Kwargs) -> std::result::Result<String, minijinja::Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
-    let _: Option<bool> = kwargs.get("ensure_ascii")?;
-    let _: Option<bool> = kwargs.get("sort_keys")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
     kwargs.assert_all_used()?;
     let bad = |e: serde_json::Error| {
         minijinja::Error::new(ErrorKind::InvalidOperation, "cannot serialize to JSON").with_source(e)
     };
+    let mut value = serde_json::to_value(&value).map_err(bad)?;
+    if sort_keys == Some(true) {
+        sort_keys_of(&mut value);
+    }
     let mut out = Vec::new();
     match indent {
         Some(n) => {
@@ -147,7 +150,29 @@ fn tojson(value: JinjaValue, kwargs: minijinja::value::Kwargs) -> std::result::R
         None => serde::Serialize::serialize(&value, &mut serde_json::Serializer::with_formatter(&mut out, PythonJson))
             .map_err(bad)?,
     }
-    Ok(String::from_utf8(out).expect("serde_json writes UTF-8"))
+    let text = String::from_utf8(out).expect("serde_json writes UTF-8");
+    Ok(match ensure_ascii {
+        Some(true) => text.encode_utf16().fold(String::new(), |mut s, u| {
+            match u {
+                0..0x80 => s.push(u as u8 as char),
+                _ => s.push_str(&format!("\\u{u:04x}")),
+            }
+            s
+        }),
+        _ => text,
+    })
+}
+
+/// Every object's keys in sorted order, nested ones too.
+fn sort_keys_of(v: &mut Value) {
+    match v {
+        Value::Object(m) => {
+            m.sort_keys();
+            m.values_mut().for_each(sort_keys_of);
+        }
+        Value::Array(a) => a.iter_mut().for_each(sort_keys_of),
+        _ => {}
+    }
 }
 
 /// `json.dumps`'s default separators.
@@ -278,7 +303,7 @@ impl Template {
             Template::Builtin(b) => {
                 let messages = t.plain().ok_or_else(|| {
                     Error::Config(
-                        "this model's chat template takes plain system, user and assistant messages only".into(),
+                        "this model's chat template is written out (the file has none): it takes plain system, user and assistant messages, no tools or template variables".into(),
                     )
                 })?;
                 Ok(match spells {
@@ -364,6 +389,10 @@ mod tests {
         );
         assert_eq!(strftime("%d", std::time::UNIX_EPOCH + std::time::Duration::from_secs(951_782_400)).unwrap(), "29");
         assert!(strftime("%Q", when).is_err());
+        let t = JinjaTemplate::new("{{ tools | tojson(ensure_ascii=true, sort_keys=true) }}", "", "").unwrap();
+        let tools =
+            Transcript { tools: vec![json!({"b": "東京 é", "a": {"z": 1, "y": 2}})], ..Transcript::default() };
+        assert_eq!(t.render_transcript(&tools).unwrap(), r#"[{"a": {"y": 2, "z": 1}, "b": "\u6771\u4eac \u00e9"}]"#);
         assert!(t.takes_tools());
         assert!(!JinjaTemplate::new("{{ messages[0]['content'] }}", "", "").unwrap().takes_tools());
     }

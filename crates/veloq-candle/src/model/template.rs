@@ -48,10 +48,10 @@ impl Transcript {
         Self { messages, ..Self::default() }
     }
 
-    /// The messages as (role, text) pairs, when that is all there is: no tools, no calls, text
-    /// content, system, user and assistant roles only.
+    /// The messages as (role, text) pairs, when that is all there is: no tools, no template
+    /// variables, no calls, text content, system, user and assistant roles only.
     pub fn plain(&self) -> Option<Vec<(Role, &str)>> {
-        if !self.tools.is_empty() {
+        if !self.tools.is_empty() || !self.kwargs.is_empty() {
             return None;
         }
         self.messages
