@@ -386,6 +386,12 @@ impl Case {
         );
     }
 
+    fn fork(&mut self, from: usize, to: usize) {
+        self.cache.fork(from, to).unwrap();
+        self.shadow.fork(from, to);
+        assert_eq!(self.cache.len(to), self.cache.len(from));
+    }
+
     fn truncate(&mut self, slot: usize, len: usize) {
         self.cache.truncate(slot, len).unwrap();
         self.shadow.truncate(slot, len);
@@ -506,6 +512,45 @@ fn truncation(kind: Kind, method: Method) {
     }
 }
 
+/// Forks: a prompt long enough for codes, copied into another slot, then both go on with
+/// different tokens; each attends exactly the shared prefix and its own continuation. A fork of
+/// a fork, taken after its source went on, holds what the source held then. A fork needs another,
+/// empty slot (refusals change nothing); a forked sequence's storage is what a grown one's is.
+fn forks(kind: Kind, method: Method) {
+    let seed = seed();
+    let mut rng = Rng(seed | 1);
+    for heads in [Heads { q: 6, kv: 2, dim: 64 }, Heads { q: 4, kv: 1, dim: 128 }] {
+        let Some(mut c) = Case::new(kind, method, heads, 3, DEFAULT_WINDOW, &mut rng) else { return };
+        c.check("a prompt", &[(0, 90)], &mut rng, seed);
+        let before = c.cache.resident_bytes();
+        c.fork(0, 1);
+        if kind == Kind::Cpu {
+            let grown = c.cache.resident_bytes() - before;
+            assert_eq!(grown, c.cache.sequence_bytes(90), "a fork's storage is a grown sequence's");
+        }
+        c.check("both decode", &[(0, 1), (1, 1)], &mut rng, seed);
+        for i in 0..12 {
+            c.check(&format!("decode {i} after the fork"), &[(1, 1), (0, 1)], &mut rng, seed);
+        }
+        c.check("a turn on the fork", &[(1, 21), (0, 1)], &mut rng, seed);
+        for (from, to) in [(1, 1), (1, 0), (0, 3)] {
+            let lens = (c.cache.len(0), c.cache.len(1));
+            assert!(c.cache.fork(from, to).is_err(), "fork {from} into {to} must be refused");
+            assert_eq!((c.cache.len(0), c.cache.len(1)), lens, "a refused fork changes nothing");
+        }
+        c.fork(1, 2);
+        c.check("the source goes on", &[(1, 17)], &mut rng, seed);
+        for i in 0..10 {
+            c.check(&format!("three decode {i}"), &[(2, 1), (0, 1), (1, 1)], &mut rng, seed);
+        }
+        c.truncate(1, 0);
+        c.truncate(2, 0);
+        c.check("freed forks, the first goes on", &[(0, 3)], &mut rng, seed);
+        c.fork(0, 2);
+        c.check("a fork into a freed slot", &[(2, 4), (0, 1)], &mut rng, seed);
+    }
+}
+
 /// Several sequences at different positions in one step, some with many tokens (a new prompt
 /// beside decode steps), some idle: each attends only its own positions.
 fn ragged_batches(kind: Kind, method: Method) {
@@ -621,7 +666,7 @@ macro_rules! conformance {
     ($pair:ident, $kind:expr, $method:expr) => {
         mod $pair {
             use super::*;
-            conformance!(@tests $kind, $method; prefill_then_decode, sinks_windows_and_flush_boundaries, truncation, ragged_batches, turns_after_codes, bad_input, resident_bytes);
+            conformance!(@tests $kind, $method; prefill_then_decode, sinks_windows_and_flush_boundaries, truncation, ragged_batches, forks, turns_after_codes, bad_input, resident_bytes);
         }
     };
     (@tests $kind:expr, $method:expr; $($property:ident),*) => {

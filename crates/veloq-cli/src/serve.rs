@@ -33,8 +33,10 @@ pub struct Args {
     /// Tokens per forward pass: every running sequence's next token, then prompt chunks.
     #[arg(long, default_value_t = veloq_candle::prefill::DEFAULT_CHUNK)]
     pub step_tokens: usize,
-    /// Free a finished conversation's cache at once instead of keeping it resident for a request
-    /// that starts with it (its next turn, the same system prompt).
+    /// No prefix sharing: free a finished conversation's cache at once instead of keeping it
+    /// resident for a request that starts with it (its next turn, the same system prompt), and
+    /// feed every request's whole prompt instead of copying what a running one holds (`n`
+    /// choices, a shared system prompt).
     #[arg(long)]
     pub no_prefix_cache: bool,
     /// What admission reserves per request: `auto` (a request that names max_tokens, its worst

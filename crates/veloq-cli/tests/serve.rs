@@ -606,6 +606,30 @@ fn shutdown_finishes_running_streams() {
     assert!(code.success(), "exit: {code:?}");
 }
 
+/// `n` choices feed their prompt once: the later choices start from a copy of the first one's
+/// cache (the prompt fed once, then one token per further choice), and each samples its own text.
+#[test]
+fn n_choices_feed_their_prompt_once() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(&["--method", "fp16"]);
+    let content = "Apples, pears, plums, cherries, grapes, figs, dates, lemons, limes and melons: which of these fruits is the sweetest, and why?";
+    let body = json!({"messages": [{"role": "user", "content": content}], "max_tokens": 12, "temperature": 1.0,
+                      "seed": 3, "n": 3, "ignore_eos": true});
+    let (fed, forks) = (server.metric("veloq_prompt_tokens_total"), server.metric("veloq_prefix_forks_total"));
+    let (status, reply) = server.json("POST", "/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{reply}");
+    let prompt = reply["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt > 40, "{reply}");
+    let texts: Vec<&str> =
+        reply["choices"].as_array().unwrap().iter().map(|c| c["message"]["content"].as_str().unwrap()).collect();
+    assert_eq!(texts.len(), 3, "{reply}");
+    assert!(texts[0] != texts[1] && texts[1] != texts[2] && texts[0] != texts[2], "three samples: {texts:?}");
+    assert_eq!(reply["usage"]["completion_tokens"], 36, "{reply}");
+    assert_eq!(server.metric("veloq_prefix_forks_total") - forks, 2.0);
+    assert_eq!(server.metric("veloq_prompt_tokens_total") - fed, (prompt + 2) as f64, "the prompt fed once");
+    server.drained();
+}
+
 /// `--request-timeout`: a request that would run for a minute ends at its limit with what it has
 /// generated (finish_reason "length"), and the server goes on serving.
 #[test]

@@ -37,7 +37,7 @@ fn bytes(v: &Bound<'_, PyAny>) -> PyResult<usize> {
 /// Starts `veloq serve` for `model` at `host:port` (0: any free port) and returns at once.
 /// `kv_budget` bounds the caches' bytes (admission by KV memory), `max_seqs` the sequences decoded
 /// together, `reserve` what admission holds per request (`auto`, `worst-case`, `grow`: the CLI's
-/// `--reserve`), `prefix_cache` keeps finished conversations resident; `default_max_tokens` caps
+/// `--reserve`), `prefix_cache` keeps finished conversations resident and lets requests that share a prompt prefix copy it from a running one; `default_max_tokens` caps
 /// requests that send none.
 #[pyfunction]
 #[pyo3(signature = (model, *, host = "127.0.0.1", port = 8080, name = None, kv_budget = None, max_seqs = None, reserve = None, prefix_cache = true, default_max_tokens = None, log = false))]

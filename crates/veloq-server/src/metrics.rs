@@ -36,7 +36,7 @@ pub fn render(info: &EngineInfo, s: &Stats, model: &str) -> String {
         (
             "prompt_tokens_cached_total",
             "counter",
-            "Prompt tokens found resident from an earlier request (not fed again).",
+            "Prompt tokens found resident from an earlier or running request (not fed again).",
             one(s.cached_prompt_tokens as f64),
         ),
         (
@@ -44,6 +44,12 @@ pub fn render(info: &EngineInfo, s: &Stats, model: &str) -> String {
             "counter",
             "Requests that started from a resident prefix.",
             one(s.prefix_hits as f64),
+        ),
+        (
+            "prefix_forks_total",
+            "counter",
+            "Requests that started from a copy of a running sequence's prefix (n choices, a shared system prompt).",
+            one(s.forks as f64),
         ),
         (
             "prefix_resident_sequences",

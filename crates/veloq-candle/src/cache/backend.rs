@@ -93,6 +93,11 @@ pub trait Backend: Send + Sync {
     /// what was reserved up front (device backends), whatever the footprint.
     fn sequence_bytes(&self, footprint: Footprint) -> usize;
 
+    /// Copies what slot `from` stores — its first `held.rows` rows and `held.coded` codes — into
+    /// slot `to`, whose storage is unused (a fork planned by
+    /// [`Residency::fork`](super::Residency::fork)).
+    fn copy_slot(&mut self, from: usize, to: usize, held: Footprint) -> Result<()>;
+
     /// Storage rows of `slot` from `rows` on are unused: backends that grow with their sequences
     /// free them; those that reserve up front keep them (the default).
     fn release(&mut self, slot: usize, rows: usize) -> Result<()> {

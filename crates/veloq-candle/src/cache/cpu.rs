@@ -520,6 +520,26 @@ impl Backend for CpuBackend {
         rows + codes
     }
 
+    fn copy_slot(&mut self, from: usize, to: usize, held: Footprint) -> Result<()> {
+        if from.max(to) >= self.rows.len() {
+            return Err(Error::Shape(format!("copy slot {from} into {to} of {} slots", self.rows.len())));
+        }
+        let blocks = held.rows.div_ceil(self.block_rows).min(self.rows[from].keys.len());
+        let src = &self.rows[from];
+        let rows = SlotRows { keys: src.keys[..blocks].to_vec(), values: src.values[..blocks].to_vec() };
+        self.rows[to] = rows;
+        if let Some((_, block)) = &self.codecs {
+            let n = held.coded / block;
+            let src = &self.codes[from];
+            if n > src.keys.len() {
+                return Err(Error::Config(format!("slot {from} holds {} code blocks, not {n}", src.keys.len())));
+            }
+            let codes = SlotCodes { keys: src.keys[..n].to_vec(), values: src.values[..n].to_vec() };
+            self.codes[to] = codes;
+        }
+        Ok(())
+    }
+
     fn release(&mut self, slot: usize, rows: usize) -> Result<()> {
         let s = self.rows.get_mut(slot).ok_or_else(|| Error::Shape(format!("no slot {slot}")))?;
         let keep = rows.div_ceil(self.block_rows);

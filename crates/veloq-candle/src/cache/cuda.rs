@@ -655,6 +655,11 @@ impl Backend for CudaBackend {
         self.base.restore(restore)
     }
 
+    fn copy_slot(&mut self, from: usize, to: usize, held: super::residency::Footprint) -> Result<()> {
+        self.join()?;
+        self.base.copy_slot(from, to, held)
+    }
+
     /// Blocks of queries over codes on tensor cores (`vq_prefill_codes`), a launch per tile of
     /// queries, splits merged and mapped back to value space in tensor ops; scratch is the
     /// splits' partials, independent of the context length.

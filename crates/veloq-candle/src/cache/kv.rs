@@ -134,6 +134,14 @@ impl<B: Backend> LayerCache for KvCache<B> {
         self.run(moves)
     }
 
+    fn fork(&mut self, from: usize, to: usize) -> Result<()> {
+        let mut planned = self.residency.clone();
+        let held = planned.fork(from, to)?;
+        self.backend.copy_slot(from, to, held)?;
+        self.residency = planned;
+        Ok(())
+    }
+
     fn resident_bytes(&self) -> usize {
         self.backend.resident_bytes()
     }

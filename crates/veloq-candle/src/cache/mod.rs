@@ -67,6 +67,12 @@ pub trait LayerCache: Send {
     fn len(&self, slot: usize) -> usize;
     /// Keeps the first `len` positions of `slot` (0 frees it for a new sequence).
     fn truncate(&mut self, slot: usize, len: usize) -> Result<()>;
+    /// Makes the empty slot `to` hold what `from` holds (a copy): sequences that share a prompt
+    /// prefill it once, then go their own ways. Call after commit. Caches that cannot copy their
+    /// storage refuse, and the caller prefills instead.
+    fn fork(&mut self, from: usize, to: usize) -> Result<()> {
+        Err(Error::Config(format!("this cache cannot fork slot {from} into {to}")))
+    }
     /// Bytes really held (rows, codes and the codecs' tables as allocated), not bit counts.
     fn resident_bytes(&self) -> usize;
     /// Bytes the storage of one sequence of `positions` positions takes (grown from empty, its
@@ -132,6 +138,16 @@ impl ModelCache {
     /// Keeps the first `len` positions of `slot` in every layer.
     pub fn truncate(&mut self, slot: usize, len: usize) -> Result<()> {
         self.layers.iter_mut().try_for_each(|l| l.truncate(slot, len))
+    }
+
+    /// Makes the empty slot `to` hold what `from` holds, in every layer; on failure `to` is
+    /// emptied again.
+    pub fn fork(&mut self, from: usize, to: usize) -> Result<()> {
+        let r = self.layers.iter_mut().try_for_each(|l| l.fork(from, to));
+        if r.is_err() {
+            self.truncate(to, 0)?;
+        }
+        r
     }
 
     /// Bytes every layer holds.

@@ -624,6 +624,34 @@ impl Residency {
         self.seqs[slot] = st;
         Ok(moves)
     }
+
+    /// Makes the empty `to` hold what `from` holds, at the same rows: returns the storage
+    /// `from` uses (its first `rows` rows and `coded` codes), which the backend copies. Sequences
+    /// that share a prompt then prefill it once. Nothing changes when refused.
+    pub fn fork(&mut self, from: usize, to: usize) -> Result<Footprint> {
+        if self.pending.is_some() {
+            return Err(Error::Config("fork after commit, not between append and commit".into()));
+        }
+        let slots = self.seqs.len();
+        let (Some(&st), Some(dst)) = (self.seqs.get(from), self.seqs.get(to)) else {
+            return Err(Error::Shape(format!("fork slot {from} into {to}: the cache has {slots} sequence slots")));
+        };
+        if from == to || dst.len() > 0 {
+            return Err(Error::Config(format!(
+                "fork slot {from} into {to}: the destination must be another, empty slot (it holds {})",
+                dst.len()
+            )));
+        }
+        // Dense rows hold position i in row i; a ring that never moved its head uses its first
+        // rows; otherwise any ring row may be in use.
+        let rows = match self.policy {
+            Policy::Dense { .. } => st.len(),
+            _ if st.past == 0 && st.ring_head == 0 => st.n_sink + st.ring_len,
+            p => p.rows(),
+        };
+        self.seqs[to] = st;
+        Ok(Footprint { rows, coded: self.coded(from) })
+    }
 }
 
 #[cfg(test)]
@@ -722,7 +750,7 @@ mod tests {
         }
     }
 
-    /// Random ragged steps, commits and truncations on three slots: every view reaches exactly the
+    /// Random ragged steps, commits, truncations and forks on three slots: every view reaches exactly the
     /// positions its queries need (all before them, or the window), codes stay older than every
     /// query, coded caches keep `keep..keep + block` recent rows, and rows never hold stale data.
     #[test]
@@ -740,9 +768,25 @@ mod tests {
             let block = policy.coding().map_or(1, |c| c.block);
             let mut sh =
                 Shadow { rows: vec![vec![None; policy.rows()]; 3], codes: vec![Vec::new(); 3], input: Vec::new() };
-            let (mut restores, mut staged, mut most_coded) = (0, 0, 0);
+            let (mut restores, mut staged, mut most_coded, mut forks) = (0, 0, 0, 0);
             for round in 0..300 {
                 let roll = xorshift(&mut seed);
+                if roll.is_multiple_of(11) {
+                    // A fork: a slot emptied, then given what another holds (the copy of the
+                    // storage the fork names, as a backend makes it).
+                    let from = (roll as usize >> 8) % 3;
+                    let to = (from + 1 + (roll as usize >> 12) % 2) % 3;
+                    r.truncate(to, 0).unwrap().iter().for_each(|m| sh.apply(m, block));
+                    let held = r.fork(from, to).unwrap();
+                    assert_eq!(r.len(to), r.len(from));
+                    assert!(r.fork(from, to).is_err() || r.len(from) == 0, "a fork needs an empty destination");
+                    for row in 0..held.rows {
+                        sh.rows[to][row] = sh.rows[from][row];
+                    }
+                    sh.codes[to] = sh.codes[from][..held.coded].to_vec();
+                    forks += usize::from(r.len(from) > 0);
+                    continue;
+                }
                 if roll.is_multiple_of(13) {
                     let slot = (roll as usize >> 8) % 3;
                     let len = r.len(slot);
@@ -811,7 +855,8 @@ mod tests {
                     assert_eq!(st.staged, 0);
                 }
             }
-            // The run reached what it tests: steps too long for the ring, codes, cuts into codes.
+            // The run reached what it tests: forks, steps too long for the ring, codes, cuts into codes.
+            assert!(forks > 0, "seed {start_seed}: no fork under {policy:?}");
             assert!(
                 staged > 0 || policy.coding().is_none() && policy.window().is_none(),
                 "seed {start_seed}: no staged rows under {policy:?}"

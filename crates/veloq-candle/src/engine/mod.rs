@@ -10,7 +10,10 @@
 //! slot, its storage and its reservation at once — or, with [`EngineConfig::prefix_cache`], gives
 //! back its reservation and stays resident, so that a request whose prompt starts with what it
 //! holds (the next turn of a chat, a shared system prompt) feeds only the rest of its prompt;
-//! resident sequences give way, least recently used first, to requests that need the room.
+//! resident sequences give way, least recently used first, to requests that need the room. A
+//! request whose prompt shares a long prefix with a *running* sequence (the `n` choices of one
+//! prompt, a system prompt concurrent users send) waits for it to hold that prefix and starts
+//! from a copy of its cache ([`ModelCache::fork`]).
 //!
 //! The engine knows nothing of HTTP: a request comes with a [`Sink`] that receives its
 //! [`Event`]s and tells whether anyone still listens.
@@ -45,6 +48,11 @@ use crate::text::TextStream;
 /// A prompt always advances by at least this many tokens a step, however many sequences decode.
 const MIN_PREFILL: usize = 16;
 
+/// Prompt tokens a request must share with a running sequence to start from a copy of its cache
+/// (a fork) instead of feeding them: below this, waiting for the other sequence and copying its
+/// storage saves less than it costs.
+const MIN_FORK: usize = 32;
+
 /// How the engine shares the machine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EngineConfig {
@@ -57,7 +65,8 @@ pub struct EngineConfig {
     /// Tokens per forward pass: every decoding sequence's one, then prompt chunks in the rest.
     pub step_tokens: usize,
     /// Keep finished sequences resident while the budget and slots allow, and start a request
-    /// whose prompt begins with one of them from what it holds.
+    /// whose prompt begins with one of them from what it holds; start a request whose prompt
+    /// shares a long prefix with a running one from a copy of its cache (a fork).
     pub prefix_cache: bool,
     /// What admission reserves for a request.
     pub reserve: Reserve,
@@ -273,6 +282,8 @@ impl EngineInfo {
 
 /// A submitted request as the worker holds it.
 struct Job {
+    /// Unique among the engine's requests (assigned when queued).
+    id: u64,
     req: Request,
     sink: Box<dyn Sink>,
     arrived: Instant,
@@ -377,6 +388,7 @@ impl Engine {
             step_tokens: cfg.step_tokens,
             prefix_cache: cfg.prefix_cache,
             reserve: cfg.reserve,
+            next_id: 1,
         };
         let worker = std::thread::Builder::new()
             .name("veloq-engine".into())
@@ -426,7 +438,7 @@ impl Engine {
             },
         };
         let feed = req.prompt.clone();
-        let job = Job { req, sink, arrived: Instant::now(), need, feed, carry: None, constraint };
+        let job = Job { id: 0, req, sink, arrived: Instant::now(), need, feed, carry: None, constraint };
         let tx = self.tx.lock().expect("sender");
         match tx.as_ref() {
             Some(t) if t.send(job).is_ok() => Ok(()),
@@ -476,6 +488,25 @@ struct Live {
     /// The raw logits after the last prompt token fed, while the next one's log-probability is
     /// still to be sent (a prompt fed over several steps).
     scoring: Option<Vec<f32>>,
+    /// Waiting, its slot empty, for a running sequence to hold a prefix of its prompt, to start
+    /// from a copy of it.
+    follows: Option<Follow>,
+}
+
+/// What a request waits for before it starts from a fork: the running request `source` holding
+/// `at` positions, all of them a prefix of the waiting one's prompt.
+#[derive(Clone, Copy, Debug)]
+struct Follow {
+    source: u64,
+    at: usize,
+}
+
+impl Live {
+    /// The tokens the caches hold for this sequence, in order, once they hold them: the feed,
+    /// then every generated token since (the last is not in the caches yet).
+    fn history(&self) -> impl Iterator<Item = &u32> {
+        self.job.feed.iter().chain(&self.out[self.resumed_at..])
+    }
 }
 
 enum Outcome {
@@ -502,6 +533,8 @@ struct Worker {
     step_tokens: usize,
     prefix_cache: bool,
     reserve: Reserve,
+    /// The next request's id.
+    next_id: u64,
 }
 
 impl Worker {
@@ -583,7 +616,9 @@ impl Worker {
         true
     }
 
-    fn queue(&mut self, job: Job) {
+    fn queue(&mut self, mut job: Job) {
+        job.id = self.next_id;
+        self.next_id += 1;
         let bytes = self.admission_bytes(&job);
         self.adm.push(job, bytes);
     }
@@ -607,6 +642,15 @@ impl Worker {
             // A slot keeps the shared prefix; a layer that cannot cut there (a sliding window
             // that no longer holds it) makes the request start from scratch.
             let mut cached = a.reuse;
+            // A running sequence that holds (or is feeding) more of the prompt than any resident
+            // one: start from a copy of it once it holds that much.
+            let follows = match (job.req.prompt_logprobs, self.prefix_cache) {
+                (None, true) => self.source_for(&job.feed).filter(|f| f.at > cached),
+                _ => None,
+            };
+            if follows.is_some() {
+                cached = 0;
+            }
             if self.caches.truncate(slot, cached).is_err() {
                 cached = 0;
                 broken = broken.or(self.caches.truncate(slot, 0).err());
@@ -649,6 +693,7 @@ impl Worker {
                 done,
                 scored: carry.scored,
                 scoring: None,
+                follows,
             });
             if let Some(e) = broken {
                 self.fail_all(&format!("emptying a cache slot failed: {e}"));
@@ -657,17 +702,79 @@ impl Worker {
         self.retire();
     }
 
+    /// The running sequence whose history shares the longest prefix with `feed` (at least
+    /// [`MIN_FORK`] tokens; the last prompt token is always fed, for its logits), and how many.
+    fn source_for(&self, feed: &[u32]) -> Option<Follow> {
+        self.live
+            .iter()
+            .filter(|l| l.follows.is_none() && l.done.is_none())
+            .map(|l| {
+                let shared = l.history().zip(feed).take_while(|(a, b)| a == b).count();
+                Follow { source: l.job.id, at: shared.min(feed.len() - 1) }
+            })
+            .filter(|f| f.at >= MIN_FORK)
+            .max_by_key(|f| f.at)
+    }
+
+    /// Starts each waiting request whose source now holds its prefix from a copy of it; one
+    /// whose source stopped running (finished, cancelled, preempted) feeds its prompt itself.
+    fn fork_followers(&mut self) -> Result<()> {
+        for i in 0..self.live.len() {
+            let Some(f) = self.live[i].follows else { continue };
+            let source = self.live.iter().find(|l| l.job.id == f.source).map(|l| l.slot);
+            let (slot, held) = match source {
+                Some(s) if self.caches.len(s) >= f.at => (s, self.caches.len(s)),
+                Some(_) => continue,
+                None => {
+                    self.live[i].follows = None;
+                    continue;
+                }
+            };
+            let to = self.live[i].slot;
+            self.live[i].follows = None;
+            // A sliding-window layer cannot cut back below what it holds: the source's chunks
+            // stop at `at` while a request waits for it, so a cut is rare; then it feeds itself.
+            if self.caches.fork(slot, to).is_err() || held > f.at && self.caches.truncate(to, f.at).is_err() {
+                self.caches.truncate(to, 0)?;
+                continue;
+            }
+            let l = &mut self.live[i];
+            (l.fed, l.cached) = (f.at, f.at);
+            let mut ledger = self.ledger.lock().expect("ledger");
+            ledger.stats.forks += 1;
+            ledger.stats.cached_prompt_tokens += f.at as u64;
+        }
+        Ok(())
+    }
+
     /// One forward pass over every live sequence, then their new tokens.
     fn step(&mut self) -> Result<()> {
         if self.reserve != Reserve::WorstCase {
             self.grow()?;
         }
+        self.fork_followers()?;
+        // A prompt that others wait on stops its chunk where they will copy it.
+        let stop_at = |l: &Live| {
+            self.live
+                .iter()
+                .filter_map(|w| w.follows.filter(|f| f.source == l.job.id && f.at > l.fed).map(|f| f.at))
+                .min()
+                .unwrap_or(usize::MAX)
+        };
         let progress: Vec<Progress> = self
             .live
             .iter()
-            .map(|l| Progress { slot: l.slot, held: self.caches.len(l.slot), prompt_left: l.job.feed.len() - l.fed })
+            .filter(|l| l.follows.is_none())
+            .map(|l| Progress {
+                slot: l.slot,
+                held: self.caches.len(l.slot),
+                prompt_left: (l.job.feed.len() - l.fed).min(stop_at(l).saturating_sub(l.fed)),
+            })
             .collect();
         let seqs = plan(&progress, self.step_tokens, MIN_PREFILL);
+        if seqs.is_empty() {
+            return Ok(());
+        }
         let mut at = vec![usize::MAX; self.caches.slots()];
         self.live.iter().enumerate().for_each(|(i, l)| at[l.slot] = i);
         let mut tokens = Vec::with_capacity(seqs.iter().map(|s| s.len).sum());
@@ -901,8 +1008,7 @@ impl Worker {
     fn give_back(&mut self, l: &Live) -> Result<()> {
         let held = self.caches.len(l.slot);
         if self.prefix_cache && held > 0 {
-            // What the caches hold: the feed, then every token generated since but the last.
-            let tokens: Vec<u32> = l.job.feed.iter().chain(&l.out[l.resumed_at..]).copied().take(held).collect();
+            let tokens: Vec<u32> = l.history().copied().take(held).collect();
             self.adm.park(l.slot, l.reserved, self.info.sequence_bytes(held), tokens);
             return Ok(());
         }

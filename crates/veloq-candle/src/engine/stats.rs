@@ -29,7 +29,10 @@ pub struct Stats {
     pub prompt_tokens: u64,
     /// Requests that started from a resident sequence's prefix.
     pub prefix_hits: u64,
-    /// Prompt tokens those requests found resident (not fed again).
+    /// Requests that started from a copy of a running sequence's prefix (the choices of one
+    /// prompt, a system prompt that concurrent requests share).
+    pub forks: u64,
+    /// Prompt tokens those requests and the prefix hits found resident (not fed again).
     pub cached_prompt_tokens: u64,
     /// Tokens generated.
     pub generated_tokens: u64,

@@ -17,6 +17,8 @@ const CONTEXT: usize = 256;
 /// A sink that forwards events to a channel, and stops listening after `listen` texts.
 struct TestSink {
     tx: mpsc::Sender<Event>,
+    /// Holds the engine inside its admission of this request until a message arrives.
+    gate: Option<mpsc::Receiver<()>>,
     texts: usize,
     listen: usize,
     gone: Arc<Mutex<bool>>,
@@ -24,6 +26,9 @@ struct TestSink {
 
 impl Sink for TestSink {
     fn send(&mut self, e: Event) -> bool {
+        if let (Event::Admitted, Some(gate)) = (&e, self.gate.take()) {
+            let _ = gate.recv_timeout(Duration::from_secs(60));
+        }
         if matches!(e, Event::Text(_)) {
             self.texts += 1;
             if self.texts > self.listen {
@@ -41,7 +46,7 @@ impl Sink for TestSink {
 
 fn sink(listen: usize) -> (Box<dyn Sink>, mpsc::Receiver<Event>) {
     let (tx, rx) = mpsc::channel();
-    (Box::new(TestSink { tx, texts: 0, listen, gone: Arc::new(Mutex::new(false)) }), rx)
+    (Box::new(TestSink { tx, gate: None, texts: 0, listen, gone: Arc::new(Mutex::new(false)) }), rx)
 }
 
 /// Events until the end of a request.
@@ -311,6 +316,50 @@ fn a_resident_prefix_is_reused_and_answers_as_a_fresh_prompt() {
     // Fed: the first prompt whole, then only what was not resident.
     let fed = 50 + (turn.len() - 59) + (branch.len() - 60) + 1;
     assert_eq!(s.prompt_tokens, fed as u64, "{s:?}");
+}
+
+/// Requests whose prompts share a long prefix with a running one (the choices of one prompt, a
+/// common system prompt) wait for it to hold that prefix and start from a copy of its cache: the
+/// shared part is fed once, and each answers as it would alone.
+#[test]
+fn requests_sharing_a_prompt_fork_the_running_one() {
+    let seed = fresh_seed();
+    let model = Arc::new(tiny_model_seeded(VOCAB, CONTEXT, seed));
+    let cfg = EngineConfig { step_tokens: 32, ..EngineConfig::default() };
+    let engine = Engine::start(model.clone(), Arc::new(word_tokenizer(VOCAB)), CacheConfig::fp16(), cfg).unwrap();
+    let ps = prompts(seed, &[100, 7, 20]);
+    let other: Vec<u32> = ps[0][..70].iter().chain(&ps[2]).copied().collect();
+    // The first request holds the engine in its admission until the others are queued, so they
+    // find it running with its prompt partly fed.
+    let (open, gate) = mpsc::channel();
+    let (tx, first_rx) = mpsc::channel();
+    let first = TestSink { tx, gate: Some(gate), texts: 0, listen: usize::MAX, gone: Arc::new(Mutex::new(false)) };
+    engine.submit(greedy(ps[0].clone(), 8), Box::new(first)).unwrap();
+    let mut rxs = vec![first_rx];
+    for p in [ps[0].clone(), ps[0].clone(), other.clone(), ps[1].clone()] {
+        let (s, rx) = sink(usize::MAX);
+        engine.submit(greedy(p, 8), s).unwrap();
+        rxs.push(rx);
+    }
+    open.send(()).unwrap();
+    let done: Vec<(Vec<u32>, Summary)> = rxs
+        .iter()
+        .map(|rx| {
+            let ev = events(rx);
+            let Some(Event::Done(sum)) = ev.last().cloned() else { panic!("seed {seed}: {ev:?}") };
+            (tokens_of(&ev), sum)
+        })
+        .collect();
+    let cached: Vec<usize> = done.iter().map(|d| d.1.cached_tokens).collect();
+    // The same prompt twice: all but its last token copied; a prompt sharing 70 tokens: those;
+    // a short unrelated prompt: nothing.
+    assert_eq!(cached, vec![0, 99, 99, 70, 0], "seed {seed}");
+    for ((got, _), p) in done.iter().zip([&ps[0], &ps[0], &ps[0], &other, &ps[1]]) {
+        greedy_along(&model, p, got, seed);
+    }
+    let s = engine.stats();
+    assert_eq!((s.forks, s.cached_prompt_tokens), (3, 99 + 99 + 70), "{s:?}");
+    assert_eq!(s.prompt_tokens, (100 + 1 + 1 + 20 + 7) as u64, "the shared prefix is fed once: {s:?}");
 }
 
 #[test]

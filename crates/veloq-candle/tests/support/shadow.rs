@@ -98,6 +98,14 @@ impl Shadow {
     }
 
     /// A truncation: positions cut out of the codes come back as f16 rows.
+    /// Slot `to` holds what `from` holds (a fork).
+    pub fn fork(&mut self, from: usize, to: usize) {
+        self.keys[to] = self.keys[from].clone();
+        self.values[to] = self.values[from].clone();
+        self.coded[to] = self.coded[from];
+        self.restored[to] = self.restored[from];
+    }
+
     pub fn truncate(&mut self, slot: usize, len: usize) {
         self.keys[slot].truncate(len);
         self.values[slot].truncate(len);

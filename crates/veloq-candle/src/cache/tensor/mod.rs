@@ -359,6 +359,37 @@ impl Backend for TensorBackend {
         Ok(())
     }
 
+    fn copy_slot(&mut self, from: usize, to: usize, held: Footprint) -> Result<()> {
+        // Along `dim`, the first `n` entries of `from`'s share of `t` (slot axis `slot_dim`)
+        // written over `to`'s.
+        let copy = |t: &Tensor, slot_dim: usize, dim: usize, n: usize| -> Result<()> {
+            if n == 0 {
+                return Ok(());
+            }
+            let part = t.narrow(slot_dim, from, 1)?.narrow(dim, 0, n)?.force_contiguous()?;
+            Ok(t.narrow(slot_dim, to, 1)?.slice_set(&part, dim, 0)?)
+        };
+        for plane in 0..2 {
+            copy(&self.rows.narrow(0, plane, 1)?, 1, 3, held.rows)?;
+        }
+        match &self.codes {
+            None => {}
+            Some(Coded::VecInfer(c)) => {
+                copy(&c.key_codes, 0, 2, held.coded)?;
+                copy(&c.value_codes, 0, 2, held.coded)?;
+            }
+            Some(Coded::Scalar(c)) => {
+                let g = c.align();
+                for plane in 0..2 {
+                    let (tokens, meta) = (held.coded.div_ceil(g) * g, c.codec(plane).group_tokens());
+                    copy(&c.codes[plane], 0, 2, tokens)?;
+                    copy(&c.meta[plane], 0, 2, tokens / meta)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn restore(&mut self, r: &Restore) -> Result<()> {
         if r.n == 0 {
             return Ok(());
