@@ -306,6 +306,16 @@ impl Model {
     /// sequence's last token ([`Logits::Last`]).
     pub fn forward_step(&self, tokens: &[u32], step: &Step, cache: &mut ModelCache, logits: Logits) -> Result<Tensor> {
         self.check_step(tokens, step, cache)?;
+        if self.device.is_cpu() && rayon::current_thread_index().is_none() {
+            // On a thread-pool thread, each product's parallel loop starts by work stealing from
+            // a neighbour still spinning, not by waking the pool from outside and sleeping until
+            // it finishes (two wake-ups per product, hundreds a step).
+            return rayon::scope(|_| self.run_step(tokens, step, cache, logits));
+        }
+        self.run_step(tokens, step, cache, logits)
+    }
+
+    fn run_step(&self, tokens: &[u32], step: &Step, cache: &mut ModelCache, logits: Logits) -> Result<Tensor> {
         let caches = cache.layers_mut();
         let mut x = self.embed_tokens(&Tensor::new(tokens, &self.device)?)?;
         let rope = self.rope_rows(&Tensor::new(step.positions().as_slice(), &self.device)?)?;
