@@ -46,7 +46,10 @@ for run in "fp16 auto" "fp16 forbid" "vq-4 auto" "vq-4 forbid" "kivi-2 auto" "rl
     [ "$which" = long ] && prompt=$long
     log="$out/generate-$method-$kernel_choice-$which.txt"
     start=$(date +%s.%N)
-    "$veloq" generate --device cuda --model "$model" --calibration "$calibration" --method "$method" \
+    # Only VecInfer methods take a calibration (the others refuse one by name).
+    cal=()
+    [[ $method == vq-* ]] && cal=(--calibration "$calibration")
+    "$veloq" generate --device cuda --model "$model" "${cal[@]}" --method "$method" \
       --kernels "$kernel_choice" --max-tokens 48 --max-context 8192 --prompt "$prompt" > "$log" 2>&1
     rc=$?
     secs=$(awk "BEGIN { printf \"%.1f\", $(date +%s.%N) - $start }")
