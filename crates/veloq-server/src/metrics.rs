@@ -48,7 +48,7 @@ pub fn render(info: &EngineInfo, s: &Stats, model: &str) -> String {
         (
             "prefix_forks_total",
             "counter",
-            "Requests that started from a copy of a running sequence's prefix (n choices, a shared system prompt).",
+            "Requests that started from a copy of a running or resident sequence's prefix (n choices, a shared system prompt).",
             one(s.forks as f64),
         ),
         (

@@ -13,7 +13,8 @@
 //! resident sequences give way, least recently used first, to requests that need the room. A
 //! request whose prompt shares a long prefix with a *running* sequence (the `n` choices of one
 //! prompt, a system prompt concurrent users send) waits for it to hold that prefix and starts
-//! from a copy of its cache ([`ModelCache::fork`]).
+//! from a copy of its cache ([`ModelCache::fork`]); so does one that shares too little of a
+//! resident sequence to take its slot over.
 //!
 //! The engine knows nothing of HTTP: a request comes with a [`Sink`] that receives its
 //! [`Event`]s and tells whether anyone still listens.
@@ -655,9 +656,28 @@ impl Worker {
                 cached = 0;
                 broken = broken.or(self.caches.truncate(slot, 0).err());
             }
+            // A resident sequence that shares more than that, too little of what it holds to be
+            // taken over (a system prompt before another user's finished conversation): a copy.
+            let resident = match (follows, job.req.prompt_logprobs, self.prefix_cache) {
+                (None, None, true) => self.adm.resident_prefix(&job.feed).filter(|&(_, n)| n >= MIN_FORK && n > cached),
+                _ => None,
+            };
+            let mut copied = false;
+            if let Some((from, n)) = resident {
+                let forked = self.caches.truncate(slot, 0).and_then(|_| self.caches.fork(from, slot));
+                copied = forked.and_then(|_| self.caches.truncate(slot, n)).is_ok();
+                cached = if copied { n } else { 0 };
+                if !copied {
+                    // A sliding window that no longer holds the cut: the prompt is fed whole.
+                    broken = broken.or(self.caches.truncate(slot, 0).err());
+                }
+            }
             if cached > 0 {
                 let mut ledger = self.ledger.lock().expect("ledger");
-                ledger.stats.prefix_hits += 1;
+                match copied {
+                    true => ledger.stats.forks += 1,
+                    false => ledger.stats.prefix_hits += 1,
+                }
                 ledger.stats.cached_prompt_tokens += cached as u64;
             }
             let resumed = job.carry.is_some();

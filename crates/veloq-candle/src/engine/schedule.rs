@@ -207,6 +207,17 @@ impl<T> Admission<T> {
         self.reserved
     }
 
+    /// The resident sequence sharing the longest prefix with `prompt` (its last token left to
+    /// feed) and how many tokens, the slot left where it is: what a request may copy when the
+    /// share is too small to take the slot over.
+    pub fn resident_prefix(&self, prompt: &[u32]) -> Option<(usize, usize)> {
+        self.idle
+            .iter()
+            .map(|r| (r.slot, common_prefix(&r.tokens, prompt).min(prompt.len().saturating_sub(1))))
+            .filter(|&(_, n)| n > 0)
+            .max_by_key(|&(_, n)| n)
+    }
+
     /// Finished sequences resident for their prefixes, and the bytes they hold.
     pub fn resident(&self) -> (usize, usize) {
         (self.idle.len(), self.idle_bytes)

@@ -29,8 +29,8 @@ pub struct Stats {
     pub prompt_tokens: u64,
     /// Requests that started from a resident sequence's prefix.
     pub prefix_hits: u64,
-    /// Requests that started from a copy of a running sequence's prefix (the choices of one
-    /// prompt, a system prompt that concurrent requests share).
+    /// Requests that started from a copy of a running or resident sequence's prefix (the choices
+    /// of one prompt, a system prompt that other requests share).
     pub forks: u64,
     /// Prompt tokens those requests and the prefix hits found resident (not fed again).
     pub cached_prompt_tokens: u64,

@@ -362,6 +362,41 @@ fn requests_sharing_a_prompt_fork_the_running_one() {
     assert_eq!(s.prompt_tokens, (100 + 1 + 1 + 20 + 7) as u64, "the shared prefix is fed once: {s:?}");
 }
 
+/// A resident sequence whose prefix a request shares, too little of what it holds to be taken
+/// over (a system prompt before another user's finished conversation), is copied: the request
+/// feeds only the rest, and the resident stays for its own next turn.
+#[test]
+fn a_short_shared_prefix_is_copied_from_a_resident_sequence() {
+    let seed = fresh_seed();
+    let model = Arc::new(tiny_model_seeded(VOCAB, CONTEXT, seed));
+    let cfg = EngineConfig { step_tokens: 32, ..EngineConfig::default() };
+    let engine = Engine::start(model.clone(), Arc::new(word_tokenizer(VOCAB)), CacheConfig::fp16(), cfg).unwrap();
+    let run = |prompt: &[u32]| {
+        let (s, rx) = sink(usize::MAX);
+        engine.submit(greedy(prompt.to_vec(), 10), s).unwrap();
+        let ev = events(&rx);
+        let Some(Event::Done(sum)) = ev.last().cloned() else { panic!("seed {seed}: {ev:?}") };
+        (tokens_of(&ev), sum)
+    };
+    let ps = prompts(seed, &[60, 60, 40, 9]);
+    let cat = |parts: &[&[u32]]| parts.concat();
+    let a = cat(&[&ps[0], &ps[1]]);
+    let (answer, _) = run(&a);
+    // 60 shared tokens of the 129 the first conversation holds: copied, not taken over.
+    let b = cat(&[&ps[0], &ps[2]]);
+    let (got, second) = run(&b);
+    assert_eq!(second.cached_tokens, 60, "seed {seed}");
+    greedy_along(&model, &b, &got, seed);
+    // The first conversation's next turn still finds it whole.
+    let c = cat(&[&a, &answer, &ps[3]]);
+    let (got, third) = run(&c);
+    assert_eq!(third.cached_tokens, a.len() + answer.len() - 1, "seed {seed}");
+    greedy_along(&model, &c, &got, seed);
+    let s = engine.stats();
+    assert_eq!((s.forks, s.prefix_hits), (1, 1), "{s:?}");
+    assert_eq!(s.prompt_tokens as usize, a.len() + (b.len() - 60) + (c.len() - third.cached_tokens), "{s:?}");
+}
+
 #[test]
 fn bad_requests_are_refused_before_they_queue() {
     let tok = Arc::new(word_tokenizer(VOCAB));
