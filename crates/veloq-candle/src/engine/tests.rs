@@ -328,7 +328,9 @@ fn requests_sharing_a_prompt_fork_the_running_one() {
     let cfg = EngineConfig { step_tokens: 32, ..EngineConfig::default() };
     let engine = Engine::start(model.clone(), Arc::new(word_tokenizer(VOCAB)), CacheConfig::fp16(), cfg).unwrap();
     let ps = prompts(seed, &[100, 7, 20]);
-    let other: Vec<u32> = ps[0][..70].iter().chain(&ps[2]).copied().collect();
+    let mut other: Vec<u32> = ps[0][..70].iter().chain(&ps[2]).copied().collect();
+    // It parts from the first prompt exactly there (a random token could match by chance).
+    other[70] = (ps[0][70] + 1) % VOCAB as u32;
     // The first request holds the engine in its admission until the others are queued, so they
     // find it running with its prompt partly fed.
     let (open, gate) = mpsc::channel();
@@ -383,7 +385,9 @@ fn a_short_shared_prefix_is_copied_from_a_resident_sequence() {
     let a = cat(&[&ps[0], &ps[1]]);
     let (answer, _) = run(&a);
     // 60 shared tokens of the 129 the first conversation holds: copied, not taken over.
-    let b = cat(&[&ps[0], &ps[2]]);
+    let mut b = cat(&[&ps[0], &ps[2]]);
+    // It parts from the first conversation exactly there (a random token could match by chance).
+    b[60] = (a[60] + 1) % VOCAB as u32;
     let (got, second) = run(&b);
     assert_eq!(second.cached_tokens, 60, "seed {seed}");
     greedy_along(&model, &b, &got, seed);
