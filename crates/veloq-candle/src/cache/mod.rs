@@ -140,10 +140,14 @@ impl ModelCache {
         self.layers.iter_mut().try_for_each(|l| l.truncate(slot, len))
     }
 
-    /// Makes the empty slot `to` hold what `from` holds, in every layer; on failure `to` is
-    /// emptied again.
-    pub fn fork(&mut self, from: usize, to: usize) -> Result<()> {
-        let r = self.layers.iter_mut().try_for_each(|l| l.fork(from, to));
+    /// Makes the empty slot `to` hold the first `len` positions `from` holds, in every layer (a
+    /// copy, then a cut where `from` holds more); on failure — a cache that cannot copy, a
+    /// sliding window that cannot cut back that far — `to` is emptied again.
+    pub fn fork(&mut self, from: usize, to: usize, len: usize) -> Result<()> {
+        let mut r = self.layers.iter_mut().try_for_each(|l| l.fork(from, to));
+        if r.is_ok() && self.len(to) > len {
+            r = self.truncate(to, len);
+        }
         if r.is_err() {
             self.truncate(to, 0)?;
         }

@@ -664,11 +664,10 @@ impl Worker {
             };
             let mut copied = false;
             if let Some((from, n)) = resident {
-                let forked = self.caches.truncate(slot, 0).and_then(|_| self.caches.fork(from, slot));
-                copied = forked.and_then(|_| self.caches.truncate(slot, n)).is_ok();
+                // Refused (a sliding window that no longer holds the cut): the prompt is fed whole.
+                copied = self.caches.truncate(slot, 0).and_then(|_| self.caches.fork(from, slot, n)).is_ok();
                 cached = if copied { n } else { 0 };
                 if !copied {
-                    // A sliding window that no longer holds the cut: the prompt is fed whole.
                     broken = broken.or(self.caches.truncate(slot, 0).err());
                 }
             }
@@ -742,8 +741,8 @@ impl Worker {
         for i in 0..self.live.len() {
             let Some(f) = self.live[i].follows else { continue };
             let source = self.live.iter().find(|l| l.job.id == f.source).map(|l| l.slot);
-            let (slot, held) = match source {
-                Some(s) if self.caches.len(s) >= f.at => (s, self.caches.len(s)),
+            let slot = match source {
+                Some(s) if self.caches.len(s) >= f.at => s,
                 Some(_) => continue,
                 None => {
                     self.live[i].follows = None;
@@ -754,7 +753,7 @@ impl Worker {
             self.live[i].follows = None;
             // A sliding-window layer cannot cut back below what it holds: the source's chunks
             // stop at `at` while a request waits for it, so a cut is rare; then it feeds itself.
-            if self.caches.fork(slot, to).is_err() || held > f.at && self.caches.truncate(to, f.at).is_err() {
+            if self.caches.fork(slot, to, f.at).is_err() {
                 self.caches.truncate(to, 0)?;
                 continue;
             }

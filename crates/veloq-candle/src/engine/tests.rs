@@ -280,19 +280,28 @@ fn greedy_along(model: &Model, prompt: &[u32], got: &[u32], seed: u64) {
     }
 }
 
-#[test]
-fn a_resident_prefix_is_reused_and_answers_as_a_fresh_prompt() {
-    let seed = fresh_seed();
+/// The prefix tests' engine: a random model of `seed`, fp16 caches, 32 tokens a step.
+fn prefix_engine(seed: u64) -> (Arc<Model>, Engine) {
     let model = Arc::new(tiny_model_seeded(VOCAB, CONTEXT, seed));
     let cfg = EngineConfig { step_tokens: 32, ..EngineConfig::default() };
     let engine = Engine::start(model.clone(), Arc::new(word_tokenizer(VOCAB)), CacheConfig::fp16(), cfg).unwrap();
-    let run = |prompt: Vec<u32>, n: usize| {
-        let (s, rx) = sink(usize::MAX);
-        engine.submit(greedy(prompt, n), s).unwrap();
-        let ev = events(&rx);
-        let Some(Event::Done(sum)) = ev.last().cloned() else { panic!("seed {seed}: {ev:?}") };
-        (tokens_of(&ev), sum)
-    };
+    (model, engine)
+}
+
+/// A greedy request of `n` tokens run to its end: its tokens and summary.
+fn run_greedy(engine: &Engine, prompt: &[u32], n: usize, seed: u64) -> (Vec<u32>, Summary) {
+    let (s, rx) = sink(usize::MAX);
+    engine.submit(greedy(prompt.to_vec(), n), s).unwrap();
+    let ev = events(&rx);
+    let Some(Event::Done(sum)) = ev.last().cloned() else { panic!("seed {seed}: {ev:?}") };
+    (tokens_of(&ev), sum)
+}
+
+#[test]
+fn a_resident_prefix_is_reused_and_answers_as_a_fresh_prompt() {
+    let seed = fresh_seed();
+    let (model, engine) = prefix_engine(seed);
+    let run = |prompt: Vec<u32>, n: usize| run_greedy(&engine, &prompt, n, seed);
     let ps = prompts(seed, &[50, 12, 9]);
     // A first turn, then the next: its whole history (prompt and answer) and a new message.
     let (answer, first) = run(ps[0].clone(), 10);
@@ -324,9 +333,7 @@ fn a_resident_prefix_is_reused_and_answers_as_a_fresh_prompt() {
 #[test]
 fn requests_sharing_a_prompt_fork_the_running_one() {
     let seed = fresh_seed();
-    let model = Arc::new(tiny_model_seeded(VOCAB, CONTEXT, seed));
-    let cfg = EngineConfig { step_tokens: 32, ..EngineConfig::default() };
-    let engine = Engine::start(model.clone(), Arc::new(word_tokenizer(VOCAB)), CacheConfig::fp16(), cfg).unwrap();
+    let (model, engine) = prefix_engine(seed);
     let ps = prompts(seed, &[100, 7, 20]);
     let mut other: Vec<u32> = ps[0][..70].iter().chain(&ps[2]).copied().collect();
     // It parts from the first prompt exactly there (a random token could match by chance).
@@ -370,16 +377,8 @@ fn requests_sharing_a_prompt_fork_the_running_one() {
 #[test]
 fn a_short_shared_prefix_is_copied_from_a_resident_sequence() {
     let seed = fresh_seed();
-    let model = Arc::new(tiny_model_seeded(VOCAB, CONTEXT, seed));
-    let cfg = EngineConfig { step_tokens: 32, ..EngineConfig::default() };
-    let engine = Engine::start(model.clone(), Arc::new(word_tokenizer(VOCAB)), CacheConfig::fp16(), cfg).unwrap();
-    let run = |prompt: &[u32]| {
-        let (s, rx) = sink(usize::MAX);
-        engine.submit(greedy(prompt.to_vec(), 10), s).unwrap();
-        let ev = events(&rx);
-        let Some(Event::Done(sum)) = ev.last().cloned() else { panic!("seed {seed}: {ev:?}") };
-        (tokens_of(&ev), sum)
-    };
+    let (model, engine) = prefix_engine(seed);
+    let run = |prompt: &[u32]| run_greedy(&engine, prompt, 10, seed);
     let ps = prompts(seed, &[60, 60, 40, 9]);
     let cat = |parts: &[&[u32]]| parts.concat();
     let a = cat(&[&ps[0], &ps[1]]);
