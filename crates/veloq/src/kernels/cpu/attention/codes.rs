@@ -114,6 +114,8 @@ pub struct CodesScratch {
     p4: Vec<[f32; GROUP]>,
     p: Vec<f32>,
     w: Vec<f32>,
+    k_codes: Vec<u8>,
+    v_codes: Vec<u8>,
     rot: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
@@ -205,6 +207,12 @@ pub fn attend_many(
 /// [`attend`] for up to [`GROUP`] queries `qs` (`t × head_dim`, scaled) over kv head `h` in one
 /// pass over the codes: each query's softmax partial in `stats` (`t` of them, reset here) and its
 /// weighted value sum in `acc` (`t × head_dim`, value space), as [`attend_many`] returns them.
+///
+/// With 8-bit codes (the defaults) a tile's codes are copied into a dense `positions × subspaces`
+/// block first, so both sides walk it a few sub-spaces at a time: the keys read [`KEY_COLUMNS`]
+/// tables (4 KiB each) that stay in L1 while the whole tile passes, and the values sum
+/// `p · centroid` in registers straight from the sub-space's codebook — no table of per-centroid
+/// sums to read and write back per code. Packed codes keep the per-position tables.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_group(
     keys: &LutCodec,
@@ -254,8 +262,10 @@ pub fn attend_group(
         let offset = kc.transform().query_offset(h, &qs[i * d..(i + 1) * d]);
         s.lut4[..kk].iter_mut().for_each(|l| l[i] += offset);
     }
+    // Values: weighted sums per centroid (packed codes), or the code-space output itself (bytes).
+    let direct = vbits == 8;
     s.w4.clear();
-    s.w4.resize(mv * vk, [0.0; GROUP]);
+    s.w4.resize(if direct { mv * sdv } else { mv * vk }, [0.0; GROUP]);
     s.p4.resize(TILE, [0.0; GROUP]);
     s.p.resize(TILE, 0.0);
     let (kpacked, vpacked) = (
@@ -264,22 +274,24 @@ pub fn attend_group(
     );
     for t0 in (0..codes.len).step_by(TILE) {
         let t1 = (t0 + TILE).min(codes.len);
-        let p4 = &mut s.p4[..t1 - t0];
-        for (t, pv) in (t0..t1).zip(p4.iter_mut()) {
-            let mut sum = [0.0f32; GROUP];
-            let mut add = |l: &[f32; GROUP]| (0..GROUP).for_each(|i| sum[i] += l[i]);
-            if kbits == 8 {
-                let row = &codes.keys[t / block][((t % block) * heads + h) * m..][..m];
-                row.iter().enumerate().for_each(|(j, &c)| add(&s.lut4[j * kk + c as usize]));
-            } else {
-                (0..m).for_each(|j| add(&s.lut4[j * kk + kpacked.get(t, h, j)]));
+        let n = t1 - t0;
+        let p4 = &mut s.p4[..n];
+        if kbits == 8 {
+            gather_rows(codes.keys, block, heads, h, m, t0, t1, &mut s.k_codes);
+            score_columns(s.lut4.as_chunks::<BYTE>().0, &s.k_codes, m, p4);
+        } else {
+            for (t, pv) in (t0..t1).zip(p4.iter_mut()) {
+                let mut sum = [0.0f32; GROUP];
+                for j in 0..m {
+                    add_lanes(&mut sum, &s.lut4[j * kk + kpacked.get(t, h, j)]);
+                }
+                *pv = sum;
             }
-            *pv = sum;
         }
         // Each query's online softmax over its lane; its lane of the sums is rescaled when its
         // maximum moves.
         for (i, st) in stats.iter_mut().enumerate() {
-            let p = &mut s.p[..t1 - t0];
+            let p = &mut s.p[..n];
             p.iter_mut().zip(p4.iter()).for_each(|(x, pv)| *x = pv[i]);
             let f = st.fold_weights(p);
             if f != 1.0 {
@@ -287,25 +299,165 @@ pub fn attend_group(
             }
             p.iter().zip(p4.iter_mut()).for_each(|(x, pv)| pv[i] = *x);
         }
-        for (t, pv) in (t0..t1).zip(p4.iter()) {
-            let add = |w: &mut [f32; GROUP]| (0..GROUP).for_each(|i| w[i] += pv[i]);
-            if vbits == 8 {
-                let row = &codes.values[t / block][((t % block) * heads + h) * mv..][..mv];
-                row.iter().enumerate().for_each(|(j, &c)| add(&mut s.w4[j * vk + c as usize]));
-            } else {
-                (0..mv).for_each(|j| add(&mut s.w4[j * vk + vpacked.get(t, h, j)]));
+        if direct {
+            gather_rows(codes.values, block, heads, h, mv, t0, t1, &mut s.v_codes);
+            for (j, out) in s.w4.chunks_exact_mut(sdv).enumerate() {
+                let book = vc.books().book(j).centroids();
+                match sdv {
+                    2 => sum_column::<2>(book, &s.v_codes, mv, j, p4, out),
+                    4 => sum_column::<4>(book, &s.v_codes, mv, j, p4, out),
+                    _ => sum_column::<8>(book, &s.v_codes, mv, j, p4, out),
+                }
+            }
+        } else {
+            for (t, pv) in (t0..t1).zip(p4.iter()) {
+                for j in 0..mv {
+                    add_lanes(&mut s.w4[j * vk + vpacked.get(t, h, j)], pv);
+                }
             }
         }
     }
-    for (i, (st, out)) in stats.iter().zip(acc.chunks_exact_mut(d)).enumerate() {
+    if direct {
+        for (e, w) in s.w4.iter().enumerate() {
+            for (i, out) in acc.chunks_exact_mut(d).enumerate() {
+                out[e] = w[i];
+            }
+        }
+    } else {
+        // Decode the sums: out[j·sdv + e] = Σ_c W[j][c] · C_j[c][e], all queries' lanes at once.
         for j in 0..mv {
             let (bt, w) = (values.book_t(j), &s.w4[j * vk..(j + 1) * vk]);
             for e in 0..sdv {
-                out[j * sdv + e] = w.iter().zip(&bt[e * vk..(e + 1) * vk]).map(|(w, c)| w[i] * c).sum();
+                let sum = weighted_lanes(w, &bt[e * vk..(e + 1) * vk]);
+                for (i, out) in acc.chunks_exact_mut(d).enumerate() {
+                    out[j * sdv + e] = sum[i];
+                }
             }
         }
+    }
+    for (st, out) in stats.iter().zip(acc.chunks_exact_mut(d)) {
         vc.transform().inverse_weighted(h, out, st.l);
     }
+}
+
+/// Centroids of a book with 8-bit codes: a code indexes its table with no bounds check.
+const BYTE: usize = 256;
+
+/// Key tables [`score_columns`] reads per pass over a tile: 8 × 4 KiB stay in L1 beside the tile's
+/// codes.
+const KEY_COLUMNS: usize = 8;
+
+/// `sum += x`, lane by lane.
+#[inline(always)]
+fn add_lanes(sum: &mut [f32; GROUP], x: &[f32; GROUP]) {
+    for i in 0..GROUP {
+        sum[i] += x[i];
+    }
+}
+
+/// Copies the 8-bit code rows of head `h` (`m` codes each) at positions `t0..t1` into `out`
+/// (`(t1 − t0) × m`, dense).
+#[allow(clippy::too_many_arguments)]
+fn gather_rows(
+    blocks: &[Box<[u8]>],
+    block: usize,
+    heads: usize,
+    h: usize,
+    m: usize,
+    t0: usize,
+    t1: usize,
+    out: &mut Vec<u8>,
+) {
+    out.resize((t1 - t0) * m, 0);
+    let stride = heads * m;
+    let mut dst = out.chunks_exact_mut(m);
+    for (b, codes) in blocks.iter().enumerate().take(t1.div_ceil(block)).skip(t0 / block) {
+        let (s, e) = (t0.max(b * block) - b * block, t1.min((b + 1) * block) - b * block);
+        for (r, o) in codes[s * stride..e * stride].chunks_exact(stride).zip(&mut dst) {
+            let r = &r[h * m..(h + 1) * m];
+            if m.is_multiple_of(8) {
+                // Word moves inline: a `memcpy` call per row of 8–32 bytes costs more than the row.
+                o.chunks_exact_mut(8).zip(r.chunks_exact(8)).for_each(|(o, r)| o.copy_from_slice(r));
+            } else {
+                o.copy_from_slice(r);
+            }
+        }
+    }
+}
+
+/// `p4[t] = Σ_j tables[j][codes[t][j]]` over a tile of dense code rows (`m` per position),
+/// [`KEY_COLUMNS`] tables at a time.
+fn score_columns(tables: &[[[f32; GROUP]; BYTE]], codes: &[u8], m: usize, p4: &mut [[f32; GROUP]]) {
+    p4.fill([0.0; GROUP]);
+    for (j0, tabs) in tables.chunks(KEY_COLUMNS).enumerate() {
+        let j0 = j0 * KEY_COLUMNS;
+        for (row, pv) in codes.chunks_exact(m).zip(p4.iter_mut()) {
+            let row = &row[j0..j0 + tabs.len()];
+            // Two sums so that the adds' latency overlaps instead of chaining through one register.
+            let (mut a, mut b) = ([0.0f32; GROUP], [0.0f32; GROUP]);
+            let (tp, rp) = (tabs.chunks_exact(2), row.chunks_exact(2));
+            if let (Some(t), Some(&c)) = (tp.remainder().first(), rp.remainder().first()) {
+                add_lanes(&mut a, &t[c as usize]);
+            }
+            for (t, c) in tp.zip(rp) {
+                add_lanes(&mut a, &t[0][c[0] as usize]);
+                add_lanes(&mut b, &t[1][c[1] as usize]);
+            }
+            (0..GROUP).for_each(|i| pv[i] += a[i] + b[i]);
+        }
+    }
+}
+
+/// `out[e] += Σ_t p4[t] · book[codes[t][j]][e]` for sub-space `j` (centroids of `SD`), summed in
+/// registers over the tile.
+#[inline(always)]
+fn sum_column<const SD: usize>(
+    book: &[f32],
+    codes: &[u8],
+    m: usize,
+    j: usize,
+    p4: &[[f32; GROUP]],
+    out: &mut [[f32; GROUP]],
+) {
+    let book: &[[f32; SD]; BYTE] = book.as_chunks::<SD>().0.try_into().expect("8-bit codebook");
+    let fma = |a: &mut [[f32; GROUP]; SD], row: &[u8], p: &[f32; GROUP]| {
+        let c = &book[row[j] as usize];
+        for e in 0..SD {
+            for i in 0..GROUP {
+                a[e][i] = p[i].mul_add(c[e], a[e][i]);
+            }
+        }
+    };
+    // Two sums (even and odd positions) so that the multiply-adds' latency overlaps.
+    let (mut a, mut b) = ([[0.0f32; GROUP]; SD], [[0.0f32; GROUP]; SD]);
+    let (rows, ps) = (codes.chunks_exact(2 * m), p4.chunks_exact(2));
+    if let (Some(p), true) = (ps.remainder().first(), !rows.remainder().is_empty()) {
+        fma(&mut a, rows.remainder(), p);
+    }
+    for (r, p) in rows.zip(ps) {
+        fma(&mut a, &r[..m], &p[0]);
+        fma(&mut b, &r[m..], &p[1]);
+    }
+    for (e, o) in out.iter_mut().enumerate() {
+        (0..GROUP).for_each(|i| o[i] += a[e][i] + b[e][i]);
+    }
+}
+
+/// Σ_c w[c] · x[c], lane by lane, in four independent sums.
+#[inline]
+fn weighted_lanes(w: &[[f32; GROUP]], x: &[f32]) -> [f32; GROUP] {
+    let mut acc = [[0.0f32; GROUP]; 4];
+    let (wc, xc) = (w.chunks_exact(4), x.chunks_exact(4));
+    for (w, x) in wc.remainder().iter().zip(xc.remainder()) {
+        (0..GROUP).for_each(|i| acc[0][i] += w[i] * x);
+    }
+    for (w, x) in wc.zip(xc) {
+        for u in 0..4 {
+            (0..GROUP).for_each(|i| acc[u][i] += w[u][i] * x[u]);
+        }
+    }
+    let [a, b, c, d] = acc;
+    std::array::from_fn(|i| (a[i] + b[i]) + (c[i] + d[i]))
 }
 
 /// Attention of query `q` (one query head over kv head `h`, scaled) over every coded position of
