@@ -33,7 +33,13 @@ const TILE: usize = 512;
 pub struct LutCodec {
     codec: Arc<VecInferCodec>,
     books_t: Vec<f32>,
+    /// The books spread for summing values over a GQA group, built on first use (values only):
+    /// centroid pairs as `[c₀ ×GROUP, c₁ ×GROUP]`, so a code is one 8-wide load and multiply-add.
+    spread: std::sync::OnceLock<Vec<Unit>>,
 }
+
+/// Eight lanes: a spread centroid pair, or a group's weights twice.
+type Unit = [f32; 2 * GROUP];
 
 impl LutCodec {
     /// Transposes `codec`'s books.
@@ -45,7 +51,24 @@ impl LutCodec {
                 books_t.extend((0..k).map(|c| b.centroid(c)[d]));
             }
         }
-        Self { codec, books_t }
+        Self { codec, books_t, spread: std::sync::OnceLock::new() }
+    }
+
+    /// [`Self::spread`]'s books: `[subspace][centroid][sub_dim / 2]` units.
+    fn spread_books(&self) -> &[Unit] {
+        self.spread.get_or_init(|| {
+            let (k, sd, m) = (self.codec.shape().centroids(), self.codec.shape().sub_dim, self.codec.subspaces());
+            let mut out = Vec::with_capacity(m * k * sd / 2);
+            for j in 0..m {
+                let book = self.codec.books().book(j);
+                for c in 0..k {
+                    for pair in book.centroid(c).chunks_exact(2) {
+                        out.push(std::array::from_fn(|l| pair[l / GROUP]));
+                    }
+                }
+            }
+            out
+        })
     }
 
     /// The codec itself.
@@ -299,7 +322,15 @@ pub fn attend_group(
             }
             p.iter().zip(p4.iter_mut()).for_each(|(x, pv)| pv[i] = *x);
         }
-        if direct {
+        if direct && (mv * sdv).is_multiple_of(2 * VALUE_UNITS) {
+            gather_rows(codes.values, block, heads, h, mv, t0, t1, &mut s.v_codes);
+            let (spread, out) = (values.spread_books(), s.w4.as_chunks_mut::<2>().0);
+            match sdv {
+                2 => sum_spread::<1, VALUE_UNITS>(spread, &s.v_codes, mv, p4, out),
+                4 => sum_spread::<2, { VALUE_UNITS / 2 }>(spread, &s.v_codes, mv, p4, out),
+                _ => sum_spread::<4, { VALUE_UNITS / 4 }>(spread, &s.v_codes, mv, p4, out),
+            }
+        } else if direct {
             gather_rows(codes.values, block, heads, h, mv, t0, t1, &mut s.v_codes);
             for (j, out) in s.w4.chunks_exact_mut(sdv).enumerate() {
                 let book = vc.books().book(j).centroids();
@@ -344,7 +375,7 @@ pub fn attend_group(
 const BYTE: usize = 256;
 
 /// Key tables [`score_columns`] reads per pass over a tile: 8 × 4 KiB stay in L1 beside the tile's
-/// codes.
+/// codes ([`add_entries`] sums exactly this many).
 const KEY_COLUMNS: usize = 8;
 
 /// `sum += x`, lane by lane.
@@ -372,6 +403,11 @@ fn gather_rows(
     let stride = heads * m;
     let mut dst = out.chunks_exact_mut(m);
     for (b, codes) in blocks.iter().enumerate().take(t1.div_ceil(block)).skip(t0 / block) {
+        // Blocks are separate allocations, too short for the hardware prefetcher to follow: ask
+        // for the one after next while this one is copied.
+        if let Some(ahead) = blocks.get(b + PREFETCH_BLOCKS) {
+            prefetch(ahead);
+        }
         let (s, e) = (t0.max(b * block) - b * block, t1.min((b + 1) * block) - b * block);
         for (r, o) in codes[s * stride..e * stride].chunks_exact(stride).zip(&mut dst) {
             let r = &r[h * m..(h + 1) * m];
@@ -385,25 +421,104 @@ fn gather_rows(
     }
 }
 
+/// Code blocks [`gather_rows`] prefetches ahead of the one it copies.
+const PREFETCH_BLOCKS: usize = 2;
+
+/// Asks for `bytes`' cache lines ahead of use (a no-op off x86-64).
+#[inline(always)]
+fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in bytes.chunks(64) {
+        // SAFETY: a prefetch is a hint; it reads nothing and the address lies in `bytes`.
+        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line.as_ptr().cast()) };
+    }
+}
+
 /// `p4[t] = Σ_j tables[j][codes[t][j]]` over a tile of dense code rows (`m` per position),
 /// [`KEY_COLUMNS`] tables at a time.
 fn score_columns(tables: &[[[f32; GROUP]; BYTE]], codes: &[u8], m: usize, p4: &mut [[f32; GROUP]]) {
     p4.fill([0.0; GROUP]);
-    for (j0, tabs) in tables.chunks(KEY_COLUMNS).enumerate() {
-        let j0 = j0 * KEY_COLUMNS;
+    let whole = m / KEY_COLUMNS * KEY_COLUMNS;
+    for j0 in (0..whole).step_by(KEY_COLUMNS) {
+        let tabs: &[[[f32; GROUP]; BYTE]; KEY_COLUMNS] = tables[j0..j0 + KEY_COLUMNS].try_into().expect("columns");
         for (row, pv) in codes.chunks_exact(m).zip(p4.iter_mut()) {
-            let row = &row[j0..j0 + tabs.len()];
-            // Two sums so that the adds' latency overlaps instead of chaining through one register.
-            let (mut a, mut b) = ([0.0f32; GROUP], [0.0f32; GROUP]);
-            let (tp, rp) = (tabs.chunks_exact(2), row.chunks_exact(2));
-            if let (Some(t), Some(&c)) = (tp.remainder().first(), rp.remainder().first()) {
-                add_lanes(&mut a, &t[c as usize]);
+            let row: &[u8; KEY_COLUMNS] = row[j0..j0 + KEY_COLUMNS].try_into().expect("columns");
+            add_entries(tabs, row, pv);
+        }
+    }
+    for (j, tab) in tables.iter().enumerate().skip(whole) {
+        for (row, pv) in codes.chunks_exact(m).zip(p4.iter_mut()) {
+            add_lanes(pv, &tab[row[j] as usize]);
+        }
+    }
+}
+
+// The SSE path of `add_entries` holds a group's lanes in one __m128, and sums 8 columns.
+const _: () = assert!(GROUP == 4 && KEY_COLUMNS == 8);
+
+/// `pv += Σ_u tabs[u][row[u]]`, summed as a tree so that the adds' latency overlaps. Explicit
+/// SSE (part of x86-64) on x86: left to itself the compiler vectorises the caller's loop across
+/// positions instead, assembling each vector from scattered lanes.
+#[inline(always)]
+fn add_entries(tabs: &[[[f32; GROUP]; BYTE]; KEY_COLUMNS], row: &[u8; KEY_COLUMNS], pv: &mut [f32; GROUP]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_add_ps, _mm_loadu_ps, _mm_storeu_ps};
+        // SAFETY: every load reads one whole `[f32; GROUP]` entry (GROUP = 4 lanes of an __m128)
+        // and the store writes `pv`; SSE is part of x86-64.
+        unsafe {
+            let e = |u: usize| _mm_loadu_ps(tabs[u][row[u] as usize].as_ptr());
+            let s01 = _mm_add_ps(e(0), e(1));
+            let s23 = _mm_add_ps(e(2), e(3));
+            let s45 = _mm_add_ps(e(4), e(5));
+            let s67 = _mm_add_ps(e(6), e(7));
+            let sum = _mm_add_ps(_mm_add_ps(s01, s23), _mm_add_ps(s45, s67));
+            _mm_storeu_ps(pv.as_mut_ptr(), _mm_add_ps(_mm_loadu_ps(pv.as_ptr()), sum));
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    for (tab, &c) in tabs.iter().zip(row) {
+        add_lanes(pv, &tab[c as usize]);
+    }
+}
+
+/// Accumulators (8 lanes each) [`sum_spread`] keeps in registers.
+const VALUE_UNITS: usize = 8;
+
+/// `out[j·sd/2 + k] += Σ_t [p4[t], p4[t]] · spread[j][codes[t][j]][k]` over a tile: `COLS`
+/// sub-spaces at a time (their spread books, `COLS·UNITS` KiB × 8, stay in L1), positions inner,
+/// `UNITS = sub_dim / 2` spread pairs per centroid, every accumulator in a register.
+fn sum_spread<const UNITS: usize, const COLS: usize>(
+    spread: &[Unit],
+    codes: &[u8],
+    m: usize,
+    p4: &[[f32; GROUP]],
+    out: &mut [[[f32; GROUP]; 2]],
+) {
+    let books = spread.as_chunks::<UNITS>().0;
+    for j0 in (0..m).step_by(COLS) {
+        let cols: [&[[Unit; UNITS]; BYTE]; COLS] =
+            std::array::from_fn(|u| books[(j0 + u) * BYTE..][..BYTE].try_into().expect("8-bit codebook"));
+        let mut acc = [[[0.0f32; 2 * GROUP]; UNITS]; COLS];
+        for (row, p) in codes.chunks_exact(m).zip(p4) {
+            let pp: Unit = std::array::from_fn(|l| p[l % GROUP]);
+            let row: &[u8; COLS] = row[j0..j0 + COLS].try_into().expect("COLS codes");
+            for u in 0..COLS {
+                let x = &cols[u][row[u] as usize];
+                for k in 0..UNITS {
+                    for l in 0..2 * GROUP {
+                        acc[u][k][l] = pp[l].mul_add(x[k][l], acc[u][k][l]);
+                    }
+                }
             }
-            for (t, c) in tp.zip(rp) {
-                add_lanes(&mut a, &t[0][c[0] as usize]);
-                add_lanes(&mut b, &t[1][c[1] as usize]);
+        }
+        for u in 0..COLS {
+            for k in 0..UNITS {
+                let o = &mut out[(j0 + u) * UNITS + k];
+                for l in 0..2 * GROUP {
+                    o[l / GROUP][l % GROUP] += acc[u][k][l];
+                }
             }
-            (0..GROUP).for_each(|i| pv[i] += a[i] + b[i]);
         }
     }
 }
