@@ -4,9 +4,11 @@
 //! - [`attend`], one query (decode): a lookup table LUT[j][c] = q̃_j · C_j[c] (plus q·μ for the
 //!   keys' centering) scores each position as Σ_j LUT[j][code_j]; values are summed per centroid
 //!   (W[j][c] += p) and decoded once. Per position: 2 × subspaces table reads, no multiply.
-//! - [`attend_group`], up to [`GROUP`] queries (a GQA group's heads at decode): the same with the
-//!   queries' tables and sums interleaved, LUT[j][c] = [f32; GROUP], so a code is one read and one
-//!   4-wide add for all of them (measured: `benches/attend_codes.rs`).
+//! - [`attend_group`], up to [`GROUP`] queries (a GQA group's heads at decode): the queries'
+//!   tables interleaved, LUT[j][c] = [f32; GROUP], so a key code is one read and one 4-wide add for
+//!   all of them; with 8-bit codes the values are summed straight from codebooks spread for the
+//!   group (one 8-wide multiply-add per code), sub-spaces a few at a time so that what they read
+//!   stays in L1 (measured: `benches/attend_codes.rs`).
 //! - [`attend_many`], a block of queries (prefill chunks, follow-up turns): a tile of positions is
 //!   decoded into code space (centroids copied, nothing rotated) in scratch and shared by all the
 //!   queries as two matrix products. Measured on SmolLM2's 2k-token prefill (9 query heads, 16
@@ -668,13 +670,15 @@ mod tests {
     use crate::testing::{fresh_seed, normal, outlier_rows, rng};
 
     /// The lookup-table partial equals an f64 softmax over the decoded keys and values, for 8-bit
-    /// and packed 6-bit codes, blocks of 8 and 16 tokens, and more positions than one tile.
+    /// codes of every sub_dim and packed 6-bit codes, blocks of 8 and 16 tokens, and more
+    /// positions than one tile.
     #[test]
     fn matches_attention_over_decoded_rows() {
         let seed = fresh_seed();
         let mut r = rng(seed);
         let (heads, d) = (2, 64);
-        for (bits, sd, block, len) in [(8u32, 4usize, 8usize, 1000usize), (6, 2, 16, 80), (8, 8, 8, 40)] {
+        for (bits, sd, block, len) in [(8u32, 4usize, 8usize, 1000usize), (8, 2, 8, 696), (6, 2, 16, 80), (8, 8, 8, 40)]
+        {
             let shape = PqShape::new(sd, bits).unwrap();
             let train = outlier_rows(&mut r, 400 * heads, d);
             let kc = Arc::new(
