@@ -237,7 +237,8 @@ pub fn attend_many(
 /// block first, so both sides walk it a few sub-spaces at a time: the keys read [`KEY_COLUMNS`]
 /// tables (4 KiB each) that stay in L1 while the whole tile passes, and the values sum
 /// `p · centroid` in registers straight from the sub-space's codebook — no table of per-centroid
-/// sums to read and write back per code. Packed codes keep the per-position tables.
+/// sums to read and write back per code. Packed codes (and, for the values, head dims that are not
+/// a multiple of 16) keep the per-centroid tables.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_group(
     keys: &LutCodec,
@@ -287,8 +288,9 @@ pub fn attend_group(
         let offset = kc.transform().query_offset(h, &qs[i * d..(i + 1) * d]);
         s.lut4[..kk].iter_mut().for_each(|l| l[i] += offset);
     }
-    // Values: weighted sums per centroid (packed codes), or the code-space output itself (bytes).
-    let direct = vbits == 8;
+    // Values: the code-space output itself, summed from spread books (8-bit codes, head dims that
+    // split into whole passes of sub-spaces), else weighted sums per centroid, decoded at the end.
+    let direct = vbits == 8 && d.is_multiple_of(2 * VALUE_UNITS);
     s.w4.clear();
     s.w4.resize(if direct { mv * sdv } else { mv * vk }, [0.0; GROUP]);
     s.p4.resize(TILE, [0.0; GROUP]);
@@ -324,23 +326,13 @@ pub fn attend_group(
             }
             p.iter().zip(p4.iter_mut()).for_each(|(x, pv)| pv[i] = *x);
         }
-        if direct && (mv * sdv).is_multiple_of(2 * VALUE_UNITS) {
+        if direct {
             gather_rows(codes.values, block, heads, h, mv, t0, t1, &mut s.v_codes);
             let (spread, out) = (values.spread_books(), s.w4.as_chunks_mut::<2>().0);
             match sdv {
                 2 => sum_spread::<1, VALUE_UNITS>(spread, &s.v_codes, mv, p4, out),
                 4 => sum_spread::<2, { VALUE_UNITS / 2 }>(spread, &s.v_codes, mv, p4, out),
                 _ => sum_spread::<4, { VALUE_UNITS / 4 }>(spread, &s.v_codes, mv, p4, out),
-            }
-        } else if direct {
-            gather_rows(codes.values, block, heads, h, mv, t0, t1, &mut s.v_codes);
-            for (j, out) in s.w4.chunks_exact_mut(sdv).enumerate() {
-                let book = vc.books().book(j).centroids();
-                match sdv {
-                    2 => sum_column::<2>(book, &s.v_codes, mv, j, p4, out),
-                    4 => sum_column::<4>(book, &s.v_codes, mv, j, p4, out),
-                    _ => sum_column::<8>(book, &s.v_codes, mv, j, p4, out),
-                }
             }
         } else {
             for (t, pv) in (t0..t1).zip(p4.iter()) {
@@ -525,41 +517,6 @@ fn sum_spread<const UNITS: usize, const COLS: usize>(
     }
 }
 
-/// `out[e] += Σ_t p4[t] · book[codes[t][j]][e]` for sub-space `j` (centroids of `SD`), summed in
-/// registers over the tile.
-#[inline(always)]
-fn sum_column<const SD: usize>(
-    book: &[f32],
-    codes: &[u8],
-    m: usize,
-    j: usize,
-    p4: &[[f32; GROUP]],
-    out: &mut [[f32; GROUP]],
-) {
-    let book: &[[f32; SD]; BYTE] = book.as_chunks::<SD>().0.try_into().expect("8-bit codebook");
-    let fma = |a: &mut [[f32; GROUP]; SD], row: &[u8], p: &[f32; GROUP]| {
-        let c = &book[row[j] as usize];
-        for e in 0..SD {
-            for i in 0..GROUP {
-                a[e][i] = p[i].mul_add(c[e], a[e][i]);
-            }
-        }
-    };
-    // Two sums (even and odd positions) so that the multiply-adds' latency overlaps.
-    let (mut a, mut b) = ([[0.0f32; GROUP]; SD], [[0.0f32; GROUP]; SD]);
-    let (rows, ps) = (codes.chunks_exact(2 * m), p4.chunks_exact(2));
-    if let (Some(p), true) = (ps.remainder().first(), !rows.remainder().is_empty()) {
-        fma(&mut a, rows.remainder(), p);
-    }
-    for (r, p) in rows.zip(ps) {
-        fma(&mut a, &r[..m], &p[0]);
-        fma(&mut b, &r[m..], &p[1]);
-    }
-    for (e, o) in out.iter_mut().enumerate() {
-        (0..GROUP).for_each(|i| o[i] += a[e][i] + b[e][i]);
-    }
-}
-
 /// Σ_c w[c] · x[c], lane by lane, in four independent sums.
 #[inline]
 fn weighted_lanes(w: &[[f32; GROUP]], x: &[f32]) -> [f32; GROUP] {
@@ -676,9 +633,17 @@ mod tests {
     fn matches_attention_over_decoded_rows() {
         let seed = fresh_seed();
         let mut r = rng(seed);
-        let (heads, d) = (2, 64);
-        for (bits, sd, block, len) in [(8u32, 4usize, 8usize, 1000usize), (8, 2, 8, 696), (6, 2, 16, 80), (8, 8, 8, 40)]
-        {
+        let heads = 2;
+        // Head dim 80 (sub_dim 8: 10 sub-spaces) leaves the keys a partial pass of tables; 72 sends
+        // 8-bit values through the per-centroid sums.
+        for (bits, sd, block, len, d) in [
+            (8u32, 4usize, 8usize, 1000usize, 64usize),
+            (8, 2, 8, 696, 64),
+            (6, 2, 16, 80, 64),
+            (8, 8, 8, 40, 64),
+            (8, 8, 8, 40, 80),
+            (8, 8, 8, 40, 72),
+        ] {
             let shape = PqShape::new(sd, bits).unwrap();
             let train = outlier_rows(&mut r, 400 * heads, d);
             let kc = Arc::new(
