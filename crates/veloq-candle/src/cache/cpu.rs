@@ -1,7 +1,7 @@
 //! The CPU backend: f16 rows and codes in host memory, attention by veloq's CPU kernels
 //! (`veloq::kernels::cpu::attention`). VecInfer codes are scored through lookup tables and their
-//! values summed from the codebooks in code space (no key or value is rebuilt); other codecs (KIVI, Lloyd–Max) are
-//! decoded a block at a time into scratch. Work runs in parallel over (sequence, query head,
+//! values summed from the codebooks in code space (no key or value is rebuilt); other codecs
+//! (KIVI, Lloyd–Max) are decoded a block at a time into scratch. Work runs in parallel over (sequence, query head,
 //! tile of queries), one pass over codes and rows each.
 //!
 //! Tensors on other devices work too (the step's keys, values and queries are copied to the host
