@@ -138,3 +138,62 @@ def test_kv_cache_input_is_checked(cal, rng):
     with pytest.raises(veloq.ContextOverflowError):
         cache.attend(0, np.repeat(q, 5, axis=1), np.repeat(k, 5, axis=1), np.repeat(k, 5, axis=1))
     assert cache.length(0) == 0, "a refused step changes nothing"
+
+
+def test_append_stores_what_attend_stores(cal, rng):
+    """A prompt appended without attention (the caller attended it) leaves the cache exactly as
+    attending it does: the next step's attention is identical."""
+    n, scale = 300, 0.125
+    k, v = keys_like(rng, cal, n + 1)[None], keys_like(rng, cal, n + 1)[None]
+    q = rng.standard_normal((1, n + 1, 9, 64)).astype(np.float32)
+    attended = veloq.KvCache("vq-4", q_heads=9, calibration=cal, max_context=512)
+    appended = veloq.KvCache("vq-4", q_heads=9, calibration=cal, max_context=512)
+    attended.attend(3, q[:, :n], k[:, :n], v[:, :n], scale)
+    appended.append(3, k[:, :n], v[:, :n])
+    assert appended.length(3) == attended.length(3) == n
+    assert appended.resident_bytes == attended.resident_bytes
+    a = attended.attend(3, q[:, n:], k[:, n:], v[:, n:], scale)
+    b = appended.attend(3, q[:, n:], k[:, n:], v[:, n:], scale)
+    assert np.array_equal(a, b)
+    # …and differs from a cache that holds something else.
+    other = veloq.KvCache("vq-4", q_heads=9, calibration=cal, max_context=512)
+    other.append(3, k[:, 1 : n + 1], v[:, 1 : n + 1])
+    assert not np.array_equal(a, other.attend(3, q[:, n:], k[:, n:], v[:, n:], scale))
+
+
+class FakeCudaArray:
+    """Publishes a CUDA array interface without any memory behind it: only what is checked before
+    a device is touched may be exercised with it."""
+
+    def __init__(self, shape, typestr="<f4", strides=None, readonly=False):
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape), "typestr": typestr, "data": (1 << 40, readonly), "strides": strides, "version": 3,
+        }
+
+
+def test_cuda_arrays_are_checked_before_any_device_is_used(cal, rng):
+    cache = veloq.KvCache("vq-4", q_heads=9, calibration=cal, max_context=64)
+    k = keys_like(rng, cal, 4)[None]
+    q = rng.standard_normal((1, 4, 9, 64)).astype(np.float32)
+    with pytest.raises(veloq.ShapeError, match="float32"):
+        cache.append(0, FakeCudaArray(k.shape, typestr="<f2"), FakeCudaArray(k.shape))
+    with pytest.raises(veloq.ShapeError, match="contiguous"):
+        cache.append(0, FakeCudaArray(k.shape, strides=(4 * 64 * 3 * 4, 4, 4 * 4 * 64, 4 * 4 * 3)), FakeCudaArray(k.shape))
+    with pytest.raises(veloq.ShapeError, match="k: expected shape"):
+        cache.append(0, FakeCudaArray((1, 4, 2, 64)), FakeCudaArray(k.shape))
+    with pytest.raises(veloq.DeviceError, match='device="cuda"'):
+        cache.append(0, FakeCudaArray(k.shape), FakeCudaArray(k.shape))
+    with pytest.raises(veloq.ShapeError, match="out="):
+        cache.attend(0, q, k, k, out=np.empty_like(q))
+    assert cache.length(0) == 0, "a refused step changes nothing"
+
+
+def test_a_cuda_cache_needs_a_cuda_build_or_device(cal):
+    try:
+        cache = veloq.KvCache("vq-4", q_heads=9, calibration=cal, max_context=64, device="cuda")
+    except veloq.DeviceError as e:
+        assert "CUDA" in str(e) or "cuda" in str(e)
+    else:
+        assert cache.device == "cuda:0"
+    with pytest.raises(veloq.DeviceError, match="expected cpu, cuda"):
+        veloq.KvCache("vq-4", q_heads=9, calibration=cal, device="gpu")

@@ -1,7 +1,7 @@
 """Type stubs of veloq's extension module (re-exported by ``veloq``)."""
 
 from os import PathLike
-from typing import Callable, Iterator, Optional, Sequence, Union, final
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, TypeVar, Union, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -25,6 +25,13 @@ class ConfigError(VeloqError): ...
 class OutOfMemoryError(VeloqError): ...
 
 _Path = Union[str, PathLike]
+
+class _CudaArray(Protocol):
+    """A CUDA array of any framework (a torch CUDA tensor, CuPy): float32, C-contiguous."""
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]: ...
+
+_Out = TypeVar("_Out", bound=_CudaArray)
 
 class _Sampling(TypedDict, total=False):
     """The sampling keywords of ``Model.generate`` and ``Chat.say`` (greedy by default)."""
@@ -191,7 +198,9 @@ class KvCache:
         max_context: int = 8192,
         batch: int = 1,
         kernels: str = "auto",
+        device: str = "cpu",
     ) -> "KvCache": ...
+    @overload
     def attend(
         self,
         layer: int,
@@ -199,12 +208,37 @@ class KvCache:
         k: npt.NDArray[np.float32],
         v: npt.NDArray[np.float32],
         scale: Optional[float] = None,
+        *,
+        out: None = None,
+        stream: Optional[int] = None,
     ) -> npt.NDArray[np.float32]: ...
+    @overload
+    def attend(
+        self,
+        layer: int,
+        q: _CudaArray,
+        k: _CudaArray,
+        v: _CudaArray,
+        scale: Optional[float] = None,
+        *,
+        out: _Out,
+        stream: Optional[int] = None,
+    ) -> _Out: ...
+    def append(
+        self,
+        layer: int,
+        k: Union[npt.NDArray[np.float32], _CudaArray],
+        v: Union[npt.NDArray[np.float32], _CudaArray],
+        *,
+        stream: Optional[int] = None,
+    ) -> None: ...
     def length(self, layer: int = 0, seq: int = 0) -> int: ...
     def truncate(self, length: int = 0) -> None: ...
     @property
     def resident_bytes(self) -> int: ...
     @property
     def method(self) -> str: ...
+    @property
+    def device(self) -> str: ...
     @property
     def layers(self) -> int: ...

@@ -11,8 +11,13 @@ with veloq's kernels — fp16 keys are never rebuilt::
 
 The attention function takes the step's queries, keys and values from the model, hands the keys
 and values to the cache's layer (where they become codes once they leave the recent window) and
-returns attention over everything the layer holds. A forward pass without a ``VeloqCache`` (no
-cache, or another cache) runs transformers' SDPA instead. This build runs on CPU tensors.
+returns attention over everything the layer holds. A prompt's first chunk attends only to itself,
+exactly whatever the cache stores, so torch's SDPA computes it and veloq only stores its keys and
+values. A forward pass without a ``VeloqCache`` (no cache, or another cache) runs SDPA throughout.
+
+On CUDA (a veloq built with the ``cuda`` feature) the cache lives on the model's GPU: the step's
+tensors are handed to veloq's kernels by device address (``__cuda_array_interface__``) and the
+work is ordered on torch's current stream — nothing goes through the host.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import inspect
 import math
 import os
 import threading
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -141,6 +146,12 @@ class VeloqCache(Cache):
             max_context=max_context,
             kernels=kernels,
         )
+        device = _model_device(model)
+        self.device = device
+        if device.type == "cuda":
+            self._spec["device"] = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+        elif device.type != "cpu":
+            raise DeviceError(f"veloq.transformers runs on CPU and CUDA tensors, not {device}")
         # Built now to fail early on a calibration of another model; rebuilt for the first step's batch.
         self.native: Optional[KvCache] = KvCache(**self._spec)
         self._batch = 1
@@ -148,8 +159,8 @@ class VeloqCache(Cache):
         super().__init__(layers=[VeloqLayer(self, i) for i in range(g["layers"])])
 
     def _ensure(self, key_states: torch.Tensor) -> None:
-        if key_states.device.type != "cpu":
-            raise DeviceError(f"veloq.transformers runs on CPU tensors in this build, not {key_states.device}")
+        if key_states.device != self.device:
+            raise DeviceError(f"the cache is on {self.device}; this step's keys are on {key_states.device}")
         batch = key_states.shape[0]
         if batch != self._batch:
             if not self._fresh:
@@ -177,9 +188,21 @@ class VeloqCache(Cache):
         return f"VeloqCache(method={self.method!r}, layers={len(self.layers)}, length={self.get_seq_length()})"
 
 
+def _model_device(model) -> torch.device:
+    device = next(model.parameters()).device
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[batch, heads, tokens, dim] → [batch, tokens, heads, dim] float32, contiguous, where it is."""
+    return x.detach().transpose(1, 2).to(torch.float32).contiguous()
+
+
 def _np(x: torch.Tensor) -> np.ndarray:
-    """[batch, heads, tokens, dim] → [batch, tokens, heads, dim] float32 NumPy (one copy)."""
-    return x.detach().transpose(1, 2).to(torch.float32).contiguous().numpy()
+    """[batch, heads, tokens, dim] → [batch, tokens, heads, dim] float32 NumPy (host memory)."""
+    return _rows(x).cpu().numpy()
 
 
 def _last_query_sees_all(mask: torch.Tensor) -> bool:
@@ -213,7 +236,23 @@ def veloq_attention(
         raise NotImplementedError("veloq attention does not take padded batches; run sequences one at a time")
     if scaling is None:
         scaling = 1.0 / math.sqrt(query.shape[-1])
-    out = layer.owner.native.attend(layer.index, _np(query), _np(key), _np(value), float(scaling))
+    native = layer.owner.native
+    cuda = query.device.type == "cuda"
+    stream = {"stream": torch.cuda.current_stream(query.device).cuda_stream} if cuda else {}
+    if query.shape[2] > 1 and native.length(layer.index) == 0:
+        # A first chunk sees only its own positions, exact in the cache too: SDPA attends, veloq stores.
+        out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        if cuda:
+            native.append(layer.index, _rows(key), _rows(value), **stream)
+        else:
+            native.append(layer.index, _np(key), _np(value))
+        return out, None
+    if cuda:
+        q = _rows(query)
+        out = torch.empty_like(q)
+        native.attend(layer.index, q, _rows(key), _rows(value), float(scaling), out=out, **stream)
+        return out.to(query.dtype), None
+    out = native.attend(layer.index, _np(query), _np(key), _np(value), float(scaling))
     return torch.from_numpy(out).to(query.dtype), None
 
 
@@ -228,13 +267,23 @@ def kv_bytes(cache) -> int:
     cache's from the tensors its layers hold (keys, values and any quantized storage)."""
     if isinstance(cache, VeloqCache):
         return cache.resident_bytes
-    seen, total = set(), 0
-    for layer in cache.layers:
-        for t in vars(layer).values():
-            if isinstance(t, torch.Tensor) and id(t) not in seen:
-                seen.add(id(t))
-                total += t.numel() * t.element_size()
-    return total
+    seen = set()
+
+    def held(x) -> int:
+        # Quantized layers keep their storage in tuples and dicts (HQQ: codes with a dict of scales
+        # and zeros), so containers are walked; each tensor counts once.
+        if isinstance(x, torch.Tensor):
+            if id(x) in seen:
+                return 0
+            seen.add(id(x))
+            return x.numel() * x.element_size()
+        if isinstance(x, (tuple, list)):
+            return sum(held(y) for y in x)
+        if isinstance(x, dict):
+            return sum(held(y) for y in x.values())
+        return 0
+
+    return sum(held(t) for layer in cache.layers for t in vars(layer).values())
 
 
 def _cache_kwarg(model) -> str:
@@ -246,7 +295,7 @@ def _cache_kwarg(model) -> str:
 def calibrate(
     model,
     tokenizer,
-    text: Union[str, os.PathLike],
+    text: Union[str, os.PathLike, torch.Tensor, Sequence[int]],
     *,
     method: str = "vq-4",
     tokens: int = 8192,
@@ -255,14 +304,20 @@ def calibrate(
     out: Union[str, os.PathLike, None] = None,
     progress: Optional[Callable[[str, int, int], object]] = None,
 ) -> Calibration:
-    """Calibrates ``method`` on ``model``'s own post-RoPE keys and values over ``text`` (a string or
-    a file's path): the first ``tokens`` tokens, run ``window`` positions at a time (default all at
-    once), then k-means per layer. Writes the artifact to ``out`` when given (the same format
-    ``veloq calibrate`` writes) and returns it."""
+    """Calibrates ``method`` on ``model``'s own post-RoPE keys and values over ``text`` (a string, a
+    file's path, or token ids — a 1-D tensor or list, with ``tokenizer`` None): the first ``tokens``
+    tokens, run ``window`` positions at a time (default all at once), then k-means per layer.
+    Writes the artifact to ``out`` when given (the same format ``veloq calibrate`` writes) and
+    returns it."""
     if isinstance(text, os.PathLike):
         with open(text, encoding="utf-8") as f:
             text = f.read()
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    if isinstance(text, str):
+        if tokenizer is None:
+            raise ConfigError("calibrating on text needs the model's tokenizer (or pass token ids)")
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    else:
+        ids = torch.as_tensor(text, dtype=torch.long).flatten().cpu()
     if len(ids) < tokens:
         raise ConfigError(f"calibration needs {tokens} tokens of text; this text has {len(ids)}")
     ids = ids[:tokens]

@@ -13,6 +13,8 @@ pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod grammar;
+#[cfg(feature = "cuda")]
+pub mod interop;
 pub mod method;
 pub mod model;
 pub mod prefill;

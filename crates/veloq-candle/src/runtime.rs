@@ -80,7 +80,10 @@ impl Device {
 #[cfg(feature = "cuda")]
 fn open_cuda(ordinal: usize, options: &CudaOptions) -> Result<candle_core::Device> {
     let dev = candle_core::Device::new_cuda(ordinal)
-        .map_err(|e| Error::Device(format!("opening CUDA device {ordinal}: {e}")))?;
+        // candle's message carries a backtrace after its first line; the user needs the first line.
+        .map_err(|e| {
+            Error::Device(format!("opening CUDA device {ordinal}: {}", e.to_string().lines().next().unwrap_or("")))
+        })?;
     if let candle_core::Device::Cuda(cuda) = &dev {
         // SAFETY: the model's and veloq's work is on this device's one stream but for the
         // caches' flushes, which veloq orders itself with events (a second stream and an event

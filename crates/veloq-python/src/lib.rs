@@ -3,9 +3,11 @@
 //! and kernel switches parse exactly as the CLI and the server parse them — and maps the
 //! library's errors to exception classes.
 
-mod cache;
+mod arrays;
 mod calibrate;
+mod calibration;
 mod errors;
+mod kv_cache;
 mod model;
 mod serve;
 
@@ -34,8 +36,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<model::Generation>()?;
     m.add_class::<model::Chat>()?;
     m.add_class::<model::Result_>()?;
-    m.add_class::<cache::Calibration>()?;
-    m.add_class::<cache::KvCache>()?;
+    m.add_class::<calibration::Calibration>()?;
+    m.add_class::<kv_cache::KvCache>()?;
     m.add_class::<serve::Server>()?;
     m.add_function(wrap_pyfunction!(serve::serve, m)?)?;
     m.add_function(wrap_pyfunction!(calibrate::calibrate, m)?)?;

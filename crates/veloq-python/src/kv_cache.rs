@@ -1,0 +1,434 @@
+//! `KvCache`: veloq's cache for a model veloq does not run (the transformers integration's
+//! layers) — keys and values appended, attention over codes with the kernels the runner uses, on
+//! the CPU (NumPy arrays) or a CUDA device (CUDA arrays of any framework, read and written in
+//! place on the caller's stream).
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use candle_core::{Device as CandleDevice, Tensor};
+use numpy::{IntoPyArray, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use veloq::artifact::{Calibration as RustCalibration, ModelIdentity};
+use veloq_candle::cache::{ModelCache, SeqStep, Step};
+use veloq_candle::config::Geometry;
+use veloq_candle::runtime::{CudaOptions, Device};
+use veloq_candle::{CacheConfig, Method};
+
+use crate::arrays::{self, CudaArray};
+use crate::calibration::Calibration;
+use crate::errors::{ConfigError, DeviceError, IntoPy, ShapeError};
+use crate::model::parse_method;
+
+/// One model's KV cache for `batch` sequences, kept by veloq: codes (or f16 rows) per layer,
+/// attended by veloq's kernels. Each `attend` call appends a step's keys and values to a layer
+/// and returns the step's causal attention over everything that layer holds.
+#[pyclass(module = "veloq", frozen)]
+pub struct KvCache {
+    caches: Mutex<ModelCache>,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    method: Method,
+    device: Device,
+    candle: CandleDevice,
+    #[cfg(feature = "cuda")]
+    exchange: Option<veloq_candle::interop::Exchange>,
+}
+
+/// A step's inputs as the caller gave them: all NumPy or all CUDA arrays.
+enum Inputs<'py> {
+    Host { q: Option<PyReadonlyArrayDyn<'py, f32>>, k: PyReadonlyArrayDyn<'py, f32>, v: PyReadonlyArrayDyn<'py, f32> },
+    Cuda { q: Option<CudaArray>, k: CudaArray, v: CudaArray },
+}
+
+#[pymethods]
+impl KvCache {
+    /// A cache of `method` for a model of `q_heads` query heads on `device` ("cpu", "cuda",
+    /// "cuda:N"). A VecInfer method takes the model's geometry from `calibration`; the others
+    /// need `layers`, `kv_heads` and `head_dim`. `windows` gives the sliding window of each layer
+    /// (None: global attention).
+    #[new]
+    #[pyo3(signature = (method = "vq-4", *, q_heads, calibration = None, layers = None, kv_heads = None, head_dim = None, windows = None, max_context = 8192, batch = 1, kernels = "auto", device = "cpu"))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        method: &str,
+        q_heads: usize,
+        calibration: Option<&Bound<'_, PyAny>>,
+        layers: Option<usize>,
+        kv_heads: Option<usize>,
+        head_dim: Option<usize>,
+        windows: Option<Vec<Option<usize>>>,
+        max_context: usize,
+        batch: usize,
+        kernels: &str,
+        device: &str,
+    ) -> PyResult<Self> {
+        let method = parse_method(method)?;
+        let kernels = kernels.parse::<veloq::kernels::KernelChoice>().py()?;
+        let device = device.parse::<Device>().py()?;
+        let cal = match calibration {
+            None => None,
+            Some(c) => Some(match c.cast::<Calibration>() {
+                Ok(c) => c.get().inner.clone(),
+                Err(_) => Arc::new(RustCalibration::load(c.extract::<PathBuf>()?).py()?),
+            }),
+        };
+        let identity = match (&cal, layers, kv_heads, head_dim) {
+            (Some(c), ..) => {
+                for (given, has, what) in [
+                    (layers, c.model.n_layers, "layers"),
+                    (kv_heads, c.model.n_kv_heads, "kv_heads"),
+                    (head_dim, c.model.head_dim, "head_dim"),
+                ] {
+                    if given.is_some_and(|g| g != has) {
+                        return Err(crate::errors::CalibrationError::new_err(format!(
+                            "the calibration is for {has} {what}, the cache was asked for {}",
+                            given.unwrap_or_default()
+                        )));
+                    }
+                }
+                c.model.clone()
+            }
+            (None, Some(n_layers), Some(n_kv_heads), Some(head_dim)) => {
+                ModelIdentity { name: "python".into(), architecture: "python".into(), n_layers, n_kv_heads, head_dim }
+            }
+            _ => {
+                return Err(ConfigError::new_err(format!(
+                    "{method} needs layers, kv_heads and head_dim (or a calibration to take them from)"
+                )))
+            }
+        };
+        if q_heads == 0 || !q_heads.is_multiple_of(identity.n_kv_heads) {
+            return Err(ConfigError::new_err(format!(
+                "q_heads {q_heads} must be a multiple of kv_heads {}",
+                identity.n_kv_heads
+            )));
+        }
+        if batch == 0 || max_context == 0 {
+            return Err(ConfigError::new_err("batch and max_context must be at least 1"));
+        }
+        let windows = windows.unwrap_or_else(|| vec![None; identity.n_layers]);
+        let (kv, d) = (identity.n_kv_heads, identity.head_dim);
+        let config = CacheConfig::new(method, cal.map(|c| (*c).clone())).py()?;
+        let config = CacheConfig { kernels, ..config };
+        let g = Geometry { identity, q_heads, windows, max_context };
+        let candle = device.open(&CudaOptions::default()).py()?;
+        let caches = config.build_for(&g, &candle, batch).py()?;
+        Ok(Self {
+            caches: Mutex::new(caches),
+            q_heads,
+            kv_heads: kv,
+            head_dim: d,
+            method,
+            device,
+            #[cfg(feature = "cuda")]
+            exchange: match device {
+                Device::Cuda(_) => Some(veloq_candle::interop::Exchange::new(&candle).py()?),
+                Device::Cpu => None,
+            },
+            candle,
+        })
+    }
+
+    /// Appends keys and values `k`, `v` (`[batch, tokens, kv_heads, head_dim]` float32, post-RoPE,
+    /// each sequence continuing where it ends) to `layer` and returns the causal attention of the
+    /// step's queries `q` (`[batch, tokens, q_heads, head_dim]`) over everything the layer holds,
+    /// `[batch, tokens, q_heads, head_dim]` float32. `scale` defaults to 1/√head_dim.
+    ///
+    /// NumPy arrays in, a NumPy array out. On a CUDA cache the arrays may instead be CUDA arrays
+    /// (`__cuda_array_interface__`: torch CUDA tensors, CuPy): then the attention is written into
+    /// `out` (a float32 CUDA array of the output's shape), which is returned, and the work is
+    /// ordered after what `stream` (a `CUstream` handle, e.g. `torch.cuda.current_stream().cuda_stream`;
+    /// by default the one the arrays name, else the default stream) has queued, and before
+    /// whatever it queues next.
+    #[pyo3(signature = (layer, q, k, v, scale = None, *, out = None, stream = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn attend<'py>(
+        &self,
+        py: Python<'py>,
+        layer: usize,
+        q: &Bound<'py, PyAny>,
+        k: &Bound<'py, PyAny>,
+        v: &Bound<'py, PyAny>,
+        scale: Option<f32>,
+        out: Option<&Bound<'py, PyAny>>,
+        stream: Option<u64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let (hq, d) = (self.q_heads, self.head_dim);
+        let inputs = self.inputs(Some(q), k, v)?;
+        let (b, t) = batch_tokens(&inputs);
+        let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
+        match inputs {
+            Inputs::Host { q, k, v } => {
+                if out.is_some() {
+                    return Err(ShapeError::new_err("out= is for CUDA arrays; NumPy inputs return a new array"));
+                }
+                let q = q.expect("attend has queries");
+                let (qs, ks, vs) = (slice(&q, "q")?, slice(&k, "k")?, slice(&v, "v")?);
+                let dev = self.candle.clone();
+                let y = py
+                    .detach(|| -> veloq_candle::Result<Vec<f32>> {
+                        let (kt, vt) = (self.kv_tensor(ks, b * t, &dev)?, self.kv_tensor(vs, b * t, &dev)?);
+                        let qt = Tensor::from_slice(qs, (b * t, hq, d), &dev)?;
+                        let y = step(&mut self.lock(), layer, b, t, &kt, &vt, Some((&qt, scale)))?;
+                        Ok(y.expect("attend returns attention").flatten_all()?.to_vec1::<f32>()?)
+                    })
+                    .py()?;
+                Ok(y.into_pyarray(py).reshape(vec![b, t, hq, d])?.into_any())
+            }
+            Inputs::Cuda { q, k, v } => {
+                let out = out.ok_or_else(|| {
+                    ShapeError::new_err(format!(
+                        "attend over CUDA arrays writes into out=: a float32 CUDA array [{b}, {t}, {hq}, {d}]"
+                    ))
+                })?;
+                let o = CudaArray::of(out, &[Some(b), Some(t), Some(hq), Some(d)], "out", true)?
+                    .ok_or_else(|| ShapeError::new_err("out: expected a CUDA array (__cuda_array_interface__)"))?;
+                let stream = stream.or(k.stream).unwrap_or(0);
+                py.detach(|| self.device_step(layer, b, t, q.as_ref().map(|q| (q, &o, scale)), &k, &v, stream))?;
+                Ok(out.clone())
+            }
+        }
+    }
+
+    /// Appends keys and values `k`, `v` (as in `attend`) to `layer` without attending: a prompt
+    /// whose attention the caller computed itself (the first chunk of a prompt attends only to
+    /// itself, exactly, whatever the cache stores). Positions leaving the recent window become
+    /// codes as in `attend`. NumPy or (on a CUDA cache) CUDA arrays, ordered on `stream` as there.
+    #[pyo3(signature = (layer, k, v, *, stream = None))]
+    fn append(
+        &self,
+        py: Python<'_>,
+        layer: usize,
+        k: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+        stream: Option<u64>,
+    ) -> PyResult<()> {
+        let inputs = self.inputs(None, k, v)?;
+        let (b, t) = batch_tokens(&inputs);
+        match inputs {
+            Inputs::Host { k, v, .. } => {
+                let (ks, vs) = (slice(&k, "k")?, slice(&v, "v")?);
+                let dev = self.candle.clone();
+                py.detach(|| -> veloq_candle::Result<()> {
+                    let (kt, vt) = (self.kv_tensor(ks, b * t, &dev)?, self.kv_tensor(vs, b * t, &dev)?);
+                    step(&mut self.lock(), layer, b, t, &kt, &vt, None).map(drop)
+                })
+                .py()
+            }
+            Inputs::Cuda { k, v, .. } => {
+                let stream = stream.or(k.stream).unwrap_or(0);
+                py.detach(|| self.device_step(layer, b, t, None, &k, &v, stream))
+            }
+        }
+    }
+
+    /// Positions sequence `seq` holds in `layer`.
+    #[pyo3(signature = (layer = 0, seq = 0))]
+    fn length(&self, layer: usize, seq: usize) -> PyResult<usize> {
+        let c = self.lock();
+        let l = c.layers().get(layer).ok_or_else(|| ConfigError::new_err(format!("layer {layer} out of range")))?;
+        if seq >= l.slots() {
+            return Err(ConfigError::new_err(format!("sequence {seq}: the cache holds {}", l.slots())));
+        }
+        Ok(l.len(seq))
+    }
+
+    /// Keeps the first `length` positions of every sequence in every layer (0 empties the cache).
+    #[pyo3(signature = (length = 0))]
+    fn truncate(&self, length: usize) -> PyResult<()> {
+        let mut c = self.lock();
+        for slot in 0..c.slots() {
+            let n = c.len(slot).min(length);
+            c.truncate(slot, n).py()?;
+        }
+        Ok(())
+    }
+
+    /// Bytes the cache really holds (codes, rows and the codecs' tables as allocated).
+    #[getter]
+    fn resident_bytes(&self) -> usize {
+        self.lock().resident_bytes()
+    }
+
+    /// The method's name.
+    #[getter]
+    fn method(&self) -> String {
+        self.method.to_string()
+    }
+
+    /// Where the cache lives ("cpu", "cuda:0").
+    #[getter]
+    fn device(&self) -> String {
+        self.device.to_string()
+    }
+
+    /// Layers.
+    #[getter]
+    fn layers(&self) -> usize {
+        self.lock().layers().len()
+    }
+}
+
+impl KvCache {
+    fn lock(&self) -> MutexGuard<'_, ModelCache> {
+        self.caches.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The step's arrays, all of one kind and shaped `[batch, tokens, heads, head_dim]` alike.
+    fn inputs<'py>(
+        &self,
+        q: Option<&Bound<'py, PyAny>>,
+        k: &Bound<'py, PyAny>,
+        v: &Bound<'py, PyAny>,
+    ) -> PyResult<Inputs<'py>> {
+        let (hq, hk, d) = (self.q_heads, self.kv_heads, self.head_dim);
+        let kv_shape = [None, None, Some(hk), Some(d)];
+        let Some(kc) = CudaArray::of(k, &kv_shape, "k", false)? else {
+            let k: PyReadonlyArrayDyn<'py, f32> = k.extract()?;
+            let (b, t) = bt(k.shape(), "k", hk, d)?;
+            let shape = |h| [Some(b), Some(t), Some(h), Some(d)];
+            let q: Option<PyReadonlyArrayDyn<'py, f32>> = q.map(|q| q.extract()).transpose()?;
+            if let Some(q) = &q {
+                arrays::host(q, &shape(hq), "q")?;
+            }
+            let v: PyReadonlyArrayDyn<'py, f32> = v.extract()?;
+            arrays::host(&v, &shape(hk), "v")?;
+            return Ok(Inputs::Host { q, k, v });
+        };
+        if self.device == Device::Cpu {
+            return Err(DeviceError::new_err(
+                "CUDA arrays given to a cache on the CPU: build the KvCache with device=\"cuda\"",
+            ));
+        }
+        let (b, t) = (kc.shape[0], kc.shape[1]);
+        let shape = |h| [Some(b), Some(t), Some(h), Some(d)];
+        let cuda = |x: &Bound<'py, PyAny>, h, what| {
+            CudaArray::of(x, &shape(h), what, false)?
+                .ok_or_else(|| ShapeError::new_err(format!("{what}: expected a CUDA array like k")))
+        };
+        let q = q.map(|q| cuda(q, hq, "q")).transpose()?;
+        let v = cuda(v, hk, "v")?;
+        Ok(Inputs::Cuda { q, k: kc, v })
+    }
+
+    fn kv_tensor(&self, x: &[f32], tokens: usize, dev: &CandleDevice) -> candle_core::Result<Tensor> {
+        Tensor::from_slice(x, (tokens, self.kv_heads, self.head_dim), dev)
+    }
+
+    /// A step over CUDA arrays: read on veloq's stream after `stream`'s writes, attention (if
+    /// asked) written into its output array, and `stream` ordered after all of it.
+    #[cfg(feature = "cuda")]
+    #[allow(clippy::too_many_arguments)]
+    fn device_step(
+        &self,
+        layer: usize,
+        b: usize,
+        t: usize,
+        q: Option<(&CudaArray, &CudaArray, f32)>,
+        k: &CudaArray,
+        v: &CudaArray,
+        stream: u64,
+    ) -> PyResult<()> {
+        use veloq_candle::interop::{ForeignBuffer, ForeignStream};
+        let ex = self.exchange.as_ref().expect("a CUDA cache has an exchange");
+        let stream = ForeignStream(stream);
+        let buf = |a: &CudaArray| ForeignBuffer { ptr: a.ptr, len: a.elements() };
+        let (hq, hk, d) = (self.q_heads, self.kv_heads, self.head_dim);
+        ex.after(stream).py()?;
+        let run = || -> veloq_candle::Result<()> {
+            // SAFETY: the arrays were checked to be C-contiguous float32 of these shapes; the
+            // caller's stream waits for this work (`before` below) before it touches them again.
+            let (kt, vt) = unsafe { (ex.read(buf(k), &[b * t, hk, d])?, ex.read(buf(v), &[b * t, hk, d])?) };
+            let q = match q {
+                Some((q, out, scale)) => Some((unsafe { ex.read(buf(q), &[b * t, hq, d])? }, out, scale)),
+                None => None,
+            };
+            let y = step(&mut self.lock(), layer, b, t, &kt, &vt, q.as_ref().map(|(qt, _, s)| (qt, *s)))?;
+            if let (Some(y), Some((_, out, _))) = (y, q) {
+                // SAFETY: as above; `out` was checked writable and of the output's shape.
+                unsafe { ex.write(&y, buf(out))? };
+            }
+            Ok(())
+        };
+        let r = run();
+        // Whatever happened, the caller's stream must not reuse the arrays before the copies ran.
+        let ordered = ex.before(stream);
+        r.py()?;
+        ordered.py()
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[allow(clippy::too_many_arguments)]
+    fn device_step(
+        &self,
+        _layer: usize,
+        _b: usize,
+        _t: usize,
+        _q: Option<(&CudaArray, &CudaArray, f32)>,
+        _k: &CudaArray,
+        _v: &CudaArray,
+        _stream: u64,
+    ) -> PyResult<()> {
+        Err(DeviceError::new_err("this veloq was built without CUDA (pip install with the cuda feature)"))
+    }
+}
+
+/// The data of a host array whose shape [`KvCache::inputs`] checked.
+fn slice<'a>(x: &'a PyReadonlyArrayDyn<'_, f32>, what: &str) -> PyResult<&'a [f32]> {
+    arrays::host(x, &[None; 4], what)
+}
+
+fn batch_tokens(inputs: &Inputs<'_>) -> (usize, usize) {
+    match inputs {
+        Inputs::Host { k, .. } => (k.shape()[0], k.shape()[1]),
+        Inputs::Cuda { k, .. } => (k.shape[0], k.shape[1]),
+    }
+}
+
+/// `[batch, tokens]` of a `[batch, tokens, heads, head_dim]` array.
+fn bt(dims: &[usize], what: &str, h: usize, d: usize) -> PyResult<(usize, usize)> {
+    match *dims {
+        [b, t, hh, dd] if hh == h && dd == d => Ok((b, t)),
+        _ => Err(ShapeError::new_err(format!("{what}: expected [batch, tokens, {h}, {d}], got {dims:?}"))),
+    }
+}
+
+/// Appends `k`, `v` (`[batch × tokens, kv heads, head_dim]`, every sequence `tokens` long,
+/// continuing where it ends) to `layer`, attends `q` if given, and settles the step; a step that
+/// fails leaves every sequence as it was.
+fn step(
+    caches: &mut ModelCache,
+    layer: usize,
+    b: usize,
+    t: usize,
+    k: &Tensor,
+    v: &Tensor,
+    q: Option<(&Tensor, f32)>,
+) -> veloq_candle::Result<Option<Tensor>> {
+    use veloq_candle::Error;
+    let n_layers = caches.layers().len();
+    if layer >= n_layers {
+        return Err(Error::Config(format!("layer {layer}: the cache has {n_layers} layers")));
+    }
+    if b == 0 || b > caches.slots() || t == 0 {
+        return Err(Error::Shape(format!(
+            "a step of {b} sequences × {t} tokens: the cache holds {} sequences",
+            caches.slots()
+        )));
+    }
+    let l = &mut caches.layers_mut()[layer];
+    let starts: Vec<_> = (0..b).map(|s| l.len(s)).collect();
+    let step = Step::new(starts.iter().enumerate().map(|(slot, &start)| SeqStep { slot, start, len: t }).collect())?;
+    l.append(k, v, &step)?;
+    let y = q.map(|(q, scale)| l.attend(q, &step, scale)).transpose();
+    let settled = y.and_then(|y| l.commit().map(|()| y));
+    if settled.is_err() {
+        for (slot, &start) in starts.iter().enumerate() {
+            let _ = l.truncate(slot, start);
+        }
+    }
+    settled
+}

@@ -1,0 +1,307 @@
+#!/usr/bin/env python3
+"""veloq's cache inside Hugging Face transformers on the GPU (issue 33), in one device call:
+`VeloqCache` (veloq's CUDA kernels over codes, the step's tensors handed over by device address)
+against transformers' own caches on the same model and the same positions.
+
+1. Fidelity on the real SmolLM2 (loaded by transformers from the GGUF file): `vt.calibrate` on
+   *Persuasion* on the GPU, then greedy decoding of chat prompts through DynamicCache, VeloqCache
+   fp16 (must give DynamicCache's tokens: the CUDA path's exactness) and VeloqCache vq-4 (tokens
+   agreeing from the start, and the next-token KL after each prompt).
+2. Speed and memory at each context: the cache is filled with `context` positions (keys and
+   values drawn at random, appended through each cache's own API — what a prefill would leave,
+   without spending the call's minutes on prefills), then `steps` greedy decode steps are timed
+   one by one (a model forward of one token + argmax read back, synchronised). Caches:
+   DynamicCache, VeloqCache (default vq-4; on the 8B config calibrated by `vt.calibrate` on random
+   token ids, the runner's synthetic stand-in), QuantizedCache (HQQ backend, 4 bits, transformers'
+   KIVI-style cache) and, on the 8B config, StaticCache + torch.compile(mode="reduce-overhead")
+   (the anchor `scripts/device/hf_decode.py` measures). KV bytes are what each cache holds
+   (`vt.kv_bytes`); peak memory is torch's allocator peak above the model plus what veloq holds.
+
+Usage: hf_cache.py --gguf smollm2.gguf --text persuasion.txt --json OUT [--contexts 8192,32768,131072]
+"""
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import veloq
+import veloq.transformers as vt
+
+T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.0f}s]", *a, flush=True)
+
+
+def forward(model, ids, cache):
+    return model(input_ids=ids, use_cache=True, **{vt._cache_kwarg(model): cache})
+
+
+def greedy(model, prompt_ids, cache, n):
+    """n greedy tokens after the prompt, and the first step's log-probabilities."""
+    out, toks = forward(model, prompt_ids, cache), []
+    first = torch.log_softmax(out.logits[0, -1].float(), -1)
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    for _ in range(n):
+        toks.append(int(nxt))
+        out = forward(model, nxt, cache)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    return toks, first
+
+
+def fidelity(a, res):
+    log("fidelity: SmolLM2 from", a.gguf)
+    import os
+    d, f = os.path.split(os.path.abspath(a.gguf))
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float16, attn_implementation="veloq").cuda().eval()
+    text = open(a.text, encoding="utf-8").read()
+    t = time.time()
+    cal = vt.calibrate(model, tok, text, method="vq-4", tokens=4096)
+    res["smollm2_calibrate_s"] = time.time() - t
+    log(f"vt.calibrate vq-4 on the GPU model: {res['smollm2_calibrate_s']:.1f} s")
+    prompts = [
+        "Explain in two sentences why the sky is blue.",
+        "Write a short poem about the sea.",
+        "What is the capital of France, and what is it known for?",
+        "List three uses of a paperclip.",
+        "Summarise the plot of Romeo and Juliet.",
+        text[20000:26000] + "\n\nWho is the passage above about? Answer in one sentence.",
+    ]
+    rows = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)["input_ids"].cuda()
+            ref, lp_ref = greedy(model, ids, DynamicCache(config=model.config), a.tokens)
+            f16, _ = greedy(model, ids, vt.VeloqCache(model, method="fp16", max_context=ids.shape[1] + a.tokens + 8), a.tokens)
+            vq, lp_vq = greedy(model, ids, vt.VeloqCache(model, cal, max_context=ids.shape[1] + a.tokens + 8), a.tokens)
+            agree = lambda x: next((i for i, (u, v) in enumerate(zip(ref, x)) if u != v), len(ref))
+            kl = float((lp_ref.exp() * (lp_ref - lp_vq)).sum())
+            row = {"prompt_tokens": ids.shape[1], "fp16_agree": agree(f16), "vq4_agree": agree(vq), "kl_first": kl,
+                   "dynamic": tok.decode(ref), "vq4": tok.decode(vq)}
+            rows.append(row)
+            log(f"prompt {ids.shape[1]:>5} tokens: fp16 agrees {row['fp16_agree']}/{a.tokens}, vq-4 {row['vq4_agree']}/{a.tokens}, first-step KL {kl:.5f}")
+    res["fidelity"] = rows
+    del model
+    torch.cuda.empty_cache()
+    return cal
+
+
+def agreement(a, res, model, cal):
+    """Greedy tokens after random prompts: VeloqCache fp16 must give DynamicCache's exactly (the
+    CUDA path adds no error of its own); vq-4's agreement is reported."""
+    rows = []
+    with torch.no_grad():
+        for seed, n in [(1, 64), (2, 700), (3, 3000)]:
+            ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed)).cuda()
+            ref, lp_ref = greedy(model, ids, DynamicCache(config=model.config), a.tokens)
+            f16, _ = greedy(model, ids, vt.VeloqCache(model, method="fp16", max_context=n + a.tokens + 8), a.tokens)
+            vq, lp_vq = greedy(model, ids, vt.VeloqCache(model, cal, max_context=n + a.tokens + 8), a.tokens)
+            first = lambda x: next((i for i, (u, v) in enumerate(zip(ref, x)) if u != v), len(ref))
+            kl = float((lp_ref.exp() * (lp_ref - lp_vq)).sum())
+            rows.append({"prompt_tokens": n, "fp16_agree": first(f16), "vq4_agree": first(vq), "kl_first": kl})
+            log(f"8B config, random prompt of {n}: fp16 agrees {first(f16)}/{a.tokens}, vq-4 {first(vq)}/{a.tokens}, KL {kl:.5f}")
+    res["agreement_llama8b"] = rows
+    dump(a, res)
+
+
+def llama8b(longest):
+    cfg = LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=longest,
+        rope_theta=500000.0, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    set_attn(model, "veloq")
+    return model.eval()
+
+
+def set_attn(model, name):
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
+
+
+def fill(cache, g, ctx, gen):
+    """Appends ctx random positions to every layer through the cache's own API."""
+    chunk = 8192
+    for layer in range(g["layers"]):
+        for s in range(0, ctx, chunk):
+            n = min(chunk, ctx - s)
+            k = torch.randn(1, g["kv_heads"], n, g["head_dim"], device="cuda", dtype=torch.float16, generator=gen)
+            v = torch.randn(1, g["kv_heads"], n, g["head_dim"], device="cuda", dtype=torch.float16, generator=gen)
+            if isinstance(cache, vt.VeloqCache):
+                cache._ensure(k)
+                stream = torch.cuda.current_stream().cuda_stream
+                cache.native.append(layer, vt._rows(k), vt._rows(v), stream=stream)
+            else:
+                cache.update(k, v, layer)
+
+
+def time_steps(model, cache, steps, warmup, step_fn=None, ctx=None):
+    ids = torch.ones(1, 1, dtype=torch.long, device="cuda")
+    times = []
+    with torch.no_grad():
+        for i in range(warmup + steps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            if step_fn is None:
+                out = forward(model, ids, cache)
+            else:
+                pos = torch.tensor([ctx + i], device="cuda")
+                torch.compiler.cudagraph_mark_step_begin()
+                out = step_fn(input_ids=ids, position_ids=pos.view(1, 1), cache_position=pos, past_key_values=cache, use_cache=True)
+            nxt = int(out.logits[0, -1].argmax())
+            del out
+            times.append(time.perf_counter() - t)
+            ids = torch.tensor([[nxt]], device="cuda")
+    return times[warmup:]
+
+
+def speed(a, res, name, model, cal, contexts):
+    g = vt.geometry(model)
+    base = torch.cuda.memory_allocated()
+    rows = []
+    compiled = None
+    for ctx in contexts:
+        for kind in a.caches.split(","):
+            if kind == "static" and name != "llama8b":
+                continue
+            row = {"model": name, "context": ctx, "cache": kind}
+            if time.time() - T0 > a.budget_s:
+                row["skipped"] = "time budget of the call"
+                rows.append(row)
+                log(f"{name} {ctx} {kind}: skipped (time budget)")
+                continue
+            gen = torch.Generator(device="cuda").manual_seed(ctx)
+            cache = None
+            try:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                if kind in ("dynamic", "dynamic-sdpa"):
+                    # dynamic-sdpa: the model's attention set to transformers' own SDPA, not veloq's
+                    # function falling back to it (the two must time alike).
+                    set_attn(model, "sdpa" if kind == "dynamic-sdpa" else "veloq")
+                    cache = DynamicCache(config=model.config)
+                elif kind == "veloq":
+                    cache = vt.VeloqCache(model, cal, max_context=ctx + a.steps + a.warmup + 8)
+                elif kind == "hqq":
+                    from transformers.cache_utils import QuantizedCache
+                    cache = QuantizedCache(backend="hqq", config=model.config, nbits=4)
+                elif kind == "static":
+                    from transformers import StaticCache
+                    try:
+                        cache = StaticCache(config=model.config, max_batch_size=1, max_cache_len=ctx + a.steps + a.warmup + 8, device="cuda", dtype=torch.float16)
+                    except TypeError:
+                        cache = StaticCache(config=model.config, max_cache_len=ctx + a.steps + a.warmup + 8)
+                t = time.time()
+                if kind == "static":
+                    # A static cache costs its length whatever it holds (hf_decode.py): one eager step allocates it.
+                    set_attn(model, "sdpa")
+                    with torch.no_grad():
+                        pos = torch.tensor([ctx - 1], device="cuda")
+                        model(input_ids=torch.ones(1, 1, dtype=torch.long, device="cuda"), position_ids=pos.view(1, 1),
+                              cache_position=pos, past_key_values=cache, use_cache=True)
+                    if compiled is None:
+                        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+                    times = time_steps(model, cache, a.steps, a.warmup, step_fn=compiled, ctx=ctx)
+                    set_attn(model, "veloq")
+                else:
+                    fill(cache, g, ctx, gen)
+                    torch.cuda.synchronize()
+                    row["fill_s"] = time.time() - t
+                    times = time_steps(model, cache, a.steps, a.warmup)
+                    set_attn(model, "veloq")
+                med = statistics.median(times)
+                veloq_bytes = cache.resident_bytes if isinstance(cache, vt.VeloqCache) else 0
+                row.update({
+                    "ms_per_step": med * 1e3, "min_ms": min(times) * 1e3, "max_ms": max(times) * 1e3,
+                    "kv_bytes": vt.kv_bytes(cache),
+                    "peak_bytes": torch.cuda.max_memory_allocated() - base + veloq_bytes,
+                })
+                log(f"{name} ctx {ctx:>6} {kind:>8}: {med * 1e3:8.2f} ms/step (min {min(times) * 1e3:.2f}) "
+                    f"KV {row['kv_bytes'] / 2**30:7.3f} GiB, peak {row['peak_bytes'] / 2**30:7.3f} GiB")
+            except torch.cuda.OutOfMemoryError as e:
+                row["error"] = "out of memory"
+                log(f"{name} ctx {ctx} {kind}: out of memory")
+            except Exception as e:  # a failed case is reported, the others still run
+                row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                log(f"{name} ctx {ctx} {kind}: failed: {row['error']}")
+                set_attn(model, "veloq")
+            del cache
+            rows.append(row)
+            res.setdefault("speed", []).extend([row])
+            dump(a, res)
+    return rows
+
+
+def dump(a, res):
+    res["seconds"] = time.time() - T0
+    with open(a.json, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf")
+    ap.add_argument("--text")
+    ap.add_argument("--calib-tokens", type=int, default=2048)
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--contexts", default="8192,32768,131072")
+    ap.add_argument("--caches", default="dynamic,veloq,hqq,static")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--budget-s", type=float, default=500.0)
+    ap.add_argument("--skip", default="", help="parts to skip: fidelity,smollm2,llama8b,agreement")
+    a = ap.parse_args()
+    skip = set(filter(None, a.skip.split(",")))
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "veloq": veloq.__version__, "steps": a.steps, "warmup": a.warmup}
+    log(res)
+    contexts = [int(c) for c in a.contexts.split(",")]
+    cal = None
+    if "fidelity" not in skip:
+        cal = fidelity(a, res)
+        dump(a, res)
+    if "smollm2" not in skip:
+        import os
+        d, f = os.path.split(os.path.abspath(a.gguf))
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float16, attn_implementation="veloq").cuda().eval()
+        model.config.max_position_embeddings = max(contexts) + 64
+        if cal is None:
+            tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+            cal = vt.calibrate(model, tok, open(a.text, encoding="utf-8").read(), tokens=4096)
+        speed(a, res, "smollm2", model, cal, contexts)
+        del model
+        torch.cuda.empty_cache()
+    if "llama8b" not in skip:
+        model = llama8b(max(contexts) + 64)
+        cal8 = None
+        if "veloq" in a.caches.split(",") or "agreement" not in skip:
+            t = time.time()
+            ids = torch.randint(0, 128256, (a.calib_tokens,), generator=torch.Generator().manual_seed(0))
+            cal8 = vt.calibrate(model, None, ids, method="vq-4", tokens=a.calib_tokens)
+            res["llama8b_calibrate_s"] = time.time() - t
+            log(f"8B config: vt.calibrate on {a.calib_tokens} random tokens {res['llama8b_calibrate_s']:.1f} s")
+        if "agreement" not in skip:
+            agreement(a, res, model, cal8)
+        speed(a, res, "llama8b", model, cal8, contexts)
+    dump(a, res)
+    log("done")
+
+
+if __name__ == "__main__":
+    main()
