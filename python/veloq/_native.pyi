@@ -184,7 +184,8 @@ class Calibration:
 
 @final
 class KvCache:
-    """veloq's KV cache for a model veloq does not run: codes per layer, attended by veloq's kernels."""
+    """veloq's KV cache for a model veloq does not run: codes per layer, attended by veloq's kernels
+    on the CPU (NumPy arrays) or a CUDA device (CUDA arrays, written into ``out`` on ``stream``)."""
     def __new__(
         cls,
         method: str = "vq-4",
