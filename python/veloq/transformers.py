@@ -149,7 +149,7 @@ class VeloqCache(Cache):
         device = _model_device(model)
         self.device = device
         if device.type == "cuda":
-            self._spec["device"] = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+            self._spec["device"] = f"cuda:{device.index}"
         elif device.type != "cpu":
             raise DeviceError(f"veloq.transformers runs on CPU and CUDA tensors, not {device}")
         # Built now to fail early on a calibration of another model; rebuilt for the first step's batch.
@@ -242,10 +242,8 @@ def veloq_attention(
     if query.shape[2] > 1 and native.length(layer.index) == 0:
         # A first chunk sees only its own positions, exact in the cache too: SDPA attends, veloq stores.
         out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        if cuda:
-            native.append(layer.index, _rows(key), _rows(value), **stream)
-        else:
-            native.append(layer.index, _np(key), _np(value))
+        rows = _rows if cuda else _np
+        native.append(layer.index, rows(key), rows(value), **stream)
         return out, None
     if cuda:
         q = _rows(query)

@@ -288,7 +288,8 @@ impl KvCache {
         let kv_shape = [None, None, Some(hk), Some(d)];
         let Some(kc) = CudaArray::of(k, &kv_shape, "k", false)? else {
             let k: PyReadonlyArrayDyn<'py, f32> = k.extract()?;
-            let (b, t) = bt(k.shape(), "k", hk, d)?;
+            arrays::host(&k, &kv_shape, "k")?;
+            let (b, t) = (k.shape()[0], k.shape()[1]);
             let shape = |h| [Some(b), Some(t), Some(h), Some(d)];
             let q: Option<PyReadonlyArrayDyn<'py, f32>> = q.map(|q| q.extract()).transpose()?;
             if let Some(q) = &q {
@@ -385,14 +386,6 @@ fn batch_tokens(inputs: &Inputs<'_>) -> (usize, usize) {
     match inputs {
         Inputs::Host { k, .. } => (k.shape()[0], k.shape()[1]),
         Inputs::Cuda { k, .. } => (k.shape[0], k.shape[1]),
-    }
-}
-
-/// `[batch, tokens]` of a `[batch, tokens, heads, head_dim]` array.
-fn bt(dims: &[usize], what: &str, h: usize, d: usize) -> PyResult<(usize, usize)> {
-    match *dims {
-        [b, t, hh, dd] if hh == h && dd == d => Ok((b, t)),
-        _ => Err(ShapeError::new_err(format!("{what}: expected [batch, tokens, {h}, {d}], got {dims:?}"))),
     }
 }
 
