@@ -46,6 +46,25 @@ impl Default for WindowConfig {
     }
 }
 
+impl std::str::FromStr for WindowConfig {
+    type Err = Error;
+
+    /// `SINK/RECENT`: first positions kept for good and recent positions kept after a flush (the
+    /// default flush block).
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || Error::Config(format!("{s:?}: f16 rows are SINK/RECENT positions, e.g. 64/256"));
+        let (sink, recent) = s.trim().split_once('/').ok_or_else(bad)?;
+        let (sink, window) = (sink.parse().map_err(|_| bad())?, recent.parse().map_err(|_| bad())?);
+        Ok(Self { sink, window, ..Self::default() })
+    }
+}
+
+impl std::fmt::Display for WindowConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.sink, self.window)
+    }
+}
+
 /// A method with what building its caches takes: the calibration of a VecInfer method, the f16
 /// window beside the codes, the kernel switch and the positions a device reserves per sequence.
 #[derive(Clone, Debug)]
@@ -416,4 +435,20 @@ pub fn fp16_bytes(model: &Model, tokens: usize) -> usize {
     let id = &model.info.identity;
     let positions: usize = (0..id.n_layers).map(|i| model.layer_window(i).map_or(tokens, |w| w.min(tokens))).sum();
     positions * id.n_kv_heads * id.head_dim * 2 * 2
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_rows_parse_and_print() {
+        let w: WindowConfig = "64/256".parse().unwrap();
+        assert_eq!(w, WindowConfig { sink: 64, window: 256, flush_block: WindowConfig::default().flush_block });
+        assert_eq!(w.to_string().parse::<WindowConfig>().unwrap(), w);
+        for bad in ["64", "64/", "/256", "a/b", "-1/16"] {
+            let e = bad.parse::<WindowConfig>().unwrap_err().to_string();
+            assert!(e.contains("SINK/RECENT"), "{bad}: {e}");
+        }
+    }
 }

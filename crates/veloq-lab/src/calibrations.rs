@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use veloq::artifact::Calibration;
 use veloq::calibrate::TextFingerprint;
 use veloq_candle::collect::{calibrate, collect_activations, record, Activations};
-use veloq_candle::config::CacheConfig;
+use veloq_candle::config::{CacheConfig, WindowConfig};
 use veloq_candle::method::Vq;
 use veloq_candle::model::{encode, Model, Tokenizer};
 use veloq_candle::Method;
@@ -212,4 +212,41 @@ pub fn simulations(
         }
     }
     Ok(out)
+}
+
+/// `--f16-rows`: every coded method and candidate keeps `rows` (sinks and recent positions) in
+/// f16 instead of its default, and its label says so (`vq-2+f16:64/256`); fp16 is left alone.
+pub fn set_f16_rows(rows: Option<WindowConfig>, methods: &mut [(String, CacheConfig)], candidates: &mut [Candidate]) {
+    let Some(rows) = rows else { return };
+    for (label, cfg) in methods.iter_mut().filter(|(_, c)| c.method != Method::Fp16) {
+        cfg.window = rows;
+        label.push_str(&format!("+f16:{rows}"));
+    }
+    for c in candidates {
+        c.simulation.set_window(rows);
+        c.label.push_str(&format!("+f16:{rows}"));
+        c.description.push_str(&format!(", {} sink and {} recent positions in f16", rows.sink, rows.window));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_rows_reach_every_coded_method_and_its_label_but_not_fp16() {
+        let rows: WindowConfig = "64/256".parse().unwrap();
+        let mut methods: Vec<(String, CacheConfig)> = ["fp16", "kivi-2", "rlm-4"]
+            .iter()
+            .map(|m| (m.to_string(), config(m.parse().unwrap(), None).unwrap()))
+            .collect();
+        set_f16_rows(None, &mut methods, &mut []);
+        assert!(methods.iter().all(|(l, c)| !l.contains("f16:") && c.window == WindowConfig::default()));
+        set_f16_rows(Some(rows), &mut methods, &mut []);
+        assert_eq!((methods[0].0.as_str(), methods[0].1.window), ("fp16", WindowConfig::default()));
+        for (label, cfg) in &methods[1..] {
+            assert!(label.ends_with("+f16:64/256"), "{label}");
+            assert_eq!(cfg.window, rows);
+        }
+    }
 }

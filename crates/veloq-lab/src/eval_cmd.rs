@@ -9,12 +9,14 @@ use clap::{Args as ClapArgs, Subcommand};
 use serde_json::json;
 
 use veloq::calibrate::TextFingerprint;
-use veloq_candle::config::CacheConfig;
+use veloq_candle::config::{CacheConfig, WindowConfig};
 use veloq_candle::model::Model;
 use veloq_candle::Method;
 use veloq_cli::args::Files;
 use veloq_cli::progress::bar;
-use veloq_lab::calibrations::{calibration_tokens, calibrations, chosen_methods, config, read_tokens, simulations};
+use veloq_lab::calibrations::{
+    calibration_tokens, calibrations, chosen_methods, config, read_tokens, set_f16_rows, simulations,
+};
 use veloq_lab::eval::{evaluate, total_tokens, EvalConfig, MethodScore};
 use veloq_lab::plot;
 use veloq_lab::second_stage::StageSpec;
@@ -66,6 +68,10 @@ pub struct Args {
     /// (the other side f16; simulated), to tell which side loses what.
     #[arg(long)]
     pub apart: bool,
+    /// Positions every coded method (and candidate) keeps in f16 beside its codes, `SINK/RECENT`
+    /// (first positions for good / recent ones after a flush; default 4/16, 0/16 for `/no-sink`).
+    #[arg(long)]
+    pub f16_rows: Option<WindowConfig>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     #[arg(long)]
@@ -124,9 +130,10 @@ pub fn run(a: Args) -> Result<()> {
     let calib_window = a.calib_window.unwrap_or(max_ctx);
     let cals = calibrations(&model, &model_path, &calib, &chosen, a.seed, calib_window, &a.files.cache_dir)?;
     let hd = model.info.identity.head_dim;
-    let candidates = simulations(&model, &calib, calib_window, &chosen, &cals, &a.second_stage, a.apart)?;
-    let methods: Vec<(String, CacheConfig)> =
+    let mut candidates = simulations(&model, &calib, calib_window, &chosen, &cals, &a.second_stage, a.apart)?;
+    let mut methods: Vec<(String, CacheConfig)> =
         chosen.iter().zip(cals).map(|(m, c)| Ok((m.to_string(), config(*m, c)?))).collect::<Result<_>>()?;
+    set_f16_rows(a.f16_rows, &mut methods, &mut candidates);
     let mut runs_on = sources(&methods);
     runs_on.extend(candidates.iter().map(|c| (c.label.clone(), &c.simulation as &dyn CacheSource)));
     let descriptions: Vec<String> =
@@ -156,6 +163,7 @@ pub fn run(a: Args) -> Result<()> {
         "calib_text": calib_path.file_name().map(|s| s.to_string_lossy().into_owned()),
         "calib_tokens": a.calib_tokens,
         "calib_window": calib_window,
+        "f16_rows": a.f16_rows.map(|w| w.to_string()),
         "step": a.step,
         "f16_window": methods[0].1.window.window,
         "seed": a.seed,

@@ -21,7 +21,7 @@ use veloq_lab::plot::{self, Heat};
 use veloq_lab::probe::{needle_attention, HeadMass, KeyCoder};
 
 use veloq_lab::calibrations::{
-    calibration_tokens, calibrations, chosen_methods, config, read_tokens, simulations, Candidate,
+    calibration_tokens, calibrations, chosen_methods, config, read_tokens, set_f16_rows, simulations, Candidate,
 };
 use veloq_lab::second_stage::StageSpec;
 use veloq_lab::source::{sources, CacheSource};
@@ -101,6 +101,10 @@ pub struct Args {
     /// other side f16; simulated), to tell which side loses the needle.
     #[arg(long)]
     apart: bool,
+    /// Positions every coded method (and candidate) keeps in f16 beside its codes, `SINK/RECENT`
+    /// (first positions for good / recent ones after a flush; default 4/16, 0/16 for `/no-sink`).
+    #[arg(long)]
+    f16_rows: Option<WindowConfig>,
     /// Train (or find in the cache) the methods' calibrations and stop: prepares a run on another
     /// machine (copy ~/.cache/veloq/eval there).
     #[arg(long)]
@@ -178,12 +182,13 @@ pub fn run(a: Args) -> Result<()> {
         eprintln!("calibrations ready in {}", a.files.cache_dir.join("eval").display());
         return Ok(());
     }
-    let candidates = simulations(calib_model, &calib, calib_window, &chosen, &cals, &a.second_stage, a.apart)?;
-    let methods: Vec<(String, CacheConfig)> = chosen
+    let mut candidates = simulations(calib_model, &calib, calib_window, &chosen, &cals, &a.second_stage, a.apart)?;
+    let mut methods: Vec<(String, CacheConfig)> = chosen
         .iter()
         .zip(cals)
         .map(|(m, c)| Ok((m.to_string(), CacheConfig { kernels, ..config(*m, c)? })))
         .collect::<Result<_>>()?;
+    set_f16_rows(a.f16_rows, &mut methods, &mut candidates);
     let mut runs = sources(&methods);
     runs.extend(candidates.iter().map(|c| (c.label.clone(), &c.simulation as &dyn CacheSource)));
 
@@ -257,6 +262,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut results = vec![vec![vec![vec![(0usize, 0usize); a.lengths.len()]; a.depths.len()]; hays.len()]; runs.len()];
     let header = json!({"model": model.info.identity.name, "device": format!("{device:?}"), "lengths": a.lengths,
         "depths_percent": a.depths, "keys_per_cell": a.keys, "chat": !a.raw, "batch": batch_size,
+        "f16_rows": a.f16_rows.map(|w| w.to_string()),
         "text": text_path.file_name().map(|s| s.to_string_lossy().into_owned())});
     let write = |extra: serde_json::Value| -> Result<()> {
         let mut v = header.clone();

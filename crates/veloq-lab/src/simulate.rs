@@ -102,6 +102,11 @@ impl Simulation {
         let vb = if v { cal.values.shape.bits_per_element() + ev } else { 16.0 };
         Ok(Self { layers, window: WindowConfig::default(), stream_bits: (kb + vb) / 2.0, text: cal.text.clone() })
     }
+
+    /// The f16 rows kept beside the reconstructions (the real cache's sink and recent window).
+    pub fn set_window(&mut self, window: WindowConfig) {
+        self.window = window;
+    }
 }
 
 impl KeyCoder for Simulation {
