@@ -22,6 +22,7 @@ against transformers' own caches on the same model and the same positions.
 Usage: hf_cache.py --gguf smollm2.gguf --text persuasion.txt --json OUT [--contexts 8192,32768,131072]
 """
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -46,15 +47,20 @@ def forward(model, ids, cache):
 
 
 def greedy(model, prompt_ids, cache, n):
-    """n greedy tokens after the prompt, and the first step's log-probabilities."""
-    out, toks = forward(model, prompt_ids, cache), []
-    first = torch.log_softmax(out.logits[0, -1].float(), -1)
-    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    """n greedy tokens after the prompt and the logits (float32) each was chosen from."""
+    out = forward(model, prompt_ids, cache)
+    toks, logits = [], []
     for _ in range(n):
-        toks.append(int(nxt))
-        out = forward(model, nxt, cache)
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-    return toks, first
+        logits.append(out.logits[0, -1].float())
+        toks.append(int(logits[-1].argmax()))
+        out = forward(model, torch.tensor([[toks[-1]]], device=prompt_ids.device), cache)
+    return toks, logits
+
+
+def first_kl(ref_logits, logits):
+    """KL(reference || other) of the first generated token's distribution."""
+    p, q = torch.log_softmax(ref_logits[0], -1), torch.log_softmax(logits[0], -1)
+    return float((p.exp() * (p - q)).sum())
 
 
 def teacher_forced(model, prompt_ids, ref, ref_logits, cache, margin=0.5):
@@ -74,18 +80,6 @@ def teacher_forced(model, prompt_ids, ref, ref_logits, cache, margin=0.5):
             agree += int(int(logits.argmax()) == tok_i)
         logits = forward(model, torch.tensor([[tok_i]], device=prompt_ids.device), cache).logits[0, -1]
     return clear, agree, worst
-
-
-def greedy_logits(model, prompt_ids, cache, n):
-    """n greedy tokens after the prompt and the logits each was chosen from."""
-    out = forward(model, prompt_ids, cache)
-    toks, logits = [], []
-    for _ in range(n):
-        l = out.logits[0, -1].float()
-        logits.append(l)
-        toks.append(int(l.argmax()))
-        out = forward(model, torch.tensor([[toks[-1]]], device=prompt_ids.device), cache)
-    return toks, logits
 
 
 def fidelity(a, res):
@@ -112,13 +106,12 @@ def fidelity(a, res):
         for p in prompts:
             ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                           return_tensors="pt", return_dict=True)["input_ids"].cuda()
-            ref, lp_ref = greedy(model, ids, DynamicCache(config=model.config), a.tokens)
+            ref, ref_logits = greedy(model, ids, DynamicCache(config=model.config), a.tokens)
             f16, _ = greedy(model, ids, vt.VeloqCache(model, method="fp16", max_context=ids.shape[1] + a.tokens + 8), a.tokens)
-            vq, lp_vq = greedy(model, ids, vt.VeloqCache(model, cal, max_context=ids.shape[1] + a.tokens + 8), a.tokens)
+            vq, vq_logits = greedy(model, ids, vt.VeloqCache(model, cal, max_context=ids.shape[1] + a.tokens + 8), a.tokens)
             agree = lambda x: next((i for i, (u, v) in enumerate(zip(ref, x)) if u != v), len(ref))
-            kl = float((lp_ref.exp() * (lp_ref - lp_vq)).sum())
-            forced_ref, ref_logits = greedy_logits(model, ids, DynamicCache(config=model.config), a.tokens)
-            clear, forced, worst = teacher_forced(model, ids, forced_ref, ref_logits,
+            kl = first_kl(ref_logits, vq_logits)
+            clear, forced, worst = teacher_forced(model, ids, ref, ref_logits,
                                                   vt.VeloqCache(model, cal, max_context=ids.shape[1] + a.tokens + 8))
             row = {"prompt_tokens": ids.shape[1], "fp16_agree": agree(f16), "vq4_agree": agree(vq), "kl_first": kl,
                    "vq4_clear_steps": clear, "vq4_clear_agree": forced, "vq4_max_abs_dlogit": worst,
@@ -140,11 +133,11 @@ def agreement(a, res, model, cal):
     with torch.no_grad():
         for seed, n in [(1, 64), (2, 700), (3, 3000)]:
             ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed)).cuda()
-            ref, lp_ref = greedy(model, ids, DynamicCache(config=model.config), a.tokens)
+            ref, ref_logits = greedy(model, ids, DynamicCache(config=model.config), a.tokens)
             f16, _ = greedy(model, ids, vt.VeloqCache(model, method="fp16", max_context=n + a.tokens + 8), a.tokens)
-            vq, lp_vq = greedy(model, ids, vt.VeloqCache(model, cal, max_context=n + a.tokens + 8), a.tokens)
+            vq, vq_logits = greedy(model, ids, vt.VeloqCache(model, cal, max_context=n + a.tokens + 8), a.tokens)
             first = lambda x: next((i for i, (u, v) in enumerate(zip(ref, x)) if u != v), len(ref))
-            kl = float((lp_ref.exp() * (lp_ref - lp_vq)).sum())
+            kl = first_kl(ref_logits, vq_logits)
             rows.append({"prompt_tokens": n, "fp16_agree": first(f16), "vq4_agree": first(vq), "kl_first": kl})
             log(f"8B config, random prompt of {n}: fp16 agrees {first(f16)}/{a.tokens}, vq-4 {first(vq)}/{a.tokens}, KL {kl:.5f}")
     res["agreement_llama8b"] = rows
@@ -217,75 +210,74 @@ def speed(a, res, name, model, cal, contexts):
     for ctx in contexts:
         # Every cache of a context once, then again (--passes): the first cache timed at a new
         # context ran ~35 ms a step slower than the same code later in a run, whichever it was.
-        for p in range(a.passes):
-            for kind in a.caches.split(","):
-                if kind == "static" and name != "llama8b":
-                    continue
-                row = {"model": name, "context": ctx, "cache": kind, "pass": p + 1}
-                if time.time() - T0 > a.budget_s:
-                    row["skipped"] = "time budget of the call"
-                    rows.append(row)
-                    log(f"{name} {ctx} {kind}: skipped (time budget)")
-                    continue
-                gen = torch.Generator(device="cuda").manual_seed(ctx)
-                cache = None
-                try:
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
-                    if kind in ("dynamic", "dynamic-sdpa"):
-                        # dynamic-sdpa: the model's attention set to transformers' own SDPA, not veloq's
-                        # function falling back to it (the two must time alike).
-                        set_attn(model, "sdpa" if kind == "dynamic-sdpa" else "veloq")
-                        cache = DynamicCache(config=model.config)
-                    elif kind == "veloq":
-                        cache = vt.VeloqCache(model, cal, max_context=ctx + a.steps + a.warmup + 8)
-                    elif kind == "hqq":
-                        from transformers.cache_utils import QuantizedCache
-                        cache = QuantizedCache(backend="hqq", config=model.config, nbits=4)
-                    elif kind == "static":
-                        from transformers import StaticCache
-                        try:
-                            cache = StaticCache(config=model.config, max_batch_size=1, max_cache_len=ctx + a.steps + a.warmup + 8, device="cuda", dtype=torch.float16)
-                        except TypeError:
-                            cache = StaticCache(config=model.config, max_cache_len=ctx + a.steps + a.warmup + 8)
-                    t = time.time()
-                    if kind == "static":
-                        # A static cache costs its length whatever it holds (hf_decode.py): one eager step allocates it.
-                        set_attn(model, "sdpa")
-                        with torch.no_grad():
-                            pos = torch.tensor([ctx - 1], device="cuda")
-                            model(input_ids=torch.ones(1, 1, dtype=torch.long, device="cuda"), position_ids=pos.view(1, 1),
-                                  cache_position=pos, past_key_values=cache, use_cache=True)
-                        if compiled is None:
-                            compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
-                        times = time_steps(model, cache, a.steps, a.warmup, step_fn=compiled, ctx=ctx)
-                        set_attn(model, "veloq")
-                    else:
-                        fill(cache, g, ctx, gen)
-                        torch.cuda.synchronize()
-                        row["fill_s"] = time.time() - t
-                        times = time_steps(model, cache, a.steps, a.warmup)
-                        set_attn(model, "veloq")
-                    med = statistics.median(times)
-                    veloq_bytes = cache.resident_bytes if isinstance(cache, vt.VeloqCache) else 0
-                    row.update({
-                        "ms_per_step": med * 1e3, "min_ms": min(times) * 1e3, "max_ms": max(times) * 1e3,
-                        "kv_bytes": vt.kv_bytes(cache),
-                        "peak_bytes": torch.cuda.max_memory_allocated() - base + veloq_bytes,
-                    })
-                    log(f"{name} ctx {ctx:>6} {kind:>12} pass {p + 1}: {med * 1e3:8.2f} ms/step (min {min(times) * 1e3:.2f}) "
-                        f"KV {row['kv_bytes'] / 2**30:7.3f} GiB, peak {row['peak_bytes'] / 2**30:7.3f} GiB")
-                except torch.cuda.OutOfMemoryError as e:
-                    row["error"] = "out of memory"
-                    log(f"{name} ctx {ctx} {kind}: out of memory")
-                except Exception as e:  # a failed case is reported, the others still run
-                    row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-                    log(f"{name} ctx {ctx} {kind}: failed: {row['error']}")
-                    set_attn(model, "veloq")
-                del cache
+        for p, kind in itertools.product(range(a.passes), a.caches.split(",")):
+            if kind == "static" and name != "llama8b":
+                continue
+            row = {"model": name, "context": ctx, "cache": kind, "pass": p + 1}
+            if time.time() - T0 > a.budget_s:
+                row["skipped"] = "time budget of the call"
                 rows.append(row)
-                res.setdefault("speed", []).extend([row])
-                dump(a, res)
+                log(f"{name} {ctx} {kind}: skipped (time budget)")
+                continue
+            gen = torch.Generator(device="cuda").manual_seed(ctx)
+            cache = None
+            try:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                if kind in ("dynamic", "dynamic-sdpa"):
+                    # dynamic-sdpa: the model's attention set to transformers' own SDPA, not veloq's
+                    # function falling back to it (the two must time alike).
+                    set_attn(model, "sdpa" if kind == "dynamic-sdpa" else "veloq")
+                    cache = DynamicCache(config=model.config)
+                elif kind == "veloq":
+                    cache = vt.VeloqCache(model, cal, max_context=ctx + a.steps + a.warmup + 8)
+                elif kind == "hqq":
+                    from transformers.cache_utils import QuantizedCache
+                    cache = QuantizedCache(backend="hqq", config=model.config, nbits=4)
+                elif kind == "static":
+                    from transformers import StaticCache
+                    try:
+                        cache = StaticCache(config=model.config, max_batch_size=1, max_cache_len=ctx + a.steps + a.warmup + 8, device="cuda", dtype=torch.float16)
+                    except TypeError:
+                        cache = StaticCache(config=model.config, max_cache_len=ctx + a.steps + a.warmup + 8)
+                t = time.time()
+                if kind == "static":
+                    # A static cache costs its length whatever it holds (hf_decode.py): one eager step allocates it.
+                    set_attn(model, "sdpa")
+                    with torch.no_grad():
+                        pos = torch.tensor([ctx - 1], device="cuda")
+                        model(input_ids=torch.ones(1, 1, dtype=torch.long, device="cuda"), position_ids=pos.view(1, 1),
+                              cache_position=pos, past_key_values=cache, use_cache=True)
+                    if compiled is None:
+                        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+                    times = time_steps(model, cache, a.steps, a.warmup, step_fn=compiled, ctx=ctx)
+                    set_attn(model, "veloq")
+                else:
+                    fill(cache, g, ctx, gen)
+                    torch.cuda.synchronize()
+                    row["fill_s"] = time.time() - t
+                    times = time_steps(model, cache, a.steps, a.warmup)
+                    set_attn(model, "veloq")
+                med = statistics.median(times)
+                veloq_bytes = cache.resident_bytes if isinstance(cache, vt.VeloqCache) else 0
+                row.update({
+                    "ms_per_step": med * 1e3, "min_ms": min(times) * 1e3, "max_ms": max(times) * 1e3,
+                    "kv_bytes": vt.kv_bytes(cache),
+                    "peak_bytes": torch.cuda.max_memory_allocated() - base + veloq_bytes,
+                })
+                log(f"{name} ctx {ctx:>6} {kind:>12} pass {p + 1}: {med * 1e3:8.2f} ms/step (min {min(times) * 1e3:.2f}) "
+                    f"KV {row['kv_bytes'] / 2**30:7.3f} GiB, peak {row['peak_bytes'] / 2**30:7.3f} GiB")
+            except torch.cuda.OutOfMemoryError as e:
+                row["error"] = "out of memory"
+                log(f"{name} ctx {ctx} {kind}: out of memory")
+            except Exception as e:  # a failed case is reported, the others still run
+                row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                log(f"{name} ctx {ctx} {kind}: failed: {row['error']}")
+                set_attn(model, "veloq")
+            del cache
+            rows.append(row)
+            res.setdefault("speed", []).extend([row])
+            dump(a, res)
     return rows
 
 

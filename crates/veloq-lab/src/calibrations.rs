@@ -218,13 +218,14 @@ pub fn simulations(
 /// f16 instead of its default, and its label says so (`vq-2+f16:64/256`); fp16 is left alone.
 pub fn set_f16_rows(rows: Option<WindowConfig>, methods: &mut [(String, CacheConfig)], candidates: &mut [Candidate]) {
     let Some(rows) = rows else { return };
+    let suffix = format!("+f16:{rows}");
     for (label, cfg) in methods.iter_mut().filter(|(_, c)| c.method != Method::Fp16) {
         cfg.window = rows;
-        label.push_str(&format!("+f16:{rows}"));
+        label.push_str(&suffix);
     }
     for c in candidates {
         c.simulation.set_window(rows);
-        c.label.push_str(&format!("+f16:{rows}"));
+        c.label.push_str(&suffix);
         c.description.push_str(&format!(", {} sink and {} recent positions in f16", rows.sink, rows.window));
     }
 }

@@ -165,7 +165,8 @@ pub fn run(a: Args) -> Result<()> {
         "calib_window": calib_window,
         "f16_rows": a.f16_rows.map(|w| w.to_string()),
         "step": a.step,
-        "f16_window": methods[0].1.window.window,
+        // The coded methods' recent window (fp16, always first, has none of its own).
+        "f16_window": methods.iter().find(|(_, c)| c.method != Method::Fp16).unwrap_or(&methods[0]).1.window.window,
         "seed": a.seed,
         "runs": runs,
     });
