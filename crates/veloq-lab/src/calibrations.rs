@@ -18,7 +18,7 @@ use veloq_cli::progress::bar;
 use veloq_candle::cache::Heads;
 
 use crate::second_stage::{ScoreResidual, StageSide, StageSpec};
-use crate::simulate::{round_trip, Sides, Simulation};
+use crate::simulate::{outlier_limits, round_trip, Sides, Simulation};
 
 /// The tokens of the text at `path`.
 pub fn read_tokens(tok: &Tokenizer, path: &Path) -> Result<Vec<u32>> {
@@ -208,6 +208,62 @@ pub fn simulations(
                     if s.bits == 0 { 32 } else { s.bits }
                 ),
                 simulation: Simulation::new(cal, Sides::Both, (!ks.is_empty()).then_some(ks), (!vs.is_empty()).then_some(vs))?,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Issue 34's outlier candidates (`--outlier-rows`): every calibrated VecInfer method in `chosen`
+/// simulated with the rows it codes worst kept in f16 ([`Simulation::set_outliers`]), once per
+/// fraction; each (layer, kv head)'s limit is the `1 − fraction` quantile of the squared coding
+/// errors of its rows on the calibration text (recorded again in `window`-position passes).
+pub fn outlier_candidates(
+    model: &Model,
+    calib: &[u32],
+    window: usize,
+    chosen: &[Method],
+    cals: &[Option<Calibration>],
+    fractions: &[f64],
+) -> Result<Vec<Candidate>> {
+    if let Some(f) = fractions.iter().find(|f| !(0.0..1.0).contains(*f)) {
+        bail!("--outlier-rows {f}: a fraction of the rows, at least 0 and below 1");
+    }
+    if fractions.is_empty() || cals.iter().all(Option::is_none) {
+        return Ok(Vec::new());
+    }
+    let b = bar(calib.len() as u64, "recording keys and values");
+    let acts = record(model, calib, window, false, &mut |n| b.set_position(n as u64))?;
+    b.finish();
+    let (heads, hd) = (model.info.identity.n_kv_heads, model.info.identity.head_dim);
+    let mut out = Vec::new();
+    for (m, cal) in chosen.iter().zip(cals) {
+        let Some(cal) = cal else { continue };
+        let coded: Vec<(Vec<f32>, Vec<f32>)> = acts
+            .layers
+            .iter()
+            .zip(&cal.layers)
+            .map(|(a, l)| Ok((round_trip(&l.keys, &a.keys)?, round_trip(&l.values, &a.values)?)))
+            .collect::<Result<_>>()?;
+        for &f in fractions {
+            let limits = acts
+                .layers
+                .iter()
+                .zip(&coded)
+                .map(|(a, (k, v))| {
+                    (outlier_limits(&a.keys, k, heads, hd, f), outlier_limits(&a.values, v, heads, hd, f))
+                })
+                .collect();
+            let mut simulation = Simulation::new(cal, Sides::Both, None, None)?;
+            simulation.set_outliers(f, limits, hd)?;
+            out.push(Candidate {
+                label: format!("sim:{m}+out{}%", f * 100.0),
+                description: format!(
+                    "{} + key and value rows coded worst kept in f16 ({}% of the calibration text's rows per layer and head; simulated)",
+                    m.describe(hd),
+                    f * 100.0
+                ),
+                simulation,
             });
         }
     }

@@ -389,16 +389,25 @@ pub const QUANTIZE_PAIR_CHECKS: [(usize, usize, usize, usize, u32, Granularity);
     [(8, 128, 8, 4, 8, Granularity::PerLayer), (611, 64, 4, 4, 8, Granularity::PerLayer)];
 
 /// Attention checks: GQA 1–4 and 8, D 64/128/256, odd and empty code counts, windows 0–31.
-pub const ATTENTION_CHECKS: [AttnCase; 9] = [
-    AttnCase { b: 2, hq: 8, hkv: 2, d: 64, s: 1000, w: 7 },
-    AttnCase { b: 1, hq: 32, hkv: 8, d: 128, s: 4097, w: 31 },
-    AttnCase { b: 3, hq: 4, hkv: 4, d: 256, s: 333, w: 0 },
-    AttnCase { b: 1, hq: 12, hkv: 4, d: 128, s: 0, w: 20 },
-    AttnCase { b: 2, hq: 9, hkv: 3, d: 64, s: 777, w: 20 },
-    AttnCase { b: 2, hq: 32, hkv: 8, d: 128, s: 20011, w: 16 },
-    AttnCase { b: 1, hq: 8, hkv: 1, d: 256, s: 5, w: 3 },
-    AttnCase { b: 2, hq: 16, hkv: 2, d: 128, s: 17, w: 0 },
-    AttnCase { b: 1, hq: 32, hkv: 8, d: 128, s: 131071, w: 24 },
+pub const ATTENTION_CHECKS: [AttnCase; 17] = [
+    AttnCase { b: 2, hq: 8, hkv: 2, d: 64, s: 1000, w: 7, sd: (4, 4) },
+    AttnCase { b: 1, hq: 32, hkv: 8, d: 128, s: 4097, w: 31, sd: (4, 4) },
+    AttnCase { b: 3, hq: 4, hkv: 4, d: 256, s: 333, w: 0, sd: (4, 4) },
+    AttnCase { b: 1, hq: 12, hkv: 4, d: 128, s: 0, w: 20, sd: (4, 4) },
+    AttnCase { b: 2, hq: 9, hkv: 3, d: 64, s: 777, w: 20, sd: (4, 4) },
+    AttnCase { b: 2, hq: 32, hkv: 8, d: 128, s: 20011, w: 16, sd: (4, 4) },
+    AttnCase { b: 1, hq: 8, hkv: 1, d: 256, s: 5, w: 3, sd: (4, 4) },
+    AttnCase { b: 2, hq: 16, hkv: 2, d: 128, s: 17, w: 0, sd: (4, 4) },
+    AttnCase { b: 1, hq: 32, hkv: 8, d: 128, s: 131071, w: 24, sd: (4, 4) },
+    // The 4-bit default (sub-vectors of 2) and the mixed formats (K4V2 = keys 2, values 4).
+    AttnCase { b: 2, hq: 9, hkv: 3, d: 64, s: 777, w: 20, sd: (2, 2) },
+    AttnCase { b: 1, hq: 32, hkv: 8, d: 128, s: 20011, w: 16, sd: (2, 2) },
+    AttnCase { b: 3, hq: 4, hkv: 4, d: 256, s: 333, w: 0, sd: (2, 2) },
+    AttnCase { b: 1, hq: 8, hkv: 1, d: 256, s: 5, w: 3, sd: (2, 4) },
+    AttnCase { b: 2, hq: 32, hkv: 8, d: 128, s: 4097, w: 31, sd: (2, 4) },
+    AttnCase { b: 2, hq: 16, hkv: 2, d: 128, s: 17, w: 0, sd: (4, 2) },
+    AttnCase { b: 1, hq: 12, hkv: 4, d: 128, s: 0, w: 20, sd: (2, 2) },
+    AttnCase { b: 1, hq: 32, hkv: 8, d: 128, s: 131071, w: 24, sd: (2, 2) },
 ];
 
 #[derive(Clone, Copy)]
@@ -416,18 +425,20 @@ pub struct AttnCase {
     pub s: usize,
     /// f16 window rows.
     pub w: usize,
+    /// Key and value sub_dims (4: 2 bits per element, 2: 4 bits).
+    pub sd: (usize, usize),
 }
 
 /// GPU attention over codes + window vs an f64 reference over the CPU-decoded keys and values.
 pub fn check_attention(gpu: &Gpu, rng: &mut Rng, c: AttnCase, v: Variant) -> Result<serde_json::Value> {
-    let AttnCase { b, hq, hkv, d, s, w } = c;
+    let AttnCase { b, hq, hkv, d, s, w, sd } = c;
     let (kc, vc) = (
-        codec_of(rng, hkv, d, (4, 8), Granularity::PerLayer, true)?,
-        codec_of(rng, hkv, d, (4, 8), Granularity::PerLayer, false)?,
+        codec_of(rng, hkv, d, (sd.0, 8), Granularity::PerLayer, true)?,
+        codec_of(rng, hkv, d, (sd.1, 8), Granularity::PerLayer, false)?,
     );
     let att = v.build(gpu, &kc, &vc, hq)?;
     let (label, bound) = v.label();
-    let m = d / 4;
+    let (mk, mv) = (d / sd.0, d / sd.1);
     let keys = rng.rows(b * s * hkv, d);
     let values = rng.rows(b * s * hkv, d);
     let kcodes = if s > 0 { kc.encode_vec(&keys)? } else { Vec::new() };
@@ -477,8 +488,8 @@ pub fn check_attention(gpu: &Gpu, rng: &mut Rng, c: AttnCase, v: Variant) -> Res
     }
     let st = gpu.stream();
     let nz = |v: Vec<u8>| if v.is_empty() { vec![0u8; 16] } else { v };
-    let kcd = dev!(st.clone_htod(&nz(head_major(&kcodes, b, s, hkv, m))));
-    let vcd = dev!(st.clone_htod(&nz(head_major(&vcodes, b, s, hkv, m))));
+    let kcd = dev!(st.clone_htod(&nz(head_major(&kcodes, b, s, hkv, mk))));
+    let vcd = dev!(st.clone_htod(&nz(head_major(&vcodes, b, s, hkv, mv))));
     let wkd = dev!(st.clone_htod(&if w > 0 { f16_bits(&wk) } else { vec![0u16; 1] }));
     let wvd = dev!(st.clone_htod(&if w > 0 { f16_bits(&wv) } else { vec![0u16; 1] }));
     let qd = dev!(st.clone_htod(&q));
@@ -491,13 +502,17 @@ pub fn check_attention(gpu: &Gpu, rng: &mut Rng, c: AttnCase, v: Variant) -> Res
     let rel = err / norm;
     let ok = rel.is_finite() && rel < bound;
     println!(
-        "attention B={b} Hq={hq} Hkv={hkv} D={d} S={s:<5} W={w:<2} {label}: rel err {rel:.2e} (bound {bound:.0e}) {}",
+        "attention B={b} Hq={hq} Hkv={hkv} D={d} S={s:<5} W={w:<2} sd {}/{} {label}: rel err {rel:.2e} (bound {bound:.0e}) {}",
+        sd.0,
+        sd.1,
         if ok { "ok" } else { "FAIL" }
     );
     if !ok {
         bail!("attention mismatch");
     }
-    Ok(json!({"B": b, "Hq": hq, "Hkv": hkv, "D": d, "S": s, "W": w, "kernel": label, "rel_err": rel, "bound": bound}))
+    Ok(
+        json!({"B": b, "Hq": hq, "Hkv": hkv, "D": d, "S": s, "W": w, "sub_dims": [sd.0, sd.1], "kernel": label, "rel_err": rel, "bound": bound}),
+    )
 }
 
 /// Every check: quantize (single codecs and key/value pairs), the GEMV forms, and attention for

@@ -21,7 +21,8 @@ use veloq_lab::plot::{self, Heat};
 use veloq_lab::probe::{needle_attention, HeadMass, KeyCoder};
 
 use veloq_lab::calibrations::{
-    calibration_tokens, calibrations, chosen_methods, config, read_tokens, set_f16_rows, simulations, Candidate,
+    calibration_tokens, calibrations, chosen_methods, config, outlier_candidates, read_tokens, set_f16_rows,
+    simulations, Candidate,
 };
 use veloq_lab::second_stage::StageSpec;
 use veloq_lab::source::{sources, CacheSource};
@@ -105,6 +106,16 @@ pub struct Args {
     /// (first positions for good / recent ones after a flush; default 4/16, 0/16 for `/no-sink`).
     #[arg(long)]
     f16_rows: Option<WindowConfig>,
+    /// Issue 34's candidate: also run every VecInfer method simulated with the key and value
+    /// rows it codes worst kept in f16 (a side table), once per fraction of the rows, comma
+    /// separated (`0.01,0.03`); each layer and kv head's limit is set on the calibration text.
+    #[arg(long, value_delimiter = ',')]
+    outlier_rows: Vec<f64>,
+    /// Answer with the candidates only (`--second-stage`, `--apart`, `--outlier-rows`), not fp16
+    /// and the methods themselves: the prompts are those of an earlier run with the same
+    /// lengths, depths, keys, haystacks and seed, whose answers they pair with.
+    #[arg(long)]
+    candidates_only: bool,
     /// Train (or find in the cache) the methods' calibrations and stop: prepares a run on another
     /// machine (copy ~/.cache/veloq/eval there).
     #[arg(long)]
@@ -183,14 +194,18 @@ pub fn run(a: Args) -> Result<()> {
         return Ok(());
     }
     let mut candidates = simulations(calib_model, &calib, calib_window, &chosen, &cals, &a.second_stage, a.apart)?;
+    candidates.extend(outlier_candidates(calib_model, &calib, calib_window, &chosen, &cals, &a.outlier_rows)?);
     let mut methods: Vec<(String, CacheConfig)> = chosen
         .iter()
         .zip(cals)
         .map(|(m, c)| Ok((m.to_string(), CacheConfig { kernels, ..config(*m, c)? })))
         .collect::<Result<_>>()?;
     set_f16_rows(a.f16_rows, &mut methods, &mut candidates);
-    let mut runs = sources(&methods);
+    let mut runs = if a.candidates_only { Vec::new() } else { sources(&methods) };
     runs.extend(candidates.iter().map(|c| (c.label.clone(), &c.simulation as &dyn CacheSource)));
+    if runs.is_empty() {
+        bail!("--candidates-only, and no candidate asked for (--second-stage, --apart, --outlier-rows)");
+    }
 
     let text_path = a.text.clone().unwrap_or_else(|| a.files.text("emma"));
     let (prefix, question) = needle::frame(&model, &tok, !a.raw)?;
@@ -263,6 +278,7 @@ pub fn run(a: Args) -> Result<()> {
     let header = json!({"model": model.info.identity.name, "device": format!("{device:?}"), "lengths": a.lengths,
         "depths_percent": a.depths, "keys_per_cell": a.keys, "chat": !a.raw, "batch": batch_size,
         "f16_rows": a.f16_rows.map(|w| w.to_string()),
+        "outlier_rows": a.outlier_rows,
         "text": text_path.file_name().map(|s| s.to_string_lossy().into_owned())});
     let write = |extra: serde_json::Value| -> Result<()> {
         let mut v = header.clone();
@@ -329,11 +345,15 @@ pub fn run(a: Args) -> Result<()> {
             let cells = &results[mi][hi];
             let (k, n) = cells.iter().flatten().fold((0, 0), |s, c| (s.0 + c.0, s.1 + c.1));
             let (lo, hi_ci) = wilson(k, n);
+            // Outlier candidates: the fraction of coded rows they kept in f16 on these prompts.
+            let kept = candidates.iter().find(|c| &c.label == label).and_then(|c| c.simulation.outliers());
+            let kept = kept.map(|o| o.kept_fraction());
             println!(
-                "\n{label}, {hay} haystack: {k}/{n} = {:.0}% (95% CI {:.0}–{:.0}%)",
+                "\n{label}, {hay} haystack: {k}/{n} = {:.0}% (95% CI {:.0}–{:.0}%){}",
                 100.0 * k as f64 / n as f64,
                 100.0 * lo,
-                100.0 * hi_ci
+                100.0 * hi_ci,
+                kept.map(|f| format!("; {:.2}% of coded rows kept in f16", 100.0 * f)).unwrap_or_default()
             );
             print!("| depth \\ tokens |");
             a.lengths.iter().for_each(|l| print!(" {l} |"));
@@ -344,7 +364,8 @@ pub fn run(a: Args) -> Result<()> {
                 row.iter().for_each(|(k, n)| print!(" {k}/{n} |"));
                 println!();
             }
-            summary.push(json!({"method": label, "haystack": hay, "correct": k, "asked": n, "wilson95": [lo, hi_ci]}));
+            summary.push(json!({"method": label, "haystack": hay, "correct": k, "asked": n, "wilson95": [lo, hi_ci],
+                "outlier_rows_kept": kept}));
             heats.push(Heat { title: format!("{label}, {hay}: {k}/{n}"), cells: cells.clone() });
         }
     }

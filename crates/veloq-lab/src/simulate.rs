@@ -8,6 +8,7 @@
 //! reconstructions instead of scoring codes through lookup tables — which the harnesses measure by
 //! running the same codecs through the real cache beside it.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
@@ -33,11 +34,78 @@ pub fn round_trip(codec: &VecInferCodec, rows: &[f32]) -> Result<Vec<f32>> {
 }
 
 /// One layer's candidate: a side without a codec stays exact.
+#[derive(Clone)]
 struct SimLayer {
     keys: Option<VecInferCodec>,
     values: Option<VecInferCodec>,
     residual: Option<ScoreResidual>,
     value_residual: Option<ScoreResidual>,
+    /// Rows whose coding error passes their head's limit stay exact (a side table).
+    outliers: Option<Arc<Outliers>>,
+    /// Per kv head: the squared coding error above which a key row, and a value row, stay exact.
+    limits: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+/// Outlier rows: a (position, kv head) row of keys or values whose squared coding error passes a
+/// limit set on the calibration text (the `1 − fraction` quantile of its rows' errors, per layer
+/// and head) is kept in f16 beside the codes — KVQuant's dense-and-sparse split, by row. A real
+/// cache would hold them in a side table of f16 rows and positions, about `fraction` of the rows.
+pub struct Outliers {
+    /// The target fraction of rows kept.
+    pub fraction: f64,
+    /// Key and value rows coded so far, and of them those kept exact (all layers).
+    coded: AtomicUsize,
+    kept: AtomicUsize,
+}
+
+impl Outliers {
+    /// Of the rows coded so far, the fraction kept exact (keys and values together); the target
+    /// before any row is coded.
+    pub fn kept_fraction(&self) -> f64 {
+        match self.coded.load(Ordering::Relaxed) {
+            0 => self.fraction,
+            n => self.kept.load(Ordering::Relaxed) as f64 / n as f64,
+        }
+    }
+}
+
+/// Per kv head, the squared coding error of `rows` (`[tokens, heads, head_dim]`) that a
+/// `fraction` of its rows pass: the limit above which a row counts as an outlier.
+pub fn outlier_limits(rows: &[f32], coded: &[f32], heads: usize, head_dim: usize, fraction: f64) -> Vec<f32> {
+    let errors: Vec<f32> = row_errors(rows, coded, head_dim).collect();
+    (0..heads)
+        .map(|h| {
+            let mut e: Vec<f32> = errors.iter().copied().skip(h).step_by(heads).collect();
+            if e.is_empty() {
+                return f32::INFINITY;
+            }
+            let k = ((e.len() as f64 * (1.0 - fraction)).floor() as usize).min(e.len() - 1);
+            *e.select_nth_unstable_by(k, f32::total_cmp).1
+        })
+        .collect()
+}
+
+/// Restores in `coded` the rows of `exact` (`[tokens, heads, head_dim]`, heads = `limits.len()`)
+/// whose squared coding error passes their head's limit; returns how many.
+fn keep_outliers(exact: &[f32], coded: &mut [f32], limits: &[f32], head_dim: usize) -> usize {
+    let heads = limits.len();
+    let over: Vec<usize> = row_errors(exact, coded, head_dim)
+        .enumerate()
+        .filter(|&(r, e)| e > limits[r % heads])
+        .map(|(r, _)| r)
+        .collect();
+    for &r in &over {
+        let span = r * head_dim..(r + 1) * head_dim;
+        coded[span.clone()].copy_from_slice(&exact[span]);
+    }
+    over.len()
+}
+
+/// Squared error of each `head_dim` row of `coded` against `rows`, in order.
+fn row_errors<'a>(rows: &'a [f32], coded: &'a [f32], head_dim: usize) -> impl Iterator<Item = f32> + 'a {
+    rows.chunks(head_dim)
+        .zip(coded.chunks(head_dim))
+        .map(|(r, c)| r.iter().zip(c).map(|(a, b)| (a - b) * (a - b)).sum())
 }
 
 /// Which sides a simulation codes (the others stay f16): keys and values apart is the first
@@ -59,6 +127,9 @@ pub struct Simulation {
     window: WindowConfig,
     stream_bits: f64,
     text: TextFingerprint,
+    /// Outlier rows kept exact, and the bits per element a kept row's f16 copy and position add
+    /// per unit of kept fraction.
+    outliers: Option<(Arc<Outliers>, f64)>,
 }
 
 impl Simulation {
@@ -95,12 +166,51 @@ impl Simulation {
             .zip(spread(value_stages))
             .map(|((l, residual), value_residual)| {
                 let (keys, values) = (k.then(|| l.keys.clone()), v.then(|| l.values.clone()));
-                Arc::new(SimLayer { keys, values, residual, value_residual })
+                Arc::new(SimLayer { keys, values, residual, value_residual, outliers: None, limits: None })
             })
             .collect();
         let kb = if k { cal.keys.shape.bits_per_element() + ek } else { 16.0 };
         let vb = if v { cal.values.shape.bits_per_element() + ev } else { 16.0 };
-        Ok(Self { layers, window: WindowConfig::default(), stream_bits: (kb + vb) / 2.0, text: cal.text.clone() })
+        Ok(Self {
+            layers,
+            window: WindowConfig::default(),
+            stream_bits: (kb + vb) / 2.0,
+            text: cal.text.clone(),
+            outliers: None,
+        })
+    }
+
+    /// Keeps outlier rows exact ([`Outliers`]): `limits` has per layer the key and value limits
+    /// per kv head ([`outlier_limits`] at `fraction`). A kept row costs its f16 copy and a 32-bit
+    /// position beside its code.
+    pub fn set_outliers(&mut self, fraction: f64, limits: Vec<(Vec<f32>, Vec<f32>)>, head_dim: usize) -> Result<()> {
+        if limits.len() != self.layers.len() {
+            return Err(Error::Config(format!(
+                "outlier limits for {} layers, not {}",
+                limits.len(),
+                self.layers.len()
+            )));
+        }
+        let o = Arc::new(Outliers { fraction, coded: AtomicUsize::new(0), kept: AtomicUsize::new(0) });
+        for (l, lim) in self.layers.iter_mut().zip(limits) {
+            let mut layer = SimLayer::clone(l);
+            layer.outliers = Some(o.clone());
+            layer.limits = Some(lim);
+            *l = Arc::new(layer);
+        }
+        self.outliers = Some((o, 16.0 + 32.0 / head_dim as f64));
+        Ok(())
+    }
+
+    /// The outlier rows' record, when it keeps them.
+    pub fn outliers(&self) -> Option<&Outliers> {
+        self.outliers.as_ref().map(|(o, _)| o.as_ref())
+    }
+
+    /// Bits per element of the coded positions: the codes, and the kept outlier rows (their
+    /// measured fraction once any row is coded).
+    fn coded_bits(&self) -> f64 {
+        self.stream_bits + self.outliers.as_ref().map_or(0.0, |(o, per)| o.kept_fraction() * per)
     }
 
     /// The f16 rows kept beside the reconstructions (the real cache's sink and recent window).
@@ -135,10 +245,10 @@ impl CacheSource for Simulation {
     /// The sink in f16, every other position at the stream rate (the f16 window not counted).
     fn code_bits(&self, _model: &Model, tokens: usize) -> Result<f64> {
         let sink = self.window.sink.min(tokens);
-        Ok((sink as f64 * 16.0 + (tokens - sink) as f64 * self.stream_bits) / tokens.max(1) as f64)
+        Ok((sink as f64 * 16.0 + (tokens - sink) as f64 * self.coded_bits()) / tokens.max(1) as f64)
     }
     fn stream_bits(&self, _model: &Model) -> Result<f64> {
-        Ok(self.stream_bits)
+        Ok(self.coded_bits())
     }
     fn calibration_text(&self) -> Option<&TextFingerprint> {
         Some(&self.text)
@@ -206,6 +316,12 @@ impl Simulated {
         let n = (end - p.coded) * row;
         let mut k = Self::reconstruct(&p.keys[..n], self.layer.keys.as_ref(), self.layer.residual.as_ref())?;
         let mut v = Self::reconstruct(&p.values[..n], self.layer.values.as_ref(), self.layer.value_residual.as_ref())?;
+        if let (Some(o), Some((kl, vl))) = (&self.layer.outliers, &self.layer.limits) {
+            let d = dims.last().copied().unwrap_or(1);
+            let kept = keep_outliers(&p.keys[..n], &mut k, kl, d) + keep_outliers(&p.values[..n], &mut v, vl, d);
+            o.coded.fetch_add(2 * n / d, Ordering::Relaxed);
+            o.kept.fetch_add(kept, Ordering::Relaxed);
+        }
         k.extend_from_slice(&p.keys[n..]);
         v.extend_from_slice(&p.values[n..]);
         let start = p.coded;
@@ -365,6 +481,8 @@ mod tests {
             values: Some(codec.clone()),
             residual: Some(stage.clone()),
             value_residual: Some(vstage.clone()),
+            outliers: None,
+            limits: None,
         });
         let store = Arc::new(Mutex::new(vec![(Vec::new(), Vec::new()); 2]));
         let window = WindowConfig { window: 16, flush_block: 8, sink: 4 };
@@ -454,5 +572,44 @@ mod tests {
             vec![SeqStep { slot: 0, start: l0, len: 9 }, SeqStep { slot: 1, start: l1, len: 30 }],
         );
         check(&sim, &given, [0, l1]);
+    }
+
+    /// On the rows the limits were set from, exactly the rows above their head's quantile stay
+    /// exact (against a sort per head), the rest keep their reconstruction.
+    #[test]
+    fn outlier_rows_are_the_worst_coded_of_each_head() {
+        let mut s = crate::testing::fresh_seed() | 1;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        };
+        let (tokens, heads, d) = (200usize, 3usize, 8usize);
+        let exact: Vec<f32> = (0..tokens * heads * d).map(|_| next()).collect();
+        // Noise that grows with the head so that each head needs its own limit.
+        let coded: Vec<f32> =
+            exact.iter().enumerate().map(|(i, x)| x + next() * 0.1 * (1 + (i / d) % heads) as f32).collect();
+        let limits = outlier_limits(&exact, &coded, heads, d, 0.1);
+        assert!(limits.windows(2).all(|w| w[0] < w[1]), "noisier heads get higher limits: {limits:?}");
+        let mut held = coded.clone();
+        let kept = keep_outliers(&exact, &mut held, &limits, d);
+        let err = |r: usize| -> f32 { (0..d).map(|e| (exact[r * d + e] - coded[r * d + e]).powi(2)).sum() };
+        let mut want = Vec::new();
+        for h in 0..heads {
+            let mut rows: Vec<usize> = (0..tokens).map(|t| t * heads + h).collect();
+            rows.sort_by(|&a, &b| err(b).total_cmp(&err(a)));
+            // 180 of 200 rows are at or below the limit (the 181st smallest error): 19 pass it.
+            want.extend_from_slice(&rows[..19]);
+        }
+        assert_eq!(kept, want.len());
+        for r in 0..tokens * heads {
+            let span = r * d..(r + 1) * d;
+            let from = if want.contains(&r) { &exact } else { &coded };
+            assert_eq!(&held[span.clone()], &from[span], "row {r}");
+        }
+        // No row passes a limit of infinity; every row passes a negative one.
+        assert_eq!(keep_outliers(&exact, &mut coded.clone(), &[f32::INFINITY; 3], d), 0);
+        assert_eq!(keep_outliers(&exact, &mut coded.clone(), &[-1.0; 3], d), tokens * heads);
     }
 }

@@ -78,6 +78,34 @@ pub struct Args {
     /// pairs, partials flushed to f32). Timed and checked for each.
     #[arg(long, value_delimiter = ',', default_value = "f32")]
     values: Vec<String>,
+    /// Code formats of the attention timing, comma separated, each `K/V` sub_dims: 4/4 (2 bits
+    /// per element, `vq-2`), 2/2 (4 bits, the default `vq-4`), 2/4 (`vq-k4v2`). Each is timed
+    /// with every kernel over the same grid.
+    #[arg(long, value_delimiter = ',', default_value = "4/4")]
+    sub_dims: Vec<String>,
+}
+
+/// `K/V` sub_dims of `--sub-dims`.
+fn parse_sub_dims(s: &str) -> Result<(usize, usize)> {
+    let parse = |x: &str| -> Result<usize> {
+        match x.trim().parse() {
+            Ok(n @ (2 | 4)) => Ok(n),
+            _ => bail!("--sub-dims {s}: key and value sub_dims are 2 or 4, as K/V"),
+        }
+    };
+    match s.split_once('/') {
+        Some((k, v)) => Ok((parse(k)?, parse(v)?)),
+        None => bail!("--sub-dims {s}: K/V, e.g. 2/2"),
+    }
+}
+
+/// Bits per element of codes with these sub_dims (256 centroids: 8 bits per sub-vector).
+fn format_label((k, v): (usize, usize)) -> String {
+    if k == v {
+        format!("{:.1} bits", 8.0 / k as f64)
+    } else {
+        format!("K{} V{} ({:.1} bits)", 8 / k, 8 / v, (8.0 / k as f64 + 8.0 / v as f64) / 2.0)
+    }
 }
 
 macro_rules! dev {
@@ -613,10 +641,14 @@ pub fn run(a: Args) -> Result<()> {
     if variants.is_empty() {
         bail!("--kernels names no kernel");
     }
+    let formats = a.sub_dims.iter().map(|s| parse_sub_dims(s)).collect::<Result<Vec<_>>>()?;
+    if formats.is_empty() {
+        bail!("--sub-dims names no format");
+    }
     match a.profile[..] {
         [] => {}
         [b, s] => {
-            time_attention(&gpu, &mut rng, vec![(b, s)], &mut Clear::Nothing, 1, variants[0])?;
+            time_attention(&gpu, &mut rng, vec![(b, s)], &mut Clear::Nothing, 1, variants[0], formats[0])?;
             return Ok(());
         }
         _ => bail!("--profile takes B,S"),
@@ -661,20 +693,22 @@ pub fn run(a: Args) -> Result<()> {
             flushes.push(time_flush(&gpu, &mut rng, &mut clear, a.reps, shape)?);
         }
     }
-    // Decode attention timing: Llama-3.1-8B geometry, 2-bit codes (256 centroids of 4).
+    // Decode attention timing: Llama-3.1-8B geometry, each code format (256 centroids).
     println!("\n| attention B,S (Hq 32, Hkv 8, D 128) | kernel | ms | code MiB | GB/s | splits |");
     println!("|---|---|---|---|---|---|");
     let mut at = Vec::new();
-    for &v in &variants {
-        let grid = a.batches.iter().flat_map(|&b| a.contexts.iter().map(move |&s| (b, s))).collect();
-        at.extend(time_attention(&gpu, &mut rng, grid, &mut clear, a.reps, v)?);
+    for &f in &formats {
+        for &v in &variants {
+            let grid = a.batches.iter().flat_map(|&b| a.contexts.iter().map(move |&s| (b, s))).collect();
+            at.extend(time_attention(&gpu, &mut rng, grid, &mut clear, a.reps, v, f)?);
+        }
     }
     side_by_side(&at);
-    let first_label = variants[0].label().0;
-    let first: Vec<_> = at.iter().filter(|x| x["kernel"] == first_label.as_str()).cloned().collect();
     if let Some(path) = &a.baselines {
         let base: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
-        ratios(&base, &qt, &first, a.plot.as_deref())?;
+        // The figure draws the first kernel and format; the table every one.
+        let first = at.first().map(|x| x["kernel"].clone());
+        ratios(&base, &qt, &at, first.as_ref(), a.plot.as_deref())?;
     }
     let timing = a.timing.to_possible_value().map(|v| v.get_name().to_string());
     write_json(
@@ -683,8 +717,8 @@ pub fn run(a: Args) -> Result<()> {
     )
 }
 
-/// Times decode attention over 2-bit codes (256 centroids of 4) in the Llama-3.1-8B geometry for
-/// each (batch, positions), printing a table row each.
+/// Times decode attention over codes of sub_dims `sd` (keys, values; 256 centroids) in the
+/// Llama-3.1-8B geometry for each (batch, positions), printing a table row each.
 fn time_attention(
     gpu: &Gpu,
     rng: &mut Rng,
@@ -692,20 +726,22 @@ fn time_attention(
     clear: &mut Clear,
     reps: usize,
     v: Variant,
+    sd: (usize, usize),
 ) -> Result<Vec<serde_json::Value>> {
     let st = gpu.stream();
     let mut at = Vec::new();
     let (hq, hkv, d, w) = (32, 8, 128, 16);
-    let kc = codec_of(rng, hkv, d, (4, 8), Granularity::PerLayer, true)?;
-    let vc = codec_of(rng, hkv, d, (4, 8), Granularity::PerLayer, false)?;
+    let kc = codec_of(rng, hkv, d, (sd.0, 8), Granularity::PerLayer, true)?;
+    let vc = codec_of(rng, hkv, d, (sd.1, 8), Granularity::PerLayer, false)?;
     let att = v.build(gpu, &kc, &vc, hq)?;
-    let label = v.label().0;
+    let label = format!("{}, {}", v.label().0, format_label(sd));
     for (b, s) in shapes {
-        let m = d / 4;
-        let n = b * hkv * s * m;
-        let codes: Vec<u8> = (0..n).map(|i| (rng.uniform() * 256.0) as u8 ^ (i as u8)).collect();
-        let kcd = dev!(st.clone_htod(&codes));
-        let vcd = dev!(st.clone_htod(&codes));
+        let random = |n: usize, rng: &mut Rng| -> Vec<u8> {
+            (0..n).map(|i| (rng.uniform() * 256.0) as u8 ^ (i as u8)).collect()
+        };
+        let (nk, nv) = (b * hkv * s * (d / sd.0), b * hkv * s * (d / sd.1));
+        let kcd = dev!(st.clone_htod(&random(nk, rng)));
+        let vcd = dev!(st.clone_htod(&random(nv, rng)));
         let wkd = dev!(st.clone_htod(&f16_bits(&rng.rows(b * hkv * w, d))));
         let wvd = dev!(st.clone_htod(&f16_bits(&rng.rows(b * hkv * w, d))));
         let qd = dev!(st.clone_htod(&rng.rows(b * hq, d)));
@@ -717,13 +753,13 @@ fn time_attention(
             launches = att.attend(gpu, &qd, &kcd, &vcd, b, s, &wkd, &wvd, w, 0.088, &mut scratch, &mut out)?;
             Ok(())
         })?;
-        let bytes = 2.0 * n as f64;
+        let bytes = (nk + nv) as f64;
         println!(
             "| {b},{s} | {label} | {ms:.4} | {:.1} | {:.0} | {splits} |",
             bytes / (1 << 20) as f64,
             bytes / ms / 1e6
         );
-        at.push(json!({"B": b, "S": s, "kernel": label, "Hq": hq, "Hkv": hkv, "D": d, "W": w, "ms": ms, "code_bytes": bytes, "splits": splits,
+        at.push(json!({"B": b, "S": s, "kernel": label, "sub_dims": [sd.0, sd.1], "Hq": hq, "Hkv": hkv, "D": d, "W": w, "ms": ms, "code_bytes": bytes, "splits": splits,
             "fp16_kv_bytes": (2 * b * hkv * s * d * 2) as f64, "launches": launches}));
     }
     Ok(at)
@@ -763,6 +799,7 @@ fn ratios(
     base: &serde_json::Value,
     qt: &[serde_json::Value],
     at: &[serde_json::Value],
+    plotted: Option<&serde_json::Value>,
     plot: Option<&std::path::Path>,
 ) -> Result<()> {
     let get = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
@@ -791,8 +828,8 @@ fn ratios(
             get(b, "triton_ms") / ms
         );
     }
-    println!("\n| attention B,S | veloq ms | SDPA fp16 ms | veloq speed / SDPA | veloq GB/s on codes (of 4,800) | SDPA TB/s |");
-    println!("|---|---|---|---|---|---|");
+    println!("\n| attention B,S | kernel, format | veloq ms | SDPA fp16 ms | veloq speed / SDPA | veloq GB/s on codes (of 4,800) | SDPA TB/s |");
+    println!("|---|---|---|---|---|---|---|");
     let mut series: Vec<veloq_lab::plot::AttentionSeries> = Vec::new();
     for x in at {
         let Some(b) = base["sdpa"].as_array().and_then(|v| v.iter().find(|b| same(b, x, &["B", "S"]))) else {
@@ -800,13 +837,17 @@ fn ratios(
         };
         let (ms, sd) = (get(x, "ms"), get(b, "ms"));
         println!(
-            "| {},{} | {ms:.4} | {sd:.4} | {:.2}× | {:.0} | {:.2} |",
+            "| {},{} | {} | {ms:.4} | {sd:.4} | {:.2}× | {:.0} | {:.2} |",
             x["B"],
             x["S"],
+            x["kernel"].as_str().unwrap_or("?"),
             sd / ms,
             get(x, "code_bytes") / ms / 1e6,
             get(b, "kv_bytes") / sd / 1e9
         );
+        if Some(&x["kernel"]) != plotted {
+            continue;
+        }
         let bb = x["B"].as_u64().unwrap_or(0) as usize;
         if !series.iter().any(|s| s.0 == bb) {
             series.push((bb, Vec::new(), Vec::new()));

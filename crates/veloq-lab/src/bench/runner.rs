@@ -67,9 +67,9 @@ pub struct Args {
     /// after the last has finished: no programmatic dependent launch).
     #[arg(long, value_delimiter = ',', default_value = "eager,graphs")]
     paths: Vec<String>,
-    /// The VecInfer method timed beside fp16 (SmolLM2 reads its calibration file; the 8B geometry
-    /// gets random codebooks of its shape).
-    #[arg(long, default_value = "vq-2")]
+    /// The VecInfer method timed beside fp16, the default's by default (SmolLM2 reads its
+    /// calibration file; the 8B geometry gets random codebooks of its shape).
+    #[arg(long, default_value_t = Method::default())]
     method: Method,
     /// Models to time: smollm2 (the real file) and/or llama8b (random weights, f16).
     #[arg(long, value_delimiter = ',', default_value = "smollm2,llama8b")]

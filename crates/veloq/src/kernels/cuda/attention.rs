@@ -47,8 +47,8 @@ const MMA_MAX_SPLIT: usize = 16384;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SplitKernel {
     /// `attention_mma.cu`: `mma.sync` on f16 centroids and weights with f32 accumulation, for
-    /// sub-vectors of 4, head_dim 64/128/256 and at most 8 query heads per kv head. The default
-    /// where it applies.
+    /// sub-vectors of 2 or 4 (keys and values each), head_dim 64/128/256 and at most 8 query heads
+    /// per kv head. The default where it applies.
     TensorCores,
     /// `attention.cu`: per-query lookup tables and f32 FMAs on CUDA cores; every geometry.
     Tables,
@@ -97,7 +97,10 @@ impl Geometry {
 
 /// Whether the tensor-core split kernel takes this geometry (the table kernel's checks passed).
 fn mma_geometry(k: &Geometry, v: &Geometry, q_heads: usize) -> bool {
-    k.sub_dim == 4 && v.sub_dim == 4 && matches!(k.head_dim, 64 | 128 | 256) && q_heads / k.heads <= 8
+    matches!(k.sub_dim, 2 | 4)
+        && matches!(v.sub_dim, 2 | 4)
+        && matches!(k.head_dim, 64 | 128 | 256)
+        && q_heads / k.heads <= 8
 }
 
 fn check_geometry(k: Geometry, v: Geometry, q_heads: usize) -> std::result::Result<(), String> {
@@ -686,6 +689,8 @@ impl Plan {
         let b = |x: bool| x as i64;
         let mut d = self.merge_defines();
         d.extend([
+            ("SDK", self.sd_k as i64),
+            ("SDV", self.sd_v as i64),
             ("CENTER_K", b(self.center.0)),
             ("SMOOTH_K", b(self.smooth.0)),
             ("WARPS", (MMA_THREADS / 32) as i64),
@@ -747,8 +752,8 @@ pub(super) fn example_defines() -> Vec<Vec<(&'static str, i64)>> {
     .collect()
 }
 
-/// Defines of the tensor-core split kernel for D 64/128/256 and groups of 1–8 heads, for the NVRTC
-/// compile check.
+/// Defines of the tensor-core split kernel for D 64/128/256, groups of 1–8 heads and every pair of
+/// sub_dims, for the NVRTC compile check.
 pub(super) fn example_mma_defines() -> Vec<Vec<(&'static str, i64)>> {
     let base = Plan::example(SplitKernel::TensorCores);
     [
@@ -756,6 +761,11 @@ pub(super) fn example_mma_defines() -> Vec<Vec<(&'static str, i64)>> {
         Plan { d: 64, q_heads: 9, kv_heads: 3, ..base },
         Plan { d: 256, q_heads: 8, kv_heads: 1, center: (false, false), smooth: (false, false), rotate: false, ..base },
         Plan { q_heads: 4, kv_heads: 4, ..base },
+        Plan { sd_k: 2, sd_v: 2, ..base },
+        Plan { d: 64, q_heads: 9, kv_heads: 3, sd_k: 2, sd_v: 2, ..base },
+        Plan { d: 256, q_heads: 8, kv_heads: 1, sd_k: 2, sd_v: 2, ..base },
+        Plan { sd_k: 2, sd_v: 4, ..base },
+        Plan { d: 256, q_heads: 8, kv_heads: 1, sd_k: 4, sd_v: 2, ..base },
     ]
     .iter()
     .map(Plan::mma_defines)
@@ -784,15 +794,18 @@ mod tests {
         }
     }
 
-    /// The tensor-core kernel is chosen exactly where its layout holds: sub-vectors of 4,
+    /// The tensor-core kernel is chosen exactly where its layout holds: sub-vectors of 2 or 4,
     /// head_dim 64/128/256, at most 8 query heads per kv head.
     #[test]
     fn tensor_cores_take_their_geometries_only() {
         assert!(mma_geometry(&geometry(8, 128, 4), &geometry(8, 128, 4), 32));
         assert!(mma_geometry(&geometry(3, 64, 4), &geometry(3, 64, 4), 9));
         assert!(mma_geometry(&geometry(1, 256, 4), &geometry(1, 256, 4), 8));
+        assert!(mma_geometry(&geometry(3, 64, 2), &geometry(3, 64, 2), 9));
+        assert!(mma_geometry(&geometry(8, 128, 2), &geometry(8, 128, 4), 32));
+        assert!(mma_geometry(&geometry(8, 128, 4), &geometry(8, 128, 2), 32));
         assert!(!mma_geometry(&geometry(8, 128, 8), &geometry(8, 128, 8), 32));
-        assert!(!mma_geometry(&geometry(8, 128, 4), &geometry(8, 128, 2), 32));
+        assert!(!mma_geometry(&geometry(8, 128, 4), &geometry(8, 128, 8), 32));
         assert!(!mma_geometry(&geometry(2, 128, 4), &geometry(2, 128, 4), 32));
         assert!(!mma_geometry(&geometry(4, 96, 4), &geometry(4, 96, 4), 8));
     }

@@ -1,5 +1,6 @@
 // Decode attention over VecInfer codes on tensor cores, flash-decoding split over the sequence, for
-// sub-vectors of 4 with 256 centroids (2 bits per element) and GQA groups of up to 8 heads.
+// sub-vectors of 4 (2 bits per element) or 2 (4 bits) with 256 centroids, keys and values each
+// their own, and GQA groups of up to 8 heads.
 // It writes the same partials as vq_attend_split; with `fuse` (when the merge's shared memory fits
 // in the kernel's), the last of a stream's blocks to finish merges them with the window rows
 // (merge_stream, merge.cu) into the output: one launch per layer. Launched to overlap the kernel
@@ -14,38 +15,58 @@
 // pairs (2q, 2q+1) and (2q+8, 2q+9) are elements (0, 1) and (2, 3) of one sub-space: its A
 // fragment for positions g and g + 8 is their two centroids, four f16s each, two 8-byte shared
 // loads. Lane q of a quad takes sub-spaces q·KT + kt, so its code bytes of a position are
-// contiguous (one load per position and step).
+// contiguous (one load per position and step). With key sub-vectors of 2 the same dims are two
+// sub-spaces, q·2KT + 2kt and the next: each register of the A fragment is one centroid (four
+// 4-byte shared loads), and the query fragments are the same.
 // Softmax: online, per head over the steps, lazily: the reference maximum moves only when a score
 // passes it by more than 2^8, so most steps need no shuffles. The weights (position, head) become
 // the (head, position) B fragments of the value mma with one movmatrix transpose each.
 // Values: O^T += V̂^T · P^T (rows: 16 dims = 8 sub-spaces × 2 elements; k: 16 positions; columns:
 // heads); the A fragment pairs two positions' elements of one sub-space (two centroid loads and
-// byte permutes per register pair). Lane group g takes sub-spaces g·VP + u. The value codes of a
+// byte permutes per register pair). Lane group g takes sub-spaces g·VP + u. With value
+// sub-vectors of 2, a tile's 16 dims are the two elements of 8 sub-spaces g·VB + u, one m-tile per
+// u. The value codes of a
 // step are fetched two steps ahead, the key codes one, and a step's value mma is issued between
 // the next step's score mma and softmax (two independent streams for the schedulers).
 // Neither keys nor values are ever decoded outside registers.
 //
-// Both codebooks sit in shared memory as f16, replicated 16 times and interleaved per centroid,
-// [centroid][key, value][replica] (256 bytes per centroid): the 16 lanes of a load phase read 16
-// distinct bank pairs whatever their random codes, and a lane's entry offset, code·256 + its
-// replica's, is one byte permute of the code word.
+// Both codebooks sit in shared memory as f16, interleaved per centroid, [centroid][key, value]
+// [replica] (256 bytes per centroid, 128 per book): centroids of 4 replicated 16 times, so the 16
+// lanes of an 8-byte load phase read 16 distinct bank pairs whatever their random codes; of 2, 32
+// times, one bank per lane of a 4-byte load. A lane's entry offset, code·256 + its replica's, is
+// one byte permute of the code word.
 //
-// Defines: D (64, 128 or 256), HQ, HKV, G (= HQ / HKV ≤ 8), CENTER_K, SMOOTH_K, CENTER_V, SMOOTH_V,
-// ROTATE, WARPS, MIN_BLOCKS.
-// Layouts: q [B][HQ][D] f32; codes [B·HKV][stride][D/4] u8; books [256][4] f16; partials as
+// Defines: D (64, 128 or 256), SDK and SDV (key and value sub_dim, 2 or 4), HQ, HKV, G (= HQ / HKV
+// ≤ 8), CENTER_K, SMOOTH_K, CENTER_V, SMOOTH_V, ROTATE, WARPS, MIN_BLOCKS.
+// Layouts: q [B][HQ][D] f32; codes [B·HKV][stride][D/SD] u8; books [256][SD] f16; partials as
 // vq_attend_split: part_o [B][HQ][nsplit][D], part_ml [B][HQ][nsplit][2] (natural-log max, sum);
 // done [B·HKV] blocks finished per stream (zero between launches).
 
-#define M_SUB (D / 4)     // sub-spaces (code bytes per position)
-#define KT (D / 16)       // key k-tiles
-#define VP (D / 32)       // value m-tile pairs
-#define KW ((KT + 3) / 4) // words of a lane's key code bytes per position
-#define VW ((VP + 3) / 4) // words of a lane's value code bytes per position
+#define M_K (D / SDK)         // key sub-spaces (code bytes per position)
+#define M_V (D / SDV)         // value sub-spaces
+#define KT (D / 16)           // key k-tiles
+#define MT (D / 16)           // value m-tiles
+#define VP (D / 32)           // value m-tile pairs (sub-vectors of 4)
+#define KB (D / (4 * SDK))    // a lane's key code bytes per position
+#define VB (D / (8 * SDV))    // a lane's value code bytes per position
+#define KW ((KB + 3) / 4)     // words of them
+#define VW ((VB + 3) / 4)
 #define LOG2E 1.4426950408889634f
 
-#if G > 8 || G > WARPS || (D != 64 && D != 128 && D != 256)
-#error "vq_attend_mma takes D 64/128/256 and at most 8 query heads per kv head"
+#if G > 8 || G > WARPS || (D != 64 && D != 128 && D != 256) || (SDK != 2 && SDK != 4) || (SDV != 2 && SDV != 4)
+#error "vq_attend_mma takes D 64/128/256, sub_dims 2 or 4 and at most 8 query heads per kv head"
 #endif
+
+// A centroid of SD f16s in shared memory, and the replicas of a book.
+template <int SD> struct Cent;
+template <> struct Cent<4> {
+    typedef uint2 T;
+    enum { R = 16 };
+};
+template <> struct Cent<2> {
+    typedef unsigned T;
+    enum { R = 32 };
+};
 
 // Transpose of an 8×8 matrix of f16 held as mma fragments (lane l: row l/4, columns 2(l%4), +1).
 __device__ __forceinline__ unsigned transpose8(unsigned x) {
@@ -88,26 +109,38 @@ __device__ __forceinline__ void ld_code(unsigned (&w)[4], const uint4* p) {
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
 }
 
-// A lane's KT key code bytes of one position.
-__device__ __forceinline__ void load_k(unsigned (&w)[KW], const unsigned char* p) {
-#if KT == 4
-    ld_code(w, (const unsigned*)p);
-#elif KT == 8
-    ld_code(w, (const uint2*)p);
-#else
-    ld_code(w, (const uint4*)p);
-#endif
+// N code bytes of one position (a lane's share): one load, two for 32 bytes.
+template <int N>
+__device__ __forceinline__ void load_bytes(unsigned (&w)[(N + 3) / 4], const unsigned char* p) {
+    if constexpr (N == 2) {
+        ld_code(w, (const unsigned short*)p);
+    } else if constexpr (N == 4) {
+        ld_code(w, (const unsigned*)p);
+    } else if constexpr (N == 8) {
+        ld_code(w, (const uint2*)p);
+    } else if constexpr (N == 16) {
+        ld_code(w, (const uint4*)p);
+    } else {
+        static_assert(N == 32, "2 to 32 code bytes");
+        unsigned(&lo)[4] = *reinterpret_cast<unsigned(*)[4]>(&w[0]);
+        unsigned(&hi)[4] = *reinterpret_cast<unsigned(*)[4]>(&w[4]);
+        ld_code(lo, (const uint4*)p);
+        ld_code(hi, (const uint4*)p + 1);
+    }
 }
 
-// A lane's VP value code bytes of one position.
-__device__ __forceinline__ void load_v(unsigned (&w)[VW], const unsigned char* p) {
-#if VP == 2
-    ld_code(w, (const unsigned short*)p);
-#elif VP == 4
-    ld_code(w, (const unsigned*)p);
-#else
-    ld_code(w, (const uint2*)p);
-#endif
+// One book into shared memory: centroid c's R replicas at byte c·256 + OFF (0 keys, 128 values).
+// Every load is requested before the first store.
+template <int SD, int OFF, int THREADS>
+__device__ __forceinline__ void fill_book(unsigned char* smem, const void* __restrict__ book, int tid) {
+    typedef typename Cent<SD>::T T;
+    constexpr int R = Cent<SD>::R, PER = 256 * R / THREADS, CS = THREADS / R;
+    const int r = tid % R, c0 = tid / R;
+    T e[PER];
+#pragma unroll
+    for (int k = 0; k < PER; k++) e[k] = ((const T*)book)[c0 + k * CS];
+#pragma unroll
+    for (int k = 0; k < PER; k++) ((T*)(smem + (c0 + k * CS) * 256 + OFF))[r] = e[k];
 }
 
 // MIN_BLOCKS (host, which plans the splits' waves by it): blocks per multiprocessor, capping the
@@ -115,13 +148,13 @@ __device__ __forceinline__ void load_v(unsigned (&w)[VW], const unsigned char* p
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_mma(
     const float* __restrict__ q, const unsigned char* __restrict__ kcodes, const unsigned char* __restrict__ vcodes,
-    const uint2* __restrict__ kbook, const uint2* __restrict__ vbook, const float* __restrict__ kmean,
+    const void* __restrict__ kbook, const void* __restrict__ vbook, const float* __restrict__ kmean,
     const float* __restrict__ kscale, float* part_o, float* part_ml, int S, long long stride, int split, float scale,
     const unsigned short* __restrict__ wk, const unsigned short* __restrict__ wv, const float* __restrict__ vmean,
     const float* __restrict__ vscale, float* __restrict__ out, int W, WindowMap wmap, unsigned* __restrict__ done, int fuse, int early) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    uint2* books = (uint2*)smem_raw;        // [256][key, value][16] centroids, f16 × 4
-    float* qt = (float*)(books + 256 * 32); // [G][D] queries in code space, log2 units
+    // [256][key, value][replicas] centroids: 256 bytes each.
+    float* qt = (float*)(smem_raw + 256 * 256); // [G][D] queries in code space, log2 units
     float* off = qt + G * D;                // [8] key-centering offsets (natural units)
     float* wml = off + 8;                   // [WARPS][2][8] warp maxima (log2) and sums
     float* wo = (float*)smem_raw;           // [WARPS][G][D] warp partials, over the books at the end
@@ -140,31 +173,31 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
     // This warp's run: whole steps of 16 positions.
     const int per = ((n + WARPS - 1) / WARPS + 15) & ~15;
     const int w0 = t0 + min(n, warp * per), w1 = min(t1, w0 + per);
-    const unsigned char* kc = kcodes + (size_t)bh * stride * M_SUB;
-    const unsigned char* vc = vcodes + (size_t)bh * stride * M_SUB;
-    // Key codes of positions st + 8·nt + g (bytes qd·KT …), value codes of st + 2qd + {0, 1, 8, 9}
-    // (bytes g·VP …); positions past the run read its last one (their weights are zeroed).
+    const unsigned char* kc = kcodes + (size_t)bh * stride * M_K;
+    const unsigned char* vc = vcodes + (size_t)bh * stride * M_V;
+    // Key codes of positions st + 8·nt + g (bytes qd·KB …), value codes of st + 2qd + {0, 1, 8, 9}
+    // (bytes g·VB …); positions past the run read its last one (their weights are zeroed).
     // Running pointers to the codes of the step after the current one.
-    const unsigned char* kp = kc + (size_t)(w0 + 16 + g) * M_SUB + qd * KT;
-    const unsigned char* vp = vc + (size_t)(w0 + 16 + 2 * qd) * M_SUB + g * VP;
+    const unsigned char* kp = kc + (size_t)(w0 + 16 + g) * M_K + qd * KB;
+    const unsigned char* vp = vc + (size_t)(w0 + 16 + 2 * qd) * M_V + g * VB;
     // The codes of the step at st: at fixed offsets from p where the step is `whole` (16 positions
     // of the run), else clamped to the run's last position.
     auto load_keys = [&](unsigned (&kw)[2][KW], int st, const unsigned char* p, bool whole) {
         if (whole) {
 #pragma unroll
-            for (int nt = 0; nt < 2; nt++) load_k(kw[nt], p + nt * 8 * M_SUB);
+            for (int nt = 0; nt < 2; nt++) load_bytes<KB>(kw[nt], p + nt * 8 * M_K);
         } else {
 #pragma unroll
-            for (int nt = 0; nt < 2; nt++) load_k(kw[nt], kc + (size_t)min(st + nt * 8 + g, w1 - 1) * M_SUB + qd * KT);
+            for (int nt = 0; nt < 2; nt++) load_bytes<KB>(kw[nt], kc + (size_t)min(st + nt * 8 + g, w1 - 1) * M_K + qd * KB);
         }
     };
     auto load_values = [&](unsigned (&vw)[4][VW], int st, const unsigned char* p, bool whole) {
         if (whole) {
 #pragma unroll
-            for (int i = 0; i < 4; i++) load_v(vw[i], p + ((i & 1) + 8 * (i >> 1)) * M_SUB);
+            for (int i = 0; i < 4; i++) load_bytes<VB>(vw[i], p + ((i & 1) + 8 * (i >> 1)) * M_V);
         } else {
 #pragma unroll
-            for (int i = 0; i < 4; i++) load_v(vw[i], vc + (size_t)min(st + 2 * qd + (i & 1) + 8 * (i >> 1), w1 - 1) * M_SUB + g * VP);
+            for (int i = 0; i < 4; i++) load_bytes<VB>(vw[i], vc + (size_t)min(st + 2 * qd + (i & 1) + 8 * (i >> 1), w1 - 1) * M_V + g * VB);
         }
     };
     // Codes in registers: keys of this step (kw) and the next (kn); values of the previous step
@@ -176,8 +209,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
 #pragma unroll
         for (int k = 0; k < VW; k++) vw[i][k] = 0u;  // centroid 0 with zero weights before the first step
     if (w0 < w1) {
-        load_keys(kw, w0, kp - 16 * M_SUB, w0 + 16 <= w1);
-        load_values(vcur, w0, vp - 16 * M_SUB, w0 + 16 <= w1);
+        load_keys(kw, w0, kp - 16 * M_K, w0 + 16 <= w1);
+        load_values(vcur, w0, vp - 16 * M_V, w0 + 16 <= w1);
     }
 
     // Everything global that the prologue needs is requested at once: this warp's query head (warps
@@ -193,14 +226,16 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
             ks[i] = SMOOTH_K ? kscale[h * D + e] : 1.f;
         }
     }
+#if SDK == 4 && SDV == 4
     {
+        uint2* books = (uint2*)smem_raw;
         constexpr int PER = 256 * 16 / (WARPS * 32);
         const int r = tid % 16, c0 = tid / 16, cs = WARPS * 32 / 16;
         uint2 ke[PER], ve[PER];
 #pragma unroll
         for (int k = 0; k < PER; k++) {
-            ke[k] = kbook[c0 + k * cs];
-            ve[k] = vbook[c0 + k * cs];
+            ke[k] = ((const uint2*)kbook)[c0 + k * cs];
+            ve[k] = ((const uint2*)vbook)[c0 + k * cs];
         }
 #pragma unroll
         for (int k = 0; k < PER; k++) {
@@ -208,6 +243,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
             books[(c0 + k * cs) * 32 + 16 + r] = ve[k];
         }
     }
+#else
+    fill_book<SDK, 0, WARPS * 32>(smem_raw, kbook, tid);
+    fill_book<SDV, 128, WARPS * 32>(smem_raw, vbook, tid);
+#endif
     // q̃ = H(s ⊙ q·scale), the offset q·scale·μ_k (scores are q̃·ĉ + offset).
     if (warp < G) {
         float o = 0.f;
@@ -224,10 +263,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
         if (lane == 0) off[warp] = o;
     }
     __syncthreads();
-    const unsigned kl8 = rl * 8, vl8 = 128 + rl * 8;  // this lane's replica in the key / value book
+    // This lane's replica in the key / value book.
+    const unsigned kl8 = SDK == 4 ? rl * 8 : lane * 4, vl8 = 128 + (SDV == 4 ? rl * 8 : lane * 4);
 
-    // Query fragments, head g (zero for g ≥ G): k-tile kt, lane q → sub-space q·KT + kt, elements
-    // (0, 1) and (2, 3): the B columns of Q̃^T.
+    // Query fragments, head g (zero for g ≥ G): k-tile kt, lane q → dims 4(q·KT + kt) + 0…3 (one
+    // sub-space of 4, or two of 2): the B columns of Q̃^T.
     unsigned qf[KT][2];
 #pragma unroll
     for (int kt = 0; kt < KT; kt++) {
@@ -241,15 +281,25 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
         }
     }
 
-    float o[2 * VP][4];
+    float o[MT][4];
 #pragma unroll
-    for (int mt = 0; mt < 2 * VP; mt++)
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int i = 0; i < 4; i++) o[mt][i] = 0.f;
 
     // O^T += V̂^T · P^T over one step: value codes vw, weights pb (P^T fragments: positions 2q,
     // 2q+1 and 2q+8, 2q+9 of head g).
     auto accumulate = [&](const unsigned (&vw)[4][VW], unsigned pb0, unsigned pb1) {
+#if SDV == 2
+        // Tile u: rows g and g + 8 are elements 0 and 1 of sub-space g·VB + u.
+#pragma unroll
+        for (int u = 0; u < MT; u++) {
+            unsigned c[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) c[i] = *(const unsigned*)(smem_raw + entry(vw[i], u, vl8));
+            mma_16816(o[u], prmt(c[0], c[1], 0x5410), prmt(c[0], c[1], 0x7632), prmt(c[2], c[3], 0x5410), prmt(c[2], c[3], 0x7632), pb0, pb1);
+        }
+#else
 #pragma unroll
         for (int u = 0; u < VP; u++) {
             uint2 c[4];
@@ -258,11 +308,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
             mma_16816(o[2 * u], prmt(c[0].x, c[1].x, 0x5410), prmt(c[0].x, c[1].x, 0x7632), prmt(c[2].x, c[3].x, 0x5410), prmt(c[2].x, c[3].x, 0x7632), pb0, pb1);
             mma_16816(o[2 * u + 1], prmt(c[0].y, c[1].y, 0x5410), prmt(c[0].y, c[1].y, 0x7632), prmt(c[2].y, c[3].y, 0x5410), prmt(c[2].y, c[3].y, 0x7632), pb0, pb1);
         }
+#endif
     };
     // Rescales the value accumulators of heads 2q (columns 0, 2) and 2q+1 (1, 3).
     auto rescale = [&](float a0, float a1) {
 #pragma unroll
-        for (int mt = 0; mt < 2 * VP; mt++) {
+        for (int mt = 0; mt < MT; mt++) {
             o[mt][0] *= a0;
             o[mt][1] *= a1;
             o[mt][2] *= a0;
@@ -284,14 +335,22 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
             load_keys(kn, st + 16, kp, whole);
             load_values(vn, st + 16, vp, whole);
         }
-        kp += 16 * M_SUB;
-        vp += 16 * M_SUB;
+        kp += 16 * M_K;
+        vp += 16 * M_V;
         float s[4] = {0.f, 0.f, 0.f, 0.f};  // (g, 2q), (g, 2q+1), (g+8, 2q), (g+8, 2q+1)
 #pragma unroll
         for (int kt = 0; kt < KT; kt++) {
+#if SDK == 4
             const uint2 a = *(const uint2*)(smem_raw + entry(kw[0], kt, kl8));
             const uint2 c = *(const uint2*)(smem_raw + entry(kw[1], kt, kl8));
             mma_16816(s, a.x, c.x, a.y, c.y, qf[kt][0], qf[kt][1]);
+#else
+            // Sub-spaces 2kt and 2kt + 1 of the lane's: columns (2q, 2q+1) and (2q+8, 2q+9).
+            const unsigned* sm = (const unsigned*)smem_raw;
+            const unsigned a0 = sm[entry(kw[0], 2 * kt, kl8) / 4], a1 = sm[entry(kw[0], 2 * kt + 1, kl8) / 4];
+            const unsigned c0 = sm[entry(kw[1], 2 * kt, kl8) / 4], c1 = sm[entry(kw[1], 2 * kt + 1, kl8) / 4];
+            mma_16816(s, a0, c0, a1, c1, qf[kt][0], qf[kt][1]);
+#endif
         }
         accumulate(vw, pb0, pb1);
         if (!inner && st + 16 > w1) {  // the run's last, partial step
@@ -362,8 +421,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
             }
     }
 #pragma unroll
-    for (int mt = 0; mt < 2 * VP; mt++) {
-        const int dim = 4 * (g * VP + (mt >> 1)) + 2 * (mt & 1);
+    for (int mt = 0; mt < MT; mt++) {
+        const int dim = SDV == 4 ? 4 * (g * VP + (mt >> 1)) + 2 * (mt & 1) : 2 * (g * VB + mt);
         if (2 * qd < G) {
             wo[(warp * G + 2 * qd) * D + dim] = o[mt][0];
             wo[(warp * G + 2 * qd) * D + dim + 1] = o[mt][2];
