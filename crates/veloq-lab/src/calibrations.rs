@@ -7,8 +7,9 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 
 use veloq::artifact::Calibration;
+use veloq::artifact::ModelIdentity;
 use veloq::calibrate::TextFingerprint;
-use veloq_candle::collect::{calibrate, collect_activations, record, Activations};
+use veloq_candle::collect::{calibrate, calibrate_for, collect_activations, record, Activations, LayerActivations};
 use veloq_candle::config::{CacheConfig, WindowConfig};
 use veloq_candle::method::Vq;
 use veloq_candle::model::{encode, Model, Tokenizer};
@@ -214,28 +215,43 @@ pub fn simulations(
     Ok(out)
 }
 
-/// Issue 34's outlier candidates (`--outlier-rows`): every calibrated VecInfer method in `chosen`
-/// simulated with the rows it codes worst kept in f16 ([`Simulation::set_outliers`]), once per
-/// fraction; each (layer, kv head)'s limit is the `1 − fraction` quantile of the squared coding
-/// errors of its rows on the calibration text (recorded again in `window`-position passes).
-pub fn outlier_candidates(
+/// Issue 34's candidates built from the calibration text's keys and values (recorded again, in
+/// `window`-position passes, once for all of them).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RecordedCandidates {
+    /// `--outlier-rows`: fractions of the rows.
+    pub outlier_rows: Vec<f64>,
+    /// `--per-head`: codebooks per kv head.
+    pub per_head: bool,
+    /// k-means seed (the calibrations').
+    pub seed: u64,
+}
+
+/// For every calibrated VecInfer method in `chosen`: with `outlier_rows`, the method simulated with
+/// the rows it codes worst kept in f16 ([`Simulation::set_outliers`]), once per fraction (each
+/// (layer, kv head)'s limit the `1 − fraction` quantile of the squared coding errors of its rows
+/// on the calibration text); with `per_head`, the method with a codebook per kv head
+/// ([`Simulation::per_head`]: each head's keys and values trained alone, as `calibrate` trains a
+/// layer's).
+pub fn recorded_candidates(
     model: &Model,
     calib: &[u32],
     window: usize,
     chosen: &[Method],
     cals: &[Option<Calibration>],
-    fractions: &[f64],
+    want: &RecordedCandidates,
 ) -> Result<Vec<Candidate>> {
-    if let Some(f) = fractions.iter().find(|f| !(0.0..1.0).contains(*f)) {
+    if let Some(f) = want.outlier_rows.iter().find(|f| !(0.0..1.0).contains(*f)) {
         bail!("--outlier-rows {f}: a fraction of the rows, at least 0 and below 1");
     }
-    if fractions.is_empty() || cals.iter().all(Option::is_none) {
+    if (want.outlier_rows.is_empty() && !want.per_head) || cals.iter().all(Option::is_none) {
         return Ok(Vec::new());
     }
     let b = bar(calib.len() as u64, "recording keys and values");
     let acts = record(model, calib, window, false, &mut |n| b.set_position(n as u64))?;
     b.finish();
-    let (heads, hd) = (model.info.identity.n_kv_heads, model.info.identity.head_dim);
+    let id = &model.info.identity;
+    let (heads, hd) = (id.n_kv_heads, id.head_dim);
     let mut out = Vec::new();
     for (m, cal) in chosen.iter().zip(cals) {
         let Some(cal) = cal else { continue };
@@ -245,7 +261,7 @@ pub fn outlier_candidates(
             .zip(&cal.layers)
             .map(|(a, l)| Ok((round_trip(&l.keys, &a.keys)?, round_trip(&l.values, &a.values)?)))
             .collect::<Result<_>>()?;
-        for &f in fractions {
+        for &f in &want.outlier_rows {
             let limits = acts
                 .layers
                 .iter()
@@ -266,8 +282,49 @@ pub fn outlier_candidates(
                 simulation,
             });
         }
+        if want.per_head {
+            let one = ModelIdentity { n_kv_heads: 1, ..id.clone() };
+            let b = bar(heads as u64, &format!("{m}: a codebook per head"));
+            let per_head = (0..heads)
+                .map(|h| {
+                    let acts = one_head(&acts, h, heads, hd);
+                    let c = calibrate_for(&one, &acts, cal.keys, cal.values, want.seed, &mut |_| {})?;
+                    b.inc(1);
+                    Ok(c)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            b.finish();
+            out.push(Candidate {
+                label: format!("sim:{m}/per-head"),
+                description: format!("{} with a codebook per kv head (simulated)", m.describe(hd)),
+                simulation: Simulation::per_head(cal, &per_head)?,
+            });
+        }
     }
     Ok(out)
+}
+
+/// Kv head `h`'s share of `acts` (of `heads`): its keys and values, and its query group's squared
+/// sums (the smoothing some methods calibrate from).
+fn one_head(acts: &Activations, h: usize, heads: usize, hd: usize) -> Activations {
+    let pick =
+        |x: &[f32]| -> Vec<f32> { x.chunks(heads * hd).flat_map(|t| t[h * hd..(h + 1) * hd].to_vec()).collect() };
+    let layers = acts
+        .layers
+        .iter()
+        .map(|a| {
+            let group = a.query_sq.len() / hd / heads;
+            LayerActivations {
+                keys: pick(&a.keys),
+                values: pick(&a.values),
+                scale: a.scale,
+                query_sq: a.query_sq[h * group * hd..(h + 1) * group * hd].to_vec(),
+                query_rows: a.query_rows,
+                ..Default::default()
+            }
+        })
+        .collect();
+    Activations { layers, text: acts.text.clone() }
 }
 
 /// `--f16-rows`: every coded method and candidate keeps `rows` (sinks and recent positions) in

@@ -164,6 +164,11 @@ pub fn evaluate(
             scores[m].resident_bytes = scores[m].resident_bytes.max(caches.resident_bytes());
         }
     }
+    // Bits again once scored: a candidate's can depend on what it coded (outlier rows kept).
+    for (s, (_, c)) in scores.iter_mut().zip(methods) {
+        s.code_bits = c.code_bits(model, cfg.ctx)?;
+        s.stream_bits = c.stream_bits(model)?;
+    }
     Ok(scores)
 }
 

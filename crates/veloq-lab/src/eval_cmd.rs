@@ -15,8 +15,8 @@ use veloq_candle::Method;
 use veloq_cli::args::Files;
 use veloq_cli::progress::bar;
 use veloq_lab::calibrations::{
-    calibration_tokens, calibrations, chosen_methods, config, outlier_candidates, read_tokens, set_f16_rows,
-    simulations,
+    calibration_tokens, calibrations, chosen_methods, config, read_tokens, recorded_candidates, set_f16_rows,
+    simulations, RecordedCandidates,
 };
 use veloq_lab::eval::{evaluate, total_tokens, EvalConfig, MethodScore};
 use veloq_lab::plot;
@@ -78,6 +78,10 @@ pub struct Args {
     /// separated (`0.01,0.03`); each layer and kv head's limit is set on the calibration text.
     #[arg(long, value_delimiter = ',')]
     pub outlier_rows: Vec<f64>,
+    /// Issue 34's candidate: also run every VecInfer method simulated with a codebook per kv head
+    /// (each trained on its head's keys or values alone) instead of one per layer.
+    #[arg(long)]
+    pub per_head: bool,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     #[arg(long)]
@@ -137,7 +141,8 @@ pub fn run(a: Args) -> Result<()> {
     let cals = calibrations(&model, &model_path, &calib, &chosen, a.seed, calib_window, &a.files.cache_dir)?;
     let hd = model.info.identity.head_dim;
     let mut candidates = simulations(&model, &calib, calib_window, &chosen, &cals, &a.second_stage, a.apart)?;
-    candidates.extend(outlier_candidates(&model, &calib, calib_window, &chosen, &cals, &a.outlier_rows)?);
+    let recorded = RecordedCandidates { outlier_rows: a.outlier_rows.clone(), per_head: a.per_head, seed: a.seed };
+    candidates.extend(recorded_candidates(&model, &calib, calib_window, &chosen, &cals, &recorded)?);
     let mut methods: Vec<(String, CacheConfig)> =
         chosen.iter().zip(cals).map(|(m, c)| Ok((m.to_string(), config(*m, c)?))).collect::<Result<_>>()?;
     set_f16_rows(a.f16_rows, &mut methods, &mut candidates);
@@ -172,6 +177,7 @@ pub fn run(a: Args) -> Result<()> {
         "calib_window": calib_window,
         "f16_rows": a.f16_rows.map(|w| w.to_string()),
         "outlier_rows": a.outlier_rows,
+        "per_head": a.per_head,
         "step": a.step,
         // The coded methods' recent window (fp16, always first, has none of its own).
         "f16_window": methods.iter().find(|(_, c)| c.method != Method::Fp16).unwrap_or(&methods[0]).1.window.window,

@@ -21,8 +21,8 @@ use veloq_lab::plot::{self, Heat};
 use veloq_lab::probe::{needle_attention, HeadMass, KeyCoder};
 
 use veloq_lab::calibrations::{
-    calibration_tokens, calibrations, chosen_methods, config, outlier_candidates, read_tokens, set_f16_rows,
-    simulations, Candidate,
+    calibration_tokens, calibrations, chosen_methods, config, read_tokens, recorded_candidates, set_f16_rows,
+    simulations, Candidate, RecordedCandidates,
 };
 use veloq_lab::second_stage::StageSpec;
 use veloq_lab::source::{sources, CacheSource};
@@ -111,6 +111,10 @@ pub struct Args {
     /// separated (`0.01,0.03`); each layer and kv head's limit is set on the calibration text.
     #[arg(long, value_delimiter = ',')]
     outlier_rows: Vec<f64>,
+    /// Issue 34's candidate: also run every VecInfer method simulated with a codebook per kv head
+    /// (each trained on its head's keys or values alone) instead of one per layer.
+    #[arg(long)]
+    per_head: bool,
     /// Answer with the candidates only (`--second-stage`, `--apart`, `--outlier-rows`), not fp16
     /// and the methods themselves: the prompts are those of an earlier run with the same
     /// lengths, depths, keys, haystacks and seed, whose answers they pair with.
@@ -194,7 +198,8 @@ pub fn run(a: Args) -> Result<()> {
         return Ok(());
     }
     let mut candidates = simulations(calib_model, &calib, calib_window, &chosen, &cals, &a.second_stage, a.apart)?;
-    candidates.extend(outlier_candidates(calib_model, &calib, calib_window, &chosen, &cals, &a.outlier_rows)?);
+    let recorded = RecordedCandidates { outlier_rows: a.outlier_rows.clone(), per_head: a.per_head, seed: a.seed };
+    candidates.extend(recorded_candidates(calib_model, &calib, calib_window, &chosen, &cals, &recorded)?);
     let mut methods: Vec<(String, CacheConfig)> = chosen
         .iter()
         .zip(cals)
@@ -204,7 +209,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut runs = if a.candidates_only { Vec::new() } else { sources(&methods) };
     runs.extend(candidates.iter().map(|c| (c.label.clone(), &c.simulation as &dyn CacheSource)));
     if runs.is_empty() {
-        bail!("--candidates-only, and no candidate asked for (--second-stage, --apart, --outlier-rows)");
+        bail!("--candidates-only, and no candidate asked for (--second-stage, --apart, --outlier-rows, --per-head)");
     }
 
     let text_path = a.text.clone().unwrap_or_else(|| a.files.text("emma"));
@@ -279,6 +284,7 @@ pub fn run(a: Args) -> Result<()> {
         "depths_percent": a.depths, "keys_per_cell": a.keys, "chat": !a.raw, "batch": batch_size,
         "f16_rows": a.f16_rows.map(|w| w.to_string()),
         "outlier_rows": a.outlier_rows,
+        "per_head": a.per_head,
         "text": text_path.file_name().map(|s| s.to_string_lossy().into_owned())});
     let write = |extra: serde_json::Value| -> Result<()> {
         let mut v = header.clone();

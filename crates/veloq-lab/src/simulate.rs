@@ -33,11 +33,55 @@ pub fn round_trip(codec: &VecInferCodec, rows: &[f32]) -> Result<Vec<f32>> {
     Ok(out)
 }
 
+/// A side's codebooks in one layer: the calibration's (one codec for every kv head, as the
+/// product's), or one codec per kv head (trained on that head's rows alone).
+#[derive(Clone)]
+pub enum Coder {
+    /// One codec for the layer's heads.
+    Shared(VecInferCodec),
+    /// Codec `h` codes kv head `h` (each a one-head codec).
+    PerHead(Vec<VecInferCodec>),
+}
+
+impl Coder {
+    /// `rows` (`[tokens, heads, head_dim]`) coded and decoded.
+    pub fn round_trip(&self, rows: &[f32]) -> Result<Vec<f32>> {
+        match self {
+            Coder::Shared(c) => round_trip(c, rows),
+            Coder::PerHead(cs) => {
+                if rows.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let tokens = tokens_of(rows, cs)?;
+                let (row, d) = (rows.len() / tokens.max(1), cs[0].head_dim());
+                let mut out = vec![0.0f32; rows.len()];
+                for (h, c) in cs.iter().enumerate() {
+                    let own: Vec<f32> = rows.chunks(row).flat_map(|t| t[h * d..(h + 1) * d].iter().copied()).collect();
+                    for (t, r) in round_trip(c, &own)?.chunks(d).enumerate() {
+                        out[t * row + h * d..t * row + (h + 1) * d].copy_from_slice(r);
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
+/// Tokens in `rows` (`[tokens, heads, head_dim]`) for per-head codecs, each of one head.
+fn tokens_of(rows: &[f32], cs: &[VecInferCodec]) -> Result<usize> {
+    let d = cs.first().map(|c| c.head_dim()).unwrap_or(0);
+    let row = d * cs.len();
+    if row == 0 || !rows.len().is_multiple_of(row) {
+        return Err(Error::Shape(format!("{} values are not rows of {} heads × {d}", rows.len(), cs.len())));
+    }
+    Ok(rows.len() / row)
+}
+
 /// One layer's candidate: a side without a codec stays exact.
 #[derive(Clone)]
 struct SimLayer {
-    keys: Option<VecInferCodec>,
-    values: Option<VecInferCodec>,
+    keys: Option<Coder>,
+    values: Option<Coder>,
     residual: Option<ScoreResidual>,
     value_residual: Option<ScoreResidual>,
     /// Rows whose coding error passes their head's limit stay exact (a side table).
@@ -165,7 +209,8 @@ impl Simulation {
             .zip(spread(key_stages))
             .zip(spread(value_stages))
             .map(|((l, residual), value_residual)| {
-                let (keys, values) = (k.then(|| l.keys.clone()), v.then(|| l.values.clone()));
+                let (keys, values) =
+                    (k.then(|| Coder::Shared(l.keys.clone())), v.then(|| Coder::Shared(l.values.clone())));
                 Arc::new(SimLayer { keys, values, residual, value_residual, outliers: None, limits: None })
             })
             .collect();
@@ -211,6 +256,26 @@ impl Simulation {
     /// measured fraction once any row is coded).
     fn coded_bits(&self) -> f64 {
         self.stream_bits + self.outliers.as_ref().map_or(0.0, |(o, per)| o.kept_fraction() * per)
+    }
+
+    /// `cal`'s method with a codec per kv head instead of one per layer: `per_head[h]` is a
+    /// one-head calibration of the same method trained on head `h`'s rows alone.
+    pub fn per_head(cal: &Calibration, per_head: &[Calibration]) -> Result<Self> {
+        let mut sim = Self::new(cal, Sides::Both, None, None)?;
+        for (l, layer) in sim.layers.iter_mut().enumerate() {
+            let books = |f: &dyn Fn(&veloq::artifact::LayerCodecs) -> &VecInferCodec| -> Result<Coder> {
+                let cs = per_head
+                    .iter()
+                    .map(|c| c.layers.get(l).map(|x| f(x).clone()).ok_or_else(|| Error::Shape(format!("no layer {l}"))))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(Coder::PerHead(cs))
+            };
+            let mut x = SimLayer::clone(layer);
+            x.keys = Some(books(&|c| &c.keys)?);
+            x.values = Some(books(&|c| &c.values)?);
+            *layer = Arc::new(x);
+        }
+        Ok(sim)
     }
 
     /// The f16 rows kept beside the reconstructions (the real cache's sink and recent window).
@@ -293,9 +358,9 @@ impl Simulated {
     }
 
     /// Rows through `codec` (then `stage`); without a codec, the rows themselves.
-    fn reconstruct(rows: &[f32], codec: Option<&VecInferCodec>, stage: Option<&ScoreResidual>) -> Result<Vec<f32>> {
+    fn reconstruct(rows: &[f32], codec: Option<&Coder>, stage: Option<&ScoreResidual>) -> Result<Vec<f32>> {
         let Some(codec) = codec else { return Ok(rows.to_vec()) };
-        let mut out = round_trip(codec, rows)?;
+        let mut out = codec.round_trip(rows)?;
         if let Some(s) = stage {
             s.correct(rows, &mut out);
         }
@@ -477,8 +542,8 @@ mod tests {
             ScoreResidual::train(&train, &coded, &queries[..37 * nq * d], Heads { q: nq, kv: nkv, dim: d }, 2, 5)
                 .unwrap();
         let layer = Arc::new(SimLayer {
-            keys: Some(codec.clone()),
-            values: Some(codec.clone()),
+            keys: Some(Coder::Shared(codec.clone())),
+            values: Some(Coder::Shared(codec.clone())),
             residual: Some(stage.clone()),
             value_residual: Some(vstage.clone()),
             outliers: None,
@@ -578,13 +643,8 @@ mod tests {
     /// exact (against a sort per head), the rest keep their reconstruction.
     #[test]
     fn outlier_rows_are_the_worst_coded_of_each_head() {
-        let mut s = crate::testing::fresh_seed() | 1;
-        let mut next = move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        };
+        let mut rng = crate::synthetic::Rng(crate::testing::fresh_seed() | 1);
+        let mut next = move || rng.uniform() as f32 * 2.0 - 1.0;
         let (tokens, heads, d) = (200usize, 3usize, 8usize);
         let exact: Vec<f32> = (0..tokens * heads * d).map(|_| next()).collect();
         // Noise that grows with the head so that each head needs its own limit.
@@ -611,5 +671,35 @@ mod tests {
         // No row passes a limit of infinity; every row passes a negative one.
         assert_eq!(keep_outliers(&exact, &mut coded.clone(), &[f32::INFINITY; 3], d), 0);
         assert_eq!(keep_outliers(&exact, &mut coded.clone(), &[-1.0; 3], d), tokens * heads);
+    }
+
+    /// A per-head coder codes each head's rows with that head's codec alone, wherever the head
+    /// sits in the row; a shared one is the plain round trip.
+    #[test]
+    fn per_head_codecs_code_their_own_head() {
+        let mut rng = crate::synthetic::Rng(crate::testing::fresh_seed() | 1);
+        let mut next = move || rng.uniform() as f32 * 2.0 - 1.0;
+        let (tokens, heads, d) = (150usize, 2usize, 16usize);
+        let shape = PqShape::new(4, 4).unwrap();
+        // Head 1's rows are scaled up: its own codebook differs from head 0's.
+        let rows: Vec<f32> =
+            (0..tokens * heads * d).map(|i| next() * if (i / d) % heads == 1 { 5.0 } else { 1.0 }).collect();
+        let own =
+            |h: usize| -> Vec<f32> { rows.chunks(heads * d).flat_map(|t| t[h * d..(h + 1) * d].to_vec()).collect() };
+        let codecs: Vec<VecInferCodec> = (0..heads)
+            .map(|h| {
+                train_codec(&own(h), 1, d, &CodecSpec::keys(shape), &KMeansConfig::new(16, 7 + h as u64)).unwrap().0
+            })
+            .collect();
+        let got = Coder::PerHead(codecs.clone()).round_trip(&rows).unwrap();
+        for (h, c) in codecs.iter().enumerate() {
+            let want = round_trip(c, &own(h)).unwrap();
+            let have: Vec<f32> = got.chunks(heads * d).flat_map(|t| t[h * d..(h + 1) * d].to_vec()).collect();
+            assert_eq!(have, want, "head {h}");
+        }
+        assert!(Coder::PerHead(codecs.clone()).round_trip(&[]).unwrap().is_empty());
+        assert!(Coder::PerHead(codecs.clone()).round_trip(&rows[..d]).is_err(), "half a row");
+        let shared = Coder::Shared(codecs[0].clone());
+        assert_eq!(shared.round_trip(&own(0)).unwrap(), round_trip(&codecs[0], &own(0)).unwrap());
     }
 }
