@@ -327,6 +327,35 @@ fn one_head(acts: &Activations, h: usize, heads: usize, hd: usize) -> Activation
     Activations { layers, text: acts.text.clone() }
 }
 
+/// Issue 34's "second precision read only at the top-scoring positions" (`--rescore`): every
+/// calibrated VecInfer method in `chosen` simulated with attention that scores every coded
+/// position through its codes and then reads the exact key and value of the `top` best ones per
+/// query head ([`Simulation::set_rescore`]), once per `top`.
+pub fn rescore_candidates(
+    chosen: &[Method],
+    cals: &[Option<Calibration>],
+    tops: &[usize],
+    hd: usize,
+) -> Result<Vec<Candidate>> {
+    let mut out = Vec::new();
+    for (m, cal) in chosen.iter().zip(cals) {
+        let Some(cal) = cal else { continue };
+        for &top in tops {
+            let mut simulation = Simulation::new(cal, Sides::Both, None, None)?;
+            simulation.set_rescore(top);
+            out.push(Candidate {
+                label: format!("sim:{m}+top{top}"),
+                description: format!(
+                    "{}; attention reads the exact keys and values of the {top} best-scoring coded positions per query head (simulated; the exact copy not counted)",
+                    m.describe(hd)
+                ),
+                simulation,
+            });
+        }
+    }
+    Ok(out)
+}
+
 /// `--f16-rows`: every coded method and candidate keeps `rows` (sinks and recent positions) in
 /// f16 instead of its default, and its label says so (`vq-2+f16:64/256`); fp16 is left alone.
 pub fn set_f16_rows(rows: Option<WindowConfig>, methods: &mut [(String, CacheConfig)], candidates: &mut [Candidate]) {

@@ -15,8 +15,8 @@ use veloq_candle::Method;
 use veloq_cli::args::Files;
 use veloq_cli::progress::bar;
 use veloq_lab::calibrations::{
-    calibration_tokens, calibrations, chosen_methods, config, read_tokens, recorded_candidates, set_f16_rows,
-    simulations, RecordedCandidates,
+    calibration_tokens, calibrations, chosen_methods, config, read_tokens, recorded_candidates, rescore_candidates,
+    set_f16_rows, simulations, RecordedCandidates,
 };
 use veloq_lab::eval::{evaluate, total_tokens, EvalConfig, MethodScore};
 use veloq_lab::plot;
@@ -82,6 +82,11 @@ pub struct Args {
     /// (each trained on its head's keys or values alone) instead of one per layer.
     #[arg(long)]
     pub per_head: bool,
+    /// Issue 34's candidate: also run every VecInfer method simulated with attention that reads
+    /// the exact key and value of the N best-scoring coded positions per query head (a second
+    /// precision read only there), once per N, comma separated (`16,64`).
+    #[arg(long, value_delimiter = ',')]
+    pub rescore: Vec<usize>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     #[arg(long)]
@@ -143,6 +148,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut candidates = simulations(&model, &calib, calib_window, &chosen, &cals, &a.second_stage, a.apart)?;
     let recorded = RecordedCandidates { outlier_rows: a.outlier_rows.clone(), per_head: a.per_head, seed: a.seed };
     candidates.extend(recorded_candidates(&model, &calib, calib_window, &chosen, &cals, &recorded)?);
+    candidates.extend(rescore_candidates(&chosen, &cals, &a.rescore, hd)?);
     let mut methods: Vec<(String, CacheConfig)> =
         chosen.iter().zip(cals).map(|(m, c)| Ok((m.to_string(), config(*m, c)?))).collect::<Result<_>>()?;
     set_f16_rows(a.f16_rows, &mut methods, &mut candidates);
@@ -178,6 +184,7 @@ pub fn run(a: Args) -> Result<()> {
         "f16_rows": a.f16_rows.map(|w| w.to_string()),
         "outlier_rows": a.outlier_rows,
         "per_head": a.per_head,
+        "rescore": a.rescore,
         "step": a.step,
         // The coded methods' recent window (fp16, always first, has none of its own).
         "f16_window": methods.iter().find(|(_, c)| c.method != Method::Fp16).unwrap_or(&methods[0]).1.window.window,

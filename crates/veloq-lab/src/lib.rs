@@ -14,6 +14,7 @@ pub mod measure;
 pub mod needle;
 pub mod plot;
 pub mod probe;
+pub mod rescore;
 pub mod second_stage;
 pub mod simulate;
 pub mod source;

@@ -21,8 +21,8 @@ use veloq_lab::plot::{self, Heat};
 use veloq_lab::probe::{needle_attention, HeadMass, KeyCoder};
 
 use veloq_lab::calibrations::{
-    calibration_tokens, calibrations, chosen_methods, config, read_tokens, recorded_candidates, set_f16_rows,
-    simulations, Candidate, RecordedCandidates,
+    calibration_tokens, calibrations, chosen_methods, config, read_tokens, recorded_candidates, rescore_candidates,
+    set_f16_rows, simulations, Candidate, RecordedCandidates,
 };
 use veloq_lab::second_stage::StageSpec;
 use veloq_lab::source::{sources, CacheSource};
@@ -115,6 +115,11 @@ pub struct Args {
     /// (each trained on its head's keys or values alone) instead of one per layer.
     #[arg(long)]
     per_head: bool,
+    /// Issue 34's candidate: also run every VecInfer method simulated with attention that reads
+    /// the exact key and value of the N best-scoring coded positions per query head (a second
+    /// precision read only there), once per N, comma separated (`16,64`).
+    #[arg(long, value_delimiter = ',')]
+    rescore: Vec<usize>,
     /// Answer with the candidates only (`--second-stage`, `--apart`, `--outlier-rows`), not fp16
     /// and the methods themselves: the prompts are those of an earlier run with the same
     /// lengths, depths, keys, haystacks and seed, whose answers they pair with.
@@ -200,6 +205,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut candidates = simulations(calib_model, &calib, calib_window, &chosen, &cals, &a.second_stage, a.apart)?;
     let recorded = RecordedCandidates { outlier_rows: a.outlier_rows.clone(), per_head: a.per_head, seed: a.seed };
     candidates.extend(recorded_candidates(calib_model, &calib, calib_window, &chosen, &cals, &recorded)?);
+    candidates.extend(rescore_candidates(&chosen, &cals, &a.rescore, model.info.identity.head_dim)?);
     let mut methods: Vec<(String, CacheConfig)> = chosen
         .iter()
         .zip(cals)
@@ -209,7 +215,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut runs = if a.candidates_only { Vec::new() } else { sources(&methods) };
     runs.extend(candidates.iter().map(|c| (c.label.clone(), &c.simulation as &dyn CacheSource)));
     if runs.is_empty() {
-        bail!("--candidates-only, and no candidate asked for (--second-stage, --apart, --outlier-rows, --per-head)");
+        bail!("--candidates-only, and no candidate asked for (--second-stage, --apart, --outlier-rows, --per-head, --rescore)");
     }
 
     let text_path = a.text.clone().unwrap_or_else(|| a.files.text("emma"));
@@ -285,6 +291,7 @@ pub fn run(a: Args) -> Result<()> {
         "f16_rows": a.f16_rows.map(|w| w.to_string()),
         "outlier_rows": a.outlier_rows,
         "per_head": a.per_head,
+        "rescore": a.rescore,
         "text": text_path.file_name().map(|s| s.to_string_lossy().into_owned())});
     let write = |extra: serde_json::Value| -> Result<()> {
         let mut v = header.clone();

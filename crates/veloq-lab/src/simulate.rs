@@ -16,12 +16,13 @@ use candle_core::{DType, Tensor};
 use veloq::artifact::Calibration;
 use veloq::calibrate::TextFingerprint;
 use veloq::codec::vecinfer::VecInferCodec;
-use veloq_candle::cache::{LayerCache, ModelCache, Policy, Step};
+use veloq_candle::cache::{Heads, LayerCache, ModelCache, Policy, Step};
 use veloq_candle::config::{CacheConfig, WindowConfig};
 use veloq_candle::error::{Error, Result};
 use veloq_candle::model::Model;
 
 use crate::probe::KeyCoder;
+use crate::rescore::{self, SeqRows};
 use crate::second_stage::ScoreResidual;
 use crate::source::CacheSource;
 
@@ -174,6 +175,8 @@ pub struct Simulation {
     /// Outlier rows kept exact, and the bits per element a kept row's f16 copy and position add
     /// per unit of kept fraction.
     outliers: Option<(Arc<Outliers>, f64)>,
+    /// Attention reads the exact rows of this many top-scoring coded positions per query head.
+    rescore: Option<usize>,
 }
 
 impl Simulation {
@@ -222,7 +225,15 @@ impl Simulation {
             stream_bits: (kb + vb) / 2.0,
             text: cal.text.clone(),
             outliers: None,
+            rescore: None,
         })
+    }
+
+    /// Attention scores every coded position through its reconstruction, then reads the exact
+    /// key and value of the `top` best-scoring ones per query head ([`rescore`]); the exact copy
+    /// is not counted in the bits (it would live where it is cheap and rarely read).
+    pub fn set_rescore(&mut self, top: usize) {
+        self.rescore = Some(top);
     }
 
     /// Keeps outlier rows exact ([`Outliers`]): `limits` has per layer the key and value limits
@@ -294,17 +305,20 @@ impl KeyCoder for Simulation {
 impl CacheSource for Simulation {
     fn build(&self, model: &Model, slots: usize, capacity: Option<usize>) -> Result<ModelCache> {
         let fp16 = CacheConfig { capacity, ..CacheConfig::fp16() }.build_batch(model, slots)?;
-        let layers =
-            fp16.into_layers()
-                .into_iter()
-                .enumerate()
-                .map(|(l, inner)| match model.layer_window(l) {
-                    // Sliding-window layers stay f16 in the real cache too.
-                    Some(_) => inner,
-                    None => Box::new(Simulated::new(inner, self.layers[l].clone(), self.window, slots))
-                        as Box<dyn LayerCache>,
-                })
-                .collect();
+        let layers = fp16
+            .into_layers()
+            .into_iter()
+            .enumerate()
+            .map(|(l, inner)| match model.layer_window(l) {
+                // Sliding-window layers stay f16 in the real cache too.
+                Some(_) => inner,
+                None => {
+                    let mut sim = Simulated::new(inner, self.layers[l].clone(), self.window, slots);
+                    sim.rescore = self.rescore;
+                    Box::new(sim) as Box<dyn LayerCache>
+                }
+            })
+            .collect();
         ModelCache::new(layers)
     }
     /// The sink in f16, every other position at the stream rate (the f16 window not counted).
@@ -323,18 +337,37 @@ impl CacheSource for Simulation {
     }
 }
 
-/// One slot's rows not yet coded: positions `coded..` (those past the sink), exact.
+/// One slot's rows not yet coded: positions `coded..` (those past the sink), exact. With
+/// rescoring, also every position exact and the coded span's reconstructions (`sink..coded`).
 #[derive(Default)]
 struct Pending {
     coded: usize,
     keys: Vec<f32>,
     values: Vec<f32>,
+    all: Held,
+    coarse: Held,
+}
+
+/// Keys and values, row after row.
+#[derive(Default)]
+struct Held {
+    keys: Vec<f32>,
+    values: Vec<f32>,
+}
+
+impl Held {
+    fn truncate(&mut self, n: usize) {
+        self.keys.truncate(n);
+        self.values.truncate(n);
+    }
 }
 
 struct Simulated {
     inner: Box<dyn LayerCache>,
     layer: Arc<SimLayer>,
     window: WindowConfig,
+    /// Attention reads the exact rows of this many top-scoring coded positions ([`rescore`]).
+    rescore: Option<usize>,
     slots: Vec<Pending>,
     /// The rows' dims after the token axis, dtype and device, from the first append.
     shape: Option<(Vec<usize>, DType, candle_core::Device)>,
@@ -347,7 +380,33 @@ fn host_rows(x: &Tensor) -> Result<Vec<f32>> {
 impl Simulated {
     fn new(inner: Box<dyn LayerCache>, layer: Arc<SimLayer>, window: WindowConfig, slots: usize) -> Self {
         let slots = (0..slots).map(|_| Pending { coded: window.sink, ..Default::default() }).collect();
-        Self { inner, layer, window, slots, shape: None }
+        Self { inner, layer, window, rescore: None, slots, shape: None }
+    }
+
+    /// Attention with the rescored positions ([`rescore::attend`]) over the host rows, in step
+    /// order, on the queries' device.
+    fn attend_rescored(&self, q: &Tensor, step: &Step, scale: f32, top: usize) -> Result<Tensor> {
+        let Some((dims, _, _)) = &self.shape else { return Err(Error::Config("attend before any append".into())) };
+        let (kv, d) = (dims[0], dims[1]);
+        let hq = q.dims()[1];
+        let qh = host_rows(q)?;
+        let heads = Heads { q: hq, kv, dim: d };
+        let mut out = Vec::with_capacity(qh.len());
+        for (i, seq) in step.seqs().iter().enumerate() {
+            let r = step.rows(i);
+            let p = &self.slots[seq.slot];
+            let rows = SeqRows {
+                exact_k: &p.all.keys,
+                exact_v: &p.all.values,
+                coarse_k: &p.coarse.keys,
+                coarse_v: &p.coarse.values,
+                sink: self.window.sink,
+                coded: p.coded,
+            };
+            let q = &qh[r.start * hq * d..r.end * hq * d];
+            out.extend(rescore::attend(q, seq.start, &rows, heads, scale, top));
+        }
+        Ok(Tensor::from_vec(out, (step.tokens(), hq, d), q.device())?)
     }
 
     /// Where a sequence of `len` positions has its codes end: the real cache's policy (codes
@@ -390,6 +449,11 @@ impl Simulated {
         k.extend_from_slice(&p.keys[n..]);
         v.extend_from_slice(&p.values[n..]);
         let start = p.coded;
+        if self.rescore.is_some() {
+            let p = &mut self.slots[slot];
+            p.coarse.keys.extend_from_slice(&k[..n]);
+            p.coarse.values.extend_from_slice(&v[..n]);
+        }
         let shape: Vec<usize> = std::iter::once(len - start).chain(dims.iter().copied()).collect();
         let t =
             |x: Vec<f32>| -> Result<Tensor> { Ok(Tensor::from_vec(x, shape.as_slice(), &device)?.to_dtype(dtype)?) };
@@ -415,6 +479,11 @@ impl LayerCache for Simulated {
         let row = kr.len() / step.tokens().max(1);
         for (i, seq) in step.seqs().iter().enumerate() {
             let p = &mut self.slots[seq.slot];
+            if self.rescore.is_some() {
+                let rows = step.rows(i);
+                p.all.keys.extend_from_slice(&kr[rows.start * row..rows.end * row]);
+                p.all.values.extend_from_slice(&vr[rows.start * row..rows.end * row]);
+            }
             for (j, r) in step.rows(i).enumerate() {
                 if seq.start + j >= p.coded {
                     p.keys.extend_from_slice(&kr[r * row..(r + 1) * row]);
@@ -425,7 +494,10 @@ impl LayerCache for Simulated {
         Ok(())
     }
     fn attend(&self, q: &Tensor, step: &Step, scale: f32) -> Result<Tensor> {
-        self.inner.attend(q, step, scale)
+        match self.rescore {
+            Some(top) => self.attend_rescored(q, step, scale, top),
+            None => self.inner.attend(q, step, scale),
+        }
     }
     fn commit(&mut self) -> Result<()> {
         self.inner.commit()?;
@@ -442,9 +514,13 @@ impl LayerCache for Simulated {
         let sink = self.window.sink;
         let row = self.shape.as_ref().map_or(0, |s| s.0.iter().product());
         let p = &mut self.slots[slot];
+        p.all.truncate(len * row);
         if len < p.coded {
             // Every position left past the sink is coded already; the slot codes on from `len`.
-            *p = Pending { coded: sink.max(len), ..Default::default() };
+            let mut coarse = std::mem::take(&mut p.coarse);
+            coarse.truncate((sink.max(len) - sink) * row);
+            let all = std::mem::take(&mut p.all);
+            *p = Pending { coded: sink.max(len), all, coarse, ..Default::default() };
         } else {
             let keep = (len - p.coded) * row;
             p.keys.truncate(keep);
@@ -469,7 +545,7 @@ mod tests {
     use veloq::calibrate::{train_codec, KMeansConfig};
     use veloq::codec::codebook::PqShape;
     use veloq::codec::vecinfer::CodecSpec;
-    use veloq_candle::cache::{Heads, SeqStep};
+    use veloq_candle::cache::SeqStep;
 
     /// Per slot: keys and values, row after row.
     type Held = Arc<Mutex<Vec<(Vec<f32>, Vec<f32>)>>>;
@@ -552,6 +628,8 @@ mod tests {
         let store = Arc::new(Mutex::new(vec![(Vec::new(), Vec::new()); 2]));
         let window = WindowConfig { window: 16, flush_block: 8, sink: 4 };
         let mut sim = Simulated::new(Box::new(Rows(store.clone(), row)), layer, window, 2);
+        // The rescoring attention's host rows are kept too (checked against the store below).
+        sim.rescore = Some(0);
         let f16 = |x: f32| half::f16::from_f32(x).to_f32();
         // Every row ever given per slot (f16-rounded, as the cache receives it).
         let mut given: Vec<(Vec<f32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); 2];
@@ -605,6 +683,15 @@ mod tests {
                         "slot {slot} value at {p} of {len}"
                     );
                 }
+                // What rescoring reads: every position exact past the coded span, the coded span's
+                // reconstructions as the store holds them (before its f16 rounding).
+                let h = &sim.slots[slot];
+                assert_eq!(h.all.keys.len(), gk.len(), "slot {slot}: exact rows kept");
+                assert_eq!(&h.all.keys[end.max(window.sink) * row..], &gk[end.max(window.sink) * row..]);
+                let span = (end.max(window.sink) - window.sink) * row;
+                assert_eq!(h.coarse.keys.len(), span, "slot {slot}: reconstructions kept");
+                let rounded: Vec<f32> = h.coarse.values.iter().map(|&x| f16(x)).collect();
+                assert_eq!(rounded, held[slot].1[window.sink * row..window.sink * row + span], "slot {slot}");
             }
         };
         // A ragged prefill (13 and 41 tokens), then decode steps.
