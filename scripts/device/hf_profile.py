@@ -9,28 +9,13 @@ Usage: hf_profile.py [--context 8192] [--steps 8] [--json OUT]
 """
 import argparse
 import json
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
 import veloq.transformers as vt
-from hf_cache import fill, forward, llama8b, set_attn
-
-
-def steps(model, cache, n):
-    ids = torch.ones(1, 1, dtype=torch.long, device="cuda")
-    times = []
-    with torch.no_grad():
-        for _ in range(n):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            out = forward(model, ids, cache)
-            nxt = int(out.logits[0, -1].argmax())
-            times.append(time.perf_counter() - t)
-            ids = torch.tensor([[nxt]], device="cuda")
-    return times
+from hf_cache import fill, llama8b, set_attn, time_steps
 
 
 def main():
@@ -48,9 +33,9 @@ def main():
         set_attn(model, "sdpa" if kind == "dynamic-sdpa" else "veloq")
         cache = DynamicCache(config=model.config) if kind == "dynamic-sdpa" else vt.VeloqCache(model, cal, max_context=a.context + 64)
         fill(cache, g, a.context, torch.Generator(device="cuda").manual_seed(1))
-        steps(model, cache, 4)
+        time_steps(model, cache, 4, 0)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            t = steps(model, cache, a.steps)
+            t = time_steps(model, cache, a.steps, 0)
         ms = 1e3 * sorted(t)[len(t) // 2]
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22)
         print(f"\n== {kind}: median step {ms:.2f} ms under the profiler\n{table}", flush=True)

@@ -14,13 +14,11 @@ use veloq_candle::model::Model;
 use veloq_candle::Method;
 use veloq_cli::args::Files;
 use veloq_cli::progress::bar;
-use veloq_lab::calibrations::{
-    calibration_tokens, calibrations, chosen_methods, config, read_tokens, recorded_candidates, rescore_candidates,
-    set_f16_rows, simulations, RecordedCandidates,
-};
+use veloq_lab::calibrations::{calibration_tokens, calibrations, chosen_methods, config, read_tokens, set_f16_rows};
 use veloq_lab::eval::{evaluate, total_tokens, EvalConfig, MethodScore};
 use veloq_lab::plot;
-use veloq_lab::second_stage::StageSpec;
+
+use crate::candidate_args::CandidateArgs;
 use veloq_lab::source::{sources, CacheSource};
 
 #[derive(ClapArgs)]
@@ -59,34 +57,12 @@ pub struct Args {
     /// Print the method names and exit.
     #[arg(long)]
     pub list: bool,
-    /// Issue 34's candidate: also score every VecInfer method simulated (its reconstructions in an
-    /// fp16 cache) alone and with a second stage of each shape, comma separated: `r8b4` (keys: 8
-    /// coefficients of 4 bits per position and kv head, carrying the score error the queries
-    /// see), `v:r8b4` (values, weighed by the output projection), `kv:r8b4` (both).
-    #[arg(long, value_delimiter = ',')]
-    pub second_stage: Vec<StageSpec>,
-    /// Also score every VecInfer method with only its keys coded and with only its values coded
-    /// (the other side f16; simulated), to tell which side loses what.
-    #[arg(long)]
-    pub apart: bool,
     /// Positions every coded method (and candidate) keeps in f16 beside its codes, `SINK/RECENT`
     /// (first positions for good / recent ones after a flush; default 4/16, 0/16 for `/no-sink`).
     #[arg(long)]
     pub f16_rows: Option<WindowConfig>,
-    /// Issue 34's candidate: also run every VecInfer method simulated with the key and value
-    /// rows it codes worst kept in f16 (a side table), once per fraction of the rows, comma
-    /// separated (`0.01,0.03`); each layer and kv head's limit is set on the calibration text.
-    #[arg(long, value_delimiter = ',')]
-    pub outlier_rows: Vec<f64>,
-    /// Issue 34's candidate: also run every VecInfer method simulated with a codebook per kv head
-    /// (each trained on its head's keys or values alone) instead of one per layer.
-    #[arg(long)]
-    pub per_head: bool,
-    /// Issue 34's candidate: also run every VecInfer method simulated with attention that reads
-    /// the exact key and value of the N best-scoring coded positions per query head (a second
-    /// precision read only there), once per N, comma separated (`16,64`).
-    #[arg(long, value_delimiter = ',')]
-    pub rescore: Vec<usize>,
+    #[command(flatten)]
+    pub candidates: CandidateArgs,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     #[arg(long)]
@@ -145,10 +121,7 @@ pub fn run(a: Args) -> Result<()> {
     let calib_window = a.calib_window.unwrap_or(max_ctx);
     let cals = calibrations(&model, &model_path, &calib, &chosen, a.seed, calib_window, &a.files.cache_dir)?;
     let hd = model.info.identity.head_dim;
-    let mut candidates = simulations(&model, &calib, calib_window, &chosen, &cals, &a.second_stage, a.apart)?;
-    let recorded = RecordedCandidates { outlier_rows: a.outlier_rows.clone(), per_head: a.per_head, seed: a.seed };
-    candidates.extend(recorded_candidates(&model, &calib, calib_window, &chosen, &cals, &recorded)?);
-    candidates.extend(rescore_candidates(&chosen, &cals, &a.rescore, hd)?);
+    let mut candidates = a.candidates.build(&model, &calib, calib_window, &chosen, &cals, a.seed)?;
     let mut methods: Vec<(String, CacheConfig)> =
         chosen.iter().zip(cals).map(|(m, c)| Ok((m.to_string(), config(*m, c)?))).collect::<Result<_>>()?;
     set_f16_rows(a.f16_rows, &mut methods, &mut candidates);
@@ -182,9 +155,9 @@ pub fn run(a: Args) -> Result<()> {
         "calib_tokens": a.calib_tokens,
         "calib_window": calib_window,
         "f16_rows": a.f16_rows.map(|w| w.to_string()),
-        "outlier_rows": a.outlier_rows,
-        "per_head": a.per_head,
-        "rescore": a.rescore,
+        "outlier_rows": a.candidates.outlier_rows,
+        "per_head": a.candidates.per_head,
+        "rescore": a.candidates.rescore,
         "step": a.step,
         // The coded methods' recent window (fp16, always first, has none of its own).
         "f16_window": methods.iter().find(|(_, c)| c.method != Method::Fp16).unwrap_or(&methods[0]).1.window.window,

@@ -5,6 +5,7 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod candidate_args;
 mod eval_cmd;
 mod needle_cmd;
 mod serve_cmd;

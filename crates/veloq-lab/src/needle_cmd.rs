@@ -21,11 +21,11 @@ use veloq_lab::plot::{self, Heat};
 use veloq_lab::probe::{needle_attention, HeadMass, KeyCoder};
 
 use veloq_lab::calibrations::{
-    calibration_tokens, calibrations, chosen_methods, config, read_tokens, recorded_candidates, rescore_candidates,
-    set_f16_rows, simulations, Candidate, RecordedCandidates,
+    calibration_tokens, calibrations, chosen_methods, config, read_tokens, set_f16_rows, Candidate,
 };
-use veloq_lab::second_stage::StageSpec;
 use veloq_lab::source::{sources, CacheSource};
+
+use crate::candidate_args::CandidateArgs;
 
 #[derive(ClapArgs)]
 pub struct Args {
@@ -92,35 +92,13 @@ pub struct Args {
     /// method's coded keys, and the score error there and elsewhere (VecInfer methods).
     #[arg(long)]
     probe: bool,
-    /// Issue 34's candidate: also answer with every VecInfer method simulated (its
-    /// reconstructions in an fp16 cache) alone and with a second stage of each shape, comma
-    /// separated: `r8b4` (keys: 8 coefficients of 4 bits per position and kv head), `v:r8b4`
-    /// (values, weighed by the output projection), `kv:r8b4` (both).
-    #[arg(long, value_delimiter = ',')]
-    second_stage: Vec<StageSpec>,
-    /// Also answer with every VecInfer method's keys alone coded and values alone coded (the
-    /// other side f16; simulated), to tell which side loses the needle.
-    #[arg(long)]
-    apart: bool,
     /// Positions every coded method (and candidate) keeps in f16 beside its codes, `SINK/RECENT`
     /// (first positions for good / recent ones after a flush; default 4/16, 0/16 for `/no-sink`).
     #[arg(long)]
     f16_rows: Option<WindowConfig>,
-    /// Issue 34's candidate: also run every VecInfer method simulated with the key and value
-    /// rows it codes worst kept in f16 (a side table), once per fraction of the rows, comma
-    /// separated (`0.01,0.03`); each layer and kv head's limit is set on the calibration text.
-    #[arg(long, value_delimiter = ',')]
-    outlier_rows: Vec<f64>,
-    /// Issue 34's candidate: also run every VecInfer method simulated with a codebook per kv head
-    /// (each trained on its head's keys or values alone) instead of one per layer.
-    #[arg(long)]
-    per_head: bool,
-    /// Issue 34's candidate: also run every VecInfer method simulated with attention that reads
-    /// the exact key and value of the N best-scoring coded positions per query head (a second
-    /// precision read only there), once per N, comma separated (`16,64`).
-    #[arg(long, value_delimiter = ',')]
-    rescore: Vec<usize>,
-    /// Answer with the candidates only (`--second-stage`, `--apart`, `--outlier-rows`), not fp16
+    #[command(flatten)]
+    candidates: CandidateArgs,
+    /// Answer with the candidates only (`--second-stage`, `--apart`, `--outlier-rows`, `--per-head`, `--rescore`), not fp16
     /// and the methods themselves: the prompts are those of an earlier run with the same
     /// lengths, depths, keys, haystacks and seed, whose answers they pair with.
     #[arg(long)]
@@ -202,10 +180,7 @@ pub fn run(a: Args) -> Result<()> {
         eprintln!("calibrations ready in {}", a.files.cache_dir.join("eval").display());
         return Ok(());
     }
-    let mut candidates = simulations(calib_model, &calib, calib_window, &chosen, &cals, &a.second_stage, a.apart)?;
-    let recorded = RecordedCandidates { outlier_rows: a.outlier_rows.clone(), per_head: a.per_head, seed: a.seed };
-    candidates.extend(recorded_candidates(calib_model, &calib, calib_window, &chosen, &cals, &recorded)?);
-    candidates.extend(rescore_candidates(&chosen, &cals, &a.rescore, model.info.identity.head_dim)?);
+    let mut candidates = a.candidates.build(calib_model, &calib, calib_window, &chosen, &cals, a.seed)?;
     let mut methods: Vec<(String, CacheConfig)> = chosen
         .iter()
         .zip(cals)
@@ -289,9 +264,9 @@ pub fn run(a: Args) -> Result<()> {
     let header = json!({"model": model.info.identity.name, "device": format!("{device:?}"), "lengths": a.lengths,
         "depths_percent": a.depths, "keys_per_cell": a.keys, "chat": !a.raw, "batch": batch_size,
         "f16_rows": a.f16_rows.map(|w| w.to_string()),
-        "outlier_rows": a.outlier_rows,
-        "per_head": a.per_head,
-        "rescore": a.rescore,
+        "outlier_rows": a.candidates.outlier_rows,
+        "per_head": a.candidates.per_head,
+        "rescore": a.candidates.rescore,
         "text": text_path.file_name().map(|s| s.to_string_lossy().into_owned())});
     let write = |extra: serde_json::Value| -> Result<()> {
         let mut v = header.clone();

@@ -6,6 +6,7 @@
 
 use rayon::prelude::*;
 
+use veloq::kernels::cpu::attention::{axpy, dot};
 use veloq_candle::cache::Heads;
 
 /// One sequence's positions as the rescoring attention reads them, rows `[position, kv heads,
@@ -26,6 +27,18 @@ pub struct SeqRows<'a> {
     pub coded: usize,
 }
 
+impl SeqRows<'_> {
+    /// Kv head `g`'s key and value of position `p` (`d` wide, `row` per position): the
+    /// reconstructions where `p` is coded, unless `exact`.
+    fn at(&self, p: usize, g: usize, d: usize, row: usize, exact: bool) -> (&[f32], &[f32]) {
+        let (k, v, i) = match !exact && p >= self.sink && p < self.coded {
+            true => (self.coarse_k, self.coarse_v, (p - self.sink) * row + g * d),
+            false => (self.exact_k, self.exact_v, p * row + g * d),
+        };
+        (&k[i..i + d], &v[i..i + d])
+    }
+}
+
 /// Causal attention of `q` (`[n, q heads, head_dim]`, query `t` at position `start + t`) over
 /// `rows`: softmax of `scale · q·k` with coded positions scored through their reconstructions
 /// except the `top` best of them per (query, head), which are scored and weighted with their
@@ -34,30 +47,14 @@ pub fn attend(q: &[f32], start: usize, rows: &SeqRows, heads: Heads, scale: f32,
     let Heads { q: hq, kv, dim: d } = heads;
     let group = hq / kv;
     let row = kv * d;
-    // Eight running sums, so that the compiler vectorises what an ordered float sum forbids.
-    let dot = |a: &[f32], b: &[f32]| -> f32 {
-        let mut acc = [0.0f32; 8];
-        let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-        let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
-        for (x, y) in ac.zip(bc) {
-            (0..8).for_each(|i| acc[i] += x[i] * y[i]);
-        }
-        acc.iter().sum::<f32>() + tail
-    };
     let mut out = vec![0.0f32; q.len()];
     out.par_chunks_mut(d).enumerate().for_each(|(i, o)| {
         let (t, h) = (i / hq, i % hq);
         let g = h / group;
         let qv = &q[i * d..(i + 1) * d];
         let seen = start + t + 1;
-        let coarse = |p: usize| p >= rows.sink && p < rows.coded;
-        let key = |p: usize| -> &[f32] {
-            match coarse(p) {
-                true => &rows.coarse_k[(p - rows.sink) * row + g * d..][..d],
-                false => &rows.exact_k[p * row + g * d..][..d],
-            }
-        };
-        let mut scores: Vec<f32> = (0..seen).map(|p| scale * dot(qv, key(p))).collect();
+        let at = |p: usize, exact: bool| rows.at(p, g, d, row, exact);
+        let mut scores: Vec<f32> = (0..seen).map(|p| scale * dot(qv, at(p, false).0)).collect();
         // The coded positions to read again: the `top` best by their coarse scores.
         let mut coded: Vec<usize> = (rows.sink..rows.coded.min(seen)).collect();
         if top < coded.len() {
@@ -67,18 +64,14 @@ pub fn attend(q: &[f32], start: usize, rows: &SeqRows, heads: Heads, scale: f32,
         let mut exact = vec![false; seen];
         for &p in &coded {
             exact[p] = true;
-            scores[p] = scale * dot(qv, &rows.exact_k[p * row + g * d..][..d]);
+            scores[p] = scale * dot(qv, at(p, true).0);
         }
         let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0.0f32;
         for (p, s) in scores.iter().enumerate() {
             let w = (s - m).exp();
             sum += w;
-            let v = match coarse(p) && !exact[p] {
-                true => &rows.coarse_v[(p - rows.sink) * row + g * d..][..d],
-                false => &rows.exact_v[p * row + g * d..][..d],
-            };
-            o.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
+            axpy(w, at(p, exact[p]).1, o);
         }
         o.iter_mut().for_each(|x| *x /= sum);
     });

@@ -342,20 +342,24 @@ impl CacheSource for Simulation {
 #[derive(Default)]
 struct Pending {
     coded: usize,
-    keys: Vec<f32>,
-    values: Vec<f32>,
-    all: Held,
-    coarse: Held,
+    rows: KvRows,
+    all: KvRows,
+    coarse: KvRows,
 }
 
 /// Keys and values, row after row.
 #[derive(Default)]
-struct Held {
+struct KvRows {
     keys: Vec<f32>,
     values: Vec<f32>,
 }
 
-impl Held {
+impl KvRows {
+    fn push(&mut self, k: &[f32], v: &[f32]) {
+        self.keys.extend_from_slice(k);
+        self.values.extend_from_slice(v);
+    }
+
     fn truncate(&mut self, n: usize) {
         self.keys.truncate(n);
         self.values.truncate(n);
@@ -438,21 +442,20 @@ impl Simulated {
         }
         let row: usize = dims.iter().product();
         let n = (end - p.coded) * row;
-        let mut k = Self::reconstruct(&p.keys[..n], self.layer.keys.as_ref(), self.layer.residual.as_ref())?;
-        let mut v = Self::reconstruct(&p.values[..n], self.layer.values.as_ref(), self.layer.value_residual.as_ref())?;
+        let (pk, pv) = (&p.rows.keys, &p.rows.values);
+        let mut k = Self::reconstruct(&pk[..n], self.layer.keys.as_ref(), self.layer.residual.as_ref())?;
+        let mut v = Self::reconstruct(&pv[..n], self.layer.values.as_ref(), self.layer.value_residual.as_ref())?;
         if let (Some(o), Some((kl, vl))) = (&self.layer.outliers, &self.layer.limits) {
             let d = dims.last().copied().unwrap_or(1);
-            let kept = keep_outliers(&p.keys[..n], &mut k, kl, d) + keep_outliers(&p.values[..n], &mut v, vl, d);
+            let kept = keep_outliers(&pk[..n], &mut k, kl, d) + keep_outliers(&pv[..n], &mut v, vl, d);
             o.coded.fetch_add(2 * n / d, Ordering::Relaxed);
             o.kept.fetch_add(kept, Ordering::Relaxed);
         }
-        k.extend_from_slice(&p.keys[n..]);
-        v.extend_from_slice(&p.values[n..]);
+        k.extend_from_slice(&pk[n..]);
+        v.extend_from_slice(&pv[n..]);
         let start = p.coded;
         if self.rescore.is_some() {
-            let p = &mut self.slots[slot];
-            p.coarse.keys.extend_from_slice(&k[..n]);
-            p.coarse.values.extend_from_slice(&v[..n]);
+            self.slots[slot].coarse.push(&k[..n], &v[..n]);
         }
         let shape: Vec<usize> = std::iter::once(len - start).chain(dims.iter().copied()).collect();
         let t =
@@ -462,8 +465,8 @@ impl Simulated {
         self.inner.append(&k, &v, &Step::single(slot, start, len - start)?)?;
         self.inner.commit()?;
         let p = &mut self.slots[slot];
-        p.keys.drain(..n);
-        p.values.drain(..n);
+        p.rows.keys.drain(..n);
+        p.rows.values.drain(..n);
         p.coded = end;
         Ok(())
     }
@@ -481,13 +484,11 @@ impl LayerCache for Simulated {
             let p = &mut self.slots[seq.slot];
             if self.rescore.is_some() {
                 let rows = step.rows(i);
-                p.all.keys.extend_from_slice(&kr[rows.start * row..rows.end * row]);
-                p.all.values.extend_from_slice(&vr[rows.start * row..rows.end * row]);
+                p.all.push(&kr[rows.start * row..rows.end * row], &vr[rows.start * row..rows.end * row]);
             }
             for (j, r) in step.rows(i).enumerate() {
                 if seq.start + j >= p.coded {
-                    p.keys.extend_from_slice(&kr[r * row..(r + 1) * row]);
-                    p.values.extend_from_slice(&vr[r * row..(r + 1) * row]);
+                    p.rows.push(&kr[r * row..(r + 1) * row], &vr[r * row..(r + 1) * row]);
                 }
             }
         }
@@ -522,9 +523,7 @@ impl LayerCache for Simulated {
             let all = std::mem::take(&mut p.all);
             *p = Pending { coded: sink.max(len), all, coarse, ..Default::default() };
         } else {
-            let keep = (len - p.coded) * row;
-            p.keys.truncate(keep);
-            p.values.truncate(keep);
+            p.rows.truncate((len - p.coded) * row);
         }
         Ok(())
     }
