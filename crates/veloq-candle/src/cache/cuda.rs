@@ -10,11 +10,15 @@
 //!   one launch on tensor cores (`attention_mma.cu`, merging in its last block per stream), two on
 //!   lookup tables; over an fp16 cache, flash-decoding (`dense.cu`, two launches).
 //!
+//! - blocks of queries (prefill chunks, follow-up turns): `prefill.cu`'s kernels over the codes
+//!   and over each run of f16 rows (sink, ring, the step's own rows read in place from the
+//!   input), then one fold of their splits into the output — a handful of launches per 1,024
+//!   queries, no tensor ops.
+//!
 //! Sequences decode together in one launch when their storage is laid out alike (consecutive
 //! slots, same sink, coded span and ring state), as a batch started together is; others take one
-//! launch each. Everything else — several queries per sequence (prefill, a follow-up turn),
-//! sliding windows, truncation into codes — is the portable backend's tiled candle ops over the
-//! same tensors.
+//! launch each. Sliding windows and truncation into codes are the portable backend's tiled
+//! candle ops over the same tensors.
 
 use std::cell::{Cell, RefCell};
 use std::marker::PhantomData;
@@ -30,13 +34,13 @@ use half::f16;
 
 use veloq::codec::vecinfer::VecInferCodec;
 use veloq::kernels::cuda::{
-    quantize_jobs, AttentionScratch, Coded, Gpu, GpuAttention, GpuCodec, GpuDenseAttention, GpuPrefill, PrefillOut,
-    PutMap, PutRows, QuantizeJob, RowMap, Source, Split, Window, WindowMap, MAX_WINDOW,
+    quantize_jobs, AttentionScratch, Coded, Gpu, GpuAttention, GpuCodec, GpuDenseAttention, GpuPrefill,
+    GpuPrefillCodes, PrefillOut, PrefillParts, PutMap, PutRows, QuantizeJob, RowMap, Rows, Split, Window, WindowMap,
+    MAX_WINDOW,
 };
 
 use super::backend::{compose, Backend, Heads};
 use super::residency::{Put, Quantize, Restore, RowRun, RowSource, SeqView};
-use super::tensor::attention::{code_space_queries, value_space, State};
 use super::tensor::{TensorBackend, TensorInput, TensorPartial};
 use crate::cuda_options::CudaOptions;
 use crate::error::{Error, Result};
@@ -230,11 +234,15 @@ fn write2<T: CudaDType>(
 /// cost more than the kernel at short contexts); the partials stay a few MiB.
 const KERNEL_QUERY_TILE: usize = 1024;
 
-/// The attention kernels of the layer's method: decode, and blocks of queries (prefill, follow-up
-/// turns) over the f16 rows (fp16) or the codes (VecInfer).
+/// Codes decoded per launch of the prefill attention over them: the scratch of a block of
+/// queries (two f16 planes of this many positions), whatever the context.
+const DECODE_BLOCK: usize = 8192;
+
+/// The attention kernels of the layer's method: decode, and blocks of queries (prefill,
+/// follow-up turns) over the f16 rows (and, VecInfer, over the codes decoded a block at a time).
 enum Attention {
     Dense(GpuDenseAttention, GpuPrefill),
-    Coded(Box<GpuAttention>, GpuPrefill),
+    Coded(Box<GpuAttention>, GpuPrefillCodes),
 }
 
 /// The portable backend's storage on a CUDA device, with veloq's kernels for the hot operations.
@@ -245,6 +253,8 @@ pub struct CudaBackend {
     attention: Attention,
     /// Codes per sequence (the stride of the code tensors), for coded layers.
     capacity: usize,
+    /// Codes decoded per launch of the prefill attention over them ([`DECODE_BLOCK`]).
+    decode_block: usize,
     /// A flush on the runtime's flush stream: `ready` marks the main stream's work it follows
     /// (the rows it codes), `done` its end, which the main stream waits for before it next
     /// touches this layer's storage (`pending` until then).
@@ -280,14 +290,14 @@ impl CudaBackend {
         let base = TensorBackend::dense(heads, slots, rows, device)?;
         let attn = GpuDenseAttention::new(heads.q, heads.kv, heads.dim)?;
         attn.prepare(rt.gpu())?;
-        let prefill = GpuPrefill::rows(rt.gpu(), heads.kv, heads.dim, heads.q)?;
-        let attention = Attention::Dense(attn, prefill);
+        let prefill = GpuPrefill::new(rt.gpu(), heads.kv, heads.dim, heads.q)?;
         Ok(Self {
             put: PutRows::new(rt.gpu(), heads.dim)?,
             base,
             rt,
-            attention,
+            attention: Attention::Dense(attn, prefill),
             capacity: 0,
+            decode_block: DECODE_BLOCK,
             flushed: None,
             pending: AtomicBool::new(false),
             put_last: AtomicBool::new(false),
@@ -317,7 +327,7 @@ impl CudaBackend {
         attn.prepare(gpu)?;
         attn.keys.prepare(gpu)?;
         attn.values.prepare(gpu)?;
-        let prefill = GpuPrefill::codes(gpu, &attn.keys, &attn.values, heads.q)?;
+        let prefill = GpuPrefillCodes::new(gpu, &attn.keys, &attn.values, heads.q)?;
         let attention = Attention::Coded(Box::new(attn), prefill);
         let flushed = match rt.flush {
             Some(_) => {
@@ -332,10 +342,19 @@ impl CudaBackend {
             rt,
             attention,
             capacity,
+            decode_block: DECODE_BLOCK,
             flushed,
             pending: AtomicBool::new(false),
             put_last: AtomicBool::new(false),
         })
+    }
+
+    /// Codes decoded per launch of the prefill attention over them (default [`DECODE_BLOCK`];
+    /// at least 1): smaller blocks trade launches for scratch and give the same attention, so
+    /// tests use them to cross block boundaries on short contexts.
+    pub fn with_decode_block(mut self, positions: usize) -> Self {
+        self.decode_block = positions.max(1);
+        self
     }
 
     /// Codes `streams` streams of keys `xk` and values `xv` (f16 bits) where `map` says into the
@@ -472,29 +491,153 @@ impl CudaBackend {
         })
     }
 
-    /// Runs a prefill launch (`launch` gets the output buffers, planned by `split`, for `n`
-    /// queries) and folds its splits' partials by the log-sum-exp rule: `[Hq, n, ·]`.
-    fn prefill_partial(&self, split: Split, n: usize, launch: impl FnOnce(PrefillOut) -> Result<()>) -> Result<State> {
-        let Heads { q: hq, dim: d, .. } = self.base.heads;
+    /// Attention of a view's queries over everything it sees, through the prefill kernels, into
+    /// `out` rows `[tokens, q heads, D]` (the view's rows). Per tile of queries: the codes, decoded
+    /// a block at a time into a scratch that every query of the tile reads (the blocks merge into
+    /// one set of splits), with the queries moved into code space first; each run of f16 rows
+    /// (the sink, the ring, the step's own rows read token-major from `staged`) into splits of its
+    /// own; then one fold turns every split into the output. No tensor ops.
+    fn attend_block(
+        &self,
+        qf: &CudaView<f32>,
+        v: &SeqView,
+        staged: Option<&(Tensor, Tensor)>,
+        scale: f32,
+        out: &mut CudaViewMut<f32>,
+    ) -> Result<()> {
+        let Heads { q: hq, kv, dim: d } = self.base.heads;
+        let (slots, rows) = self.dims()?;
+        let plane = slots * kv * rows * d;
         let gpu = self.rt.gpu();
-        let alloc = |len: usize| gpu.stream().alloc_zeros::<f32>(len).map_err(veloq::Error::from);
-        let (mut o, mut ml) = (alloc(split.count * hq * n * d)?, alloc(split.count * hq * n * 2)?);
-        launch(PrefillOut { o: &mut o.as_view_mut(), ml: &mut ml.as_view_mut() })?;
-        self.rt.count(1);
-        let tensor = |buf, shape: (usize, usize, usize, usize)| {
-            let storage = CudaStorage::wrap_cuda_slice(buf, self.rt.device.clone());
-            Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false)
+        let stream = gpu.stream();
+        let alloc = |n: usize| -> Result<cudarc::driver::CudaSlice<f32>> {
+            // SAFETY: every element is written before it is read (the first launch into a split
+            // writes every row of it; the fold writes every output row).
+            Ok(unsafe { stream.alloc::<f32>(n) }.map_err(veloq::Error::from)?)
         };
-        let (o, ml) = (tensor(o, (split.count, hq, n, d)), tensor(ml, (split.count, hq, n, 2)));
-        let (m_s, l_s) = (ml.narrow(3, 0, 1)?, ml.narrow(3, 1, 1)?);
-        let m = m_s.max_keepdim(0)?;
-        let w = m_s.broadcast_sub(&m)?.exp()?;
-        Ok(State { o: o.broadcast_mul(&w)?.sum(0)?, l: (l_s * w)?.sum(0)?, m: m.squeeze(0)? })
+        let spans: Vec<_> = v.row_spans().into_iter().filter(|s| s.n > 0).collect();
+        let (prefill, coded) = match &self.attention {
+            Attention::Coded(attn, codes) => (codes.rows(), Some((attn, codes)).filter(|_| v.coded > 0)),
+            Attention::Dense(_, rows) => (rows, None),
+        };
+        // Scratch for one block of decoded codes, shared by the tiles.
+        let block = v.coded.min(self.decode_block);
+        let mut decoded = match coded {
+            Some(_) => {
+                // SAFETY: each block's rows are written by the decode before the attention reads them.
+                let scratch = || unsafe { stream.alloc::<u16>(kv * block * d) }.map_err(veloq::Error::from);
+                Some((scratch()?, scratch()?))
+            }
+            None => None,
+        };
+        for i0 in (0..v.queries.len()).step_by(KERNEL_QUERY_TILE) {
+            let n = KERNEL_QUERY_TILE.min(v.queries.len() - i0);
+            let first = (v.queries.start + i0) * hq * d;
+            let q = qf.slice(first..first + n * hq * d);
+            let code_split = coded.map(|_| prefill.split(gpu, n, block));
+            let row_splits: Vec<Split> = spans.iter().map(|sp| prefill.split(gpu, n, sp.n)).collect();
+            let code_splits = code_split.map_or(0, |s| s.count);
+            let total = code_splits + row_splits.iter().map(|s| s.count).sum::<usize>();
+            if total == 0 {
+                return Err(Error::Config("a query with no position to attend reached the prefill kernels".into()));
+            }
+            let (part, two) = (hq * n * d, hq * n * 2);
+            let (mut o, mut ml) = (alloc(total * part)?, alloc(total * two)?);
+            let mut qoff = None;
+            let mut launches = 0;
+            if let (Some((attn, codes)), Some(split), Some((dk, dv))) = (coded, code_split, decoded.as_mut()) {
+                let c = self.base.vecinfer_codes()?;
+                let (mk, mv) = (c.keys.subspaces(), c.values.subspaces());
+                let (mut qc, mut off) = (alloc(n * hq * d)?, alloc(n * hq)?);
+                codes.queries(gpu, &q, n, scale, &attn.keys, &mut qc.as_view_mut(), &mut off.as_view_mut())?;
+                with_view::<u8, _>(&c.key_codes, |kc| {
+                    with_view::<u8, _>(&c.value_codes, |vc| {
+                        let all = Coded {
+                            keys: kc.slice(v.slot * kv * self.capacity * mk..),
+                            values: vc.slice(v.slot * kv * self.capacity * mv..),
+                            len: v.coded,
+                            stride: self.capacity,
+                        };
+                        for p0 in (0..v.coded).step_by(block) {
+                            let nb = block.min(v.coded - p0);
+                            let (mut ko, mut vo) = (dk.slice_mut(..kv * nb * d), dv.slice_mut(..kv * nb * d));
+                            codes.decode(gpu, &all, p0, nb, &attn.keys, &attn.values, &mut ko, &mut vo)?;
+                            let fit = split.fit(nb);
+                            let out = PrefillOut {
+                                o: &mut o.slice_mut(..fit.count * part),
+                                ml: &mut ml.slice_mut(..fit.count * two),
+                                accumulate: p0 > 0,
+                            };
+                            let (ko, vo) = (dk.slice(..kv * nb * d), dv.slice(..kv * nb * d));
+                            codes.attend_decoded(gpu, &qc.as_view(), n, ko, vo, nb, fit, out)?;
+                            launches += 2;
+                        }
+                        Ok(())
+                    })
+                })?;
+                qoff = Some(off);
+                launches += 1;
+            }
+            let mut at = code_splits;
+            for (span, split) in spans.iter().zip(&row_splits) {
+                let out = PrefillOut {
+                    o: &mut o.slice_mut(at * part..(at + split.count) * part),
+                    ml: &mut ml.slice_mut(at * two..(at + split.count) * two),
+                    accumulate: false,
+                };
+                let qpos0 = v.query_pos(i0);
+                match span.from {
+                    RowSource::Stored(first) => with_view::<f16, _>(&self.base.rows, |all| {
+                        let off = (v.slot * kv * rows + first) * d;
+                        let run = Rows {
+                            keys: bits(&all.slice(off..plane)),
+                            values: bits(&all.slice(plane + off..)),
+                            len: span.n,
+                            head_stride: rows * d,
+                            row_stride: d,
+                            pos0: span.pos0,
+                            qpos0,
+                        };
+                        Ok(prefill.launch(gpu, &q, n, scale, run, *split, out)?)
+                    })?,
+                    RowSource::Input(src) => {
+                        let (k16, v16) = staged.expect("made for views with input rows");
+                        with_view::<f16, _>(k16, |k| {
+                            with_view::<f16, _>(v16, |vv| {
+                                let run = Rows {
+                                    keys: bits(&k.slice(src * kv * d..)),
+                                    values: bits(&vv.slice(src * kv * d..)),
+                                    len: span.n,
+                                    head_stride: d,
+                                    row_stride: kv * d,
+                                    pos0: span.pos0,
+                                    qpos0,
+                                };
+                                Ok(prefill.launch(gpu, &q, n, scale, run, *split, out)?)
+                            })
+                        })?
+                    }
+                }
+                at += split.count;
+                launches += 1;
+            }
+            let qoff = qoff.as_ref().map(|q| q.as_view());
+            let parts =
+                PrefillParts { o: &o.as_view(), ml: &ml.as_view(), splits: total, code_splits, qoff: qoff.as_ref() };
+            let mut dst = out.slice_mut(first..first + n * hq * d);
+            match &self.attention {
+                Attention::Coded(attn, codes) => codes.fold(gpu, parts, n, &attn.values, &mut dst)?,
+                Attention::Dense(_, rows) => rows.fold(gpu, parts, n, &mut dst)?,
+            }
+            self.rt.count(launches + 1);
+        }
+        Ok(())
     }
 
     /// Attention of every view into `out` rows `[tokens, q heads, D]` in step order: decodable
-    /// views through the decode kernels (a launch per group stored alike), the rest through the
-    /// portable pieces and copied in.
+    /// views through the decode kernels (a launch per group stored alike), blocks of queries
+    /// through the prefill kernels, the rest (sliding windows) through the portable pieces and
+    /// copied in.
     fn attend_to(
         &self,
         q: &Tensor,
@@ -505,15 +648,24 @@ impl CudaBackend {
         out: &mut CudaViewMut<f32>,
     ) -> Result<()> {
         let (fast, slow): (Vec<SeqView>, Vec<SeqView>) = views.iter().cloned().partition(|v| self.decodable(v));
+        let (blocks, slow): (Vec<SeqView>, Vec<SeqView>) = slow.into_iter().partition(|v| v.window.is_none());
         let Heads { q: hq, dim: d, .. } = self.base.heads;
         // Only the first group follows the put directly, and only if the queries need no
         // conversion (which would be a launch between).
         let mut after_put = after_put && q.dtype() == DType::F32 && q.is_contiguous();
         let qf = q.to_dtype(DType::F32)?.contiguous()?;
+        // A step's own rows, f16 token-major, for the blocks that read them.
+        let staged = match blocks.iter().any(|v| v.staged.is_some()) {
+            true => Some(input.half()?),
+            false => None,
+        };
         with_view::<f32, _>(&qf, |qv| {
             for g in groups(&fast, Self::alike) {
                 let launches = self.decode_group(&qv, g, scale, std::mem::take(&mut after_put), out)?;
                 self.rt.count(launches);
+            }
+            for v in &blocks {
+                self.attend_block(&qv, v, staged, scale, out)?;
             }
             Ok(())
         })?;
@@ -660,93 +812,16 @@ impl Backend for CudaBackend {
         self.base.copy_slot(from, to, held)
     }
 
-    /// Blocks of queries over codes on tensor cores (`vq_prefill_codes`), a launch per tile of
-    /// queries, splits merged and mapped back to value space in tensor ops; scratch is the
-    /// splits' partials, independent of the context length.
+    /// The portable pieces: only sliding windows reach them here (every other block of queries
+    /// takes the prefill kernels in [`attend`](Backend::attend)).
     fn attend_codes(&self, q: &Tensor, views: &[SeqView], scale: f32) -> Result<TensorPartial> {
         self.join()?;
-        let Attention::Coded(attn, prefill) = &self.attention else {
-            return self.base.attend_codes(q, views, scale);
-        };
-        let c = self.base.vecinfer_codes()?;
-        let Heads { q: hq, kv, dim: d } = self.base.heads;
-        let (gpu, dev) = (self.rt.gpu(), &self.base.device);
-        let (mk, mv) = (c.keys.subspaces(), c.values.subspaces());
-        self.base.per_tile(q, views, scale, KERNEL_QUERY_TILE, |v, qs, _| {
-            let n = qs.dim(1)?;
-            if v.coded == 0 {
-                return State::empty(hq, n, d, dev);
-            }
-            let (qt, offset) = code_space_queries(qs, &c.keys)?;
-            let qt = qt.contiguous()?;
-            let split = prefill.split(gpu, n, v.coded);
-            let st = self.prefill_partial(split, n, |out| {
-                with_view::<f32, _>(&qt, |qv| {
-                    with_view::<u8, _>(&c.key_codes, |kc| {
-                        with_view::<u8, _>(&c.value_codes, |vc| {
-                            let codes = Coded {
-                                keys: kc.slice(v.slot * kv * self.capacity * mk..),
-                                values: vc.slice(v.slot * kv * self.capacity * mv..),
-                                len: v.coded,
-                                stride: self.capacity,
-                            };
-                            let source = Source::Codes { codes: &codes, keys: &attn.keys, values: &attn.values };
-                            Ok(prefill.launch(gpu, &qv, n, source, split, out)?)
-                        })
-                    })
-                })
-            })?;
-            let m = match offset {
-                Some(off) => (st.m + off)?,
-                None => st.m,
-            };
-            Ok(State { o: value_space(&st.o, &st.l, &c.values)?, m, l: st.l })
-        })
+        self.base.attend_codes(q, views, scale)
     }
 
-    /// Blocks of queries over the stored f16 rows on tensor cores (`f16_prefill_rows`, causal
-    /// mask in the kernel), a launch per (tile of queries, run of rows). Steps with rows waiting
-    /// in the input (a ring too small for the step) and sliding windows take the portable path.
     fn attend_rows(&self, q: &Tensor, views: &[SeqView], input: &TensorInput, scale: f32) -> Result<TensorPartial> {
         self.join()?;
-        let Attention::Dense(_, prefill) = &self.attention else {
-            return self.base.attend_rows(q, views, input, scale);
-        };
-        if views.iter().any(|v| v.window.is_some() || v.staged.is_some()) {
-            return self.base.attend_rows(q, views, input, scale);
-        }
-        let Heads { q: hq, kv, dim: d } = self.base.heads;
-        let (slots, rows) = self.dims()?;
-        let plane = slots * kv * rows * d;
-        let (gpu, dev) = (self.rt.gpu(), &self.base.device);
-        self.base.per_tile(q, views, scale, KERNEL_QUERY_TILE, |v, qs, i0| {
-            let n = qs.dim(1)?;
-            let mut st = State::empty(hq, n, d, dev)?;
-            for span in v.row_spans() {
-                let RowSource::Stored(first) = span.from else {
-                    return Err(Error::Config("rows in the input reached the CUDA row kernel".into()));
-                };
-                let split = prefill.split(gpu, n, span.n);
-                let part = self.prefill_partial(split, n, |out| {
-                    with_view::<f32, _>(qs, |qv| {
-                        with_view::<f16, _>(&self.base.rows, |all| {
-                            let off = (v.slot * kv * rows + first) * d;
-                            let source = Source::Rows {
-                                keys: bits(&all.slice(off..plane)),
-                                values: bits(&all.slice(plane + off..)),
-                                len: span.n,
-                                stride: rows,
-                                pos0: span.pos0,
-                                qpos0: v.query_pos(i0),
-                            };
-                            Ok(prefill.launch(gpu, &qv, n, source, split, out)?)
-                        })
-                    })
-                })?;
-                st = st.merge(&part)?;
-            }
-            Ok(st)
-        })
+        self.base.attend_rows(q, views, input, scale)
     }
 
     fn merge(&self, a: TensorPartial, b: TensorPartial) -> Result<TensorPartial> {
@@ -758,16 +833,18 @@ impl Backend for CudaBackend {
     }
 
     /// Sequences with one query and all rows stored go to the decode kernels (together where
-    /// their storage is alike); the rest to the portable pieces; outputs land in step order.
+    /// their storage is alike), blocks of queries to the prefill kernels, sliding windows to the
+    /// portable pieces; outputs land in step order.
     fn attend(&self, q: &Tensor, views: &[SeqView], input: &TensorInput, scale: f32) -> Result<Tensor> {
         let after_put = self.join()?;
-        if !views.iter().any(|v| self.decodable(v)) {
+        if views.iter().all(|v| v.window.is_some()) {
             return compose(self, q, views, input, scale);
         }
         let Heads { q: hq, dim: d, .. } = self.base.heads;
         let n = q.dim(0)?;
         // SAFETY: `attend_to` writes every row before anything reads it (every packed row belongs
-        // to one view, and every view is written: by its decode group or copied in).
+        // to one view, and every view is written: by its decode group, its prefill fold, or
+        // copied in).
         let mut out = unsafe { self.rt.gpu().stream().alloc::<f32>(n * hq * d) }.map_err(veloq::Error::from)?;
         self.attend_to(q, views, input, scale, after_put, &mut out.as_view_mut())?;
         let storage = CudaStorage::wrap_cuda_slice(out, self.rt.device.clone());
@@ -782,7 +859,7 @@ impl Backend for CudaBackend {
             && out.is_contiguous()
             && out.device().same_device(&self.base.device)
             && out.dims() == [q.dim(0)?, hq, d];
-        if !fits || !views.iter().any(|v| self.decodable(v)) {
+        if !fits || views.iter().all(|v| v.window.is_some()) {
             return super::copy_into(out, &self.attend(q, views, input, scale)?);
         }
         write::<f32>(out, |o| self.attend_to(q, views, input, scale, after_put, o))

@@ -17,7 +17,7 @@ pub use attention::{
 };
 pub use dense::GpuDenseAttention;
 pub use gemv::{gemv_f16, gemv_f16_many, gemv_many_fits, GemvEpilogue, GemvFused, GemvTune, MAX_ROWS as GEMV_MAX_ROWS};
-pub use prefill::{GpuPrefill, PrefillOut, Source, Split};
+pub use prefill::{GpuPrefill, GpuPrefillCodes, PrefillOut, PrefillParts, Rows, Split};
 pub use quantize::{quantize_jobs, GpuCodec, QuantizeJob, RowMap};
 pub use window::{PutMap, PutRows};
 
@@ -258,9 +258,7 @@ pub fn compile_check(arch: &'static str) -> Result<()> {
     let dense = dense::example_defines().into_iter().map(|d| ("f16_attend_split", dense::SOURCES, d));
     let quantize = std::iter::once(("vq_quantize", quantize::SOURCES, quantize::example_defines()));
     let gemv = gemv::example_defines().into_iter().map(|(name, d)| (name, gemv::SOURCES, d));
-    let prefill = prefill::example_defines()
-        .into_iter()
-        .flat_map(|d| [("vq_prefill_codes", prefill::SOURCES, d.clone()), ("f16_prefill_rows", prefill::SOURCES, d)]);
+    let prefill = prefill::example_defines().into_iter().map(|d| ("f16_prefill_rows", prefill::SOURCES, d));
     for (name, sources, defines) in
         quantize.chain(attention).chain(merge).chain(mma).chain(window).chain(dense).chain(prefill).chain(gemv)
     {

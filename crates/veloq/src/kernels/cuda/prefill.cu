@@ -1,120 +1,112 @@
-// Attention of a block of queries over one sequence's stored positions (chunked prefill, follow-up
-// turns), flash-style on tensor cores, in two flavours sharing one body: over VecInfer codes
-// (keys and values never leave code space) and over f16 rows (the fp16 cache, causal mask). A
-// block takes one kv head, QPB queries × its G query heads (ROWS = 16 per warp) and one split of
-// the positions; per tile of TP positions it stages keys [position][dim] and values transposed
-// [dim][position] as f16 in shared memory (decoding codes to centroids, or copying rows), then each
-// warp computes S = Q·Kᵀ for its 16 rows (mma), folds S into its online softmax in registers, and
-// accumulates O += P·V (mma, P reused from S's accumulators as the A fragments). Nothing is ever
-// larger than a tile. Output: per split, row (head, query) the unnormalised O, the maximum score
-// and the sum of weights; the host merges splits (and maps coded O back to value space).
+// Attention of a tile of queries over one sequence's stored positions (chunked prefill, follow-up
+// turns), flash-style on tensor cores, over f16 rows: any cache's sink, ring and the step's own
+// rows (causal mask), and a VecInfer cache's codes decoded a block of positions at a time into f16
+// centroids (vq_decode_codes, code space: once per block for every query, not once per block of
+// queries as a kernel decoding its own tiles would). A block takes one kv head, QPB queries × its
+// G query heads (ROWS = 16 per warp) and one split of the positions; per tile of TP positions,
+// keys and values [position][dim] land in shared memory by cp.async into a second buffer while
+// the current tile is multiplied (no warp waits on global memory inside the loop); each warp
+// computes S = Q·Kᵀ for its 16 rows (mma), folds S into its online softmax in registers, and
+// accumulates O += P·V (mma; P reused from S's accumulators as the A fragments, V's B fragments
+// read transposed by ldmatrix). Output per split, row (head, query): the unnormalised O, the
+// maximum score and the sum of weights (or, with `accumulate`, those merged into what the split
+// already holds: blocks of decoded codes share one set of partials); prefill_fold turns the splits of every launch of a tile
+// into the output (mapping coded sums back to value space).
 //
-// q: [Hq][t][D] f32, scaled (codes: also smoothed and rotated into code space). Codes: kc/vc at
-// the sequence's first stream, stream h's position p at (h·stride + p)·M; books f16 [256][SD].
-// Rows: kr/vr at the span's first row of stream 0, stream h's row p at (h·stride + p)·D; row p
-// holds position pos0 + p, query i position qpos0 + i, and a query sees positions ≤ its own.
+// q: [t][Hq][D] f32 (the step's packed queries from the tile's first; codes: in code space,
+// prefill_code_queries), times qscale. kr/vr at the run's first row of stream 0, stream h's row p
+// at h·hs + p·rs (stored rows are head-major, a step's input rows token-major); row p holds
+// position pos0 + p, query i position qpos0 + i, and a query sees positions ≤ its own.
 //
-// Defines: D, G, SDK, SDV, WARPS, TP.
+// Defines: D, G, SDK, SDV, WARPS, TP; for the codes' decode, query transform and fold, CENTER_K,
+// SMOOTH_K, ROTATE_K, CENTER_V, SMOOTH_V, ROTATE_V (0 where absent: rows only).
+#ifndef CENTER_K
+#define CENTER_K 0
+#endif
+#ifndef SMOOTH_K
+#define SMOOTH_K 0
+#endif
+#ifndef ROTATE_K
+#define ROTATE_K 0
+#endif
+#ifndef CENTER_V
+#define CENTER_V 0
+#endif
+#ifndef SMOOTH_V
+#define SMOOTH_V 0
+#endif
+#ifndef ROTATE_V
+#define ROTATE_V 0
+#endif
 
 #define ROWS (WARPS * 16)
 #define QPB (ROWS / G)
-#define MK (D / SDK)
-#define MV (D / SDV)
 #define QS (D + 8)  // row strides in halves, padded so that a fragment load hits 32 distinct banks
 #define KS (D + 8)
-#define VS (TP + 8)
 
-#if TP % 16 != 0 || D % 16 != 0 || G > ROWS || SDK % 2 != 0 || SDV % 2 != 0 || (TP * (D / SDK)) % 16 != 0 || (TP * (D / SDV)) % 16 != 0
-#error "vq_prefill_codes: TP and D multiples of 16, G ≤ ROWS, even sub_dims"
+#if TP % 16 != 0 || D % 16 != 0 || G > ROWS || SDK % 2 != 0 || SDV % 2 != 0
+#error "f16_prefill_rows: TP and D multiples of 16, G ≤ ROWS, even sub_dims"
 #endif
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 #define THREADS (WARPS * 32)
-// Three blocks per multiprocessor where shared memory allows (D ≤ 128): registers capped to fit.
-#define MIN_BLOCKS (D <= 128 ? 3 : 1)
-#define KQ ((TP * MK / 16 + THREADS - 1) / THREADS)
-#define VQ ((TP * MV / 16 + THREADS - 1) / THREADS)
+// Four tiles (keys and values, double-buffered) fit two blocks per multiprocessor at D = 128:
+// registers capped to fit.
+#define ROW_BLOCKS (D <= 64 ? 3 : D <= 128 ? 2 : 1)
 
-// 16 code bytes of a tile (positions p0.. of M bytes each) from word `w`: one read-only load that
-// skips L1 when the tile is whole and aligned, else byte by byte with positions past `end` as 0.
-template <int M>
-__device__ __forceinline__ uint4 code_word(const unsigned char* __restrict__ codes, int p0, int end, int w, bool vec) {
-    uint4 x = make_uint4(0u, 0u, 0u, 0u);
-    if (w >= TP * M / 16) return x;
-    const unsigned char* src = codes + (size_t)p0 * M + w * 16;
-    if (vec && p0 + TP <= end) {
-        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
-                     : "l"(src));
-        return x;
-    }
-    unsigned b[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-    for (int i = 0; i < 16; i++) {
-        if (p0 + (w * 16 + i) / M < end) b[i / 4] |= (unsigned)src[i] << (8 * (i % 4));
-    }
-    return make_uint4(b[0], b[1], b[2], b[3]);
-}
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
-__device__ __forceinline__ void fetch_codes(uint4 (&kq)[KQ], uint4 (&vq)[VQ], const unsigned char* __restrict__ kcs,
-                                            const unsigned char* __restrict__ vcs, int p0, int end, bool vec,
-                                            int tid) {
+// One tile of f16 rows (positions p0.., n of them) into K and V buffers [position][dim]: 16-byte
+// cp.async copies (zero-filled past n) when the rows are 16-byte aligned, else 4-byte copies.
+// The caller commits the group (cp.async) and waits for it before the buffers are read.
+__device__ __forceinline__ void load_rows(unsigned short* Kb, unsigned short* Vb, const unsigned short* __restrict__ krs,
+                                          const unsigned short* __restrict__ vrs, int rs, int p0, int n, bool vec, int tid) {
+    if (vec) {
+        constexpr int CH = TP * D / 8, PER = (CH + THREADS - 1) / THREADS;
 #pragma unroll
-    for (int i = 0; i < KQ; i++) kq[i] = code_word<MK>(kcs, p0, end, tid + i * THREADS, vec);
-#pragma unroll
-    for (int i = 0; i < VQ; i++) vq[i] = code_word<MV>(vcs, p0, end, tid + i * THREADS, vec);
-}
-
-__device__ __forceinline__ unsigned byte_of(const uint4& x, int i) {
-    const unsigned w = i < 4 ? x.x : i < 8 ? x.y : i < 12 ? x.z : x.w;
-    return (w >> (8 * (i % 4))) & 0xffu;
-}
-
-// Decodes fetched codes into the tile's keys [position][dim] and values [dim][position] (f16
-// centroids from the shared books). Positions past the end got code 0; the mask drops them.
-__device__ __forceinline__ void stage_codes(const uint4 (&kq)[KQ], const uint4 (&vq)[VQ],
-                                            const unsigned short* kb, const unsigned short* vb, unsigned short* Ks,
-                                            unsigned short* Vt, int tid) {
-#pragma unroll
-    for (int i = 0; i < KQ; i++) {
-        const int w = tid + i * THREADS;
-        if (w >= TP * MK / 16) break;
-#pragma unroll
-        for (int b = 0; b < 16; b++) {
-            const int at = w * 16 + b, pos = at / MK, j = at % MK;
-            const unsigned* c = (const unsigned*)(kb + byte_of(kq[i], b) * SDK);
-            unsigned* dst = (unsigned*)(Ks + pos * KS + j * SDK);
-#pragma unroll
-            for (int e = 0; e < SDK / 2; e++) dst[e] = c[e];
+        for (int i = 0; i < PER; i++) {
+            const int c = tid + i * THREADS;
+            if (c >= CH) break;
+            const int pos = c / (D / 8), w = c % (D / 8);
+            const int bytes = pos < n ? 16 : 0;
+            const size_t at = pos < n ? (size_t)(p0 + pos) * rs + w * 8 : 0;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(Kb + pos * KS + w * 8)),
+                         "l"(krs + at), "r"(bytes));
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(Vb + pos * KS + w * 8)),
+                         "l"(vrs + at), "r"(bytes));
         }
+        asm volatile("cp.async.commit_group;");
+        return;
     }
-#pragma unroll
-    for (int i = 0; i < VQ; i++) {
-        const int w = tid + i * THREADS;
-        if (w >= TP * MV / 16) break;
-#pragma unroll
-        for (int b = 0; b < 16; b++) {
-            const int at = w * 16 + b, pos = at / MV, j = at % MV;
-            const unsigned short* c = vb + byte_of(vq[i], b) * SDV;
-#pragma unroll
-            for (int e = 0; e < SDV; e++) Vt[(j * SDV + e) * VS + pos] = c[e];
-        }
+    for (int i = tid; i < TP * D / 2; i += THREADS) {
+        const int pos = i / (D / 2), w = i % (D / 2);
+        const bool in = pos < n;
+        ((unsigned*)(Kb + pos * KS))[w] = in ? ((const unsigned*)(krs + (size_t)(p0 + pos) * rs))[w] : 0u;
+        ((unsigned*)(Vb + pos * KS))[w] = in ? ((const unsigned*)(vrs + (size_t)(p0 + pos) * rs))[w] : 0u;
     }
 }
 
-template <bool CODES>
-__device__ __forceinline__ void prefill_body(const float* __restrict__ q, int t, const void* __restrict__ ksrc,
-                                             const void* __restrict__ vsrc, int len, int stride, int pos0, int qpos0,
-                                             const unsigned short* __restrict__ kbook,
-                                             const unsigned short* __restrict__ vbook, int per_split,
-                                             float* __restrict__ out_o, float* __restrict__ out_ml) {
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+// Four 8×8 f16 matrices transposed out of shared memory: this lane's address is row lane % 8 of
+// matrix lane / 8.
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const unsigned short* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, ROW_BLOCKS)
+    f16_prefill_rows(const float* __restrict__ q, float qscale, int t, const unsigned short* __restrict__ kr,
+                     const unsigned short* __restrict__ vr, int len, int hs, int rs, int pos0, int qpos0, int per_split,
+                     int accumulate, float* __restrict__ out_o, float* __restrict__ out_ml) {
     extern __shared__ unsigned short smem[];
     unsigned short* Qs = smem;            // [ROWS][QS]
-    unsigned short* Ks = Qs + ROWS * QS;  // [TP][KS]
-    unsigned short* Vt = Ks + TP * KS;    // [D][VS]
-    unsigned short* kb = Vt + D * VS;     // [256][SDK]
-    unsigned short* vb = kb + 256 * SDK;  // [256][SDV]
+    unsigned short* Ks = Qs + ROWS * QS;  // [4][TP][KS]: two buffers of keys, then two of values
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane >> 2, tq = lane & 3;
@@ -124,15 +116,11 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ q, int t,
     // Rows after the block's last query are masked for all its queries: stop before them.
     const int p_end = min(min(len, p_begin + per_split), qpos0 + min(t, q0 + QPB) - pos0);
 
-    if (CODES) {
-        for (int i = tid; i < 256 * SDK / 2; i += blockDim.x) ((unsigned*)kb)[i] = ((const unsigned*)kbook)[i];
-        for (int i = tid; i < 256 * SDV / 2; i += blockDim.x) ((unsigned*)vb)[i] = ((const unsigned*)vbook)[i];
-    }
     // Row r: query q0 + r / G of query head h·G + r % G; rows past the block's queries are zero.
     for (int i = tid; i < ROWS * D; i += blockDim.x) {
         const int r = i / D, e = i % D, qi = q0 + r / G;
         float x = 0.f;
-        if (r < QPB * G && qi < t) x = q[((size_t)(h * G + r % G) * t + qi) * D + e];
+        if (r < QPB * G && qi < t) x = q[((size_t)qi * hq_total + h * G + r % G) * D + e] * qscale;
         Qs[r * QS + e] = f2h(x);
     }
 
@@ -142,37 +130,27 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ q, int t,
     // This lane's two rows (g and g + 8 of the warp's 16): running maximum and (lane-partial) sum.
     float m0 = -1e30f, m1 = -1e30f, l0 = 0.f, l1 = 0.f;
     const unsigned short* Qw = Qs + warp * 16 * QS;
-    const unsigned char* kcs = (const unsigned char*)ksrc + (size_t)h * stride * MK;
-    const unsigned char* vcs = (const unsigned char*)vsrc + (size_t)h * stride * MV;
-    const unsigned short* krs = (const unsigned short*)ksrc + (size_t)h * stride * D;
-    const unsigned short* vrs = (const unsigned short*)vsrc + (size_t)h * stride * D;
+    const unsigned short* krs = kr + (size_t)h * hs;
+    const unsigned short* vrs = vr + (size_t)h * hs;
     // The positions of this lane's two rows' queries (rows past the block's queries see all).
     const int qp0 = qpos0 + q0 + (warp * 16 + g) / G, qp1 = qpos0 + q0 + (warp * 16 + g + 8) / G;
 
-    // This thread's share of a tile's codes (KQ and VQ 16-byte words), fetched a tile ahead.
-    uint4 kq[KQ], vq[VQ];
-    const bool vec = (((size_t)kcs | (size_t)vcs) & 15) == 0;
-    if (CODES && p_begin < p_end) fetch_codes(kq, vq, kcs, vcs, p_begin, p_end, vec, tid);
+    const bool vec = (((size_t)krs | (size_t)vrs | (size_t)(rs * 2)) & 15) == 0;
+    if (p_begin < p_end) load_rows(Ks, Ks + 2 * TP * KS, krs, vrs, rs, p_begin, min(TP, p_end - p_begin), vec, tid);
 
-    for (int p0 = p_begin; p0 < p_end; p0 += TP) {
+    for (int p0 = p_begin, buf = 0; p0 < p_end; p0 += TP, buf ^= 1) {
         const int n = min(TP, p_end - p0);
-        __syncthreads();  // the previous tile is read (the first time: queries and books written)
-        if (CODES) {
-            // The tile's codes came into registers during the previous tile's products.
-            stage_codes(kq, vq, kb, vb, Ks, Vt, tid);
-            if (p0 + TP < p_end) fetch_codes(kq, vq, kcs, vcs, p0 + TP, p_end, vec, tid);
+        __syncthreads();  // the previous tile is read (the first time: queries written)
+        // This tile's keys and values [position][dim].
+        const unsigned short* Kt = Ks + buf * TP * KS;
+        const unsigned short* Vr = Ks + (2 + buf) * TP * KS;
+        if (p0 + TP < p_end) {
+            // The next tile lands in the other buffers while this one is multiplied.
+            load_rows(Ks + (buf ^ 1) * TP * KS, Ks + (3 - buf) * TP * KS, krs, vrs, rs, p0 + TP,
+                      min(TP, p_end - p0 - TP), vec, tid);
+            cp_async_wait<1>();
         } else {
-            for (int i = tid; i < TP * D / 2; i += blockDim.x) {
-                const int pos = i / (D / 2), w = i % (D / 2);
-                const unsigned x = pos < n ? ((const unsigned*)(krs + (size_t)(p0 + pos) * D))[w] : 0u;
-                ((unsigned*)(Ks + pos * KS))[w] = x;
-            }
-            for (int i = tid; i < TP * D / 2; i += blockDim.x) {
-                const int pos = i / (D / 2), w = i % (D / 2);
-                const unsigned x = pos < n ? ((const unsigned*)(vrs + (size_t)(p0 + pos) * D))[w] : 0u;
-                Vt[(2 * w) * VS + pos] = (unsigned short)(x & 0xffffu);
-                Vt[(2 * w + 1) * VS + pos] = (unsigned short)(x >> 16);
-            }
+            cp_async_wait<0>();
         }
         __syncthreads();
 
@@ -186,7 +164,7 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ q, int t,
             const unsigned a2 = *(const unsigned*)(qa + 8), a3 = *(const unsigned*)(qa + 8 * QS + 8);
 #pragma unroll
             for (int nt = 0; nt < TP / 8; nt++) {
-                const unsigned short* kr = Ks + (nt * 8 + g) * KS + kk * 16 + 2 * tq;
+                const unsigned short* kr = Kt + (nt * 8 + g) * KS + kk * 16 + 2 * tq;
                 mma_16816(s[nt], a0, a1, a2, a3, *(const unsigned*)kr, *(const unsigned*)(kr + 8));
             }
         }
@@ -235,10 +213,14 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ q, int t,
             const unsigned pa0 = pack_h2(s[2 * kk][0], s[2 * kk][1]), pa1 = pack_h2(s[2 * kk][2], s[2 * kk][3]);
             const unsigned pa2 = pack_h2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
             const unsigned pa3 = pack_h2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            // Matrices: positions 0–7 and 8–15 of the k-step × dims of tiles nd and nd + 1.
+            const unsigned short* vr = Vr + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * KS + (lane >> 4) * 8;
 #pragma unroll
-            for (int nd = 0; nd < D / 8; nd++) {
-                const unsigned short* vr = Vt + (nd * 8 + g) * VS + kk * 16 + 2 * tq;
-                mma_16816(o[nd], pa0, pa1, pa2, pa3, *(const unsigned*)vr, *(const unsigned*)(vr + 8));
+            for (int nd = 0; nd < D / 8; nd += 2) {
+                unsigned b[4];
+                ldmatrix_x4_trans(b, vr + nd * 8);
+                mma_16816(o[nd], pa0, pa1, pa2, pa3, b[0], b[1]);
+                mma_16816(o[nd + 1], pa0, pa1, pa2, pa3, b[2], b[3]);
             }
         }
     }
@@ -247,36 +229,150 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ q, int t,
     l0 += __shfl_xor_sync(FULL_MASK, l0, 2);
     l1 += __shfl_xor_sync(FULL_MASK, l1, 1);
     l1 += __shfl_xor_sync(FULL_MASK, l1, 2);
+    // With `accumulate`, the split's earlier partial (an earlier block of decoded codes) is
+    // merged in: read by every lane of the row before any lane writes.
+    float om[2] = {-1e30f, -1e30f}, ol[2] = {0.f, 0.f};
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int r = warp * 16 + g + 8 * half, qi = q0 + r / G;
+        if (!accumulate || r >= QPB * G || qi >= t) continue;
+        const size_t row = ((size_t)split * hq_total + h * G + r % G) * t + qi;
+        om[half] = out_ml[row * 2];
+        ol[half] = out_ml[row * 2 + 1];
+    }
+    __syncwarp();
 #pragma unroll
     for (int half = 0; half < 2; half++) {
         const int r = warp * 16 + g + 8 * half, qi = q0 + r / G;
         if (r >= QPB * G || qi >= t) continue;
         const size_t row = ((size_t)split * hq_total + h * G + r % G) * t + qi;
         float* dst = out_o + row * D;
+        float mm = half ? m1 : m0, ll = half ? l1 : l0, a = 0.f, b = 1.f;
+        if (accumulate) {
+            const float mx = fmaxf(om[half], mm);
+            a = __expf(om[half] - mx);
+            b = __expf(mm - mx);
+            mm = mx;
+            ll = fmaf(ol[half], a, ll * b);
+        }
 #pragma unroll
         for (int nd = 0; nd < D / 8; nd++) {
-            dst[nd * 8 + 2 * tq] = o[nd][2 * half];
-            dst[nd * 8 + 2 * tq + 1] = o[nd][2 * half + 1];
+            const int e = nd * 8 + 2 * tq;
+            dst[e] = accumulate ? fmaf(dst[e], a, o[nd][2 * half] * b) : o[nd][2 * half];
+            dst[e + 1] = accumulate ? fmaf(dst[e + 1], a, o[nd][2 * half + 1] * b) : o[nd][2 * half + 1];
         }
         if (tq == 0) {
-            out_ml[row * 2] = half ? m1 : m0;
-            out_ml[row * 2 + 1] = half ? l1 : l0;
+            out_ml[row * 2] = mm;
+            out_ml[row * 2 + 1] = ll;
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
-    vq_prefill_codes(const float* __restrict__ q, int t, const unsigned char* __restrict__ kc,
-                     const unsigned char* __restrict__ vc, int len, int stride, const unsigned short* __restrict__ kbook,
-                     const unsigned short* __restrict__ vbook, int per_split, float* __restrict__ out_o,
-                     float* __restrict__ out_ml) {
-    // Codes are older than every query: no mask.
-    prefill_body<true>(q, t, kc, vc, len, stride, 0, 1 << 30, kbook, vbook, per_split, out_o, out_ml);
+// Codes of positions p0..p0 + n of a sequence into f16 code-space rows (centroids, not rotated
+// back): keys and values [HKV][n][D] (stream h's row p at (h·n + p)·D), from codes [HKV][stride][M]
+// (position p of stream h at (h·stride + p)·M) and per-layer books f16 [256][SD]. A thread per
+// code byte (grid-stride), keys then values; each writes its centroid's SD halves.
+extern "C" __global__ void vq_decode_codes(const unsigned char* __restrict__ kc, const unsigned char* __restrict__ vc,
+                                           int heads, int stride, int p0, int n,
+                                           const unsigned short* __restrict__ kbook,
+                                           const unsigned short* __restrict__ vbook, unsigned short* __restrict__ ko,
+                                           unsigned short* __restrict__ vo) {
+    const int MK = D / SDK, MV = D / SDV;
+    const size_t step = (size_t)gridDim.x * blockDim.x;
+    const size_t nk = (size_t)heads * n * MK, nv = (size_t)heads * n * MV;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < nk + nv; i += step) {
+        const bool key = i < nk;
+        const size_t c = key ? i : i - nk;
+        const int m = key ? MK : MV, sd = key ? SDK : SDV;
+        const int j = c % m, p = (c / m) % n, h = c / ((size_t)m * n);
+        const unsigned char code = (key ? kc : vc)[((size_t)h * stride + p0 + p) * m + j];
+        const unsigned* src = (const unsigned*)((key ? kbook : vbook) + code * sd);
+        unsigned* dst = (unsigned*)((key ? ko : vo) + ((size_t)h * n + p) * D + j * sd);
+        for (int e = 0; e < sd / 2; e++) dst[e] = src[e];
+    }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
-    f16_prefill_rows(const float* __restrict__ q, int t, const unsigned short* __restrict__ kr,
-                     const unsigned short* __restrict__ vr, int len, int stride, int pos0, int qpos0, int per_split,
-                     float* __restrict__ out_o, float* __restrict__ out_ml) {
-    prefill_body<false>(q, t, kr, vr, len, stride, pos0, qpos0, nullptr, nullptr, per_split, out_o, out_ml);
+// Queries of a tile into the keys' code space, a warp per (query, query head): out = H·(s_k ⊙ q·qscale)
+// (rotated and smoothed as the codes were), qoff = qscale·q·μ_k (the score every coded key shares
+// through its mean). q, out: [t][HQ][D]; qoff: [t][HQ]; kmean, kscale: [HKV][D]. Lane l holds
+// elements k·32 + l (a codec's D is a power of two ≥ 32; rows-only builds compile it unused).
+#define DR ((D + 31) / 32)
+extern "C" __global__ void prefill_code_queries(const float* __restrict__ q, float qscale, int t, int hq_total,
+                                                const float* __restrict__ kmean, const float* __restrict__ kscale,
+                                                float* __restrict__ out, float* __restrict__ qoff) {
+    const int row = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+    if (row >= t * hq_total) return;
+    const int h = row % hq_total / G;
+    float v[DR];
+    float off = 0.f;
+#pragma unroll
+    for (int k = 0; k < DR; k++) {
+        const int e = k * 32 + lane;
+        v[k] = e < D ? q[(size_t)row * D + e] * qscale : 0.f;
+        if (CENTER_K && e < D) off = fmaf(v[k], kmean[h * D + e], off);
+        if (SMOOTH_K && e < D) v[k] *= kscale[h * D + e];
+    }
+#if ROTATE_K && D % 32 == 0
+    warp_fwht<D>(v, lane);
+#endif
+    off = warp_sum(off);
+#pragma unroll
+    for (int k = 0; k < DR; k++)
+        if (k * 32 + lane < D) out[(size_t)row * D + k * 32 + lane] = v[k];
+    if (lane == 0) qoff[row] = off;
+}
+
+// The splits of a tile's launches into its output, a warp per (query, query head): splits
+// [0, code_splits) are over codes (code space, maxima short of qoff), the rest over f16 rows; one
+// softmax over all, the coded sum rotated back, scaled and shifted by μ_v times its mass, plus the
+// rows' sum, normalised (0 where nothing was seen). o: [S][HQ][t][D], ml: [S][HQ][t][2]; qoff:
+// [t][HQ] (read where code_splits > 0 and CENTER_K); vmean, vscale: [HKV][D]; out: [t][HQ][D].
+extern "C" __global__ void prefill_fold(const float* __restrict__ o, const float* __restrict__ ml,
+                                        const float* __restrict__ qoff, const float* __restrict__ vmean,
+                                        const float* __restrict__ vscale, int splits, int code_splits, int t,
+                                        int hq_total, float* __restrict__ out) {
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+    if (warp >= t * hq_total) return;
+    const int i = warp / hq_total, hq = warp % hq_total, h = hq / G;
+    const size_t plane = (size_t)hq_total * t, row = (size_t)hq * t + i;
+    const float off = CENTER_K && code_splits > 0 ? qoff[warp] : 0.f;
+    float m = -1e30f;
+    for (int s = lane; s < splits; s += 32) m = fmaxf(m, ml[(s * plane + row) * 2] + (s < code_splits ? off : 0.f));
+    m = warp_max(m);
+    float vc[DR], vr[DR], lc = 0.f, lr = 0.f;
+#pragma unroll
+    for (int k = 0; k < DR; k++) vc[k] = vr[k] = 0.f;
+    for (int s = 0; s < splits; s++) {
+        const float* x = ml + (s * plane + row) * 2;
+        const bool coded = s < code_splits;
+        const float w = __expf(x[0] + (coded ? off : 0.f) - m);
+        const float* src = o + (s * plane + row) * D;
+        if (coded) {
+            lc = fmaf(w, x[1], lc);
+#pragma unroll
+            for (int k = 0; k < DR; k++)
+                if (k * 32 + lane < D) vc[k] = fmaf(w, src[k * 32 + lane], vc[k]);
+        } else {
+            lr = fmaf(w, x[1], lr);
+#pragma unroll
+            for (int k = 0; k < DR; k++)
+                if (k * 32 + lane < D) vr[k] = fmaf(w, src[k * 32 + lane], vr[k]);
+        }
+    }
+    if (code_splits > 0) {
+#if ROTATE_V && D % 32 == 0
+        warp_fwht<D>(vc, lane);
+#endif
+#pragma unroll
+        for (int k = 0; k < DR; k++) {
+            const int e = k * 32 + lane;
+            if (e >= D) continue;
+            const float sc = SMOOTH_V ? vscale[h * D + e] : 1.f, mu = CENTER_V ? vmean[h * D + e] : 0.f;
+            vr[k] += fmaf(lc, mu, vc[k] * sc);
+        }
+    }
+    const float l = lc + lr, inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+    for (int k = 0; k < DR; k++)
+        if (k * 32 + lane < D) out[(size_t)warp * D + k * 32 + lane] = vr[k] * inv;
 }

@@ -1,6 +1,8 @@
-//! Host side of `prefill.cu`: attention of a block of queries over a sequence's codes or f16
-//! rows, as softmax partials per split of the positions (the caller merges them, and maps coded
-//! sums back to value space). What chunked prefill and follow-up turns run on CUDA.
+//! Host side of `prefill.cu`: attention of a tile of queries over a sequence's f16 rows as
+//! softmax partials per split of the positions (a launch per run of rows: the sink, the ring, the
+//! step's own rows, and a VecInfer cache's codes decoded a block at a time), then one fold of
+//! every split into the output, mapping coded sums back to value space. What chunked prefill and
+//! follow-up turns run on CUDA: a handful of launches per tile, no tensor ops between them.
 
 use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
@@ -13,46 +15,47 @@ pub(super) const SOURCES: &[&str] = &[include_str!("prefill.cu")];
 const WARPS: usize = 4;
 /// Positions per tile: S for 16 rows × 64 positions is 32 accumulators per lane.
 const TILE: usize = 64;
-const CENTROIDS: usize = 256;
+/// Warps per block of the query transform and the fold (a warp per query head and query).
+const ROW_WARPS: usize = 8;
+/// A query position past every coded one: codes are older than every query (no mask).
+const AFTER_CODES: usize = 1 << 29;
 
-/// The multi-query kernel for one geometry: over codes (8-bit per-layer books, like the decode
-/// kernels) or over f16 rows.
+/// The multi-query attention over f16 rows for one geometry, and the fold of its partials.
 pub struct GpuPrefill {
     heads: usize,
     head_dim: usize,
     group: usize,
-    /// Key and value sub_dims of the codes; `None` for rows.
-    subs: Option<(usize, usize)>,
     function: CudaFunction,
+    fold: CudaFunction,
 }
 
-/// What a launch attends: one sequence's codes, or a run of its f16 rows.
-pub enum Source<'a, 'b> {
-    /// A sequence's codes.
-    Codes {
-        /// The codes.
-        codes: &'a Coded<'b>,
-        /// The keys' codec on the GPU.
-        keys: &'a GpuCodec,
-        /// The values' codec.
-        values: &'a GpuCodec,
-    },
-    /// `keys`/`values` at the run's first row of stream 0 (stream h's row p at
-    /// `(h·stride + p)·head_dim`); row p holds position `pos0 + p`, query i sits at `qpos0 + i`.
-    Rows {
-        /// Key rows (f16 bits).
-        keys: CudaView<'b, u16>,
-        /// Value rows (f16 bits).
-        values: CudaView<'b, u16>,
-        /// Rows in the run.
-        len: usize,
-        /// Rows per stream.
-        stride: usize,
-        /// Position of row 0.
-        pos0: usize,
-        /// Position of query 0.
-        qpos0: usize,
-    },
+/// A VecInfer layer's side of the prefill: its codes decoded to f16 code-space rows a block at
+/// a time (for [`GpuPrefill`]'s kernel), the queries moved into the keys' code space, and the
+/// fold that maps coded sums back to value space. 8-bit per-layer books.
+pub struct GpuPrefillCodes {
+    rows: GpuPrefill,
+    decode: CudaFunction,
+    queries: CudaFunction,
+}
+
+/// A run of f16 rows: `keys`/`values` at its first row of stream 0, stream h's row p at
+/// `h·head_stride + p·row_stride` elements; row p holds position `pos0 + p`, query i sits at
+/// `qpos0 + i` (a query sees positions up to its own).
+pub struct Rows<'b> {
+    /// Key rows (f16 bits).
+    pub keys: CudaView<'b, u16>,
+    /// Value rows (f16 bits).
+    pub values: CudaView<'b, u16>,
+    /// Rows in the run.
+    pub len: usize,
+    /// Elements from one stream's rows to the next's.
+    pub head_stride: usize,
+    /// Elements from one row to the next.
+    pub row_stride: usize,
+    /// Position of row 0.
+    pub pos0: usize,
+    /// Position of query 0.
+    pub qpos0: usize,
 }
 
 /// The positions of each split (whole tiles) and how many splits that makes: the partials are
@@ -64,37 +67,47 @@ pub struct Split {
     per: usize,
 }
 
-/// Where a launch writes: `o` `[splits, q heads, queries, head_dim]` (code space, unnormalised)
-/// and `ml` `[splits, q heads, queries, 2]` (maximum score, sum of weights).
+impl Split {
+    /// The same positions per split over `len` positions (a shorter run lands in the first
+    /// splits of the same partials).
+    pub fn fit(&self, len: usize) -> Split {
+        Split { count: len.div_ceil(self.per).max(1), per: self.per }
+    }
+}
+
+/// Where a launch writes: `o` `[splits, q heads, queries, head_dim]` (unnormalised; code space
+/// for codes) and `ml` `[splits, q heads, queries, 2]` (maximum score, sum of weights); with
+/// `accumulate`, merged into the partials already there (blocks of decoded codes share one set).
 pub struct PrefillOut<'a, 'b> {
-    /// Unnormalised outputs in code space.
+    /// Unnormalised outputs.
     pub o: &'a mut CudaViewMut<'b, f32>,
     /// Maximum score and sum of weights per (split, head, query).
     pub ml: &'a mut CudaViewMut<'b, f32>,
+    /// Merge into the partials there instead of overwriting them.
+    pub accumulate: bool,
+}
+
+/// A tile's partials for the fold: `splits` deep, the first `code_splits` over codes.
+pub struct PrefillParts<'a, 'b> {
+    /// `[splits, q heads, queries, head_dim]`.
+    pub o: &'a CudaView<'b, f32>,
+    /// `[splits, q heads, queries, 2]`.
+    pub ml: &'a CudaView<'b, f32>,
+    /// Splits in all.
+    pub splits: usize,
+    /// Leading splits over codes (0 without codes).
+    pub code_splits: usize,
+    /// `[queries, q heads]` score offsets of the coded keys ([`GpuPrefillCodes::queries`]).
+    pub qoff: Option<&'a CudaView<'b, f32>>,
 }
 
 impl GpuPrefill {
-    /// Compiles the kernel over codes for `keys`/`values` (uploaded codecs), `q_heads` query heads.
-    pub fn codes(gpu: &Gpu, keys: &GpuCodec, values: &GpuCodec, q_heads: usize) -> Result<Self> {
-        let ok = keys.bits == 8
-            && values.bits == 8
-            && keys.books == 1
-            && values.books == 1
-            && (values.head_dim, values.heads) == (keys.head_dim, keys.heads)
-            && keys.sub_dim.is_multiple_of(2)
-            && values.sub_dim.is_multiple_of(2);
-        if !ok {
-            return Err(Error::Device("the CUDA prefill kernel takes 8-bit per-layer books of even sub_dim".into()));
-        }
-        Self::build(gpu, keys.heads, keys.head_dim, q_heads, Some((keys.sub_dim, values.sub_dim)))
+    /// Compiles the kernels over f16 rows for `kv_heads` streams of `head_dim`, `q_heads` query heads.
+    pub fn new(gpu: &Gpu, kv_heads: usize, head_dim: usize, q_heads: usize) -> Result<Self> {
+        Self::build(gpu, kv_heads, head_dim, q_heads, &[])
     }
 
-    /// Compiles the kernel over f16 rows.
-    pub fn rows(gpu: &Gpu, kv_heads: usize, head_dim: usize, q_heads: usize) -> Result<Self> {
-        Self::build(gpu, kv_heads, head_dim, q_heads, None)
-    }
-
-    fn build(gpu: &Gpu, kv: usize, d: usize, q_heads: usize, subs: Option<(usize, usize)>) -> Result<Self> {
+    fn build(gpu: &Gpu, kv: usize, d: usize, q_heads: usize, extra: &[(&'static str, i64)]) -> Result<Self> {
         if kv == 0 || !d.is_multiple_of(16) || d > 256 || !q_heads.is_multiple_of(kv) || q_heads / kv > WARPS * 16 {
             return Err(Error::Device(format!(
                 "the CUDA prefill kernel takes head_dim a multiple of 16 up to 256 and at most {} query heads per kv head",
@@ -102,27 +115,27 @@ impl GpuPrefill {
             )));
         }
         let group = q_heads / kv;
-        let (sdk, sdv) = subs.unwrap_or((2, 2));
-        let defines = [
-            ("D", d as i64),
-            ("G", group as i64),
-            ("SDK", sdk as i64),
-            ("SDV", sdv as i64),
-            ("WARPS", WARPS as i64),
-            ("TP", TILE as i64),
-        ];
-        let name = if subs.is_some() { "vq_prefill_codes" } else { "f16_prefill_rows" };
-        let function = gpu.kernel(SOURCES, name, &defines, Self::smem(d, subs))?;
-        Ok(Self { heads: kv, head_dim: d, group, subs, function })
+        let mut defines = vec![("D", d as i64), ("G", group as i64), ("WARPS", WARPS as i64), ("TP", TILE as i64)];
+        defines.extend_from_slice(extra);
+        if !extra.iter().any(|(n, _)| *n == "SDK") {
+            defines.extend([("SDK", 2), ("SDV", 2)]);
+        }
+        let function = gpu.kernel(SOURCES, "f16_prefill_rows", &defines, Self::smem(d))?;
+        let fold = gpu.kernel(SOURCES, "prefill_fold", &defines, 0)?;
+        Ok(Self { heads: kv, head_dim: d, group, function, fold })
     }
 
-    fn smem(d: usize, subs: Option<(usize, usize)>) -> usize {
-        let books = subs.map_or(0, |(k, v)| CENTROIDS * (k + v));
-        2 * (WARPS * 16 * (d + 8) + TILE * (d + 8) + d * (TILE + 8) + books)
+    /// Bytes of shared memory: the block's queries and two buffers each of keys and values.
+    fn smem(d: usize) -> usize {
+        2 * (WARPS * 16 * (d + 8) + 4 * TILE * (d + 8))
     }
 
     fn queries_per_block(&self) -> usize {
         WARPS * 16 / self.group
+    }
+
+    fn q_heads(&self) -> usize {
+        self.heads * self.group
     }
 
     /// How to split `len` positions for `queries` queries: enough blocks for two per
@@ -135,87 +148,290 @@ impl GpuPrefill {
         Split { count: len.div_ceil(per).max(1), per }
     }
 
-    /// Partials of `queries` queries (`q`: `[q heads, queries, head_dim]` f32, scaled; in code
-    /// space for codes) of one sequence over `source`'s positions, split as
-    /// [`split`](Self::split) planned for that length, into `out`. One launch.
+    /// A launch over a grid of (query, query head) warps.
+    fn row_grid(&self, queries: usize) -> LaunchConfig {
+        let warps = queries * self.q_heads();
+        LaunchConfig {
+            grid_dim: (warps.div_ceil(ROW_WARPS) as u32, 1, 1),
+            block_dim: ((ROW_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// Partials of `queries` queries (`q`: `[queries, q heads, head_dim]` f32, times `scale`) of
+    /// one sequence over a run of its rows, split as [`split`](Self::split) planned for the run's
+    /// length, into `out`. One launch.
+    #[allow(clippy::too_many_arguments)]
     pub fn launch(
         &self,
         gpu: &Gpu,
         q: &CudaView<f32>,
         queries: usize,
-        source: Source,
+        scale: f32,
+        rows: Rows,
         split: Split,
         out: PrefillOut,
     ) -> Result<()> {
-        let (d, kv) = (self.head_dim, self.heads);
-        let hq = kv * self.group;
-        let (len, stride) = match &source {
-            Source::Codes { codes, .. } => (codes.len, codes.stride),
-            Source::Rows { len, stride, .. } => (*len, *stride),
-        };
-        let splits = split.count;
-        let source_fits = match &source {
-            Source::Codes { codes, keys, values } => {
-                self.subs == Some((keys.sub_dim, values.sub_dim))
-                    && (keys.head_dim, keys.heads) == (d, kv)
-                    && codes.keys.len() >= kv * stride * keys.subspaces()
-                    && codes.values.len() >= kv * stride * values.subspaces()
-            }
-            Source::Rows { keys, values, pos0, qpos0, .. } => {
-                self.subs.is_none()
-                    && keys.len() >= ((kv - 1) * stride + len) * d
-                    && values.len() >= ((kv - 1) * stride + len) * d
-                    && qpos0 + queries < 1 << 30
-                    && pos0 + len < 1 << 30
-            }
-        };
-        let ok = source_fits
+        let (d, kv, hq) = (self.head_dim, self.heads, self.q_heads());
+        let Rows { keys, values, len, head_stride, row_stride, pos0, qpos0 } = rows;
+        let span = (kv - 1) * head_stride + len.saturating_sub(1) * row_stride + d;
+        let ok = row_stride >= d
+            && keys.len() >= span
+            && values.len() >= span
+            && span < 1 << 31
+            && qpos0 + queries < 1 << 30
+            && pos0 + len < 1 << 30
             && queries > 0
             && len > 0
-            && len <= stride
             && split.per.is_multiple_of(TILE)
-            && len.div_ceil(split.per) == splits
+            && len.div_ceil(split.per) == split.count
             && q.len() >= hq * queries * d
-            && out.o.len() >= splits * hq * queries * d
-            && out.ml.len() >= splits * hq * queries * 2;
+            && out.o.len() >= split.count * hq * queries * d
+            && out.ml.len() >= split.count * hq * queries * 2;
         if !ok {
             return Err(Error::Shape(format!(
-                "prefill attention: {queries} queries × {hq} heads × {d}, {len} of {stride} positions, {splits} splits do not fit the kernel or the buffers"
+                "prefill attention: {queries} queries × {hq} heads × {d}, {len} rows, {} splits do not fit the kernel or the buffers",
+                split.count
             )));
         }
         let cfg = LaunchConfig {
-            grid_dim: (queries.div_ceil(self.queries_per_block()) as u32, kv as u32, splits as u32),
+            grid_dim: (queries.div_ceil(self.queries_per_block()) as u32, kv as u32, split.count as u32),
             block_dim: ((WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: Self::smem(d, self.subs) as u32,
+            shared_mem_bytes: Self::smem(d) as u32,
         };
-        let (t, len_i, stride_i, per_i) = (queries as i32, len as i32, stride as i32, split.per as i32);
+        let (t, len_i, per_i) = (queries as i32, len as i32, split.per as i32);
+        let (hs_i, rs_i, pos0_i, qpos0_i) = (head_stride as i32, row_stride as i32, pos0 as i32, qpos0 as i32);
+        let accumulate = out.accumulate as i32;
         let mut l = gpu.stream().launch_builder(&self.function);
-        let (pos0_i, qpos0_i);
-        l.arg(q).arg(&t);
-        match &source {
-            Source::Codes { codes, keys, values } => {
-                l.arg(&codes.keys).arg(&codes.values).arg(&len_i).arg(&stride_i);
-                l.arg(&keys.centroids_f16).arg(&values.centroids_f16);
-            }
-            Source::Rows { keys, values, pos0, qpos0, .. } => {
-                (pos0_i, qpos0_i) = (*pos0 as i32, *qpos0 as i32);
-                l.arg(keys).arg(values).arg(&len_i).arg(&stride_i).arg(&pos0_i).arg(&qpos0_i);
-            }
-        }
-        l.arg(&per_i).arg(out.o).arg(out.ml);
-        // SAFETY: the arguments follow the kernel's signature (`vq_prefill_codes` or
-        // `f16_prefill_rows`); the checks above keep every query row, code byte or row (streams
-        // `kv` of `stride`, `len` read) and output row of the grid (splits · q heads · queries)
-        // inside the buffers; the books are 256 × sub_dim f16.
+        l.arg(q).arg(&scale).arg(&t).arg(&keys).arg(&values).arg(&len_i).arg(&hs_i).arg(&rs_i);
+        l.arg(&pos0_i).arg(&qpos0_i).arg(&per_i).arg(&accumulate).arg(out.o).arg(out.ml);
+        // SAFETY: the arguments follow `f16_prefill_rows`'s signature; the checks above keep every
+        // query row, row read (streams `kv`, `len` rows, by the strides) and output row of the
+        // grid (splits · q heads · queries) inside the buffers.
         unsafe { l.launch(cfg) }.map_err(dev_err)?;
+        Ok(())
+    }
+
+    /// Every split of a tile (`parts`) into `out` (`[queries, q heads, head_dim]` f32, the step's
+    /// rows of the tile): one softmax over all, normalised. Rows only (no coded splits); a
+    /// VecInfer layer folds with [`GpuPrefillCodes::fold`]. One launch.
+    pub fn fold(&self, gpu: &Gpu, parts: PrefillParts, queries: usize, out: &mut CudaViewMut<f32>) -> Result<()> {
+        if parts.code_splits > 0 {
+            return Err(Error::Shape("coded splits fold with the codec's kernels".into()));
+        }
+        self.fold_with(gpu, parts, queries, None, out)
+    }
+
+    fn fold_with(
+        &self,
+        gpu: &Gpu,
+        parts: PrefillParts,
+        queries: usize,
+        values: Option<&GpuCodec>,
+        out: &mut CudaViewMut<f32>,
+    ) -> Result<()> {
+        let (d, hq) = (self.head_dim, self.q_heads());
+        let rows = queries * hq;
+        let coded = parts.code_splits > 0;
+        let ok = values.is_none_or(|v| (v.heads, v.head_dim) == (self.heads, d))
+            && queries > 0
+            && parts.code_splits <= parts.splits
+            && parts.o.len() >= parts.splits * rows * d
+            && parts.ml.len() >= parts.splits * rows * 2
+            && (!coded || (values.is_some() && parts.qoff.is_some_and(|q| q.len() >= rows)))
+            && out.len() >= rows * d;
+        if !ok {
+            return Err(Error::Shape(format!(
+                "prefill fold: {queries} queries × {hq} heads × {d}, {} splits ({} coded) do not fit the buffers",
+                parts.splits, parts.code_splits
+            )));
+        }
+        let (splits, code_splits, t, hq_i) = (parts.splits as i32, parts.code_splits as i32, queries as i32, hq as i32);
+        let mut l = gpu.stream().launch_builder(&self.fold);
+        l.arg(parts.o).arg(parts.ml);
+        // Pointers the kernel does not read (no codes) still need arguments: the partials stand in.
+        match parts.qoff {
+            Some(q) => l.arg(q),
+            None => l.arg(parts.ml),
+        };
+        match values {
+            Some(v) => l.arg(&v.mean).arg(&v.scale),
+            None => l.arg(parts.ml).arg(parts.ml),
+        };
+        l.arg(&splits).arg(&code_splits).arg(&t).arg(&hq_i).arg(out);
+        // SAFETY: the signature of `prefill_fold`; every (query, head) row of every split read and
+        // every output row written is inside the buffers checked above; qoff, mean and scale are
+        // read only where splits are coded and the codec's defines say it has them.
+        unsafe { l.launch(self.row_grid(queries)) }.map_err(dev_err)?;
         Ok(())
     }
 }
 
-/// Defines the compile check builds the kernels with.
+impl GpuPrefillCodes {
+    /// Compiles the kernels for `keys`/`values` (uploaded codecs), `q_heads` query heads.
+    pub fn new(gpu: &Gpu, keys: &GpuCodec, values: &GpuCodec, q_heads: usize) -> Result<Self> {
+        let ok = keys.bits == 8
+            && values.bits == 8
+            && keys.books == 1
+            && values.books == 1
+            && (values.head_dim, values.heads) == (keys.head_dim, keys.heads)
+            && keys.sub_dim.is_multiple_of(2)
+            && values.sub_dim.is_multiple_of(2);
+        if !ok {
+            return Err(Error::Device("the CUDA prefill kernels take 8-bit per-layer books of even sub_dim".into()));
+        }
+        let b = |x: bool| x as i64;
+        let defines = [
+            ("SDK", keys.sub_dim as i64),
+            ("SDV", values.sub_dim as i64),
+            ("CENTER_K", b(keys.center)),
+            ("SMOOTH_K", b(keys.smooth)),
+            ("ROTATE_K", b(keys.rotate)),
+            ("CENTER_V", b(values.center)),
+            ("SMOOTH_V", b(values.smooth)),
+            ("ROTATE_V", b(values.rotate)),
+        ];
+        let rows = GpuPrefill::build(gpu, keys.heads, keys.head_dim, q_heads, &defines)?;
+        let mut all = vec![
+            ("D", keys.head_dim as i64),
+            ("G", (q_heads / keys.heads) as i64),
+            ("WARPS", WARPS as i64),
+            ("TP", TILE as i64),
+        ];
+        all.extend(defines);
+        let decode = gpu.kernel(SOURCES, "vq_decode_codes", &all, 0)?;
+        let queries = gpu.kernel(SOURCES, "prefill_code_queries", &all, 0)?;
+        Ok(Self { rows, decode, queries })
+    }
+
+    /// The attention over the decoded rows (and its splits).
+    pub fn rows(&self) -> &GpuPrefill {
+        &self.rows
+    }
+
+    /// Positions `p0..p0 + n` of `codes` decoded into f16 code-space rows `keys`/`values`
+    /// (`[kv heads, n, head_dim]` each): the run [`attend_decoded`](Self::attend_decoded) reads.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode(
+        &self,
+        gpu: &Gpu,
+        codes: &Coded,
+        p0: usize,
+        n: usize,
+        keys: &GpuCodec,
+        values: &GpuCodec,
+        out_keys: &mut CudaViewMut<u16>,
+        out_values: &mut CudaViewMut<u16>,
+    ) -> Result<()> {
+        let (kv, d) = (self.rows.heads, self.rows.head_dim);
+        let ok = (keys.heads, keys.head_dim, values.heads, values.head_dim) == (kv, d, kv, d)
+            && n > 0
+            && p0 + n <= codes.len
+            && codes.len <= codes.stride
+            && codes.keys.len() >= kv * codes.stride * keys.subspaces()
+            && codes.values.len() >= kv * codes.stride * values.subspaces()
+            && out_keys.len() >= kv * n * d
+            && out_values.len() >= kv * n * d
+            && kv * codes.stride < 1 << 31;
+        if !ok {
+            return Err(Error::Shape(format!(
+                "prefill decode: positions {p0}..{} of {} coded do not fit the codes or the buffers",
+                p0 + n,
+                codes.len
+            )));
+        }
+        let (heads, stride, p0_i, n_i) = (kv as i32, codes.stride as i32, p0 as i32, n as i32);
+        let bytes = kv * n * (keys.subspaces() + values.subspaces());
+        let cfg = LaunchConfig {
+            grid_dim: (bytes.div_ceil(256).min(4 * gpu.multiprocessors() as usize) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut l = gpu.stream().launch_builder(&self.decode);
+        l.arg(&codes.keys).arg(&codes.values).arg(&heads).arg(&stride).arg(&p0_i).arg(&n_i);
+        l.arg(&keys.centroids_f16).arg(&values.centroids_f16).arg(out_keys).arg(out_values);
+        // SAFETY: the signature of `vq_decode_codes` (compiled for these sub_dims); the codes read
+        // (streams `kv` of `stride`, positions p0..p0 + n) and the rows written (`kv × n × D`)
+        // are inside the buffers checked above; the books are 256 × sub_dim f16.
+        unsafe { l.launch(cfg) }.map_err(dev_err)?;
+        Ok(())
+    }
+
+    /// Partials of code-space queries `q` (from [`queries`](Self::queries)) over `n` decoded
+    /// rows (`[kv heads, n, head_dim]`, [`decode`](Self::decode)): older than every query.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_decoded(
+        &self,
+        gpu: &Gpu,
+        q: &CudaView<f32>,
+        queries: usize,
+        keys: CudaView<u16>,
+        values: CudaView<u16>,
+        n: usize,
+        split: Split,
+        out: PrefillOut,
+    ) -> Result<()> {
+        let d = self.rows.head_dim;
+        let rows = Rows { keys, values, len: n, head_stride: n * d, row_stride: d, pos0: 0, qpos0: AFTER_CODES };
+        self.rows.launch(gpu, q, queries, 1.0, rows, split, out)
+    }
+
+    /// Queries `q` (`[queries, q heads, head_dim]` f32) times `scale` into the keys' code space
+    /// (`out`, same shape) and their score offsets (`qoff`, `[queries, q heads]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn queries(
+        &self,
+        gpu: &Gpu,
+        q: &CudaView<f32>,
+        queries: usize,
+        scale: f32,
+        keys: &GpuCodec,
+        out: &mut CudaViewMut<f32>,
+        qoff: &mut CudaViewMut<f32>,
+    ) -> Result<()> {
+        let (d, rows) = (self.rows.head_dim, queries * self.rows.q_heads());
+        if q.len() < rows * d
+            || out.len() < rows * d
+            || qoff.len() < rows
+            || (keys.heads, keys.head_dim) != (self.rows.heads, d)
+        {
+            return Err(Error::Shape(format!(
+                "prefill queries: {queries} × {} heads × {d} do not fit the buffers",
+                self.rows.q_heads()
+            )));
+        }
+        let (t, hq) = (queries as i32, self.rows.q_heads() as i32);
+        let mut l = gpu.stream().launch_builder(&self.queries);
+        l.arg(q).arg(&scale).arg(&t).arg(&hq).arg(&keys.mean).arg(&keys.scale).arg(out).arg(qoff);
+        // SAFETY: the signature of `prefill_code_queries`; every (query, head) row read and
+        // written is inside the buffers checked above; mean and scale are [kv heads][head_dim]
+        // where the codec has them (the kernel reads them only then).
+        unsafe { l.launch(self.rows.row_grid(queries)) }.map_err(dev_err)?;
+        Ok(())
+    }
+
+    /// Every split of a tile into `out`, the coded ones mapped back to value space with `values`.
+    pub fn fold(
+        &self,
+        gpu: &Gpu,
+        parts: PrefillParts,
+        queries: usize,
+        values: &GpuCodec,
+        out: &mut CudaViewMut<f32>,
+    ) -> Result<()> {
+        self.rows.fold_with(gpu, parts, queries, Some(values), out)
+    }
+}
+
+/// Defines the compile check builds the kernels with (each compile holds every kernel of the
+/// source: the decode, the query transform and the fold too).
 pub(super) fn example_defines() -> Vec<Vec<(&'static str, i64)>> {
-    [(64, 3, 4, 4), (128, 4, 4, 4), (128, 8, 8, 4), (256, 4, 4, 4)]
+    [(64, 3, 2, 2, 1), (80, 2, 2, 2, 0), (128, 4, 2, 4, 1), (128, 8, 8, 4, 0), (256, 4, 4, 4, 1)]
         .into_iter()
-        .map(|(d, g, sdk, sdv)| vec![("D", d), ("G", g), ("SDK", sdk), ("SDV", sdv), ("WARPS", 4), ("TP", 64)])
+        .map(|(d, g, sdk, sdv, f)| {
+            let mut v = vec![("D", d), ("G", g), ("SDK", sdk), ("SDV", sdv), ("WARPS", 4), ("TP", 64)];
+            v.extend(["CENTER_K", "SMOOTH_K", "ROTATE_K", "CENTER_V", "SMOOTH_V", "ROTATE_V"].map(|n| (n, f)));
+            v
+        })
         .collect()
 }
