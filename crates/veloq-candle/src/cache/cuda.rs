@@ -230,8 +230,8 @@ fn write2<T: CudaDType>(
     })
 }
 
-/// Queries per prefill launch: a whole 512-token chunk in one (the tensor ops around a launch
-/// cost more than the kernel at short contexts); the partials stay a few MiB.
+/// Queries per tile of the prefill launches: a whole 512-token chunk in one; the partials of a
+/// tile (splits × q heads × queries × D f32) stay a few tens of MiB.
 const KERNEL_QUERY_TILE: usize = 1024;
 
 /// Codes decoded per launch of the prefill attention over them: the scratch of a block of
