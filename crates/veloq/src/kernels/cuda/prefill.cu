@@ -10,8 +10,8 @@
 // accumulates O += P·V (mma; P reused from S's accumulators as the A fragments, V's B fragments
 // read transposed by ldmatrix). Output per split, row (head, query): the unnormalised O, the
 // maximum score and the sum of weights (or, with `accumulate`, those merged into what the split
-// already holds: blocks of decoded codes share one set of partials); prefill_fold turns the splits of every launch of a tile
-// into the output (mapping coded sums back to value space).
+// already holds: blocks of decoded codes share one set of partials); prefill_fold turns the
+// splits of every launch of a tile into the output (mapping coded sums back to value space).
 //
 // q: [t][Hq][D] f32 (the step's packed queries from the tile's first; codes: in code space,
 // prefill_code_queries), times qscale. kr/vr at the run's first row of stream 0, stream h's row p
