@@ -228,7 +228,7 @@ fn decoded_codes_state(
 
 /// Queries `qs` (`[Hq, t, D]`, scaled) in the keys' code space, q̃ = H(s ⊙ q), and the offset
 /// q·μ that centering adds to every score (`[Hq, t, 1]`), if the keys are centered.
-pub fn code_space_queries(qs: &Tensor, kc: &TensorCodec) -> Result<(Tensor, Option<Tensor>)> {
+fn code_space_queries(qs: &Tensor, kc: &TensorCodec) -> Result<(Tensor, Option<Tensor>)> {
     let (hq, t, d) = qs.dims3()?;
     let g = hq / kc.heads;
     let mut qt = qs.clone();
@@ -245,7 +245,7 @@ pub fn code_space_queries(qs: &Tensor, kc: &TensorCodec) -> Result<(Tensor, Opti
 
 /// A weighted sum of value centroids `o` (`[Hq, t, D]`, code space, total weight `l`
 /// `[Hq, t, 1]`) in value space: rotated back, scaled, plus μ times the weight.
-pub fn value_space(o: &Tensor, l: &Tensor, vc: &TensorCodec) -> Result<Tensor> {
+fn value_space(o: &Tensor, l: &Tensor, vc: &TensorCodec) -> Result<Tensor> {
     let (hq, t, d) = o.dims3()?;
     let g = hq / vc.heads;
     let mut o = vc.rotate(&o.reshape((hq * t, d))?)?.reshape((hq, t, d))?;

@@ -263,7 +263,7 @@ impl TensorBackend {
     }
 
     /// Queries `i0..i1` of a view as `[Hq, n, D]` f32, scaled.
-    pub(crate) fn queries(&self, q: &Tensor, v: &SeqView, i0: usize, i1: usize, scale: f32) -> Result<Tensor> {
+    fn queries(&self, q: &Tensor, v: &SeqView, i0: usize, i1: usize, scale: f32) -> Result<Tensor> {
         Ok((q.narrow(0, v.queries.start + i0, i1 - i0)?.to_dtype(DType::F32)? * scale as f64)?
             .transpose(0, 1)?
             .contiguous()?)
@@ -271,7 +271,7 @@ impl TensorBackend {
 
     /// Runs `f` per (view, tile of at most `tile` queries) on `[Hq, n, D]` queries and packs the
     /// states into `[tokens, Hq, ·]`.
-    pub(crate) fn per_tile(
+    fn per_tile(
         &self,
         q: &Tensor,
         views: &[SeqView],

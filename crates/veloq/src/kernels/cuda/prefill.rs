@@ -17,6 +17,9 @@ const WARPS: usize = 4;
 const TILE: usize = 64;
 /// Warps per block of the query transform and the fold (a warp per query head and query).
 const ROW_WARPS: usize = 8;
+
+/// A `#define` the kernels are compiled with.
+type Define = (&'static str, i64);
 /// A query position past every coded one: codes are older than every query (no mask).
 const AFTER_CODES: usize = 1 << 29;
 
@@ -104,10 +107,12 @@ pub struct PrefillParts<'a, 'b> {
 impl GpuPrefill {
     /// Compiles the kernels over f16 rows for `kv_heads` streams of `head_dim`, `q_heads` query heads.
     pub fn new(gpu: &Gpu, kv_heads: usize, head_dim: usize, q_heads: usize) -> Result<Self> {
-        Self::build(gpu, kv_heads, head_dim, q_heads, &[])
+        Ok(Self::build(gpu, kv_heads, head_dim, q_heads, &[])?.0)
     }
 
-    fn build(gpu: &Gpu, kv: usize, d: usize, q_heads: usize, extra: &[(&'static str, i64)]) -> Result<Self> {
+    /// The rows kernels for a geometry and `extra` defines (a codec's), and the defines they were
+    /// compiled with (the codec's other kernels take the same).
+    fn build(gpu: &Gpu, kv: usize, d: usize, q_heads: usize, extra: &[Define]) -> Result<(Self, Vec<Define>)> {
         if kv == 0 || !d.is_multiple_of(16) || d > 256 || !q_heads.is_multiple_of(kv) || q_heads / kv > WARPS * 16 {
             return Err(Error::Device(format!(
                 "the CUDA prefill kernel takes head_dim a multiple of 16 up to 256 and at most {} query heads per kv head",
@@ -122,7 +127,7 @@ impl GpuPrefill {
         }
         let function = gpu.kernel(SOURCES, "f16_prefill_rows", &defines, Self::smem(d))?;
         let fold = gpu.kernel(SOURCES, "prefill_fold", &defines, 0)?;
-        Ok(Self { heads: kv, head_dim: d, group, function, fold })
+        Ok((Self { heads: kv, head_dim: d, group, function, fold }, defines))
     }
 
     /// Bytes of shared memory: the block's queries and two buffers each of keys and values.
@@ -291,14 +296,7 @@ impl GpuPrefillCodes {
             ("SMOOTH_V", b(values.smooth)),
             ("ROTATE_V", b(values.rotate)),
         ];
-        let rows = GpuPrefill::build(gpu, keys.heads, keys.head_dim, q_heads, &defines)?;
-        let mut all = vec![
-            ("D", keys.head_dim as i64),
-            ("G", (q_heads / keys.heads) as i64),
-            ("WARPS", WARPS as i64),
-            ("TP", TILE as i64),
-        ];
-        all.extend(defines);
+        let (rows, all) = GpuPrefill::build(gpu, keys.heads, keys.head_dim, q_heads, &defines)?;
         let decode = gpu.kernel(SOURCES, "vq_decode_codes", &all, 0)?;
         let queries = gpu.kernel(SOURCES, "prefill_code_queries", &all, 0)?;
         Ok(Self { rows, decode, queries })
