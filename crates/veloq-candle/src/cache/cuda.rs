@@ -17,8 +17,8 @@
 //!
 //! Sequences decode together in one launch when their storage is laid out alike (consecutive
 //! slots, same sink, coded span and ring state), as a batch started together is; others take one
-//! launch each. Sliding windows and truncation into codes are the portable backend's tiled
-//! candle ops over the same tensors.
+//! launch each. Sliding-window layers (decode and prefill) take the prefill kernels with the
+//! window in their mask; truncation into codes is the portable backend's candle ops.
 
 use std::cell::{Cell, RefCell};
 use std::marker::PhantomData;
@@ -597,6 +597,7 @@ impl CudaBackend {
                             row_stride: d,
                             pos0: span.pos0,
                             qpos0,
+                            window: v.window,
                         };
                         Ok(prefill.launch(gpu, &q, n, scale, run, *split, out)?)
                     })?,
@@ -612,6 +613,7 @@ impl CudaBackend {
                                     row_stride: kv * d,
                                     pos0: span.pos0,
                                     qpos0,
+                                    window: v.window,
                                 };
                                 Ok(prefill.launch(gpu, &q, n, scale, run, *split, out)?)
                             })
@@ -635,9 +637,9 @@ impl CudaBackend {
     }
 
     /// Attention of every view into `out` rows `[tokens, q heads, D]` in step order: decodable
-    /// views through the decode kernels (a launch per group stored alike), blocks of queries
-    /// through the prefill kernels, the rest (sliding windows) through the portable pieces and
-    /// copied in.
+    /// views through the decode kernels (a launch per group stored alike), the rest through the
+    /// prefill kernels (sliding windows included), and coded views with a window (no method makes
+    /// them) through the portable pieces, copied in.
     fn attend_to(
         &self,
         q: &Tensor,
@@ -648,7 +650,7 @@ impl CudaBackend {
         out: &mut CudaViewMut<f32>,
     ) -> Result<()> {
         let (fast, slow): (Vec<SeqView>, Vec<SeqView>) = views.iter().cloned().partition(|v| self.decodable(v));
-        let (blocks, slow): (Vec<SeqView>, Vec<SeqView>) = slow.into_iter().partition(|v| v.window.is_none());
+        let (blocks, slow): (Vec<SeqView>, Vec<SeqView>) = slow.into_iter().partition(Self::blockable);
         let Heads { q: hq, dim: d, .. } = self.base.heads;
         // Only the first group follows the put directly, and only if the queries need no
         // conversion (which would be a launch between).
@@ -679,6 +681,12 @@ impl CudaBackend {
             })?;
         }
         Ok(())
+    }
+
+    /// Whether the prefill kernels take a view: any without codes, and coded ones without a
+    /// sliding window (the decoded codes are attended unmasked).
+    fn blockable(v: &SeqView) -> bool {
+        v.window.is_none() || v.coded == 0
     }
 
     /// Whether the decode kernels take a view, and which views decode together with it.
@@ -812,8 +820,8 @@ impl Backend for CudaBackend {
         self.base.copy_slot(from, to, held)
     }
 
-    /// The portable pieces: only sliding windows reach them here (every other block of queries
-    /// takes the prefill kernels in [`attend`](Backend::attend)).
+    /// The portable pieces: only coded views with a sliding window reach them here (every other
+    /// view takes the decode or prefill kernels in [`attend`](Backend::attend)).
     fn attend_codes(&self, q: &Tensor, views: &[SeqView], scale: f32) -> Result<TensorPartial> {
         self.join()?;
         self.base.attend_codes(q, views, scale)
@@ -833,11 +841,11 @@ impl Backend for CudaBackend {
     }
 
     /// Sequences with one query and all rows stored go to the decode kernels (together where
-    /// their storage is alike), blocks of queries to the prefill kernels, sliding windows to the
-    /// portable pieces; outputs land in step order.
+    /// their storage is alike), the rest to the prefill kernels (sliding windows included);
+    /// outputs land in step order.
     fn attend(&self, q: &Tensor, views: &[SeqView], input: &TensorInput, scale: f32) -> Result<Tensor> {
         let after_put = self.join()?;
-        if views.iter().all(|v| v.window.is_some()) {
+        if !views.iter().any(|v| self.decodable(v) || Self::blockable(v)) {
             return compose(self, q, views, input, scale);
         }
         let Heads { q: hq, dim: d, .. } = self.base.heads;
@@ -859,7 +867,7 @@ impl Backend for CudaBackend {
             && out.is_contiguous()
             && out.device().same_device(&self.base.device)
             && out.dims() == [q.dim(0)?, hq, d];
-        if !fits || views.iter().all(|v| v.window.is_some()) {
+        if !fits || !views.iter().any(|v| self.decodable(v) || Self::blockable(v)) {
             return super::copy_into(out, &self.attend(q, views, input, scale)?);
         }
         write::<f32>(out, |o| self.attend_to(q, views, input, scale, after_put, o))

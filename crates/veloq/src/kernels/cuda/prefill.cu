@@ -16,7 +16,8 @@
 // q: [t][Hq][D] f32 (the step's packed queries from the tile's first; codes: in code space,
 // prefill_code_queries), times qscale. kr/vr at the run's first row of stream 0, stream h's row p
 // at h·hs + p·rs (stored rows are head-major, a step's input rows token-major); row p holds
-// position pos0 + p, query i position qpos0 + i, and a query sees positions ≤ its own.
+// position pos0 + p, query i position qpos0 + i, and a query sees positions ≤ its own (and, with a
+// sliding window w > 0, the last w of them, itself included).
 //
 // Defines: D, G, SDK, SDV, WARPS, TP; for the codes' decode, query transform and fold, CENTER_K,
 // SMOOTH_K, ROTATE_K, CENTER_V, SMOOTH_V, ROTATE_V (0 where absent: rows only).
@@ -102,8 +103,8 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const unsign
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, ROW_BLOCKS)
     f16_prefill_rows(const float* __restrict__ q, float qscale, int t, const unsigned short* __restrict__ kr,
-                     const unsigned short* __restrict__ vr, int len, int hs, int rs, int pos0, int qpos0, int per_split,
-                     int accumulate, float* __restrict__ out_o, float* __restrict__ out_ml) {
+                     const unsigned short* __restrict__ vr, int len, int hs, int rs, int pos0, int qpos0, int window,
+                     int per_split, int accumulate, float* __restrict__ out_o, float* __restrict__ out_ml) {
     extern __shared__ unsigned short smem[];
     unsigned short* Qs = smem;            // [ROWS][QS]
     unsigned short* Ks = Qs + ROWS * QS;  // [4][TP][KS]: two buffers of keys, then two of values
@@ -112,9 +113,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, ROW_BLOCKS)
     const int g = lane >> 2, tq = lane & 3;
     const int h = blockIdx.y, split = blockIdx.z, hq_total = gridDim.y * G;
     const int q0 = blockIdx.x * QPB;
-    const int p_begin = split * per_split;
-    // Rows after the block's last query are masked for all its queries: stop before them.
-    const int p_end = min(min(len, p_begin + per_split), qpos0 + min(t, q0 + QPB) - pos0);
+    // Rows after the block's last query are masked for all its queries: stop before them; with a
+    // sliding window, whole tiles before the first query's window are skipped (tiles stay aligned
+    // to the split's start).
+    const int p_split = split * per_split;
+    const int p_end = min(min(len, p_split + per_split), qpos0 + min(t, q0 + QPB) - pos0);
+    const int lo = window > 0 ? qpos0 + q0 - (window - 1) - pos0 : 0;
+    const int p_begin = lo > p_split ? p_split + (lo - p_split) / TP * TP : p_split;
 
     // Row r: query q0 + r / G of query head h·G + r % G; rows past the block's queries are zero.
     for (int i = tid; i < ROWS * D; i += blockDim.x) {
@@ -175,8 +180,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, ROW_BLOCKS)
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 const int p = nt * 8 + 2 * tq + e, at = pos0 + p0 + p;
-                if (p >= n || at > qp0) s[nt][e] = neg_inf();
-                if (p >= n || at > qp1) s[nt][2 + e] = neg_inf();
+                if (p >= n || at > qp0 || (window > 0 && qp0 - at >= window)) s[nt][e] = neg_inf();
+                if (p >= n || at > qp1 || (window > 0 && qp1 - at >= window)) s[nt][2 + e] = neg_inf();
                 mx0 = fmaxf(mx0, s[nt][e]);
                 mx1 = fmaxf(mx1, s[nt][2 + e]);
             }

@@ -43,7 +43,7 @@ pub struct GpuPrefillCodes {
 
 /// A run of f16 rows: `keys`/`values` at its first row of stream 0, stream h's row p at
 /// `h·head_stride + p·row_stride` elements; row p holds position `pos0 + p`, query i sits at
-/// `qpos0 + i` (a query sees positions up to its own).
+/// `qpos0 + i` (a query sees positions up to its own, the last `window` of them with one).
 pub struct Rows<'b> {
     /// Key rows (f16 bits).
     pub keys: CudaView<'b, u16>,
@@ -59,6 +59,8 @@ pub struct Rows<'b> {
     pub pos0: usize,
     /// Position of query 0.
     pub qpos0: usize,
+    /// A sliding window: positions a query sees, itself included.
+    pub window: Option<usize>,
 }
 
 /// The positions of each split (whole tiles) and how many splits that makes: the partials are
@@ -178,7 +180,7 @@ impl GpuPrefill {
         out: PrefillOut,
     ) -> Result<()> {
         let (d, kv, hq) = (self.head_dim, self.heads, self.q_heads());
-        let Rows { keys, values, len, head_stride, row_stride, pos0, qpos0 } = rows;
+        let Rows { keys, values, len, head_stride, row_stride, pos0, qpos0, window } = rows;
         let span = (kv - 1) * head_stride + len.saturating_sub(1) * row_stride + d;
         let ok = row_stride >= d
             && keys.len() >= span
@@ -186,6 +188,7 @@ impl GpuPrefill {
             && span < 1 << 31
             && qpos0 + queries < 1 << 30
             && pos0 + len < 1 << 30
+            && window.is_none_or(|w| (1..1 << 30).contains(&w))
             && queries > 0
             && len > 0
             && split.per.is_multiple_of(TILE)
@@ -206,10 +209,11 @@ impl GpuPrefill {
         };
         let (t, len_i, per_i) = (queries as i32, len as i32, split.per as i32);
         let (hs_i, rs_i, pos0_i, qpos0_i) = (head_stride as i32, row_stride as i32, pos0 as i32, qpos0 as i32);
+        let window_i = window.unwrap_or(0) as i32;
         let accumulate = out.accumulate as i32;
         let mut l = gpu.stream().launch_builder(&self.function);
         l.arg(q).arg(&scale).arg(&t).arg(&keys).arg(&values).arg(&len_i).arg(&hs_i).arg(&rs_i);
-        l.arg(&pos0_i).arg(&qpos0_i).arg(&per_i).arg(&accumulate).arg(out.o).arg(out.ml);
+        l.arg(&pos0_i).arg(&qpos0_i).arg(&window_i).arg(&per_i).arg(&accumulate).arg(out.o).arg(out.ml);
         // SAFETY: the arguments follow `f16_prefill_rows`'s signature; the checks above keep every
         // query row, row read (streams `kv`, `len` rows, by the strides) and output row of the
         // grid (splits · q heads · queries) inside the buffers.
@@ -370,7 +374,8 @@ impl GpuPrefillCodes {
         out: PrefillOut,
     ) -> Result<()> {
         let d = self.rows.head_dim;
-        let rows = Rows { keys, values, len: n, head_stride: n * d, row_stride: d, pos0: 0, qpos0: AFTER_CODES };
+        let rows =
+            Rows { keys, values, len: n, head_stride: n * d, row_stride: d, pos0: 0, qpos0: AFTER_CODES, window: None };
         self.rows.launch(gpu, q, queries, 1.0, rows, split, out)
     }
 
