@@ -764,8 +764,27 @@ impl Backend for CudaBackend {
         let (slots, rows) = self.dims()?;
         let Heads { kv, dim: d, .. } = self.base.heads;
         let plane = slots * kv * rows * d;
-        for g in groups(puts, |a, b, k| b.slot == a.slot + k && b.src == a.src + k * a.n && (b.n, b.to) == (a.n, a.to))
-        {
+        let alike =
+            groups(puts, |a, b, k| b.slot == a.slot + k && b.src == a.src + k * a.n && (b.n, b.to) == (a.n, a.to));
+        // A decode step's rows of sequences at different positions: one launch for all.
+        if alike.len() > 1 && puts.iter().all(|p| p.n == 1) {
+            let host: Vec<i32> = puts.iter().flat_map(|p| [p.slot, p.src, p.to.row(0)]).map(|x| x as i32).collect();
+            let table = self.rt.gpu().stream().clone_htod(&host).map_err(veloq::Error::from)?;
+            with_view::<f32, _>(&input.keys, |k| {
+                with_view::<f32, _>(&input.values, |v| {
+                    write::<f16>(&self.base.rows, |all| {
+                        // SAFETY: f16 and u16 have the same size and alignment; the kernel writes f16 bits.
+                        let mut w = unsafe { all.transmute_mut::<u16>(all.len()) }.expect("same size");
+                        let gpu = self.rt.gpu();
+                        Ok(self.put.launch_ragged(gpu, &k, &v, kv, &table.as_view(), &host, &mut w, rows, plane)?)
+                    })
+                })
+            })?;
+            self.rt.count(1);
+            self.put_last.store(true, Ordering::Relaxed);
+            return Ok(());
+        }
+        for g in alike {
             let p = g[0];
             let RowRun { base, start, wrap } = p.to;
             let map = PutMap {
