@@ -492,6 +492,10 @@ impl GpuAttention {
         }
         // The tensor-core kernel merges in its last block per stream when the merge fits its shared memory.
         let fused = plan.kernel == SplitKernel::TensorCores && self.fuse_merge && merge_smem <= smem as usize;
+        if ragged.is_some() && (!fused || nsplit == 0) {
+            // The separate merge kernel reads no table: a ragged batch must merge in the split kernel.
+            return Err(Error::Device("a ragged batch needs the tensor-core kernel merging in its last block".into()));
+        }
         let w_i = w as i32;
         if nsplit > 0 {
             let (s_i, stride, split_i) = (s as i32, codes.stride as i64, split as i32);
