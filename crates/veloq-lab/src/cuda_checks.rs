@@ -11,8 +11,8 @@ use veloq::codec::codebook::Granularity;
 use veloq::codec::pack::unpack;
 use veloq::codec::vecinfer::VecInferCodec;
 use veloq::kernels::cuda::{
-    gemv_f16, gemv_f16_many, gemv_many_fits, quantize_jobs, AttentionScratch, GemvEpilogue, GemvFused, GemvTune, Gpu,
-    GpuAttention, GpuCodec, QuantizeJob, RowMap, SplitKernel, GEMV_MAX_ROWS,
+    gemv_f16, gemv_f16_many, gemv_many_fits, quantize_jobs, AttentionScratch, Coded, GemvEpilogue, GemvFused, GemvTune,
+    Gpu, GpuAttention, GpuCodec, QuantizeJob, Ragged, RowMap, SplitKernel, Window, WindowMap, GEMV_MAX_ROWS,
 };
 use veloq::kernels::GemvShapes;
 
@@ -410,6 +410,11 @@ pub const ATTENTION_CHECKS: [AttnCase; 17] = [
     AttnCase { b: 1, hq: 32, hkv: 8, d: 128, s: 131071, w: 24, sd: (2, 2) },
 ];
 
+/// Ragged decode checks: (q heads, kv heads, head_dim, key/value sub_dims) — SmolLM2's and the 8B
+/// geometry's heads at the default's format, and 2-bit codes.
+pub const RAGGED_CHECKS: [(usize, usize, usize, (usize, usize)); 3] =
+    [(9, 3, 64, (2, 2)), (32, 8, 128, (2, 2)), (32, 8, 128, (4, 4))];
+
 #[derive(Clone, Copy)]
 /// One attention check's geometry.
 pub struct AttnCase {
@@ -515,6 +520,94 @@ pub fn check_attention(gpu: &Gpu, rng: &mut Rng, c: AttnCase, v: Variant) -> Res
     )
 }
 
+/// One ragged decode launch (`attend_ragged`) against one launch per sequence (`attend_cache`,
+/// checked against f64 above) on the same cache of 4 slots: three sequences at different coded
+/// lengths (one with nothing coded), sinks and ring states, their queries at shuffled rows. The
+/// two differ only by where the splits fall (rounding), so the bound is 1e-4 relative.
+pub fn check_ragged(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    sd: (usize, usize),
+) -> Result<serde_json::Value> {
+    let (slots, stride, w, sink_cap, ring_cap) = (4usize, 300usize, 24usize, 4usize, 20usize);
+    let (kc, vc) = (
+        codec_of(rng, hkv, d, (sd.0, 8), Granularity::PerLayer, true)?,
+        codec_of(rng, hkv, d, (sd.1, 8), Granularity::PerLayer, false)?,
+    );
+    let att = GpuAttention::new(GpuCodec::upload(gpu, &kc)?, GpuCodec::upload(gpu, &vc)?, hq)?;
+    let (mk, mv) = (d / sd.0, d / sd.1);
+    let kcodes = head_major(&kc.encode_vec(&rng.rows(slots * stride * hkv, d))?, slots, stride, hkv, mk);
+    let vcodes = head_major(&vc.encode_vec(&rng.rows(slots * stride * hkv, d))?, slots, stride, hkv, mv);
+    let wk = f16_bits(&rng.rows(slots * hkv * w, d));
+    let wv = f16_bits(&rng.rows(slots * hkv * w, d));
+    // (slot, query row, coded, n_sink, ring head, ring len)
+    let seqs = [(2usize, 0usize, 300usize, 4usize, 5usize, 20usize), (0, 2, 37, 2, 0, 7), (3, 1, 0, 4, 19, 3)];
+    let tokens = seqs.len();
+    let q = rng.rows(tokens * hq, d);
+    let scale = 1.0 / (d as f32).sqrt();
+    let map = |n_sink: usize, head: usize, len: usize| WindowMap {
+        n_sink: n_sink as i32,
+        sink_cap: sink_cap as i32,
+        ring_head: head as i32,
+        ring_len: len as i32,
+        ring_cap: ring_cap as i32,
+    };
+    let st = gpu.stream();
+    let (kcd, vcd) = (dev!(st.clone_htod(&kcodes)), dev!(st.clone_htod(&vcodes)));
+    let (wkd, wvd, qd) = (dev!(st.clone_htod(&wk)), dev!(st.clone_htod(&wv)), dev!(st.clone_htod(&q)));
+    let host: Vec<i32> = seqs
+        .iter()
+        .flat_map(|&(slot, row, len, n_sink, head, ring)| [slot, row, len, n_sink, sink_cap, head, ring, ring_cap])
+        .map(|x| x as i32)
+        .collect();
+    let table = dev!(st.clone_htod(&host));
+    let longest = seqs.iter().map(|s| s.2).max().unwrap_or(0);
+    let mut got = dev!(st.clone_htod(&vec![f32::NAN; tokens * hq * d]));
+    let mut scratch = AttentionScratch::new(gpu, tokens, hq, d, att.splits(gpu, tokens, longest))?;
+    let codes = Coded { keys: kcd.as_view(), values: vcd.as_view(), len: longest, stride };
+    let window =
+        Window { keys: wkd.as_view(), values: wvd.as_view(), rows: w, map: WindowMap::all(w), just_written: false };
+    let ragged = Ragged { table: table.as_view(), host: &host };
+    att.attend_ragged(gpu, &qd.as_view(), &codes, &window, &ragged, scale, &mut scratch, &mut got.as_view_mut())?;
+    let got: Vec<f32> = dev!(st.clone_dtoh(&got));
+    let mut want = vec![f32::NAN; tokens * hq * d];
+    for &(slot, row, len, n_sink, head, ring) in &seqs {
+        let codes = Coded {
+            keys: kcd.slice(slot * hkv * stride * mk..),
+            values: vcd.slice(slot * hkv * stride * mv..),
+            len,
+            stride,
+        };
+        let window = Window {
+            keys: wkd.slice(slot * hkv * w * d..),
+            values: wvd.slice(slot * hkv * w * d..),
+            rows: w,
+            map: map(n_sink, head, ring),
+            just_written: false,
+        };
+        let qs = qd.slice(row * hq * d..(row + 1) * hq * d);
+        let mut one = dev!(st.clone_htod(&vec![f32::NAN; hq * d]));
+        let mut scratch = AttentionScratch::new(gpu, 1, hq, d, att.splits(gpu, 1, len.max(1)))?;
+        att.attend_cache(gpu, &qs, 1, &codes, &window, scale, &mut scratch, &mut one.as_view_mut())?;
+        want[row * hq * d..(row + 1) * hq * d].copy_from_slice(&dev!(st.clone_dtoh(&one)));
+    }
+    let rel = rel_mse(&got, &want).sqrt();
+    let ok = rel.is_finite() && rel < 1e-4;
+    println!(
+        "ragged decode Hq={hq} Hkv={hkv} D={d} sd {}/{}: 3 sequences in one launch vs one each, rel err {rel:.2e} (bound 1e-4) {}",
+        sd.0,
+        sd.1,
+        if ok { "ok" } else { "FAIL" }
+    );
+    if !ok {
+        bail!("ragged decode mismatch");
+    }
+    Ok(json!({"check": "ragged", "Hq": hq, "Hkv": hkv, "D": d, "sub_dims": [sd.0, sd.1], "rel_err": rel}))
+}
+
 /// Every check: quantize (single codecs and key/value pairs), the GEMV forms, and attention for
 /// each variant (the tensor-core kernel only where a kv head's group fits it). Returns what each
 /// measured; the first failure is the error.
@@ -534,6 +627,9 @@ pub fn all(gpu: &Gpu, rng: &mut Rng, variants: &[Variant]) -> Result<Vec<serde_j
             }
             checks.push(check_attention(gpu, rng, c, v)?);
         }
+    }
+    for (hq, hkv, d, sd) in RAGGED_CHECKS {
+        checks.push(check_ragged(gpu, rng, hq, hkv, d, sd)?);
     }
     Ok(checks)
 }

@@ -60,3 +60,12 @@ fn cuda_attention_over_codes_matches_the_f64_reference() {
         }
     }
 }
+
+#[test]
+fn cuda_ragged_decode_matches_one_launch_per_sequence() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = rng();
+    for (hq, hkv, d, sd) in cuda_checks::RAGGED_CHECKS {
+        cuda_checks::check_ragged(&gpu, &mut rng, hq, hkv, d, sd).unwrap();
+    }
+}

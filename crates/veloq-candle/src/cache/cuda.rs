@@ -35,8 +35,8 @@ use half::f16;
 use veloq::codec::vecinfer::VecInferCodec;
 use veloq::kernels::cuda::{
     quantize_jobs, AttentionScratch, Coded, Gpu, GpuAttention, GpuCodec, GpuDenseAttention, GpuPrefill,
-    GpuPrefillCodes, PrefillOut, PrefillParts, PutMap, PutRows, QuantizeJob, RowMap, Rows, Split, Window, WindowMap,
-    MAX_WINDOW,
+    GpuPrefillCodes, PrefillOut, PrefillParts, PutMap, PutRows, QuantizeJob, Ragged, RowMap, Rows, Split, Window,
+    WindowMap, MAX_WINDOW,
 };
 
 use super::backend::{compose, Backend, Heads};
@@ -491,6 +491,53 @@ impl CudaBackend {
         })
     }
 
+    /// Decode attention of sequences at different positions (`views`: decodable, of a coded layer)
+    /// in one launch: a table of each one's slot, query row, coded length and window map goes to
+    /// the device, and the tensor-core kernel reads its sequence's entry. Returns false (nothing
+    /// launched) where that kernel cannot take the batch: the caller launches per group.
+    fn decode_ragged(
+        &self,
+        q: &CudaView<f32>,
+        views: &[SeqView],
+        scale: f32,
+        out: &mut CudaViewMut<f32>,
+    ) -> Result<bool> {
+        let Attention::Coded(attn, _) = &self.attention else { return Ok(false) };
+        let Heads { q: hq, kv, dim: d } = self.base.heads;
+        let (_, rows) = self.dims()?;
+        let gpu = self.rt.gpu();
+        let (b, longest) = (views.len(), views.iter().map(|v| v.coded).max().unwrap_or(0));
+        if !attn.takes_ragged(gpu, b, longest, rows)? {
+            return Ok(false);
+        }
+        let host: Vec<i32> = views
+            .iter()
+            .flat_map(|v| {
+                [v.slot, v.queries.start, v.coded, v.n_sink, v.ring.base, v.ring.start, v.ring_len, v.ring.wrap]
+            })
+            .map(|x| x as i32)
+            .collect();
+        let table = gpu.stream().clone_htod(&host).map_err(veloq::Error::from)?;
+        let ragged = Ragged { table: table.as_view(), host: &host };
+        let c = self.base.vecinfer_codes()?;
+        let nsplit = attn.splits(gpu, b, longest);
+        with_view::<f16, _>(&self.base.rows, |all| {
+            let plane = all.len() / 2;
+            let (wk, wv) = (bits(&all.slice(..plane)), bits(&all.slice(plane..)));
+            // The table's maps say which rows hold positions; this one is not read.
+            let window = Window { keys: wk, values: wv, rows, map: WindowMap::all(rows), just_written: false };
+            with_view::<u8, _>(&c.key_codes, |kc| {
+                with_view::<u8, _>(&c.value_codes, |vc| {
+                    let codes = Coded { keys: kc, values: vc, len: longest, stride: self.capacity };
+                    self.rt.with_scratch(b * hq * nsplit, b * kv, d, |scratch| {
+                        Ok(attn.attend_ragged(gpu, q, &codes, &window, &ragged, scale, scratch, out)?)
+                    })
+                })
+            })
+        })?;
+        Ok(true)
+    }
+
     /// Attention of a view's queries over everything it sees, through the prefill kernels, into
     /// `out` rows `[tokens, q heads, D]` (the view's rows). Per tile of queries: the codes, decoded
     /// a block at a time into a scratch that every query of the tile reads (the blocks merge into
@@ -662,9 +709,14 @@ impl CudaBackend {
             false => None,
         };
         with_view::<f32, _>(&qf, |qv| {
-            for g in groups(&fast, Self::alike) {
-                let launches = self.decode_group(&qv, g, scale, std::mem::take(&mut after_put), out)?;
-                self.rt.count(launches);
+            let alike = groups(&fast, Self::alike);
+            if alike.len() > 1 && self.decode_ragged(&qv, &fast, scale, out)? {
+                self.rt.count(1);
+            } else {
+                for g in alike {
+                    let launches = self.decode_group(&qv, g, scale, std::mem::take(&mut after_put), out)?;
+                    self.rt.count(launches);
+                }
             }
             for v in &blocks {
                 self.attend_block(&qv, v, staged, scale, out)?;
@@ -720,8 +772,27 @@ impl Backend for CudaBackend {
         let (slots, rows) = self.dims()?;
         let Heads { kv, dim: d, .. } = self.base.heads;
         let plane = slots * kv * rows * d;
-        for g in groups(puts, |a, b, k| b.slot == a.slot + k && b.src == a.src + k * a.n && (b.n, b.to) == (a.n, a.to))
-        {
+        let alike =
+            groups(puts, |a, b, k| b.slot == a.slot + k && b.src == a.src + k * a.n && (b.n, b.to) == (a.n, a.to));
+        // A decode step's rows of sequences at different positions: one launch for all.
+        if alike.len() > 1 && puts.iter().all(|p| p.n == 1) {
+            let host: Vec<i32> = puts.iter().flat_map(|p| [p.slot, p.src, p.to.row(0)]).map(|x| x as i32).collect();
+            let table = self.rt.gpu().stream().clone_htod(&host).map_err(veloq::Error::from)?;
+            with_view::<f32, _>(&input.keys, |k| {
+                with_view::<f32, _>(&input.values, |v| {
+                    write::<f16>(&self.base.rows, |all| {
+                        // SAFETY: f16 and u16 have the same size and alignment; the kernel writes f16 bits.
+                        let mut w = unsafe { all.transmute_mut::<u16>(all.len()) }.expect("same size");
+                        let gpu = self.rt.gpu();
+                        Ok(self.put.launch_ragged(gpu, &k, &v, kv, &table.as_view(), &host, &mut w, rows, plane)?)
+                    })
+                })
+            })?;
+            self.rt.count(1);
+            self.put_last.store(true, Ordering::Relaxed);
+            return Ok(());
+        }
+        for g in alike {
             let p = g[0];
             let RowRun { base, start, wrap } = p.to;
             let map = PutMap {

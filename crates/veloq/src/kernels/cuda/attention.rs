@@ -350,12 +350,109 @@ impl GpuAttention {
         scratch: &mut AttentionScratch,
         out: &mut CudaViewMut<f32>,
     ) -> Result<usize> {
+        self.attend_impl(gpu, q, batch, codes, window, None, scale, scratch, out)
+    }
+
+    /// Whether [`attend_ragged`](Self::attend_ragged) takes `batch` sequences of at most `max_len`
+    /// coded positions beside `w` window rows: the tensor-core kernel merging in its last block,
+    /// something coded.
+    pub fn takes_ragged(&self, gpu: &Gpu, batch: usize, max_len: usize, w: usize) -> Result<bool> {
+        if max_len == 0 || batch == 0 || w > MAX_WINDOW {
+            return Ok(false);
+        }
+        let (plan, _, _) = self.kernels(gpu)?;
+        let nsplit = self.splits(gpu, batch, max_len);
+        let merge_smem = Plan::merge_smem(w, self.keys.head_dim, self.group(), nsplit);
+        Ok(plan.kernel == SplitKernel::TensorCores
+            && self.fuse_merge
+            && merge_smem <= plan.split_smem()
+            && merge_smem <= gpu.max_smem)
+    }
+
+    /// Decode attention of a ragged batch in one launch: sequences at different positions, each
+    /// with its own slot, coded length and window map ([`Ragged`]). `q` and `out` are the step's
+    /// packed rows (`[tokens, q_heads, D]`, a sequence's at its row), `codes` and `window` every
+    /// slot's (from slot 0; `codes.len` the longest coded length, `window.map` unused). Only where
+    /// [`takes_ragged`](Self::takes_ragged) says so. Returns the launches issued (1).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_ragged(
+        &self,
+        gpu: &Gpu,
+        q: &CudaView<f32>,
+        codes: &Coded,
+        window: &Window,
+        ragged: &Ragged,
+        scale: f32,
+        scratch: &mut AttentionScratch,
+        out: &mut CudaViewMut<f32>,
+    ) -> Result<usize> {
+        let batch = ragged.host.len() / RAGGED_INTS;
+        if !self.takes_ragged(gpu, batch, codes.len, window.rows)? {
+            return Err(Error::Device(format!(
+                "a ragged batch of {batch} needs the tensor-core kernel merging in its last block and something coded"
+            )));
+        }
+        self.attend_impl(gpu, q, batch, codes, window, Some(ragged), scale, scratch, out)
+    }
+
+    /// Checks a ragged table against the buffers: every sequence's slot inside the codes and the
+    /// window rows, its query row inside `q` and `out`, its coded length within `codes.len`, its
+    /// window map inside `w` rows, something to attend.
+    fn check_ragged(&self, ragged: &Ragged, codes: &Coded, window: &Window, q_rows: usize) -> Result<()> {
+        let (k, v) = (&self.keys, &self.values);
+        let (d, hkv, w) = (k.head_dim, k.heads, window.rows);
+        let code_slots = (codes.keys.len() / (hkv * codes.stride * k.subspaces()))
+            .min(codes.values.len() / (hkv * codes.stride * v.subspaces()));
+        let window_slots = (window.keys.len().min(window.values.len())) / (hkv * w * d).max(1);
+        let bad = |i: usize, why: &str| Err(Error::Shape(format!("ragged batch, sequence {i}: {why}")));
+        if ragged.host.is_empty()
+            || !ragged.host.len().is_multiple_of(RAGGED_INTS)
+            || ragged.table.len() < ragged.host.len()
+        {
+            return Err(Error::Shape("a ragged table holds 8 ints per sequence, on the device as on the host".into()));
+        }
+        for (i, r) in ragged.host.chunks_exact(RAGGED_INTS).enumerate() {
+            if r.iter().any(|&x| x < 0) {
+                return bad(i, "negative entry");
+            }
+            let e: Vec<usize> = r.iter().map(|&x| x as usize).collect();
+            let [slot, row, len, n_sink, sink_cap, head, ring_len, ring_cap] = e[..] else {
+                unreachable!("chunks of RAGGED_INTS")
+            };
+            let ring_ok = ring_cap >= 1 && head < ring_cap && ring_len <= ring_cap && sink_cap + ring_cap <= w;
+            if slot >= code_slots.min(window_slots) {
+                return bad(i, "slot outside the codes or the window rows");
+            }
+            if row >= q_rows {
+                return bad(i, "query row outside the step");
+            }
+            if len > codes.len || n_sink > sink_cap || !ring_ok || len + n_sink + ring_len == 0 {
+                return bad(i, "coded length or window map out of range");
+            }
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attend_impl(
+        &self,
+        gpu: &Gpu,
+        q: &CudaView<f32>,
+        batch: usize,
+        codes: &Coded,
+        window: &Window,
+        ragged: Option<&Ragged>,
+        scale: f32,
+        scratch: &mut AttentionScratch,
+        out: &mut CudaViewMut<f32>,
+    ) -> Result<usize> {
         let (k, v) = (&self.keys, &self.values);
         if k.rotate != v.rotate {
             return Err(Error::Device("keys and values must both rotate or both not".into()));
         }
         let (d, hkv, s, w) = (k.head_dim, k.heads, codes.len, window.rows);
-        if w > MAX_WINDOW || s + window.map.positions() == 0 || codes.stride < s {
+        let something = ragged.is_some() || s + window.map.positions() > 0;
+        if w > MAX_WINDOW || !something || codes.stride < s {
             return Err(Error::Device(format!(
                 "attention over {s} codes (stride {}) and {} of {w} window rows (window ≤ {MAX_WINDOW}, something to attend)",
                 codes.stride,
@@ -368,12 +465,22 @@ impl GpuAttention {
         if !scratch.fits(batch * self.q_heads * nsplit, streams, d) {
             return Err(Error::Device(format!("attention scratch too small for {nsplit} splits of {batch} sequences")));
         }
-        let sizes_ok = q.len() >= batch * self.q_heads * d
-            && codes.keys.len() >= streams * codes.stride * k.subspaces()
-            && codes.values.len() >= streams * codes.stride * v.subspaces()
-            && window.keys.len() >= streams * w * d
-            && window.values.len() >= streams * w * d
-            && out.len() >= batch * self.q_heads * d;
+        let sizes_ok = match ragged {
+            // Per sequence: its slot and query row are checked against the buffers.
+            Some(r) => {
+                let rows = (q.len().min(out.len())) / (self.q_heads * d);
+                self.check_ragged(r, codes, window, rows)?;
+                true
+            }
+            None => {
+                q.len() >= batch * self.q_heads * d
+                    && codes.keys.len() >= streams * codes.stride * k.subspaces()
+                    && codes.values.len() >= streams * codes.stride * v.subspaces()
+                    && window.keys.len() >= streams * w * d
+                    && window.values.len() >= streams * w * d
+                    && out.len() >= batch * self.q_heads * d
+            }
+        };
         if !sizes_ok {
             return Err(Error::Shape("attention: a buffer is smaller than the shapes say".into()));
         }
@@ -385,6 +492,10 @@ impl GpuAttention {
         }
         // The tensor-core kernel merges in its last block per stream when the merge fits its shared memory.
         let fused = plan.kernel == SplitKernel::TensorCores && self.fuse_merge && merge_smem <= smem as usize;
+        if ragged.is_some() && (!fused || nsplit == 0) {
+            // The separate merge kernel reads no table: a ragged batch must merge in the split kernel.
+            return Err(Error::Device("a ragged batch needs the tensor-core kernel merging in its last block".into()));
+        }
         let w_i = w as i32;
         if nsplit > 0 {
             let (s_i, stride, split_i) = (s as i32, codes.stride as i64, split as i32);
@@ -431,10 +542,17 @@ impl GpuAttention {
                     .buf_mut(&mut scratch.done)
                     .val(&fuse)
                     .val(&early);
+                // The ragged table, or any pointer (unread) with the flag off.
+                match ragged {
+                    Some(r) => l.buf(&r.table).val(&1i32),
+                    None => l.buf(&v.mean).val(&0i32),
+                };
             }
             // SAFETY: the arguments follow the split kernel's signature in order (vq_attend_mma:
             // q, key and value codes, f16 books, key mean and scale, partials, S, stride, split,
-            // scale, then window rows, value mean and scale, out, W, map, counters, fuse, early;
+            // scale, then window rows, value mean and scale, out, W, map, counters, fuse, early,
+            // the ragged table and its flag (a checked table: every slot, query row, length and
+            // map inside the buffers);
             // vq_attend_split stops after scale); the size checks above keep every stream's codes,
             // rows, partials and outputs inside their buffers, and `WindowMap` is `repr(C)`. Only
             // the tensor-core kernel is launched overlapped: it waits before the reads its
@@ -493,6 +611,20 @@ pub struct Coded<'a> {
     pub len: usize,
     /// Positions a stream has room for.
     pub stride: usize,
+}
+
+/// Ints per sequence of a ragged table: slot, packed query row, coded length, then the window
+/// map's five (`n_sink`, `sink_cap`, `ring_head`, `ring_len`, `ring_cap`).
+pub const RAGGED_INTS: usize = 8;
+
+/// A ragged batch for [`GpuAttention::attend_ragged`]: [`RAGGED_INTS`] ints per sequence, on the
+/// device (`table`, what the kernel reads) and on the host (`host`, the same values, checked
+/// before the launch).
+pub struct Ragged<'a> {
+    /// The table on the device.
+    pub table: CudaView<'a, i32>,
+    /// The same table on the host.
+    pub host: &'a [i32],
 }
 
 /// A cache's f16 rows: `[streams, rows, head_dim]` each, `map` says which rows hold positions.

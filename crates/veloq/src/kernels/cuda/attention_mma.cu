@@ -7,6 +7,10 @@
 // before it (launch.rs): with `early` (that kernel wrote window rows only) the splits run before
 // waiting for it.
 //
+// A ragged batch (sequences at different positions) is one launch too: a table gives each
+// sequence its slot, query row, coded length and window map (blocks past a sequence's length write
+// empty partials and still count for the merge).
+//
 // Block (split, stream). Each warp walks its own run of the split 16 positions at a time with an
 // online softmax; the block folds its warps' (max, sum, code-space D-vector) per head at the end.
 //
@@ -151,7 +155,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
     const void* __restrict__ kbook, const void* __restrict__ vbook, const float* __restrict__ kmean,
     const float* __restrict__ kscale, float* part_o, float* part_ml, int S, long long stride, int split, float scale,
     const unsigned short* __restrict__ wk, const unsigned short* __restrict__ wv, const float* __restrict__ vmean,
-    const float* __restrict__ vscale, float* __restrict__ out, int W, WindowMap wmap, unsigned* __restrict__ done, int fuse, int early) {
+    const float* __restrict__ vscale, float* __restrict__ out, int W, WindowMap wmap, unsigned* __restrict__ done, int fuse, int early,
+    const int* __restrict__ ragged, int is_ragged) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // [256][key, value][replicas] centroids: 256 bytes each.
     float* qt = (float*)(smem_raw + 256 * 256); // [G][D] queries in code space, log2 units
@@ -161,9 +166,21 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
 
     const int sp = blockIdx.x, bh = blockIdx.y, nsplit = gridDim.x;
     const int h = bh % HKV, b = bh / HKV;
+    // A ragged batch (`is_ragged`, fused merge only): sequence b's slot, packed query row,
+    // coded length and window map from the host's table of 8 ints per sequence; else b's own,
+    // S and wmap. Written before the launch by a copy, never by the kernel before this one.
+    int slot = b, qb = b, Sb = S;
+    WindowMap wm = wmap;
+    if (is_ragged) {
+        const int* r = ragged + 8 * b;
+        slot = r[0];
+        qb = r[1];
+        Sb = r[2];
+        wm = WindowMap{r[3], r[4], r[5], r[6], r[7]};
+    }
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, qd = lane & 3, rl = lane & 15;
-    const int t0 = sp * split, t1 = min(S, t0 + split), n = max(0, t1 - t0);
+    const int t0 = sp * split, t1 = min(Sb, t0 + split), n = max(0, t1 - t0);
     // Overlapped launch (launch.rs): with `early` the host vouches that the kernel before this
     // one writes only window rows, which only the fused merge reads (it waits there); else wait
     // now (a separate merge waits for this kernel, so its end must cover the one before).
@@ -173,8 +190,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
     // This warp's run: whole steps of 16 positions.
     const int per = ((n + WARPS - 1) / WARPS + 15) & ~15;
     const int w0 = t0 + min(n, warp * per), w1 = min(t1, w0 + per);
-    const unsigned char* kc = kcodes + (size_t)bh * stride * M_K;
-    const unsigned char* vc = vcodes + (size_t)bh * stride * M_V;
+    const unsigned char* kc = kcodes + ((size_t)slot * HKV + h) * stride * M_K;
+    const unsigned char* vc = vcodes + ((size_t)slot * HKV + h) * stride * M_V;
     // Key codes of positions st + 8·nt + g (bytes qd·KB …), value codes of st + 2qd + {0, 1, 8, 9}
     // (bytes g·VB …); positions past the run read its last one (their weights are zeroed).
     // Running pointers to the codes of the step after the current one.
@@ -221,7 +238,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
 #pragma unroll
         for (int i = 0; i < D / 32; i++) {
             const int e = i * 32 + lane;
-            qv[i] = q[((size_t)b * HQ + h * G + warp) * D + e];
+            qv[i] = q[((size_t)qb * HQ + h * G + warp) * D + e];
             km[i] = CENTER_K ? kmean[h * D + e] : 0.f;
             ks[i] = SMOOTH_K ? kscale[h * D + e] : 1.f;
         }
@@ -463,6 +480,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
     __syncthreads();
     if (!last) return;
     __threadfence();
-    merge_stream<WARPS * 32>(q, part_o, part_ml, wk, wv, vmean, vscale, out, nsplit, W, wmap, scale, b, h, smem_raw);
+    merge_stream<WARPS * 32>(q, part_o, part_ml, wk, wv, vmean, vscale, out, nsplit, W, wm, scale, b, h, qb, slot, smem_raw);
     if (tid == 0) done[bh] = 0u;  // ready for the next launch
 }

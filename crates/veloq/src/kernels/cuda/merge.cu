@@ -27,7 +27,8 @@ __device__ __forceinline__ float ld_cg(const float* p) {
     return v;
 }
 
-// Merges the G query heads of stream (b, h) with all NT threads of the block (NT ≥ 32·G; warp w
+// Merges the G query heads of stream (b, h) — its partials at b, its queries and output at packed
+// row qb, its window rows at slot (all b outside a ragged batch) — with all NT threads of the block (NT ≥ 32·G; warp w
 // < G is head h·G + w's). Everything global is requested in one round trip before the first
 // barrier: a head warp's query, value scale and mean and split maxima and sums; every thread's
 // first PF partials of its K outputs (head, dim); the block's window rows (into shared memory).
@@ -37,7 +38,8 @@ template <int NT>
 __device__ __noinline__ void merge_stream(const float* __restrict__ q, const float* part_o, const float* part_ml,
                                              const unsigned short* __restrict__ wk, const unsigned short* __restrict__ wv,
                                              const float* __restrict__ vmean, const float* __restrict__ vscale, float* __restrict__ out,
-                                             int nsplit, int W, WindowMap wmap, float scale, int b, int h, unsigned char* smem) {
+                                             int nsplit, int W, WindowMap wmap, float scale, int b, int h, int qb, int slot,
+                                             unsigned char* smem) {
     constexpr int K = (G * D + NT - 1) / NT;        // outputs (head, dim) per thread
     constexpr int PF = 64 / K < 32 ? 64 / K : 32;  // splits of each prefetched
     unsigned short* rows = (unsigned short*)smem;   // [2][W][D] window keys, values
@@ -48,7 +50,8 @@ __device__ __noinline__ void merge_stream(const float* __restrict__ q, const flo
     grid_wait();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const bool head = warp < G;
-    const size_t row0 = (size_t)b * HQ + h * G;     // first query head's row
+    const size_t row0 = (size_t)b * HQ + h * G;     // first query head's row of the partials
+    const size_t qrow0 = (size_t)qb * HQ + h * G;   // … of the queries and the output
     // Round trip: head warps' inputs…
     float qs[D / 32], vs[D / 32], vm[D / 32], ml[2] = {NEG_MAX, NEG_MAX}, ls[2] = {0.f, 0.f};
     float m = NEG_MAX;
@@ -57,7 +60,7 @@ __device__ __noinline__ void merge_stream(const float* __restrict__ q, const flo
 #pragma unroll
         for (int i = 0; i < D / 32; i++) {
             const int e = i * 32 + lane;
-            qs[i] = q[(row0 + warp) * D + e] * scale;
+            qs[i] = q[(qrow0 + warp) * D + e] * scale;
             vs[i] = SMOOTH_V ? vscale[h * D + e] : 1.f;
             vm[i] = CENTER_V ? vmean[h * D + e] : 0.f;
         }
@@ -80,8 +83,8 @@ __device__ __noinline__ void merge_stream(const float* __restrict__ q, const flo
     }
     // …and the window rows.
     {
-        const uint4* sk = (const uint4*)(wk + ((size_t)b * HKV + h) * W * D);
-        const uint4* sv = (const uint4*)(wv + ((size_t)b * HKV + h) * W * D);
+        const uint4* sk = (const uint4*)(wk + ((size_t)slot * HKV + h) * W * D);
+        const uint4* sv = (const uint4*)(wv + ((size_t)slot * HKV + h) * W * D);
         uint4* dk = (uint4*)rows;
         uint4* dv = (uint4*)(rows + W * D);
 #pragma unroll 4
@@ -165,7 +168,7 @@ __device__ __noinline__ void merge_stream(const float* __restrict__ q, const flo
     }
     const float inv = 1.f / (lc + lw);
 #pragma unroll
-    for (int i = 0; i < D / 32; i++) out[(row0 + warp) * D + i * 32 + lane] = v[i] * inv;
+    for (int i = 0; i < D / 32; i++) out[(qrow0 + warp) * D + i * 32 + lane] = v[i] * inv;
 }
 
 // Block (b·HKV + h): merges stream (b, h) after the table split kernel, or the window rows alone
@@ -175,5 +178,6 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) vq_attend_merge(
     const unsigned short* __restrict__ wk, const unsigned short* __restrict__ wv, const float* __restrict__ vmean,
     const float* __restrict__ vscale, float* __restrict__ out, int nsplit, int W, WindowMap wmap, float scale) {
     extern __shared__ __align__(16) unsigned char smem[];
-    merge_stream<MERGE_THREADS>(q, part_o, part_ml, wk, wv, vmean, vscale, out, nsplit, W, wmap, scale, blockIdx.x / HKV, blockIdx.x % HKV, smem);
+    const int b = blockIdx.x / HKV;
+    merge_stream<MERGE_THREADS>(q, part_o, part_ml, wk, wv, vmean, vscale, out, nsplit, W, wmap, scale, b, blockIdx.x % HKV, b, b, smem);
 }

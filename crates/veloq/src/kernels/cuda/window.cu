@@ -24,3 +24,20 @@ extern "C" __global__ void vq_window_put(const float* __restrict__ k, const floa
         wv[dst + e] = f2h(v[src + e]);
     }
 }
+
+// One row of each of a ragged batch's sequences (a decode step's, every sequence at its own
+// position): sequence b's table entry (3 ints) gives its slot, its packed input row and its
+// destination row; stream (b, h) writes the row of kv head h of that slot. One launch for keys
+// and values of every sequence.
+extern "C" __global__ void vq_window_put_ragged(const float* __restrict__ k, const float* __restrict__ v,
+                                                 unsigned short* __restrict__ w, long long plane, int W, int heads,
+                                                 const int* __restrict__ table) {
+    grid_launch_dependents();
+    const int stream = blockIdx.x, b = stream / heads, h = stream % heads;
+    const int slot = table[3 * b], src_row = table[3 * b + 1], row = table[3 * b + 2];
+    const size_t src = ((size_t)src_row * heads + h) * D, dst = (((size_t)slot * heads + h) * W + row) * D;
+    for (int e = threadIdx.x; e < D; e += blockDim.x) {
+        w[dst + e] = f2h(k[src + e]);
+        w[plane + dst + e] = f2h(v[src + e]);
+    }
+}

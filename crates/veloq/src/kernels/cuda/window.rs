@@ -42,12 +42,18 @@ unsafe impl DeviceRepr for PutMap {}
 pub struct PutRows {
     head_dim: usize,
     function: CudaFunction,
+    ragged: CudaFunction,
 }
 
 impl PutRows {
     /// The kernel for `head_dim`, compiled now.
     pub fn new(gpu: &Gpu, head_dim: usize) -> Result<Self> {
-        Ok(Self { head_dim, function: gpu.kernel(SOURCES, "vq_window_put", &[("D", head_dim as i64)], 0)? })
+        let defines = [("D", head_dim as i64)];
+        Ok(Self {
+            head_dim,
+            function: gpu.kernel(SOURCES, "vq_window_put", &defines, 0)?,
+            ragged: gpu.kernel(SOURCES, "vq_window_put_ragged", &defines, 0)?,
+        })
     }
 
     /// Writes rows of `k`/`v` (f32 `[tokens, heads, head_dim]`, see [`PutMap`]) as f16 into `w`
@@ -103,6 +109,57 @@ impl PutRows {
         // SAFETY: the arguments follow `vq_window_put`'s signature (k, v, w, plane, W, map) and
         // `PutMap`'s C layout; the checks above keep every source row and destination row of the
         // grid inside `k`, `v` and `w`.
+        unsafe { l.launch(cfg) }.map_err(dev_err)?;
+        Ok(())
+    }
+
+    /// One row of each sequence of a ragged batch in one launch: `host` holds 3 ints per sequence
+    /// (slot, packed input row, destination row), `table` the same on the device; `k`/`v` are the
+    /// step's packed rows `[tokens, heads, D]` f32, `w` every slot's rows (keys, then values
+    /// `plane` apart, `rows` per stream).
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_ragged(
+        &self,
+        gpu: &Gpu,
+        k: &CudaView<f32>,
+        v: &CudaView<f32>,
+        heads: usize,
+        table: &CudaView<i32>,
+        host: &[i32],
+        w: &mut CudaViewMut<u16>,
+        rows: usize,
+        plane: usize,
+    ) -> Result<()> {
+        let d = self.head_dim;
+        let seqs = host.len() / 3;
+        let tokens = k.len().min(v.len()) / (heads * d).max(1);
+        let slots = plane / (heads * rows * d).max(1);
+        let entries_ok = host.chunks_exact(3).all(|e| {
+            e.iter().all(|&x| x >= 0) && (e[0] as usize) < slots && (e[1] as usize) < tokens && (e[2] as usize) < rows
+        });
+        let ok = seqs > 0
+            && host.len() == 3 * seqs
+            && table.len() >= host.len()
+            && heads > 0
+            && entries_ok
+            && w.len() >= 2 * plane
+            && plane >= slots * heads * rows * d;
+        if !ok {
+            return Err(Error::Shape(format!(
+                "ragged window put: {seqs} sequences do not fit {slots} slots of {rows} rows × {d} or {tokens} input rows"
+            )));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: ((seqs * heads) as u32, 1, 1),
+            block_dim: (d.min(256) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (plane_i, rows_i, heads_i) = (plane as i64, rows as i32, heads as i32);
+        let mut l = gpu.stream().launch_builder(&self.ragged);
+        l.arg(k).arg(v).arg(w).arg(&plane_i).arg(&rows_i).arg(&heads_i).arg(table);
+        // SAFETY: the arguments follow `vq_window_put_ragged`'s signature (k, v, w, plane, W,
+        // heads, table); every entry was checked above (slot, input row and destination row inside
+        // their buffers), and the device table holds the same values as `host`.
         unsafe { l.launch(cfg) }.map_err(dev_err)?;
         Ok(())
     }
