@@ -4,7 +4,8 @@
 # (auto: on CUDA they have only the portable path), with a short prompt and a ~5k-token one, on
 # the real SmolLM2; then the kernel tests (veloq-lab's tests/cuda_kernels.rs: quantize, GEMV and
 # attention over codes against the CPU path) and the cache conformance suite's CUDA pairs
-# (veloq-candle's tests/conformance.rs), both of which fail without a GPU. Run it before
+# (veloq-candle's tests/conformance.rs), both of which fail without a GPU; and fp16 and vq-4
+# under compute-sanitizer where the device has it. Run it before
 # resolving anything that touches CUDA.
 #
 #   scripts/device/smoke.sh VELOQ CONFORMANCE_TESTS KERNEL_TESTS MODEL.gguf CALIBRATION TEXT [OUT_DIR]
@@ -64,6 +65,30 @@ for run in "fp16 auto" "fp16 forbid" "vq-4 auto" "vq-4 forbid" "kivi-2 auto" "rl
     fi
   done
 done
+# Memory checks: compute-sanitizer (memcheck) over a ~1k-token prompt and a few decode steps of
+# fp16 and vq-4 — the out-of-bounds accesses that only fault now and then under load (a shared
+# read past a launch's allocation) fail here every time.
+sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+if [ -n "$sanitizer" ]; then
+  echo "== compute-sanitizer" | tee -a "$summary"
+  medium="$(head -c 4000 "$text")
+
+Summarise the passage above in one sentence."
+  for method in fp16 vq-4; do
+    cal=()
+    [[ $method == vq-* ]] && cal=(--calibration "$calibration")
+    log="$out/sanitizer-$method.txt"
+    if "$sanitizer" --error-exitcode 99 --print-limit 10 "$veloq" generate --device cuda --model "$model" "${cal[@]}" \
+      --method "$method" --kernel-cache "$kernel_cache" --max-tokens 8 --max-context 8192 --prompt "$medium" > "$log" 2>&1; then
+      echo "ok    sanitizer $method: $(grep -E 'ERROR SUMMARY' "$log" | tail -1)" | tee -a "$summary"
+    else
+      echo "FAIL  sanitizer $method: $(grep -E 'Invalid|ERROR SUMMARY| at ' "$log" | head -4 | tr '\n' ' ')" | tee -a "$summary"
+      failed=1
+    fi
+  done
+else
+  echo "(no compute-sanitizer: memory checks skipped)" | tee -a "$summary"
+fi
 echo "== kernel tests" | tee -a "$summary"
 # Three threads: the tests are independent, and the attention test alone takes ~210 s.
 if "$kernels" --test-threads 3 > "$out/kernel-tests.txt" 2>&1; then

@@ -9,7 +9,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaView, CudaViewMut, DeviceRepr,
 
 use super::launch::Launch;
 use super::quantize::GpuCodec;
-use super::{dev_err, Gpu};
+use super::{dev_err, whole_words, Gpu};
 use crate::codec::codebook::Granularity;
 use crate::codec::vecinfer::VecInferCodec;
 use crate::error::{Error, Result};
@@ -777,13 +777,13 @@ impl Plan {
 
     /// Shared memory of the split kernel in use.
     fn split_smem(&self) -> usize {
-        match self.kernel {
+        whole_words(match self.kernel {
             // Two f16 codebooks × 16 replicas, the queries, offsets, warp maxima and sums.
             SplitKernel::TensorCores => {
                 Self::MMA_BOOKS + (self.group() * self.d + 8 + (MMA_THREADS as usize / 32) * 16) * 4
             }
             SplitKernel::Tables => self.smem(),
-        }
+        })
     }
 
     fn group(&self) -> usize {
@@ -793,7 +793,7 @@ impl Plan {
     /// Shared memory of the merge of `g` query heads (`merge.cu`): a stream's `w` f16 window rows
     /// of keys and values, the heads' split weights, code-space sums and masses.
     fn merge_smem(w: usize, d: usize, g: usize, nsplit: usize) -> usize {
-        2 * w * d * 2 + (g * nsplit + g * d + g) * 4
+        whole_words(2 * w * d * 2 + (g * nsplit + g * d + g) * 4)
     }
 
     /// Threads of the merge kernel (its `MERGE_THREADS`): a warp per query head, at least 8 warps.
@@ -833,12 +833,14 @@ impl Plan {
 
     /// Shared memory of the table kernel.
     fn smem(&self) -> usize {
-        (self.table()
-            + self.entry() * MAX_SPLIT
-            + Self::CENTROIDS * self.replicas() * self.value_words()
-            + self.gb * self.d
-            + self.gb * 32)
-            * 4
+        whole_words(
+            (self.table()
+                + self.entry() * MAX_SPLIT
+                + Self::CENTROIDS * self.replicas() * self.value_words()
+                + self.gb * self.d
+                + self.gb * 32)
+                * 4,
+        )
     }
 
     fn defines(&self) -> Vec<(&'static str, i64)> {

@@ -8,7 +8,7 @@ use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig};
 
 use super::attention::AttentionScratch;
 use super::launch::Launch;
-use super::Gpu;
+use super::{whole_words, Gpu};
 use crate::error::{Error, Result};
 
 pub(super) const SOURCES: &[&str] = &[include_str!("dense.cu")];
@@ -59,7 +59,7 @@ impl GpuDenseAttention {
         }
         let (g, d) = (self.group(), self.head_dim);
         // Compiled for the largest shared memory a launch can ask for.
-        let smem = (g * MAX_SPLIT).max(THREADS as usize / (d / 8) * g * d) * 4;
+        let smem = whole_words((g * MAX_SPLIT).max(THREADS as usize / (d / 8) * g * d) * 4);
         let split = gpu.kernel(SOURCES, "f16_attend_split", &self.defines(), smem)?;
         let merge = gpu.kernel(SOURCES, "f16_attend_merge", &self.defines(), 0)?;
         Ok(self.prepared.get_or_init(|| (split, merge)))
@@ -113,7 +113,7 @@ impl GpuDenseAttention {
             return Err(Error::Shape("f16 attention: a buffer is smaller than the shapes say".into()));
         }
         let ngrp = THREADS as usize / (d / 8);
-        let smem = (g * split).max(ngrp * g * d) * 4;
+        let smem = whole_words((g * split).max(ngrp * g * d) * 4);
         let (split_fn, merge_fn) = self.kernels(gpu)?;
         let (s_i, stride_i, split_i) = (s as i32, stride as i64, split as i32);
         // 0: every block waits for the launch before it (nothing vouched for).
@@ -141,7 +141,7 @@ impl GpuDenseAttention {
         let cfg = LaunchConfig {
             grid_dim: (self.q_heads as u32, batch as u32, 1),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: (nsplit * 4) as u32,
+            shared_mem_bytes: whole_words(nsplit * 4) as u32,
         };
         let nsplit_i = nsplit as i32;
         let mut l = Launch::new(gpu.stream(), merge_fn);

@@ -38,6 +38,14 @@ const COMMON: &str = include_str!("common.cuh");
 
 /// A driver error as ours: out of memory gets its own variant (callers react to it, e.g. by
 /// reporting that a context does not fit), everything else is a device error.
+/// Dynamic shared memory of `bytes`, rounded up to whole 16-byte words: nvcc reads the tail of
+/// a float loop over shared memory as one 16-byte vector (`LDS.128`) and keeps the elements it
+/// needs, so an allocation that ends inside a word is read past its end (compute-sanitizer:
+/// `f16_attend_merge` with an odd split count; an illegal address under serving load).
+pub(crate) fn whole_words(bytes: usize) -> usize {
+    bytes.next_multiple_of(16)
+}
+
 pub(crate) fn dev_err(e: cudarc::driver::DriverError) -> Error {
     if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
         Error::OutOfMemory(format!("{e:?}"))

@@ -4,7 +4,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::{CudaFunction, CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg};
 
-use super::{dev_err, Gpu};
+use super::{dev_err, whole_words, Gpu};
 use crate::codec::codebook::Granularity;
 use crate::codec::vecinfer::VecInferCodec;
 use crate::error::{Error, Result};
@@ -105,7 +105,9 @@ impl GpuCodec {
 
     fn smem(&self) -> usize {
         let k = self.centroids();
-        (self.books * k * self.sub_dim + self.books * k + ROWS * self.head_dim) * 4 + ROWS * self.subspaces() * 2
+        whole_words(
+            (self.books * k * self.sub_dim + self.books * k + ROWS * self.head_dim) * 4 + ROWS * self.subspaces() * 2,
+        )
     }
 
     /// Compiles the kernel now (it is otherwise compiled at the first call).
