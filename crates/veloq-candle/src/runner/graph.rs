@@ -36,9 +36,24 @@ use crate::model::{Model, Qkv, RopeRows};
 pub(crate) struct Graphs {
     on: AtomicBool,
     batches: Mutex<HashMap<Key, Batch>>,
+    /// The most tokens an eager pass has carried, in each of candle's quantized-product regimes
+    /// ([`Graphs::note`]).
+    widest: Mutex<Widest>,
     launches: AtomicUsize,
     /// Set while steps are being timed part by part ([`Runner::set_step_phases`](super::Runner::set_step_phases)).
     clock: Mutex<Option<Clock>>,
+}
+
+/// Rows up to which candle multiplies quantized weights by its vector kernel (`fast_mmvq`);
+/// more take its matrix kernel (`fast_mmq`). Each keeps one scratch per device, reallocated when
+/// a call needs more.
+const CANDLE_MMVQ_ROWS: usize = 8;
+
+/// The most tokens a pass has carried in each regime of candle's quantized products, so far.
+#[derive(Default)]
+struct Widest {
+    vector: usize,
+    matrix: usize,
 }
 
 /// What a captured graph depends on besides its buffers: the batch size, and whether f16 weights
@@ -56,6 +71,7 @@ impl Graphs {
         Self {
             on: AtomicBool::new(on),
             batches: Mutex::new(HashMap::new()),
+            widest: Mutex::new(Widest::default()),
             launches: AtomicUsize::new(0),
             clock: Mutex::new(None),
         }
@@ -275,6 +291,31 @@ impl Graphs {
 
     pub(crate) fn enabled(&self) -> bool {
         self.on.load(Ordering::Relaxed)
+    }
+
+    /// A pass of `tokens` tokens is about to run on `model`'s device. candle's quantized
+    /// products keep a scratch per device that grows (a new allocation, the old one freed) when
+    /// a pass carries more rows than any before it in the same regime; a graph captured earlier
+    /// keeps the old address and would write into freed memory when replayed (an illegal
+    /// address under serving load, where batches grow after the first graphs). So a pass wider
+    /// than any before drops every captured graph: the next steps capture them again (a pass
+    /// that widens nothing — every replay among them — changes nothing).
+    pub(crate) fn note(&self, model: &Model, tokens: usize) -> Result<()> {
+        let mut widest = self.widest.lock().expect("widest lock");
+        let w = if tokens <= CANDLE_MMVQ_ROWS { &mut widest.vector } else { &mut widest.matrix };
+        if tokens <= *w {
+            return Ok(());
+        }
+        *w = tokens;
+        let mut batches = self.batches.lock().expect("graph lock");
+        if batches.values().any(|b| !b.graphs.0.is_empty()) {
+            // Replays already queued finish before their graphs go.
+            model.device().synchronize()?;
+            for b in batches.values_mut() {
+                b.graphs.0.clear();
+            }
+        }
+        Ok(())
     }
 
     /// Graph launches issued so far.

@@ -104,6 +104,7 @@ impl Forward for Runner {
         #[cfg(feature = "cuda")]
         {
             self.model.check_step(tokens, step, cache)?;
+            self.graphs.note(&self.model, tokens.len())?;
             // Graphs run decode steps only, where every token is its sequence's last: `All` and
             // `Last` are the same logits.
             if let Some(out) = self.graphs.forward(&self.model, tokens, step, cache)? {
