@@ -16,8 +16,10 @@
 //!   queries, no tensor ops.
 //!
 //! Sequences decode together in one launch when their storage is laid out alike (consecutive
-//! slots, same sink, coded span and ring state), as a batch started together is; others take one
-//! launch each. Sliding-window layers (decode and prefill) take the prefill kernels with the
+//! slots, same sink, coded span and ring state), as a batch started together is; a coded layer's
+//! ragged batch (each sequence at its own position) takes one tensor-core launch reading a table
+//! per sequence (`CudaBackend::decode_ragged`), an fp16 one a launch per group, and a decode
+//! step's new rows go in with one launch either way. Sliding-window layers (decode and prefill) take the prefill kernels with the
 //! window in their mask; truncation into codes is the portable backend's candle ops.
 
 use std::cell::{Cell, RefCell};
