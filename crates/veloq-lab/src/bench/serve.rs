@@ -729,7 +729,26 @@ pub fn run(a: Args) -> Result<()> {
     if let Some(path) = &a.plot {
         plot(path, &out)?;
     }
-    write_json(&a.json, &out)
+    write_json(&a.json, &out)?;
+    match failures(&out["rows"]) {
+        Some(which) => bail!("requests failed ({which}): the figures above count only the requests that finished"),
+        None => Ok(()),
+    }
+}
+
+/// The loads in which requests failed (`server load: n`), if any: a failed request is a hole in
+/// the figures, so the run reports it and exits non-zero after writing them.
+fn failures(rows: &Value) -> Option<String> {
+    let failed: Vec<String> = rows
+        .as_array()?
+        .iter()
+        .filter_map(|r| {
+            let n = r["errors"].as_u64().filter(|&n| n > 0)?;
+            let level = r["concurrency"].as_u64().map_or(String::new(), |c| format!(" N={c}"));
+            Some(format!("{} {}{level}: {n}", r["server"].as_str().unwrap_or("?"), r["load"].as_str().unwrap_or("?")))
+        })
+        .collect();
+    (!failed.is_empty()).then(|| failed.join(", "))
 }
 
 /// Aggregate tok/s and TTFT p50 against concurrency, a line per server, from a run's JSON.
@@ -765,4 +784,20 @@ fn plot(path: &std::path::Path, run: &Value) -> Result<()> {
     };
     let budget = human(run["kv_budget_bytes"].as_u64().unwrap_or(0) as usize);
     veloq_lab::plot::speed(path, &format!("{device}, KV budget {budget}"), "concurrent clients", "", &panels)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_requests_are_named_and_clean_runs_pass() {
+        let clean = json!([{"server": "veloq fp16", "load": "capacity", "errors": 0},
+                           {"server": "veloq vq-4", "load": "throughput", "concurrency": 32, "errors": 0}]);
+        assert_eq!(failures(&clean), None);
+        let failed = json!([{"server": "veloq fp16", "load": "throughput", "concurrency": 128, "errors": 3},
+                            {"server": "veloq vq-4", "load": "throughput", "concurrency": 128, "errors": 0},
+                            {"server": "veloq vq-2", "load": "capacity", "errors": 1}]);
+        assert_eq!(failures(&failed).as_deref(), Some("veloq fp16 throughput N=128: 3, veloq vq-2 capacity: 1"));
+    }
 }
