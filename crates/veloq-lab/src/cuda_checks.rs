@@ -11,8 +11,9 @@ use veloq::codec::codebook::Granularity;
 use veloq::codec::pack::unpack;
 use veloq::codec::vecinfer::VecInferCodec;
 use veloq::kernels::cuda::{
-    gemv_f16, gemv_f16_many, gemv_many_fits, quantize_jobs, AttentionScratch, Coded, GemvEpilogue, GemvFused, GemvTune,
-    Gpu, GpuAttention, GpuCodec, QuantizeJob, Ragged, RowMap, SplitKernel, Window, WindowMap, GEMV_MAX_ROWS,
+    gemv_f16, gemv_f16_many, gemv_many_fits, quantize_jobs, ragged_entry, AttentionScratch, Coded, GemvEpilogue,
+    GemvFused, GemvTune, Gpu, GpuAttention, GpuCodec, QuantizeJob, Ragged, RowMap, SplitKernel, Window, WindowMap,
+    GEMV_MAX_ROWS,
 };
 use veloq::kernels::GemvShapes;
 
@@ -560,8 +561,7 @@ pub fn check_ragged(
     let (wkd, wvd, qd) = (dev!(st.clone_htod(&wk)), dev!(st.clone_htod(&wv)), dev!(st.clone_htod(&q)));
     let host: Vec<i32> = seqs
         .iter()
-        .flat_map(|&(slot, row, len, n_sink, head, ring)| [slot, row, len, n_sink, sink_cap, head, ring, ring_cap])
-        .map(|x| x as i32)
+        .flat_map(|&(slot, row, len, n_sink, head, ring)| ragged_entry(slot, row, len, map(n_sink, head, ring)))
         .collect();
     let table = dev!(st.clone_htod(&host));
     let longest = seqs.iter().map(|s| s.2).max().unwrap_or(0);

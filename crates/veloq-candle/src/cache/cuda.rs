@@ -19,8 +19,9 @@
 //! slots, same sink, coded span and ring state), as a batch started together is; a coded layer's
 //! ragged batch (each sequence at its own position) takes one tensor-core launch reading a table
 //! per sequence (`CudaBackend::decode_ragged`), an fp16 one a launch per group, and a decode
-//! step's new rows go in with one launch either way. Sliding-window layers (decode and prefill) take the prefill kernels with the
-//! window in their mask; truncation into codes is the portable backend's candle ops.
+//! step's new rows go in with one launch either way. Sliding-window layers (decode and prefill)
+//! take the prefill kernels with the window in their mask; truncation into codes is the portable
+//! backend's candle ops.
 
 use std::cell::{Cell, RefCell};
 use std::marker::PhantomData;
@@ -36,7 +37,7 @@ use half::f16;
 
 use veloq::codec::vecinfer::VecInferCodec;
 use veloq::kernels::cuda::{
-    quantize_jobs, AttentionScratch, Coded, Gpu, GpuAttention, GpuCodec, GpuDenseAttention, GpuPrefill,
+    quantize_jobs, ragged_entry, AttentionScratch, Coded, Gpu, GpuAttention, GpuCodec, GpuDenseAttention, GpuPrefill,
     GpuPrefillCodes, PrefillOut, PrefillParts, PutMap, PutRows, QuantizeJob, Ragged, RowMap, Rows, Split, Window,
     WindowMap, MAX_WINDOW,
 };
@@ -425,6 +426,17 @@ impl CudaBackend {
         Ok(after_put)
     }
 
+    /// Which of a slot's f16 rows hold a view's positions: its sink rows, then its ring.
+    fn window_map(v: &SeqView) -> WindowMap {
+        WindowMap {
+            n_sink: v.n_sink as i32,
+            sink_cap: v.ring.base as i32,
+            ring_head: v.ring.start as i32,
+            ring_len: v.ring_len as i32,
+            ring_cap: v.ring.wrap as i32,
+        }
+    }
+
     fn dims(&self) -> Result<(usize, usize)> {
         let (_, slots, _, rows, _) = self.base.rows.dims5()?;
         Ok((slots, rows))
@@ -466,13 +478,7 @@ impl CudaBackend {
                 Attention::Coded(attn, _) => {
                     let c = self.base.vecinfer_codes()?;
                     let nsplit = if first.coded == 0 { 0 } else { attn.splits(gpu, b, first.coded) };
-                    let map = WindowMap {
-                        n_sink: first.n_sink as i32,
-                        sink_cap: first.ring.base as i32,
-                        ring_head: first.ring.start as i32,
-                        ring_len: first.ring_len as i32,
-                        ring_cap: first.ring.wrap as i32,
-                    };
+                    let map = Self::window_map(first);
                     let window = Window { keys: wk, values: wv, rows, map, just_written: after_put };
                     let (mk, mv) = (c.keys.subspaces(), c.values.subspaces());
                     with_view::<u8, _>(&c.key_codes, |kc| {
@@ -512,13 +518,8 @@ impl CudaBackend {
         if !attn.takes_ragged(gpu, b, longest, rows)? {
             return Ok(false);
         }
-        let host: Vec<i32> = views
-            .iter()
-            .flat_map(|v| {
-                [v.slot, v.queries.start, v.coded, v.n_sink, v.ring.base, v.ring.start, v.ring_len, v.ring.wrap]
-            })
-            .map(|x| x as i32)
-            .collect();
+        let host: Vec<i32> =
+            views.iter().flat_map(|v| ragged_entry(v.slot, v.queries.start, v.coded, Self::window_map(v))).collect();
         let table = gpu.stream().clone_htod(&host).map_err(veloq::Error::from)?;
         let ragged = Ragged { table: table.as_view(), host: &host };
         let c = self.base.vecinfer_codes()?;

@@ -409,7 +409,9 @@ impl GpuAttention {
             || !ragged.host.len().is_multiple_of(RAGGED_INTS)
             || ragged.table.len() < ragged.host.len()
         {
-            return Err(Error::Shape("a ragged table holds 8 ints per sequence, on the device as on the host".into()));
+            return Err(Error::Shape(format!(
+                "a ragged table holds {RAGGED_INTS} ints per sequence, on the device as on the host"
+            )));
         }
         for (i, r) in ragged.host.chunks_exact(RAGGED_INTS).enumerate() {
             if r.iter().any(|&x| x < 0) {
@@ -616,6 +618,13 @@ pub struct Coded<'a> {
 /// Ints per sequence of a ragged table: slot, packed query row, coded length, then the window
 /// map's five (`n_sink`, `sink_cap`, `ring_head`, `ring_len`, `ring_cap`).
 pub const RAGGED_INTS: usize = 8;
+
+/// One sequence's entry of a ragged table, in the order `vq_attend_mma` reads it: its slot, its
+/// packed query row, its coded length and its window map.
+pub fn ragged_entry(slot: usize, row: usize, coded: usize, map: WindowMap) -> [i32; RAGGED_INTS] {
+    let WindowMap { n_sink, sink_cap, ring_head, ring_len, ring_cap } = map;
+    [slot as i32, row as i32, coded as i32, n_sink, sink_cap, ring_head, ring_len, ring_cap]
+}
 
 /// A ragged batch for [`GpuAttention::attend_ragged`]: [`RAGGED_INTS`] ints per sequence, on the
 /// device (`table`, what the kernel reads) and on the host (`host`, the same values, checked
@@ -909,6 +918,14 @@ pub(super) fn example_mma_defines() -> Vec<Vec<(&'static str, i64)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `vq_attend_mma` reads entry b as slot, query row, coded length, then `WindowMap`'s fields
+    /// in their declared order (`r[3..8]`).
+    #[test]
+    fn a_ragged_entry_is_laid_out_as_the_kernel_reads_it() {
+        let map = WindowMap { n_sink: 3, sink_cap: 4, ring_head: 5, ring_len: 6, ring_cap: 7 };
+        assert_eq!(ragged_entry(2, 9, 40, map), [2, 9, 40, 3, 4, 5, 6, 7]);
+    }
 
     fn geometry(heads: usize, head_dim: usize, sub_dim: usize) -> Geometry {
         Geometry { heads, head_dim, sub_dim, bits: 8, per_layer: true }

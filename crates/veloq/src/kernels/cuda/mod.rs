@@ -13,8 +13,8 @@ mod quantize;
 mod window;
 
 pub use attention::{
-    AttentionScratch, Coded, GpuAttention, Ragged, SplitKernel, Window, WindowMap, DEFAULT_THREADS, MAX_WINDOW,
-    RAGGED_INTS,
+    ragged_entry, AttentionScratch, Coded, GpuAttention, Ragged, SplitKernel, Window, WindowMap, DEFAULT_THREADS,
+    MAX_WINDOW, RAGGED_INTS,
 };
 pub use dense::GpuDenseAttention;
 pub use gemv::{gemv_f16, gemv_f16_many, gemv_many_fits, GemvEpilogue, GemvFused, GemvTune, MAX_ROWS as GEMV_MAX_ROWS};
