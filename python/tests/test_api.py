@@ -25,6 +25,8 @@ def test_bad_input_raises_the_matching_exception(model_path, tmp_path):
         veloq.Model.open(model_path, method="vq-2", calibration=tmp_path / "none.safetensors")
     with pytest.raises(veloq.ConfigError):
         veloq.Model.open(model_path, method="fp16", kernels="sometimes")
+    with pytest.raises(veloq.ConfigError, match="stored .*f16 or f32"):
+        veloq.Model.open(model_path, method="fp16", weights="q4")
     with pytest.raises(veloq.CalibrationError, match="takes no calibration"):
         veloq.Model.open(model_path, method="fp16", calibration=tmp_path / "any.safetensors")
     with pytest.raises(veloq.MethodError, match="no calibration"):

@@ -95,6 +95,7 @@ class Model:
         device: str = "cpu",
         max_context: int = 8192,
         kernels: str = "auto",
+        weights: str = "stored",
     ) -> "Model": ...
     @property
     def method(self) -> str: ...

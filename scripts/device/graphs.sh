@@ -2,7 +2,7 @@
 # CUDA-graph decode (issue 18) in one device call, stages chosen by STAGES (default all five):
 #   generate: what a user types, `veloq generate --device cuda` with graphs off
 #             (VELOQ_CUDA_GRAPHS=0, the path before them) and on, every method, a short and a
-#             ~5k-token prompt, and `--dequantize` (f32 weights); the two texts must be equal;
+#             ~5k-token prompt, and `--weights f32`; the two texts must be equal;
 #   f16w:     f16 weights (the GEMV's path, fused layer): GEMV on and off, every method, and
 #             `bench runner` on them (batch 8 through tensor cores against cuBLAS);
 #   runner:   the kernel checks (`veloq-lab bench cuda --check-only`), then `veloq-lab bench runner` on
@@ -40,7 +40,7 @@ logs=$(mktemp -d)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$summary"
 
 if [[ " $stages " == *" generate "* ]]; then
-  for run in "fp16" "vq-4" "kivi-2" "rlm-4" "fp16 --dequantize" "vq-4 --dequantize"; do
+  for run in "fp16" "vq-4" "kivi-2" "rlm-4" "fp16 --weights f32" "vq-4 --weights f32"; do
     for which in short long; do
       prompt=$short
       [ "$which" = long ] && prompt=$long
@@ -65,12 +65,12 @@ if [[ " $stages " == *" generate "* ]]; then
       grep '^veloq:' "$logs/gen-$tag-g1.txt" | head -2 | tee -a "$summary"
     done
   done
-  # f16 weights (candle's CANDLE_DEQUANTIZE_ALL_F16): veloq's GEMV against cuBLAS, graphs on.
+  # f16 weights (--weights f16): veloq's GEMV against cuBLAS, graphs on.
   # Different arithmetic (f32 activations in the GEMV, f16 in cuBLAS): a text may part at a
   # near-tie, reported, not failed.
   for m in fp16 vq-4; do
     for g in 0 1; do
-      CANDLE_DEQUANTIZE_ALL_F16=1 VELOQ_CUDA_GEMV=$g "$veloq" generate --device cuda --model "$model" --calibration "$cal" \
+      "$veloq" generate --device cuda --weights f16 --cuda-gemv $g --model "$model" --calibration "$cal" \
         --method $m --max-tokens 48 --max-context 8192 --prompt "$short" > "$logs/gen-f16w-$m-gemv$g.txt" 2>&1 || failed=1
     done
     same=$(diff <(grep -vE '^\[' "$logs/gen-f16w-$m-gemv0.txt") <(grep -vE '^\[' "$logs/gen-f16w-$m-gemv1.txt") > /dev/null && echo same || echo differs)
@@ -80,7 +80,7 @@ if [[ " $stages " == *" generate "* ]]; then
 fi
 
 if [[ " $stages " == *" f16w "* ]]; then
-  # f16 weights (candle's CANDLE_DEQUANTIZE_ALL_F16), the path veloq's GEMV takes (norms, RoPE,
+  # f16 weights (--weights f16), the path veloq's GEMV takes (norms, RoPE,
   # residual adds and the gated MLP fused into four launches a layer): GEMV on and off (cuBLAS,
   # candle's norms and RoPE), every method, short and long prompts. Different arithmetic (f32
   # activations in the one-row GEMV, f16 in cuBLAS): a text may part at a near-tie, reported.
@@ -91,7 +91,7 @@ if [[ " $stages " == *" f16w "* ]]; then
       tag=$(echo "$run $which" | tr -cs 'a-z0-9' '_' | sed 's/_$//')
       for g in 0 1; do
         # shellcheck disable=SC2086
-        CANDLE_DEQUANTIZE_ALL_F16=1 VELOQ_CUDA_GEMV=$g "$veloq" generate --device cuda --model "$model" --calibration "$cal" \
+        "$veloq" generate --device cuda --weights f16 --cuda-gemv $g --model "$model" --calibration "$cal" \
           --method $run --max-tokens 48 --max-context 8192 --prompt "$prompt" > "$logs/gen-f16w-$tag-gemv$g.txt" 2>&1
         echo $? > "$logs/gen-f16w-$tag-gemv$g.rc"
       done
@@ -111,7 +111,7 @@ if [[ " $stages " == *" f16w "* ]]; then
   done
   # Batches on the real weights in f16: veloq's GEMV (tensor cores from 2 rows) + graphs against
   # cuBLAS eager, and decode speed.
-  CANDLE_DEQUANTIZE_ALL_F16=1 "$lab" bench runner --model "$model" --calibration "$cal" --method vq-4 --models smollm2 \
+  "$lab" bench runner --weights f16 --model "$model" --calibration "$cal" --method vq-4 --models smollm2 \
     --contexts 1024 --batches 1,8 --steps 12 --agree-tokens 32 --json "$out/bench-runner-smollm2-f16w-h200.json" \
     > "$logs/bench-runner-smollm2-f16w-h200.txt" 2>&1 || { echo "FAIL  bench runner smollm2 f16 weights (rc $?)" | tee -a "$summary"; failed=1; }
   grep -E "greedy|batch|tok/s|graphs|eager|rror" "$logs/bench-runner-smollm2-f16w-h200.txt" | tee -a "$summary"

@@ -26,7 +26,7 @@ pub use crate::cuda_options::CudaOptions;
 use crate::config::CacheConfig;
 use crate::error::{Error, Result};
 use crate::method::Method;
-use crate::model::{LoadOptions, Model, Tokenizer};
+use crate::model::{LoadOptions, Model, Tokenizer, Weights};
 use crate::runner::{Forward, Runner};
 
 /// Where a model runs.
@@ -110,8 +110,8 @@ pub struct RunOptions {
     pub kernels: KernelChoice,
     /// Longest context (prompt + generated) the caches accept; GPU caches reserve it up front.
     pub max_context: usize,
-    /// Dequantize GGUF weights to f32 (the same arithmetic on every device).
-    pub dequantize: bool,
+    /// What the GGUF's quantized weights are multiplied as.
+    pub weights: Weights,
     /// The CUDA paths.
     pub cuda: CudaOptions,
 }
@@ -123,7 +123,7 @@ impl Default for RunOptions {
             device: Device::Cpu,
             kernels: KernelChoice::Auto,
             max_context: 8192,
-            dequantize: false,
+            weights: Weights::Stored,
             cuda: CudaOptions::default(),
         }
     }
@@ -151,7 +151,7 @@ impl Loaded {
 /// been made for this model and this method; any other method refuses one rather than ignore it).
 pub fn load(model: &Path, method: &Method, calibration: Option<&Path>, options: &RunOptions) -> Result<Loaded> {
     let device = options.device.open(&options.cuda)?;
-    let load = LoadOptions { max_context: options.max_context, dequantize: options.dequantize };
+    let load = LoadOptions { max_context: options.max_context, weights: options.weights };
     let (m, tokenizer) = Model::open_with(model, &load, &device)?;
     let cal = match (method.needs_calibration(), calibration) {
         (true, Some(path)) => Some(Calibration::load_for(path, &m.info.identity)?),

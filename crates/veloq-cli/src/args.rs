@@ -9,6 +9,7 @@ use clap::builder::BoolishValueParser;
 use clap::Args;
 
 use veloq::kernels::{GemvShape, GemvShapes, KernelChoice, KernelOptions};
+use veloq_candle::model::Weights;
 use veloq_candle::runtime::{self, calibration_path, CudaOptions, Device, Loaded, RunOptions};
 use veloq_candle::Method;
 
@@ -112,10 +113,12 @@ pub struct Run {
     /// candle-ops path).
     #[arg(long, value_enum, default_value_t = KernelChoice::Auto)]
     pub kernels: KernelChoice,
-    /// Dequantize the GGUF weights to f32: slower and larger, but the same matmul arithmetic on
-    /// every device (candle's quantized CUDA and CPU matmuls round differently).
-    #[arg(long)]
-    pub dequantize: bool,
+    /// What the GGUF's quantized weights are multiplied as: stored (its blocks, the smallest),
+    /// f16 (dequantized: on CUDA fused GEMV and tensor-core products, faster where candle's
+    /// quantized kernels are slow — prompt chunks and batches), f32 (dequantized: the same
+    /// arithmetic on every device, the slowest).
+    #[arg(long, default_value = "stored")]
+    pub weights: Weights,
     #[command(flatten)]
     /// The CUDA paths.
     pub cuda: CudaFlags,
@@ -128,7 +131,7 @@ impl Run {
             device: self.device,
             kernels: self.kernels,
             max_context: self.max_context,
-            dequantize: self.dequantize,
+            weights: self.weights,
             cuda: self.cuda.options(&self.files.cache_dir),
         }
     }

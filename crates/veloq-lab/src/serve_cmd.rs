@@ -7,7 +7,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 
 use veloq_candle::config::CacheConfig;
-use veloq_candle::model::word_tokenizer;
+use veloq_candle::model::{word_tokenizer, Weights};
 use veloq_candle::{Method, Runner};
 use veloq_cli::serve;
 pub use veloq_cli::serve::Args;
@@ -18,6 +18,12 @@ use veloq_server::{Server, Serving};
 pub fn run(a: Args) -> Result<()> {
     let model = a.run.files.model();
     let Some(name) = model.to_str().and_then(|p| p.strip_prefix("synthetic:")) else { return serve::run(a) };
+    if a.run.weights != Weights::Stored {
+        anyhow::bail!(
+            "--weights {}: a synthetic model's weights are random f16 already (it has no GGUF blocks)",
+            a.run.weights
+        );
+    }
     let (g, label) = geometry(name)?;
     let cuda = a.run.cuda.options(&a.run.files.cache_dir);
     let device = a.run.device.open(&cuda)?;

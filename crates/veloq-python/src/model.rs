@@ -40,9 +40,12 @@ impl Model {
     /// Opens the GGUF file at `path` with the caches of `method` (default "vq-4"). A VecInfer
     /// method loads `calibration`, by default `<cache>/<model>.<method>.safetensors` with
     /// `<cache>` `$VELOQ_CACHE` or `~/.cache/veloq` (what `veloq.calibrate` and `veloq calibrate`
-    /// write).
+    /// write). `weights` is what the file's quantized weights are multiplied as: "stored" (its
+    /// blocks), "f16" (dequantized; faster products on CUDA) or "f32" (the same arithmetic on
+    /// every device).
     #[staticmethod]
-    #[pyo3(signature = (path, method = "vq-4", calibration = None, device = "cpu", max_context = 8192, kernels = "auto"))]
+    #[pyo3(signature = (path, method = "vq-4", calibration = None, device = "cpu", max_context = 8192, kernels = "auto", weights = "stored"))]
+    #[allow(clippy::too_many_arguments)]
     fn open(
         py: Python<'_>,
         path: PathBuf,
@@ -51,10 +54,12 @@ impl Model {
         device: &str,
         max_context: usize,
         kernels: &str,
+        weights: &str,
     ) -> PyResult<Self> {
         let method = parse_method(method)?;
         let device = device.parse::<Device>().py()?;
         let kernels = kernels.parse::<veloq::kernels::KernelChoice>().py()?;
+        let weights = weights.parse::<veloq_candle::model::Weights>().py()?;
         if max_context == 0 {
             return Err(ConfigError::new_err("max_context must be at least 1"));
         }
@@ -71,7 +76,7 @@ impl Model {
                 method.to_string()
             )));
         }
-        let options = RunOptions { device, kernels, max_context, ..RunOptions::default() };
+        let options = RunOptions { device, kernels, max_context, weights, ..RunOptions::default() };
         let loaded = py.detach(|| runtime::load(&path, &method, calibration.as_deref(), &options)).py()?;
         Ok(Self {
             runner: Arc::new(loaded.runner),

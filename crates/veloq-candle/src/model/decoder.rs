@@ -75,15 +75,54 @@ pub struct Model {
 pub struct LoadOptions {
     /// Longest context (prompts + generated) any forward pass may reach: sizes the RoPE tables.
     pub max_context: usize,
-    /// Dequantize quantized weights to f32: slower and larger, but the same matmul arithmetic on
-    /// every device (candle's quantized CUDA and CPU matmuls round differently).
-    pub dequantize: bool,
+    /// What the weight matrices are multiplied as.
+    pub weights: Weights,
 }
 
 impl LoadOptions {
     /// Quantized weights as stored, up to `max_context` positions.
     pub fn new(max_context: usize) -> Self {
-        Self { max_context, dequantize: false }
+        Self { max_context, weights: Weights::Stored }
+    }
+}
+
+/// What a GGUF file's quantized weight matrices become when loaded (float matrices are f16 on
+/// CUDA and f32 on the CPU whatever this says).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Weights {
+    /// Blocks as stored, multiplied by the quantized kernels (the smallest).
+    #[default]
+    Stored,
+    /// Dequantized to f16: on CUDA a step's products go through veloq's fused GEMV (up to 8
+    /// rows) and cuBLAS's tensor cores (more: prompt chunks, large batches), where candle's
+    /// quantized kernels are slow; twice to four times the bytes of 8- and 4-bit blocks.
+    F16,
+    /// Dequantized to f32: the same matmul arithmetic on every device (candle's quantized CUDA
+    /// and CPU matmuls round differently); the largest and slowest.
+    F32,
+}
+
+impl Weights {
+    /// Every form, as `FromStr` and `Display` spell them.
+    pub const ALL: [Weights; 3] = [Weights::Stored, Weights::F16, Weights::F32];
+}
+
+impl std::fmt::Display for Weights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Weights::Stored => "stored",
+            Weights::F16 => "f16",
+            Weights::F32 => "f32",
+        })
+    }
+}
+
+impl std::str::FromStr for Weights {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Weights::ALL.into_iter().find(|w| w.to_string() == s).ok_or_else(|| {
+            Error::Config(format!("unknown weight form {s:?}: stored (as in the file), f16 or f32 (dequantized)"))
+        })
     }
 }
 
@@ -128,7 +167,7 @@ impl Model {
         let (eos_tokens, bos, vocab) = vocabulary(md);
         let chat_template = jinja_template(md);
 
-        let dq = options.dequantize;
+        let weights = options.weights;
         let embed_w =
             source.tensor("token_embd.weight", device)?.ok_or_else(|| bad("no tensor token_embd.weight".into()))?;
         // Embeddings are gathered by row: float tables keep their type (random f16 weights), GGUF
@@ -139,8 +178,8 @@ impl Model {
         };
         // Tied embeddings when the file has no separate output matrix.
         let output = match source.tensor("output.weight", device)? {
-            Some(w) => Linear::new(w, device, dq)?,
-            None => Linear::new(embed_w, device, dq)?,
+            Some(w) => Linear::new(w, device, weights)?,
+            None => Linear::new(embed_w, device, weights)?,
         };
         let norm_of = |w: Weight| -> Result<RmsNorm> { Ok(RmsNorm::new(w.to_f32(device)?, eps)) };
         let norm = norm_of(
@@ -160,14 +199,14 @@ impl Model {
                     .tensor(&format!("{p}.{n}"), device)?
                     .ok_or_else(|| Error::Model { path: origin.clone(), reason: format!("no tensor {p}.{n}") })
             };
-            let mut linear = |n: &str| -> Result<Linear> { Linear::new(get(&format!("{n}.weight"))?, device, dq) };
+            let mut linear = |n: &str| -> Result<Linear> { Linear::new(get(&format!("{n}.weight"))?, device, weights) };
             let qkv = match fused_qkv {
-                Some(w) => Qkv3::Fused(Linear::new(w, device, dq)?),
+                Some(w) => Qkv3::Fused(Linear::new(w, device, weights)?),
                 None => Qkv3::Separate { q: linear("attn_q")?, k: linear("attn_k")?, v: linear("attn_v")? },
             };
             let wo = linear("attn_output")?;
             let gate_up = match gate {
-                Some(g) => GateUp::Separate { gate: Linear::new(g, device, dq)?, up: linear("ffn_up")? },
+                Some(g) => GateUp::Separate { gate: Linear::new(g, device, weights)?, up: linear("ffn_up")? },
                 None => GateUp::Fused(linear("ffn_up")?),
             };
             let down = linear("ffn_down")?;

@@ -14,6 +14,7 @@ use candle_core::quantized::{GgmlDType, QMatMul};
 use candle_core::{DType, Device, Module, Tensor};
 use veloq::kernels::cpu::quant::{self, Format};
 
+use super::decoder::Weights;
 use super::source::Weight;
 use crate::error::Result;
 
@@ -30,9 +31,10 @@ pub(crate) enum Linear {
 
 impl Linear {
     /// A weight `[rows, cols]` on `device`. Quantized blocks stay blocks (Q4_1 on the CPU in
-    /// veloq's layout) unless `dequantize` (then f32, the same arithmetic on every device); float
-    /// weights become f16 on CUDA (veloq's GEMV reads them) and f32 on the CPU.
-    pub(crate) fn new(w: Weight, device: &Device, dequantize: bool) -> Result<Self> {
+    /// veloq's layout) unless `weights` says to dequantize them (f16: the float path below; f32:
+    /// the same arithmetic on every device); float weights become f16 on CUDA (veloq's GEMV reads
+    /// them) and f32 on the CPU.
+    pub(crate) fn new(w: Weight, device: &Device, weights: Weights) -> Result<Self> {
         let q = match w {
             Weight::Dense(t) if device.is_cuda() => {
                 return Ok(Linear::Candle(QMatMul::TensorF16(t.to_dtype(DType::F16)?)))
@@ -47,7 +49,8 @@ impl Linear {
             GgmlDType::F16 | GgmlDType::BF16 | GgmlDType::F32 => {
                 return Ok(Linear::Candle(QMatMul::Tensor(q.dequantize(device)?)))
             }
-            _ if dequantize => return Ok(Linear::Candle(QMatMul::Tensor(q.dequantize(device)?))),
+            _ if weights == Weights::F32 => return Ok(Linear::Candle(QMatMul::Tensor(q.dequantize(device)?))),
+            _ if weights == Weights::F16 => return Ok(Linear::Candle(QMatMul::TensorF16(q.dequantize_f16(device)?))),
             _ => {}
         }
         let format = match q.dtype() {
@@ -401,5 +404,68 @@ pub(crate) mod gemv {
             gemv_f16_many(self.rt.gpu(), &ws, &xv, y, b, k, self.epilogue, fused, tune)
                 .map_err(candle_core::Error::wrap)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{DType, Device, Module, Tensor};
+
+    use super::{Linear, Weights};
+    use crate::model::source::Weight;
+    use crate::testing::fresh_seed;
+
+    /// Each form of a Q4_1 matrix against the f64 product of its dequantized values: stored and
+    /// f32 within f32 accumulation, f16 within the rounding of activations and weights to f16
+    /// (2⁻¹¹ relative each, so |Σ xw| error ≤ 2·2⁻¹¹·Σ|x||w| plus the accumulation's).
+    #[test]
+    fn every_weight_form_multiplies_the_stored_matrix() {
+        let seed = fresh_seed();
+        let (rows, cols, n) = (48usize, 96usize, 5usize);
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (rows, cols), &dev).unwrap();
+        let q = QTensor::quantize(&w, GgmlDType::Q4_1).unwrap();
+        let wd: Vec<Vec<f32>> = q.dequantize(&dev).unwrap().to_vec2().unwrap();
+        let mut state = seed | 1;
+        let x: Vec<f32> = (0..n * cols)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect();
+        let xt = Tensor::from_vec(x.clone(), (n, cols), &dev).unwrap();
+        for form in Weights::ALL {
+            let q = QTensor::quantize(&w, GgmlDType::Q4_1).unwrap();
+            let lin = Linear::new(Weight::Quantized(q), &dev, form).unwrap();
+            let y: Vec<Vec<f32>> = lin.forward(&xt).unwrap().to_dtype(DType::F32).unwrap().to_vec2().unwrap();
+            for i in 0..n {
+                for (j, wj) in wd.iter().enumerate() {
+                    let xi = &x[i * cols..(i + 1) * cols];
+                    let want: f64 = xi.iter().zip(wj).map(|(&a, &b)| a as f64 * b as f64).sum();
+                    let mag: f64 = xi.iter().zip(wj).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
+                    let bound = match form {
+                        Weights::F16 => 2.0 * 2f64.powi(-11) * mag + 1e-5 * mag,
+                        Weights::Stored | Weights::F32 => 1e-5 * mag + 1e-6,
+                    };
+                    let got = y[i][j] as f64;
+                    assert!(
+                        (got - want).abs() <= bound,
+                        "{form}: y[{i}][{j}] = {got}, want {want} ± {bound} (seed {seed})"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn weight_forms_parse_as_they_print() {
+        for w in Weights::ALL {
+            assert_eq!(w.to_string().parse::<Weights>().unwrap(), w);
+        }
+        let e = "q4".parse::<Weights>().unwrap_err().to_string();
+        assert!(e.contains("stored") && e.contains("f16"), "{e}");
     }
 }

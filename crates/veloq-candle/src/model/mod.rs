@@ -11,7 +11,7 @@ pub mod source;
 mod template;
 mod tokenizer;
 
-pub use decoder::{LoadOptions, Logits, Model};
+pub use decoder::{LoadOptions, Logits, Model, Weights};
 #[cfg(feature = "cuda")]
 pub(crate) use decoder::{Qkv, RopeRows};
 pub use jinja::{JinjaTemplate, Template};

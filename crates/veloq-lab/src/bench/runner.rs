@@ -74,6 +74,9 @@ pub struct Args {
     /// Models to time: smollm2 (the real file) and/or llama8b (random weights, f16).
     #[arg(long, value_delimiter = ',', default_value = "smollm2,llama8b")]
     models: Vec<String>,
+    /// What SmolLM2's quantized weights are multiplied as (stored, f16, f32; the 8B's are f16).
+    #[arg(long, default_value = "stored")]
+    weights: veloq_candle::model::Weights,
     #[arg(long)]
     json: Option<PathBuf>,
     /// Figure: decode tok/s against context, one line per method, a panel per model and batch.
@@ -697,9 +700,12 @@ pub fn run(a: Args) -> Result<()> {
     for name in &a.models {
         let (model, cal, label) = match name.as_str() {
             "smollm2" => {
-                let (gpu_model, tok) =
-                    Model::open_with(&model_path, &veloq_candle::model::LoadOptions::new(max_ctx), &dev)
-                        .with_context(|| model_path.display().to_string())?;
+                let (gpu_model, tok) = Model::open_with(
+                    &model_path,
+                    &veloq_candle::model::LoadOptions { max_context: max_ctx, weights: a.weights },
+                    &dev,
+                )
+                .with_context(|| model_path.display().to_string())?;
                 let gpu_model = Runner::new(gpu_model, &options);
                 let cal = Calibration::load_for(&cal_path, &gpu_model.model().info.identity)
                     .with_context(|| cal_path.display().to_string())?;

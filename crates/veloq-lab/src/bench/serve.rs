@@ -30,7 +30,7 @@ use clap::Args as ClapArgs;
 use serde_json::{json, Value};
 
 use veloq_candle::engine::Reserve;
-use veloq_candle::model::{encode, load_tokenizer};
+use veloq_candle::model::{encode, load_tokenizer, Weights};
 
 use super::write_json;
 use veloq_candle::runtime::Device;
@@ -93,6 +93,10 @@ pub struct Args {
     /// veloq's admission reservations, each served side by side (worst-case, grow).
     #[arg(long, value_delimiter = ',', default_value = "worst-case")]
     reserve: Vec<Reserve>,
+    /// What veloq's servers multiply the GGUF's quantized weights as, each served side by side
+    /// (stored, f16, f32: `veloq serve --weights`).
+    #[arg(long, value_delimiter = ',', default_value = "stored")]
+    weights: Vec<Weights>,
     /// llama.cpp's llama-server (scripts/llama-cpp builds it beside llama-bench).
     #[arg(long)]
     llama_server: Option<PathBuf>,
@@ -121,17 +125,28 @@ pub struct Args {
 /// A server configuration under test.
 #[derive(Clone, Debug)]
 enum Server {
-    Veloq { label: String, method: Method, calibration: Option<PathBuf>, prefix_cache: bool, reserve: Reserve },
-    Llama { kv: String, cache_prompt: bool },
+    Veloq {
+        label: String,
+        method: Method,
+        calibration: Option<PathBuf>,
+        prefix_cache: bool,
+        reserve: Reserve,
+        weights: Weights,
+    },
+    Llama {
+        kv: String,
+        cache_prompt: bool,
+    },
 }
 
 impl Server {
     fn label(&self) -> String {
         match self {
-            Server::Veloq { label, prefix_cache, reserve, .. } => {
+            Server::Veloq { label, prefix_cache, reserve, weights, .. } => {
                 let grow = if *reserve == Reserve::Grow { " grow" } else { "" };
                 let prefix = if *prefix_cache { "" } else { " no prefix cache" };
-                format!("veloq {label}{grow}{prefix}")
+                let weights = if *weights == Weights::Stored { String::new() } else { format!(" {weights} weights") };
+                format!("veloq {label}{weights}{grow}{prefix}")
             }
             Server::Llama { kv, cache_prompt: false } => format!("llama-server {kv} KV"),
             Server::Llama { kv, cache_prompt: true } => format!("llama-server {kv} KV cache_prompt"),
@@ -199,7 +214,7 @@ fn start(a: &Args, s: &Server, elements_per_position: usize, parallel: usize) ->
     let model = a.files.model();
     let mut llama_kv_bytes = None;
     let mut cmd = match s {
-        Server::Veloq { method, calibration, prefix_cache, reserve, .. } => {
+        Server::Veloq { method, calibration, prefix_cache, reserve, weights, .. } => {
             let mut c = Command::new(std::env::current_exe()?);
             c.args(["serve", "--quiet", "--method", &method.to_string(), "--port", &port.to_string()])
                 .args(["--kv-budget", &a.kv_budget.to_string(), "--max-context", &max_context.to_string()])
@@ -216,7 +231,7 @@ fn start(a: &Args, s: &Server, elements_per_position: usize, parallel: usize) ->
             if !prefix_cache {
                 c.arg("--no-prefix-cache");
             }
-            c.args(["--reserve", &reserve.to_string()]);
+            c.args(["--reserve", &reserve.to_string(), "--weights", &weights.to_string()]);
             c
         }
         Server::Llama { kv, .. } => {
@@ -590,9 +605,11 @@ pub fn run(a: Args) -> Result<()> {
         } else {
             method.to_string()
         };
-        for &reserve in &a.reserve {
-            let (label, calibration) = (label.clone(), calibration.clone());
-            servers.push(Server::Veloq { label, method, calibration, prefix_cache: true, reserve });
+        for &weights in &a.weights {
+            for &reserve in &a.reserve {
+                let (label, calibration) = (label.clone(), calibration.clone());
+                servers.push(Server::Veloq { label, method, calibration, prefix_cache: true, reserve, weights });
+            }
         }
     }
     if a.llama_server.is_some() {
