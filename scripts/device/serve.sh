@@ -1,27 +1,35 @@
 #!/usr/bin/env bash
-# `veloq-lab bench serve` on a GPU in one device call: the server and its clients both on the device,
-# SmolLM2 (the real file, fp16 vs VecInfer) and the Llama-3.1-8B geometry (random weights and
-# codebooks, fp16 vs 2-bit VecInfer), each at its own KV budget.
+# `veloq-lab bench serve` on a GPU in one device call: the servers and their clients both on the
+# device, SmolLM2 (the real file; its weights as stored and dequantized to f16, side by side) and
+# the Llama-3.1-8B geometry (random f16 weights and codebooks), each at its own KV budget, every
+# method at budget-bound loads of 32 and 128 clients.
 #
-#   scripts/device/serve.sh VELOQ_LAB MODEL.gguf CALIBRATION CACHE_DIR OUT_DIR [SMOL_BUDGET] [L8B_BUDGET]
+#   scripts/device/serve.sh VELOQ_LAB MODEL.gguf CACHE_DIR OUT_DIR [SMOL_BUDGET] [L8B_BUDGET]
 #
-# VELOQ_LAB is built here with --features cuda (../shared/DEVICE.md). CACHE_DIR becomes VELOQ_CACHE
-# (austen/emma.txt for the prompts); CALIBRATION is the vq-4 one. GPU caches reserve every slot's context, so the servers run
-# with --max-context 4096, the capacity load's context. ALSO names more SmolLM2 calibrations
-# (comma separated) served side by side. Writes OUT_DIR/serve-{smollm2,llama8b}.*
+# VELOQ_LAB is built here with --features cuda (../shared/DEVICE.md). CACHE_DIR becomes VELOQ_CACHE:
+# the VecInfer methods read their calibrations there under the default names (`veloq calibrate
+# --method vq-4` writes them; a calibration made on this CPU serves as well), the prompts come from
+# austen/emma.txt. Environment: METHODS (default fp16,vq-4,vq-2), WEIGHTS (SmolLM2's forms, default
+# stored,f16), CONCURRENCY (default 32,128), L8B_METHODS (default fp16,vq-4). Writes
+# OUT_DIR/serve-{smollm2,llama8b}.{txt,json}; exits non-zero if a load failed.
 set -uo pipefail
-veloq=$1 model=$2 calibration=$3 cache=$4 out=$5
-smol_budget=${6:-512MiB} l8b_budget=${7:-4GiB}
+lab=$1 model=$2 cache=$3 out=$4
+smol_budget=${5:-512MiB} l8b_budget=${6:-4GiB}
+methods=${METHODS:-fp16,vq-4,vq-2} weights=${WEIGHTS:-stored,f16} levels=${CONCURRENCY:-32,128}
 mkdir -p "$out"
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 export VELOQ_CACHE=$cache
+failed=0
 start=$(date +%s)
-"$veloq" bench serve --device cuda --model "$model" --calibration "$calibration" ${ALSO:+--also "$ALSO"} --kv-budget "$smol_budget" \
-  --concurrency 1,8,32 --capacity-requests 64 --json "$out/serve-smollm2.json" > "$out/serve-smollm2.txt" 2>&1
-echo "smollm2 rc $? in $(( $(date +%s) - start )) s"
-cat "$out/serve-smollm2.txt"
+"$lab" bench serve --device cuda --model "$model" --cache-dir "$cache" --methods "$methods" --weights "$weights" \
+  --kv-budget "$smol_budget" --concurrency "$levels" --capacity-requests 64 \
+  --json "$out/serve-smollm2.json" > "$out/serve-smollm2.txt" 2>&1 || failed=1
+echo "smollm2 rc $failed in $(( $(date +%s) - start )) s"
+grep -v '<unknown>' "$out/serve-smollm2.txt"
 start=$(date +%s)
-"$veloq" bench serve --device cuda --model synthetic:llama8b --kv-budget "$l8b_budget" \
-  --concurrency 1,8,32 --capacity-requests 96 --json "$out/serve-llama8b.json" > "$out/serve-llama8b.txt" 2>&1
-echo "llama8b rc $? in $(( $(date +%s) - start )) s"
-cat "$out/serve-llama8b.txt"
+"$lab" bench serve --device cuda --model synthetic:llama8b --methods "${L8B_METHODS:-fp16,vq-4}" \
+  --kv-budget "$l8b_budget" --concurrency "$levels" --capacity-requests 64 \
+  --json "$out/serve-llama8b.json" > "$out/serve-llama8b.txt" 2>&1 || failed=1
+echo "llama8b rc $failed in $(( $(date +%s) - start )) s"
+grep -v '<unknown>' "$out/serve-llama8b.txt"
+exit $failed
