@@ -95,7 +95,7 @@ pub enum Weights {
     Stored,
     /// Dequantized to f16: on CUDA a step's products go through veloq's fused GEMV (up to 8
     /// rows) and cuBLAS's tensor cores (more: prompt chunks, large batches), where candle's
-    /// quantized kernels are slow; twice to four times the bytes of 8- and 4-bit blocks.
+    /// quantized kernels are slow; about 2× the bytes of 8-bit blocks and 3× those of 4-bit ones.
     F16,
     /// Dequantized to f32: the same matmul arithmetic on every device (candle's quantized CUDA
     /// and CPU matmuls round differently); the largest and slowest.
