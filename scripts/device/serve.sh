@@ -11,7 +11,9 @@
 # --method vq-4` writes them; a calibration made on this CPU serves as well), the prompts come from
 # austen/emma.txt. Environment: METHODS (default fp16,vq-4,vq-2), WEIGHTS (SmolLM2's forms, default
 # stored,f16), CONCURRENCY (default 32,128), L8B_METHODS (default fp16,vq-4). Writes
-# OUT_DIR/serve-{smollm2,llama8b}.{txt,json}; exits non-zero if a load failed.
+# OUT_DIR/serve-{smollm2,llama8b}.{txt,json} and, from scripts/device/hf_serve.py (transformers'
+# continuous batching on the 8B config, same load, same budget), OUT_DIR/hf-serve-llama8b.*; exits
+# non-zero if a load failed. L8B_BUDGET is given in GiB (4GiB).
 set -uo pipefail
 lab=$1 model=$2 cache=$3 out=$4
 smol_budget=${5:-512MiB} l8b_budget=${6:-4GiB}
@@ -32,4 +34,11 @@ start=$(date +%s)
   --json "$out/serve-llama8b.json" > "$out/serve-llama8b.txt" 2>&1 || failed=1
 echo "llama8b rc $failed in $(( $(date +%s) - start )) s"
 grep -v '<unknown>' "$out/serve-llama8b.txt"
+# The anchor a GPU user would pick instead, same call: transformers' continuous batching on the same
+# random 8B config, the same load and a paged cache of the same budget.
+start=$(date +%s)
+python3 "$(dirname "$0")/hf_serve.py" --concurrency "$levels" --kv-budget-gib "${l8b_budget%GiB}" \
+  --json "$out/hf-serve-llama8b.json" > "$out/hf-serve-llama8b.txt" 2>&1 || failed=1
+echo "transformers rc $failed in $(( $(date +%s) - start )) s"
+grep -v -i warn "$out/hf-serve-llama8b.txt" | tail -4
 exit $failed
