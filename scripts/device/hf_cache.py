@@ -30,10 +30,11 @@ import time
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import veloq
 import veloq.transformers as vt
+from hf_models import llama8b_config, random_model
 
 T0 = time.time()
 
@@ -145,18 +146,9 @@ def agreement(a, res, model, cal):
 
 
 def llama8b(longest):
-    cfg = LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=longest,
-        rope_theta=500000.0, tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.float16)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg)
-    torch.set_default_dtype(torch.float32)
+    model = random_model(llama8b_config(longest), torch.float16)
     set_attn(model, "veloq")
-    return model.eval()
+    return model
 
 
 def set_attn(model, name):

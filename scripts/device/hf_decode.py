@@ -18,7 +18,9 @@ import time
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers import StaticCache
+
+from hf_models import llama8b_config, random_model
 
 
 def static_cache(cfg, batch, length, dtype):
@@ -44,17 +46,8 @@ def main():
     contexts = [int(c) for c in a.contexts.split(",")]
     batches = [int(b) for b in a.batches.split(",")]
     longest = max(contexts) + a.steps + a.warmup + 8
-    cfg = LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=longest,
-        rope_theta=500000.0, tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    torch.set_default_dtype(dtype)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg)
-    torch.set_default_dtype(torch.float32)
-    model.eval()
+    cfg = llama8b_config(longest)
+    model = random_model(cfg, dtype)
     params = sum(p.numel() for p in model.parameters())
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}, torch {torch.__version__}, transformers {transformers.__version__}: "

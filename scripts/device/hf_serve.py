@@ -18,22 +18,13 @@ Usage: hf_serve.py [--json OUT] [--concurrency 32,128] [--kv-budget-gib 4]
 import argparse
 import json
 import random
-import statistics
 import time
 
 import torch
 import transformers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig, LlamaConfig
 
-
-def config(tiny: bool, longest: int) -> LlamaConfig:
-    if tiny:
-        return LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                           max_position_embeddings=longest)
-    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                       max_position_embeddings=longest, rope_theta=500000.0, tie_word_embeddings=False)
+from hf_models import llama8b_config, random_model, tiny_config
 
 
 def batching(cfg: LlamaConfig, budget_bytes: int, page: int, dtype_bytes: int):
@@ -80,13 +71,8 @@ def main():
     levels = [int(c) for c in a.concurrency.split(",")]
     device = "cpu" if a.tiny else "cuda"
     dtype = torch.float32 if a.tiny else torch.float16
-    cfg = config(a.tiny, max(prompts) + a.max_tokens + a.page_size)
-    torch.manual_seed(0)
-    torch.set_default_dtype(dtype)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg)
-    torch.set_default_dtype(torch.float32)
-    model.eval()
+    cfg = (tiny_config if a.tiny else llama8b_config)(max(prompts) + a.max_tokens + a.page_size)
+    model = random_model(cfg, dtype, device)
     cb, pages = batching(cfg, int(a.kv_budget_gib * 2**30), a.page_size, torch.finfo(dtype).bits // 8)
     gen = GenerationConfig(max_new_tokens=a.max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     name = "tiny (CPU)" if a.tiny else torch.cuda.get_device_name()
