@@ -42,12 +42,44 @@ def run_batch(model, inputs, gen, cb):
     except ImportError:
         ContinuousBatchingConfig = None
     if ContinuousBatchingConfig is not None:
-        cbc = ContinuousBatchingConfig(page_size=cb["block_size"], num_blocks=cb["num_blocks"])
+        import inspect
+        # The page's field: `page_size` in later releases, `block_size` in 5.17.
+        page = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+        cbc = ContinuousBatchingConfig(**{page: cb["block_size"]}, num_blocks=cb["num_blocks"])
         return model.generate_batch(inputs=inputs, generation_config=gen, continuous_batching_config=cbc,
                                     record_timestamps=True, progress_bar=False)
     for k, v in cb.items():
         setattr(gen, k, v)
     return model.generate_batch(inputs=inputs, generation_config=gen, progress_bar=False)
+
+
+def rates(device: str):
+    """What torch reaches on this device, beside what `bench serve`'s physical estimate measured
+    through candle: f16 matmul FLOP/s ([4096×4096]·[4096×14336]) and memory bytes/s (the better of a
+    1 GiB matrix's GEMV reads and its copy's reads + writes); best of 20 after two warm-ups."""
+    if device != "cuda":
+        return None
+
+    def best(f):
+        f(), f()
+        torch.cuda.synchronize()
+        b = float("inf")
+        for _ in range(20):
+            t = time.perf_counter()
+            f()
+            torch.cuda.synchronize()
+            b = min(b, time.perf_counter() - t)
+        return b
+
+    h = torch.float16
+    a, w = torch.randn(4096, 4096, device=device, dtype=h), torch.randn(4096, 14336, device=device, dtype=h)
+    matmul = 2 * 4096 * 4096 * 14336 / best(lambda: a @ w)
+    big, x = torch.randn(1 << 17, 4096, device=device, dtype=h), torch.randn(4096, 1, device=device, dtype=h)
+    size = big.numel() * 2
+    memory = max(size / best(lambda: big @ x), 2 * size / best(lambda: big.clone()))
+    del a, w, big
+    torch.cuda.empty_cache()
+    return {"matmul_flops": matmul, "memory_bytes": memory}
 
 
 def pct(xs, q):
@@ -80,9 +112,15 @@ def main():
           f"{'tiny' if a.tiny else 'Llama-3.1-8B'} config, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B "
           f"parameters; paged KV cache {pages} pages × {a.page_size} positions ({a.kv_budget_gib:g} GiB of "
           f"{'f32' if a.tiny else 'f16'}); prompts {prompts} cycled, {a.max_tokens} tokens each")
+    measured = rates(device)
+    if measured:
+        print(f"torch rates: {measured['matmul_flops'] / 1e12:.0f} TFLOP/s f16 matmul, "
+              f"{measured['memory_bytes'] / 1e9:.0f} GB/s memory")
     rng = random.Random(0x5EED)
     ids = lambda n: [rng.randrange(1, cfg.vocab_size) for _ in range(n)]  # noqa: E731
-    with torch.inference_mode():
+    # no_grad, not inference_mode: the manager keeps static tensors between batches and updates them
+    # in place from its own thread, which inference tensors forbid (transformers 5.17).
+    with torch.no_grad():
         run_batch(model, [ids(64), ids(16)], GenerationConfig(**{**gen.to_dict(), "max_new_tokens": 4}), cb)
         rows = []
         for n in levels:
@@ -110,8 +148,11 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": name, "torch": torch.__version__, "transformers": transformers.__version__,
+                       "rates": measured,
                        "kv_budget_gib": a.kv_budget_gib, "pages": pages, "page_size": a.page_size,
                        "prompts": prompts, "max_tokens": a.max_tokens, "rows": rows}, f, indent=1)
+    if any(r["errors"] for r in rows):
+        raise SystemExit("requests failed: the figures above count only the requests that finished")
 
 
 if __name__ == "__main__":

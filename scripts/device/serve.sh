@@ -10,7 +10,8 @@
 # the VecInfer methods read their calibrations there under the default names (`veloq calibrate
 # --method vq-4` writes them; a calibration made on this CPU serves as well), the prompts come from
 # austen/emma.txt. Environment: METHODS (default fp16,vq-4,vq-2), WEIGHTS (SmolLM2's forms, default
-# stored,f16), CONCURRENCY (default 32,128), L8B_METHODS (default fp16,vq-4). Writes
+# stored,f16), CONCURRENCY (default 32,128), L8B_METHODS (default fp16,vq-4), PARTS (which of
+# smollm2,llama8b,transformers to run; default all three, for calls that stage in pieces). Writes
 # OUT_DIR/serve-{smollm2,llama8b}.{txt,json} and, from scripts/device/hf_serve.py (transformers'
 # continuous batching on the 8B config, same load, same budget), OUT_DIR/hf-serve-llama8b.*; exits
 # non-zero if a load failed. L8B_BUDGET is given in GiB (4GiB).
@@ -21,24 +22,31 @@ methods=${METHODS:-fp16,vq-4,vq-2} weights=${WEIGHTS:-stored,f16} levels=${CONCU
 mkdir -p "$out"
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 export VELOQ_CACHE=$cache
+parts=,${PARTS:-smollm2,llama8b,transformers},
 failed=0
-start=$(date +%s)
-"$lab" bench serve --device cuda --model "$model" --cache-dir "$cache" --methods "$methods" --weights "$weights" \
-  --kv-budget "$smol_budget" --concurrency "$levels" --capacity-requests 64 \
-  --json "$out/serve-smollm2.json" > "$out/serve-smollm2.txt" 2>&1 || failed=1
-echo "smollm2 rc $failed in $(( $(date +%s) - start )) s"
-grep -v '<unknown>' "$out/serve-smollm2.txt"
-start=$(date +%s)
-"$lab" bench serve --device cuda --model synthetic:llama8b --methods "${L8B_METHODS:-fp16,vq-4}" \
-  --kv-budget "$l8b_budget" --concurrency "$levels" --capacity-requests 64 \
-  --json "$out/serve-llama8b.json" > "$out/serve-llama8b.txt" 2>&1 || failed=1
-echo "llama8b rc $failed in $(( $(date +%s) - start )) s"
-grep -v '<unknown>' "$out/serve-llama8b.txt"
+if [[ $parts == *,smollm2,* ]]; then
+  start=$(date +%s)
+  "$lab" bench serve --device cuda --model "$model" --cache-dir "$cache" --methods "$methods" --weights "$weights" \
+    --kv-budget "$smol_budget" --concurrency "$levels" --capacity-requests 64 \
+    --json "$out/serve-smollm2.json" > "$out/serve-smollm2.txt" 2>&1 || failed=1
+  echo "smollm2 rc $failed in $(( $(date +%s) - start )) s"
+  grep -v '<unknown>' "$out/serve-smollm2.txt"
+fi
+if [[ $parts == *,llama8b,* ]]; then
+  start=$(date +%s)
+  "$lab" bench serve --device cuda --model synthetic:llama8b --methods "${L8B_METHODS:-fp16,vq-4}" \
+    --kv-budget "$l8b_budget" --concurrency "$levels" --capacity-requests 64 \
+    --json "$out/serve-llama8b.json" > "$out/serve-llama8b.txt" 2>&1 || failed=1
+  echo "llama8b rc $failed in $(( $(date +%s) - start )) s"
+  grep -v '<unknown>' "$out/serve-llama8b.txt"
+fi
 # The anchor a GPU user would pick instead, same call: transformers' continuous batching on the same
 # random 8B config, the same load and a paged cache of the same budget.
-start=$(date +%s)
-python3 "$(dirname "$0")/hf_serve.py" --concurrency "$levels" --kv-budget-gib "${l8b_budget%GiB}" \
-  --json "$out/hf-serve-llama8b.json" > "$out/hf-serve-llama8b.txt" 2>&1 || failed=1
-echo "transformers rc $failed in $(( $(date +%s) - start )) s"
-grep -v -i warn "$out/hf-serve-llama8b.txt" | tail -4
+if [[ $parts == *,transformers,* ]]; then
+  start=$(date +%s)
+  python3 "$(dirname "$0")/hf_serve.py" --concurrency "$levels" --kv-budget-gib "${l8b_budget%GiB}" \
+    --json "$out/hf-serve-llama8b.json" > "$out/hf-serve-llama8b.txt" 2>&1 || failed=1
+  echo "transformers rc $failed in $(( $(date +%s) - start )) s"
+  grep -v -i warn "$out/hf-serve-llama8b.txt" | tail -4
+fi
 exit $failed

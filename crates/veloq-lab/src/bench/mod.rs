@@ -9,6 +9,7 @@ pub mod decode;
 #[cfg(feature = "cuda")]
 pub mod gpu_prefill;
 pub mod prefill;
+pub mod roofline;
 #[cfg(feature = "cuda")]
 pub mod runner;
 pub mod search;

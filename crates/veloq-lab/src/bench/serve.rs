@@ -9,7 +9,10 @@
 //! - **throughput**: for each concurrency N, N clients at once, prompts mixing short ones with
 //!   4k-token ones (real text, different places per request, as token ids so every server sees the
 //!   same tokens), a fixed number of tokens each (`ignore_eos`): aggregate generated tok/s, time to
-//!   first token and inter-token latency (p50/p99), peak concurrent sequences, the server's peak RSS.
+//!   first token and inter-token latency (p50/p99), peak concurrent sequences, the server's peak RSS,
+//!   and the load's physical estimate (`roofline`): what fraction of this device's bound it reached.
+//!   A warm-up of the first level's requests (a few tokens each, not counted) runs first, so no
+//!   server's first level pays for its process's kernel loading and graph captures.
 //! - **conversations** (`--turns`): clients each holding a conversation, every turn's prompt the
 //!   whole history again plus a new message, as chat clients send it; veloq with its prefix cache
 //!   and without (`--no-prefix-cache`), llama-server with its `cache_prompt` on: time to first token
@@ -32,8 +35,9 @@ use serde_json::{json, Value};
 use veloq_candle::engine::Reserve;
 use veloq_candle::model::{encode, load_tokenizer, Weights};
 
+use super::roofline::{self, Cost, Rates};
 use super::write_json;
-use veloq_candle::runtime::Device;
+use veloq_candle::runtime::{CudaOptions, Device};
 use veloq_candle::units::human_bytes as human;
 use veloq_candle::Method;
 use veloq_cli::args::Files as ModelFiles;
@@ -71,6 +75,9 @@ pub struct Args {
     /// Only the capacity load (no throughput levels).
     #[arg(long)]
     capacity_only: bool,
+    /// Measure every throughput level from a cold process (no warm-up load first).
+    #[arg(long)]
+    no_warmup: bool,
     /// Turns of the conversation load (0: none): each turn resends the history and a new message.
     #[arg(long, default_value_t = 0)]
     turns: usize,
@@ -150,6 +157,22 @@ impl Server {
             }
             Server::Llama { kv, cache_prompt: false } => format!("llama-server {kv} KV"),
             Server::Llama { kv, cache_prompt: true } => format!("llama-server {kv} KV cache_prompt"),
+        }
+    }
+
+    /// Cache bytes per stored element: the method's bits, llama.cpp's block sizes.
+    fn cache_bytes_per_element(&self, head_dim: usize) -> Result<f64> {
+        match self {
+            Server::Veloq { method, .. } => Ok(method.bits_per_element(head_dim) / 8.0),
+            Server::Llama { kv, .. } => llama_bytes_per_element(kv),
+        }
+    }
+
+    /// Weight bytes a decode step reads (llama-server multiplies the stored blocks).
+    fn weight_bytes(&self, cost: &Cost) -> f64 {
+        match self {
+            Server::Veloq { weights, .. } => cost.weight_bytes(*weights),
+            Server::Llama { .. } => cost.weight_bytes(Weights::Stored),
         }
     }
 
@@ -551,7 +574,10 @@ pub fn run(a: Args) -> Result<()> {
     // Prompts as token ids, each request from its own place in Emma (a synthetic model: random
     // ids), so every server sees the same tokens.
     let model_path = a.files.model();
-    let (elements_per_position, ids) = match model_path.to_str().and_then(|p| p.strip_prefix("synthetic:")) {
+    let (elements_per_position, head_dim, cost, product, ids) = match model_path
+        .to_str()
+        .and_then(|p| p.strip_prefix("synthetic:"))
+    {
         Some(name) => {
             if a.llama_server.is_some() {
                 bail!("llama-server needs a GGUF file, not synthetic:{name}");
@@ -560,7 +586,7 @@ pub fn run(a: Args) -> Result<()> {
             let mut rng = veloq_lab::synthetic::Rng(0x2545_F491_4F6C_DD1D);
             let ids: Vec<u32> =
                 (0..400_000).map(|_| (rng.uniform() * g.vocab as f64) as u32 % g.vocab as u32).collect();
-            (2 * g.layers * g.kv_heads * g.head_dim, ids)
+            (2 * g.layers * g.kv_heads * g.head_dim, g.head_dim, Cost::of_geometry(&g), (g.hidden, g.ffn), ids)
         }
         None => {
             let mut reader = std::io::BufReader::new(std::fs::File::open(&model_path)?);
@@ -576,14 +602,16 @@ pub fn run(a: Args) -> Result<()> {
             let md = |k: &str| {
                 content.metadata.get(&format!("{arch}.{k}")).and_then(|v| v.to_u32().ok()).unwrap_or(0) as usize
             };
-            let (layers, kv_heads) = (md("block_count"), md("attention.head_count_kv"));
+            let (layers, heads, kv_heads) =
+                (md("block_count"), md("attention.head_count"), md("attention.head_count_kv"));
             let head_dim = match md("attention.key_length") {
-                0 => md("embedding_length") / md("attention.head_count").max(1),
+                0 => md("embedding_length") / heads.max(1),
                 d => d,
             };
+            let cost = Cost::of_gguf(&content, layers, heads, head_dim);
             let text = a.files.text("emma");
             let ids = encode(&tok, &std::fs::read_to_string(&text).with_context(|| text.display().to_string())?)?;
-            (2 * layers * kv_heads * head_dim, ids)
+            (2 * layers * kv_heads * head_dim, head_dim, cost, (md("embedding_length"), md("feed_forward_length")), ids)
         }
     };
     let mut offset = 0usize;
@@ -629,6 +657,28 @@ pub fn run(a: Args) -> Result<()> {
         a.prompts,
         a.max_tokens
     );
+    // The device's rates for the physical estimate, measured before any server holds it. GPU runs
+    // only: on the CPU the quantized products (integer dot products) outrun any f32 matmul rate,
+    // so an estimate from one would not bound them.
+    let shape = (4096, product.0.max(1), product.1.max(1));
+    let rates = match a.device {
+        Device::Cpu => None,
+        d => {
+            let r = Rates::measure(&d.open(&CudaOptions::default())?, shape, 1 << 30)
+                .context("measuring the device's matmul and copy rates")?;
+            println!(
+                "{d}: {:.0} TFLOP/s f16 matmul ([{}×{}]·[{}×{}]), {:.0} GB/s memory (a GEMV's reads, a copy's reads + writes); a decode step reads weights of {}",
+                r.matmul_flops / 1e12,
+                shape.0,
+                shape.1,
+                shape.1,
+                shape.2,
+                r.memory_bytes / 1e9,
+                a.weights.iter().map(|&w| format!("{} ({w})", human(cost.weight_bytes(w) as usize))).collect::<Vec<_>>().join(", ")
+            );
+            Some(r)
+        }
+    };
     let mut rows = Vec::new();
     for s in &servers {
         if a.turns > 0 {
@@ -675,17 +725,29 @@ pub fn run(a: Args) -> Result<()> {
         // Throughput at each concurrency, one fresh process for all levels.
         let top = a.concurrency.iter().copied().max().unwrap_or(1);
         let r = start(&a, s, elements_per_position, top)?;
+        let context = a.max_context.unwrap_or(a.capacity_context);
+        let lengths = |n: usize| (0..n).map(|i| a.prompts[i % a.prompts.len()]).collect::<Vec<_>>();
+        if let Some(&first) = a.concurrency.first().filter(|_| !a.no_warmup) {
+            let n = first.max(a.min_requests);
+            let bodies = lengths(n).into_iter().map(|len| body(s, &take(len), 4)).collect();
+            let (traces, secs) = load(r.addr, bodies, first, None);
+            let errors = traces.iter().filter(|t| t.error.is_some()).count();
+            println!(
+                "{:<34} warm-up: {n} requests of 4 tokens in {secs:.1} s, not counted ({errors} errors)",
+                s.label()
+            );
+        }
         for &c in &a.concurrency {
             let n = c.max(a.min_requests);
-            let context = a.max_context.unwrap_or(a.capacity_context);
-            let bodies: Vec<Value> = (0..n)
-                .map(|i| {
-                    let len = a.prompts[i % a.prompts.len()];
+            let prompts = lengths(n);
+            let bodies: Vec<Value> = prompts
+                .iter()
+                .map(|&len| {
                     let max_tokens = if a.open_ended { context.saturating_sub(len).max(1) } else { a.max_tokens };
                     body(s, &take(len), max_tokens)
                 })
                 .collect();
-            let prompt_tokens: usize = (0..n).map(|i| a.prompts[i % a.prompts.len()]).sum();
+            let prompt_tokens: usize = prompts.iter().sum();
             let poll = Poller::start(r.addr, r.llama);
             let (traces, secs) = load(r.addr, bodies, c, a.open_ended.then_some(a.max_tokens));
             let (peak, kv_peak) = poll.finish();
@@ -716,12 +778,25 @@ pub fn run(a: Args) -> Result<()> {
             if let Some(e) = traces.iter().find_map(|t| t.error.clone()) {
                 println!("    first error: {e}");
             }
+            let estimate = match &rates {
+                Some(rates) => {
+                    let kv_bytes_per_position = s.cache_bytes_per_element(head_dim)? * elements_per_position as f64;
+                    let (est, line) = estimate(&a, s, rates, &cost, &prompts, c, kv_bytes_per_position);
+                    println!(
+                        "{:<34}        {line}; measured {:.0}% of it",
+                        "",
+                        100.0 * tokens as f64 / secs / est["gen_tok_s"].as_f64().unwrap_or(f64::NAN)
+                    );
+                    est
+                }
+                None => Value::Null,
+            };
             rows.push(json!({"server": s.label(), "load": "throughput", "concurrency": c, "requests": n, "open_ended": a.open_ended,
                              "prompt_tokens": prompt_tokens, "generated_tokens": tokens, "seconds": secs,
                              "gen_tok_s": tokens as f64 / secs, "ttft_p50_s": t50, "ttft_p99_s": t99,
                              "itl_p50_s": i50, "itl_p99_s": i99, "peak_concurrent": peak,
                              "kv_in_use_peak_bytes": if r.llama { Value::Null } else { json!(kv_peak) },
-                             "peak_rss_bytes": rss, "errors": errors}));
+                             "peak_rss_bytes": rss, "errors": errors, "estimate": estimate}));
         }
     }
     let capacity = |label: &str| {
@@ -742,6 +817,8 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     let out = json!({"bench": "serve", "model": model_path, "device": a.device.to_string(), "kv_budget_bytes": a.kv_budget,
+                     "rates": rates.map(|r| json!({"matmul_flops": r.matmul_flops, "memory_bytes": r.memory_bytes,
+                                                   "matmul_shape": [shape.0, shape.1, shape.2]})),
                      "threads": a.threads, "prompts": a.prompts, "max_tokens": a.max_tokens, "rows": rows});
     if let Some(path) = &a.plot {
         plot(path, &out)?;
@@ -751,6 +828,39 @@ pub fn run(a: Args) -> Result<()> {
         Some(which) => bail!("requests failed ({which}): the figures above count only the requests that finished"),
         None => Ok(()),
     }
+}
+
+/// A throughput level's physical estimate for server `s` (JSON, and the line that says it): as many
+/// sequences a step as the budget holds at the load's mean context (`roofline::Load::slots`).
+fn estimate(
+    a: &Args,
+    s: &Server,
+    rates: &Rates,
+    cost: &Cost,
+    prompts: &[usize],
+    clients: usize,
+    kv_bytes_per_position: f64,
+) -> (Value, String) {
+    let level = roofline::Load {
+        prompts,
+        max_tokens: a.max_tokens,
+        slots: roofline::Load::slots(a.kv_budget, kv_bytes_per_position, prompts, a.max_tokens, clients),
+        kv_bytes_per_position,
+        weight_bytes: s.weight_bytes(cost),
+    };
+    let e = roofline::estimate(cost, rates, &level);
+    let tok_s = (prompts.len() * a.max_tokens) as f64 / e.seconds();
+    let line = format!(
+        "physical estimate {:.2} s (prompts {:.2} s + decode {:.2} s at {} sequences a step): {:.0} gen tok/s",
+        e.seconds(),
+        e.prefill_s,
+        e.decode_s,
+        level.slots,
+        tok_s
+    );
+    let json = json!({"seconds": e.seconds(), "prefill_s": e.prefill_s, "decode_s": e.decode_s,
+                      "slots": level.slots, "gen_tok_s": tok_s});
+    (json, line)
 }
 
 /// The loads in which requests failed (`server load: n`), if any: a failed request is a hole in
