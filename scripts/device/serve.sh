@@ -24,21 +24,21 @@ export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRAR
 export VELOQ_CACHE=$cache
 parts=,${PARTS:-smollm2,llama8b,transformers},
 failed=0
-if [[ $parts == *,smollm2,* ]]; then
+# One model's loads: serve_load NAME KV_BUDGET ARGS… (the model, methods and weights in ARGS).
+serve_load() {
+  local name=$1 budget=$2 start
+  shift 2
   start=$(date +%s)
-  "$lab" bench serve --device cuda --model "$model" --cache-dir "$cache" --methods "$methods" --weights "$weights" \
-    --kv-budget "$smol_budget" --concurrency "$levels" --capacity-requests 64 \
-    --json "$out/serve-smollm2.json" > "$out/serve-smollm2.txt" 2>&1 || failed=1
-  echo "smollm2 rc $failed in $(( $(date +%s) - start )) s"
-  grep -v '<unknown>' "$out/serve-smollm2.txt"
+  "$lab" bench serve --device cuda "$@" --kv-budget "$budget" --concurrency "$levels" --capacity-requests 64 \
+    --json "$out/serve-$name.json" > "$out/serve-$name.txt" 2>&1 || failed=1
+  echo "$name rc $failed in $(( $(date +%s) - start )) s"
+  grep -v '<unknown>' "$out/serve-$name.txt"
+}
+if [[ $parts == *,smollm2,* ]]; then
+  serve_load smollm2 "$smol_budget" --model "$model" --cache-dir "$cache" --methods "$methods" --weights "$weights"
 fi
 if [[ $parts == *,llama8b,* ]]; then
-  start=$(date +%s)
-  "$lab" bench serve --device cuda --model synthetic:llama8b --methods "${L8B_METHODS:-fp16,vq-4}" \
-    --kv-budget "$l8b_budget" --concurrency "$levels" --capacity-requests 64 \
-    --json "$out/serve-llama8b.json" > "$out/serve-llama8b.txt" 2>&1 || failed=1
-  echo "llama8b rc $failed in $(( $(date +%s) - start )) s"
-  grep -v '<unknown>' "$out/serve-llama8b.txt"
+  serve_load llama8b "$l8b_budget" --model synthetic:llama8b --methods "${L8B_METHODS:-fp16,vq-4}"
 fi
 # The anchor a GPU user would pick instead, same call: transformers' continuous batching on the same
 # random 8B config, the same load and a paged cache of the same budget.
