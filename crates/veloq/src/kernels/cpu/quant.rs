@@ -8,14 +8,16 @@
 //! spent three quarters of its time there; its Q8_0 product (SmolLM2's tied output matrix, 49k
 //! rows) runs on candle's one thread while the other core waits. Two paths, both multithreaded
 //! over tiles of W's rows:
-//! - few tokens (decode, small steps): each tile's blocks are widened to f32 once in registers and
-//!   multiplied into up to [`ROWS`] tokens at a time (the weights stream from memory once per
-//!   [`ROWS`] tokens);
+//! - few tokens (decode, small steps): each tile's blocks are multiplied into up to [`ROWS`] tokens
+//!   at a time (the weights stream from memory once per [`ROWS`] tokens); with AVX2 the block's
+//!   integers meet the activations as 16-bit integers (a scale per block of 32: [`Tokens`]) in
+//!   `madd` instructions, half the work of widening every weight to f32;
 //! - many tokens (prefill chunks): each tile of W is widened into scratch (a tile, not the matrix)
 //!   and multiplied by the `gemm` crate (the kernel candle itself uses for f32 matmuls).
 //!
-//! Activations stay f32 in both (candle's path rounds them to 8 bits first), so the two paths
-//! differ only in summation order.
+//! Activations keep 16 bits or more in both: candle's path (and llama.cpp's) rounds them to 8 bits,
+//! which costs perplexity (results/README.md, "CPU decode against llama.cpp"); 16 bits per block
+//! err by at most 2⁻¹⁶ of the block's largest activation, below the f16 weights' own rounding.
 
 use half::f16;
 use rayon::prelude::*;
@@ -133,10 +135,6 @@ pub fn dequantize(format: Format, w: &[u8], k: usize, dst: &mut [f32]) {
     }
 }
 
-fn scale_min(b: &[u8]) -> (f32, f32) {
-    (f16::from_le_bytes([b[0], b[1]]).to_f32(), f16::from_le_bytes([b[2], b[3]]).to_f32())
-}
-
 fn widened_gemm(format: Format, x: &[f32], n: usize, k: usize, w: &[u8], m: usize, out: &mut [f32]) {
     let row_bytes = k / BLOCK * format.block_bytes();
     let out_ptr = SendPtr(out.as_mut_ptr());
@@ -160,16 +158,60 @@ unsafe impl Send for SendPtr {}
 // SAFETY: as above.
 unsafe impl Sync for SendPtr {}
 
-/// Per token and block, Σ x over the block: the `m` term of `d·q + m` multiplies it.
-fn block_sums(x: &[f32], k: usize) -> Vec<f32> {
-    debug_assert!(x.len().is_multiple_of(k));
-    x.chunks_exact(BLOCK).map(|b| b.iter().sum()).collect()
+/// Tokens' activations as the few-token kernels read them, per block of 32: f32, their sum (the `m`
+/// term of `d·q + m` multiplies it), and 16-bit integers `q` with a scale (`x ≈ q · scale`, the
+/// block's largest |x| at 32,767).
+struct Tokens<'a> {
+    x: &'a [f32],
+    sums: Vec<f32>,
+    q: Vec<i16>,
+    scales: Vec<f32>,
+}
+
+impl<'a> Tokens<'a> {
+    /// `x`'s sums, and its 16-bit integers when `integers` (the kernels of Q4_1 read them).
+    fn new(x: &'a [f32], integers: bool) -> Self {
+        let blocks = x.len() / BLOCK;
+        let sums = x.chunks_exact(BLOCK).map(|b| b.iter().sum()).collect();
+        let (mut q, mut scales) = (Vec::new(), Vec::new());
+        if integers {
+            (q, scales) = (vec![0i16; x.len()], Vec::with_capacity(blocks));
+            for (b, qb) in x.chunks_exact(BLOCK).zip(q.chunks_exact_mut(BLOCK)) {
+                let max = b.iter().fold(0f32, |a, v| a.max(v.abs()));
+                let scale = max / i16::MAX as f32;
+                let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+                // Half away from zero, then truncated: |v·inv| ≤ 32,767 stays in range.
+                for (q, v) in qb.iter_mut().zip(b) {
+                    *q = (v * inv + 0.5f32.copysign(*v)) as i16;
+                }
+                scales.push(scale);
+            }
+        }
+        Self { x, sums, q, scales }
+    }
+
+    /// Tokens `i0 .. i0 + rows` of a `k`-wide batch.
+    fn rows(&self, i0: usize, rows: usize, k: usize) -> TokenRows<'_> {
+        let (e, b) = (i0 * k..(i0 + rows) * k, i0 * k / BLOCK..(i0 + rows) * k / BLOCK);
+        let q = if self.q.is_empty() { &[][..] } else { &self.q[e.clone()] };
+        let scales = if self.scales.is_empty() { &[][..] } else { &self.scales[b.clone()] };
+        TokenRows { x: &self.x[e], sums: &self.sums[b], q, scales }
+    }
+}
+
+/// Up to [`ROWS`] tokens of [`Tokens`].
+#[derive(Clone, Copy)]
+struct TokenRows<'a> {
+    x: &'a [f32],
+    sums: &'a [f32],
+    q: &'a [i16],
+    scales: &'a [f32],
 }
 
 fn few_tokens(format: Format, x: &[f32], n: usize, k: usize, w: &[u8], m: usize, out: &mut [f32]) {
     let row_bytes = k / BLOCK * format.block_bytes();
-    let sums = block_sums(x, k);
-    let dot = select(format);
+    let (dot, integers) = select(format, n);
+    let tokens = Tokens::new(x, integers);
     // Results per W row ([m, n]), transposed into `out` after: tasks own whole W rows.
     let mut by_row = vec![0f32; m * n];
     by_row.par_chunks_mut(TILE * n).zip(w.par_chunks(row_bytes * TILE)).for_each(|(o, wt)| {
@@ -177,13 +219,7 @@ fn few_tokens(format: Format, x: &[f32], n: usize, k: usize, w: &[u8], m: usize,
             for i0 in (0..n).step_by(ROWS) {
                 let rows = ROWS.min(n - i0);
                 let mut acc = [0f32; ROWS];
-                dot(
-                    wr,
-                    &x[i0 * k..(i0 + rows) * k],
-                    &sums[i0 * k / BLOCK..(i0 + rows) * k / BLOCK],
-                    k,
-                    &mut acc[..rows],
-                );
+                dot(wr, tokens.rows(i0, rows, k), k, &mut acc[..rows]);
                 o[r * n + i0..r * n + i0 + rows].copy_from_slice(&acc[..rows]);
             }
         }
@@ -196,27 +232,47 @@ fn few_tokens(format: Format, x: &[f32], n: usize, k: usize, w: &[u8], m: usize,
 }
 
 /// One W row against up to [`ROWS`] tokens: `acc[i] = Σ_b d_b·(q_b · x_i,b) (+ m_b·Σ x_i,b)`.
-type DotFn = fn(w: &[u8], x: &[f32], sums: &[f32], k: usize, acc: &mut [f32]);
+type DotFn = fn(w: &[u8], t: TokenRows<'_>, k: usize, acc: &mut [f32]);
 
-fn select(format: Format) -> DotFn {
+/// The dot kernel of `format` for `n` tokens on this CPU, and whether it reads the 16-bit
+/// activations: Q4_1 for one token (a decode step), where the widening to f32 is most of the work;
+/// with more tokens per block, or Q8_0's bytes, the f32 form measured faster (`cargo bench -p
+/// veloq --bench quant`).
+fn select(format: Format, n: usize) -> (DotFn, bool) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        if std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+        {
             return match format {
-                Format::Q4_1 => |w, x, sums, k, acc| {
-                    // SAFETY: AVX2 and FMA were detected just above.
-                    unsafe { avx2::dot_q4_1(w, x, sums, k, acc) }
-                },
-                Format::Q8_0 => |w, x, _, k, acc| {
-                    // SAFETY: AVX2 and FMA were detected just above.
-                    unsafe { avx2::dot_q8_0(w, x, k, acc) }
-                },
+                Format::Q4_1 if n > 1 => (
+                    |w, t, k, acc| {
+                        // SAFETY: AVX2, FMA and F16C were detected just above.
+                        unsafe { avx2::dot_q4_1_f32(w, t.x, t.sums, k, acc) }
+                    },
+                    false,
+                ),
+                Format::Q4_1 => (
+                    |w, t, k, acc| {
+                        // SAFETY: AVX2, FMA and F16C were detected just above.
+                        unsafe { avx2::dot_q4_1(w, t, k, acc) }
+                    },
+                    true,
+                ),
+                Format::Q8_0 => (
+                    |w, t, k, acc| {
+                        // SAFETY: AVX2, FMA and F16C were detected just above.
+                        unsafe { avx2::dot_q8_0(w, t.x, k, acc) }
+                    },
+                    false,
+                ),
             };
         }
     }
     match format {
-        Format::Q4_1 => |w, x, _, k, acc| portable_dot(Format::Q4_1, w, x, k, acc),
-        Format::Q8_0 => |w, x, _, k, acc| portable_dot(Format::Q8_0, w, x, k, acc),
+        Format::Q4_1 => (|w, t, k, acc| portable_dot(Format::Q4_1, w, t.x, k, acc), false),
+        Format::Q8_0 => (|w, t, k, acc| portable_dot(Format::Q8_0, w, t.x, k, acc), false),
     }
 }
 
@@ -238,7 +294,7 @@ fn portable_dot(format: Format, w: &[u8], x: &[f32], k: usize, acc: &mut [f32]) 
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{scale_min, Format, BLOCK, ROWS};
+    use super::{Format, TokenRows, BLOCK, ROWS};
 
     const BLOCK_BYTES: usize = Format::Q4_1.block_bytes();
     const Q8_BYTES: usize = Format::Q8_0.block_bytes();
@@ -254,6 +310,14 @@ mod avx2 {
         [f(lo), f(_mm_srli_si128(lo, 8)), f(hi), f(_mm_srli_si128(hi, 8))]
     }
 
+    /// A block's leading f16 pair (Q4_1's d and m) as f32, by the F16C instruction.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scale_min(b: *const u8) -> (f32, f32) {
+        // SAFETY (caller): `b` points at a block's first 4 bytes.
+        let dm = _mm_cvtph_ps(_mm_cvtsi32_si128((b as *const i32).read_unaligned()));
+        (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)))
+    }
+
     #[target_feature(enable = "avx2,fma")]
     unsafe fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -261,17 +325,53 @@ mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
     }
 
-    /// See [`super::DotFn`]. Per block: nibbles widened once, then for every token 4 FMAs into
-    /// its own accumulator scaled by d, plus m·Σx from the precomputed sums.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_q4_1(w: &[u8], x: &[f32], sums: &[f32], k: usize, acc: &mut [f32]) {
+    /// See [`super::DotFn`]. Per block: the 32 nibbles widened to 16-bit lanes once, then for every
+    /// token two `madd`s with its 16-bit activations, the 8 sums converted and accumulated scaled
+    /// by d times the token's block scale, plus m·Σx from the exact sums.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_1(w: &[u8], t: TokenRows<'_>, k: usize, acc: &mut [f32]) {
+        let (nb, rows) = (k / BLOCK, acc.len());
+        debug_assert!(rows <= ROWS && t.q.len() >= rows * k && t.scales.len() >= rows * nb);
+        debug_assert!(w.len() >= nb * BLOCK_BYTES);
+        let mut total = [_mm256_setzero_ps(); ROWS];
+        let mut mins = [0f32; ROWS];
+        let low = _mm_set1_epi8(15);
+        for bi in 0..nb {
+            // SAFETY: block bi is w[bi·20 ..][..20], inside `w` (checked above).
+            let b = w.as_ptr().add(bi * BLOCK_BYTES);
+            let (d, m) = scale_min(b);
+            let q = _mm_loadu_si128(b.add(4) as *const __m128i);
+            let lo = _mm256_cvtepu8_epi16(_mm_and_si128(q, low));
+            let hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), low));
+            for i in 0..rows {
+                // SAFETY: token i's block bi is q[i·k + bi·32 ..][..32] and scales/sums[i·nb + bi].
+                let xp = t.q.as_ptr().add(i * k + bi * BLOCK) as *const __m256i;
+                let p = _mm256_add_epi32(
+                    _mm256_madd_epi16(lo, _mm256_loadu_si256(xp)),
+                    _mm256_madd_epi16(hi, _mm256_loadu_si256(xp.add(1))),
+                );
+                let s = d * *t.scales.get_unchecked(i * nb + bi);
+                total[i] = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(p), total[i]);
+                mins[i] += m * *t.sums.get_unchecked(i * nb + bi);
+            }
+        }
+        for i in 0..rows {
+            acc[i] = hsum(total[i]) + mins[i];
+        }
+    }
+
+    /// Q4_1 against several tokens' f32 activations: per block the nibbles widened to f32 once,
+    /// then for every token 4 FMAs into its own accumulator scaled by d, plus m·Σx from the sums
+    /// (with two or more tokens this beats [`dot_q4_1`], whose per-token work is larger).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_1_f32(w: &[u8], x: &[f32], sums: &[f32], k: usize, acc: &mut [f32]) {
         let (nb, rows) = (k / BLOCK, acc.len());
         debug_assert!(rows <= ROWS && x.len() >= rows * k && w.len() >= nb * BLOCK_BYTES);
         let mut total = [_mm256_setzero_ps(); ROWS];
         let mut mins = [0f32; ROWS];
         for bi in 0..nb {
             let b = &w[bi * BLOCK_BYTES..(bi + 1) * BLOCK_BYTES];
-            let (d, m) = scale_min(b);
+            let (d, m) = scale_min(b.as_ptr());
             let q = nibbles(b);
             for i in 0..rows {
                 // SAFETY: token i's block bi is x[i·k + bi·32 ..][..32], inside x (checked above).
@@ -289,8 +389,9 @@ mod avx2 {
         }
     }
 
-    /// As [`dot_q4_1`] for Q8_0: each block's bytes widened once, 4 FMAs per token, scaled by d.
-    #[target_feature(enable = "avx2,fma")]
+    /// One W row of Q8_0 against up to [`ROWS`] tokens' f32 activations: each block's bytes widened
+    /// to f32 once, 4 FMAs per token, scaled by d.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q8_0(w: &[u8], x: &[f32], k: usize, acc: &mut [f32]) {
         let (nb, rows) = (k / BLOCK, acc.len());
         debug_assert!(rows <= ROWS && x.len() >= rows * k && w.len() >= nb * Q8_BYTES);
@@ -361,6 +462,21 @@ mod tests {
         out
     }
 
+    /// Per weight, |d·q|: what the activations' 16-bit rounding multiplies (Q4_1's m meets exact sums).
+    fn scaled_integers(format: Format, w: &[u8]) -> Vec<f64> {
+        let mut out = Vec::with_capacity(w.len() / format.block_bytes() * BLOCK);
+        for b in w.chunks_exact(format.block_bytes()) {
+            let d = f16::from_le_bytes([b[0], b[1]]).to_f64().abs();
+            match format {
+                Format::Q4_1 => {
+                    out.extend(b[4..].iter().map(|q| q & 15).chain(b[4..].iter().map(|q| q >> 4)).map(|q| d * q as f64))
+                }
+                Format::Q8_0 => out.extend(b[2..].iter().map(|&q| d * (q as i8 as f64).abs())),
+            }
+        }
+        out
+    }
+
     /// f64 over the widened weights: the reference both paths must match.
     fn reference(format: Format, x: &[f32], n: usize, k: usize, w: &[u8], m: usize) -> Vec<f64> {
         let mut wd = vec![0f32; m * k];
@@ -379,7 +495,9 @@ mod tests {
     /// the summation order (the `gemm` crate picks its kernel by the CPU at run time): a sum of k
     /// rounded products errs by at most γ_k·Σ|terms| (γ_k = kε/(1−kε), ε = 2⁻²⁴), where a Q4_1
     /// term counts |d·q| and |m| apart (the kernel sums d·Σqx and m·Σx, which may cancel), and
-    /// widening a weight to f32 adds 2ε of it; 2·(k + 4)·ε covers both.
+    /// widening a weight to f32 adds 2ε of it; 2·(k + 4)·ε covers both. The few-token kernels may
+    /// also round each activation to 16 bits of its block's largest |x| (AVX2): at most half a
+    /// step, |x|max / 32,767 / 2, times |d·q| of its weight.
     #[test]
     fn both_paths_match_the_reference_on_random_shapes() {
         let seed = crate::testing::fresh_seed();
@@ -393,10 +511,16 @@ mod tests {
                 let want = reference(format, &x, n, k, &w, m);
                 let mut out = vec![f32::NAN; n * m];
                 matmul(format, &x, n, k, &w, m, &mut out).unwrap();
-                let mags = magnitudes(format, &w);
+                let (mags, ints) = (magnitudes(format, &w), scaled_integers(format, &w));
                 let gamma = 2.0 * (k + 4) as f64 * f64::powi(2.0, -24);
+                let step = |i: usize, j: usize| -> f64 {
+                    let block = &x[i * k + j / BLOCK * BLOCK..][..BLOCK];
+                    block.iter().fold(0f64, |a, v| a.max(v.abs() as f64)) / i16::MAX as f64 / 2.0 * (1.0 + 1e-6)
+                };
                 let bound = |i: usize, r: usize| -> f64 {
-                    gamma * (0..k).map(|j| mags[r * k + j] * (x[i * k + j] as f64).abs()).sum::<f64>()
+                    (0..k)
+                        .map(|j| gamma * mags[r * k + j] * (x[i * k + j] as f64).abs() + ints[r * k + j] * step(i, j))
+                        .sum::<f64>()
                 };
                 let at = format!("seed {seed} {format:?} n {n} k {k} m {m}");
                 for i in 0..n {
