@@ -781,12 +781,9 @@ pub fn run(a: Args) -> Result<()> {
             let estimate = match &rates {
                 Some(rates) => {
                     let kv_bytes_per_position = s.cache_bytes_per_element(head_dim)? * elements_per_position as f64;
-                    let (est, line) = estimate(&a, s, rates, &cost, &prompts, c, kv_bytes_per_position);
-                    println!(
-                        "{:<34}        {line}; measured {:.0}% of it",
-                        "",
-                        100.0 * tokens as f64 / secs / est["gen_tok_s"].as_f64().unwrap_or(f64::NAN)
-                    );
+                    let level = Level { prompts: &prompts, clients: c, kv_bytes_per_position };
+                    let (est, line) = estimate(&a, s, rates, &cost, &level, tokens as f64 / secs);
+                    println!("{:<34}        {line}", "");
                     est
                 }
                 None => Value::Null,
@@ -830,33 +827,35 @@ pub fn run(a: Args) -> Result<()> {
     }
 }
 
-/// A throughput level's physical estimate for server `s` (JSON, and the line that says it): as many
-/// sequences a step as the budget holds at the load's mean context (`roofline::Load::slots`).
-fn estimate(
-    a: &Args,
-    s: &Server,
-    rates: &Rates,
-    cost: &Cost,
-    prompts: &[usize],
+/// A throughput level as the estimate needs it.
+struct Level<'a> {
+    prompts: &'a [usize],
     clients: usize,
     kv_bytes_per_position: f64,
-) -> (Value, String) {
+}
+
+/// A throughput level's physical estimate for server `s` (JSON, and the line that says it and how
+/// much of it `measured` gen tok/s is): as many sequences a step as the budget holds at the load's
+/// mean context (`roofline::Load::slots`).
+fn estimate(a: &Args, s: &Server, rates: &Rates, cost: &Cost, l: &Level, measured: f64) -> (Value, String) {
+    let (prompts, kv_bytes_per_position) = (l.prompts, l.kv_bytes_per_position);
     let level = roofline::Load {
         prompts,
         max_tokens: a.max_tokens,
-        slots: roofline::Load::slots(a.kv_budget, kv_bytes_per_position, prompts, a.max_tokens, clients),
+        slots: roofline::Load::slots(a.kv_budget, kv_bytes_per_position, prompts, a.max_tokens, l.clients),
         kv_bytes_per_position,
         weight_bytes: s.weight_bytes(cost),
     };
     let e = roofline::estimate(cost, rates, &level);
     let tok_s = (prompts.len() * a.max_tokens) as f64 / e.seconds();
     let line = format!(
-        "physical estimate {:.2} s (prompts {:.2} s + decode {:.2} s at {} sequences a step): {:.0} gen tok/s",
+        "physical estimate {:.2} s (prompts {:.2} s + decode {:.2} s at {} sequences a step): {:.0} gen tok/s; measured {:.0}% of it",
         e.seconds(),
         e.prefill_s,
         e.decode_s,
         level.slots,
-        tok_s
+        tok_s,
+        100.0 * measured / tok_s
     );
     let json = json!({"seconds": e.seconds(), "prefill_s": e.prefill_s, "decode_s": e.decode_s,
                       "slots": level.slots, "gen_tok_s": tok_s});

@@ -164,8 +164,8 @@ unsafe impl Sync for SendPtr {}
 struct Tokens<'a> {
     x: &'a [f32],
     sums: Vec<f32>,
-    q: Vec<i16>,
-    scales: Vec<f32>,
+    /// `q` and the scales, when the kernel reads them.
+    integers: Option<(Vec<i16>, Vec<f32>)>,
 }
 
 impl<'a> Tokens<'a> {
@@ -173,9 +173,8 @@ impl<'a> Tokens<'a> {
     fn new(x: &'a [f32], integers: bool) -> Self {
         let blocks = x.len() / BLOCK;
         let sums = x.chunks_exact(BLOCK).map(|b| b.iter().sum()).collect();
-        let (mut q, mut scales) = (Vec::new(), Vec::new());
-        if integers {
-            (q, scales) = (vec![0i16; x.len()], Vec::with_capacity(blocks));
+        let integers = integers.then(|| {
+            let (mut q, mut scales) = (vec![0i16; x.len()], Vec::with_capacity(blocks));
             for (b, qb) in x.chunks_exact(BLOCK).zip(q.chunks_exact_mut(BLOCK)) {
                 let max = b.iter().fold(0f32, |a, v| a.max(v.abs()));
                 let scale = max / i16::MAX as f32;
@@ -186,15 +185,18 @@ impl<'a> Tokens<'a> {
                 }
                 scales.push(scale);
             }
-        }
-        Self { x, sums, q, scales }
+            (q, scales)
+        });
+        Self { x, sums, integers }
     }
 
     /// Tokens `i0 .. i0 + rows` of a `k`-wide batch.
     fn rows(&self, i0: usize, rows: usize, k: usize) -> TokenRows<'_> {
         let (e, b) = (i0 * k..(i0 + rows) * k, i0 * k / BLOCK..(i0 + rows) * k / BLOCK);
-        let q = if self.q.is_empty() { &[][..] } else { &self.q[e.clone()] };
-        let scales = if self.scales.is_empty() { &[][..] } else { &self.scales[b.clone()] };
+        let (q, scales) = match &self.integers {
+            Some((q, scales)) => (&q[e.clone()], &scales[b.clone()]),
+            None => (&[][..], &[][..]),
+        };
         TokenRows { x: &self.x[e], sums: &self.sums[b], q, scales }
     }
 }
@@ -445,33 +447,20 @@ mod tests {
         w
     }
 
-    /// Per weight, |d·q| + |m| (Q8_0: |d·q|): what the f32 error of a product with it scales by.
-    fn magnitudes(format: Format, w: &[u8]) -> Vec<f64> {
+    /// Per weight, (|d·q|, |m|) (Q8_0: m = 0). Their sum is what the f32 error of a product with
+    /// it scales by; |d·q| alone is what the activations' 16-bit rounding multiplies (Q4_1's m
+    /// meets exact sums).
+    fn magnitudes(format: Format, w: &[u8]) -> Vec<(f64, f64)> {
         let mut out = Vec::with_capacity(w.len() / format.block_bytes() * BLOCK);
         for b in w.chunks_exact(format.block_bytes()) {
             let d = f16::from_le_bytes([b[0], b[1]]).to_f64().abs();
             match format {
                 Format::Q4_1 => {
                     let m = f16::from_le_bytes([b[2], b[3]]).to_f64().abs();
-                    let q: Vec<u8> = b[4..].iter().map(|q| q & 15).chain(b[4..].iter().map(|q| q >> 4)).collect();
-                    out.extend(q.iter().map(|&q| d * q as f64 + m));
+                    let q = b[4..].iter().map(|q| q & 15).chain(b[4..].iter().map(|q| q >> 4));
+                    out.extend(q.map(|q| (d * q as f64, m)));
                 }
-                Format::Q8_0 => out.extend(b[2..].iter().map(|&q| d * (q as i8 as f64).abs())),
-            }
-        }
-        out
-    }
-
-    /// Per weight, |d·q|: what the activations' 16-bit rounding multiplies (Q4_1's m meets exact sums).
-    fn scaled_integers(format: Format, w: &[u8]) -> Vec<f64> {
-        let mut out = Vec::with_capacity(w.len() / format.block_bytes() * BLOCK);
-        for b in w.chunks_exact(format.block_bytes()) {
-            let d = f16::from_le_bytes([b[0], b[1]]).to_f64().abs();
-            match format {
-                Format::Q4_1 => {
-                    out.extend(b[4..].iter().map(|q| q & 15).chain(b[4..].iter().map(|q| q >> 4)).map(|q| d * q as f64))
-                }
-                Format::Q8_0 => out.extend(b[2..].iter().map(|&q| d * (q as i8 as f64).abs())),
+                Format::Q8_0 => out.extend(b[2..].iter().map(|&q| (d * (q as i8 as f64).abs(), 0.0))),
             }
         }
         out
@@ -495,9 +484,11 @@ mod tests {
     /// the summation order (the `gemm` crate picks its kernel by the CPU at run time): a sum of k
     /// rounded products errs by at most γ_k·Σ|terms| (γ_k = kε/(1−kε), ε = 2⁻²⁴), where a Q4_1
     /// term counts |d·q| and |m| apart (the kernel sums d·Σqx and m·Σx, which may cancel), and
-    /// widening a weight to f32 adds 2ε of it; 2·(k + 4)·ε covers both. The few-token kernels may
-    /// also round each activation to 16 bits of its block's largest |x| (AVX2): at most half a
-    /// step, |x|max / 32,767 / 2, times |d·q| of its weight.
+    /// widening a weight to f32 adds 2ε of it; 2·(k + 4)·ε covers both. A lone token's Q4_1 product
+    /// may also round each activation to 16 bits of its block's largest |x| (the AVX2 kernel): at
+    /// most half a step, |x|max / 32,767 / 2 (the 10⁻⁶ covers the f32 rounding of the scale and of
+    /// x / scale, a few ε), times |d·q| of its weight. Other products keep f32 activations, and
+    /// the bound leaves that term out for them.
     #[test]
     fn both_paths_match_the_reference_on_random_shapes() {
         let seed = crate::testing::fresh_seed();
@@ -511,15 +502,20 @@ mod tests {
                 let want = reference(format, &x, n, k, &w, m);
                 let mut out = vec![f32::NAN; n * m];
                 matmul(format, &x, n, k, &w, m, &mut out).unwrap();
-                let (mags, ints) = (magnitudes(format, &w), scaled_integers(format, &w));
+                let mags = magnitudes(format, &w);
                 let gamma = 2.0 * (k + 4) as f64 * f64::powi(2.0, -24);
+                let rounded = format == Format::Q4_1 && n == 1;
                 let step = |i: usize, j: usize| -> f64 {
                     let block = &x[i * k + j / BLOCK * BLOCK..][..BLOCK];
                     block.iter().fold(0f64, |a, v| a.max(v.abs() as f64)) / i16::MAX as f64 / 2.0 * (1.0 + 1e-6)
                 };
                 let bound = |i: usize, r: usize| -> f64 {
                     (0..k)
-                        .map(|j| gamma * mags[r * k + j] * (x[i * k + j] as f64).abs() + ints[r * k + j] * step(i, j))
+                        .map(|j| {
+                            let (dq, m) = mags[r * k + j];
+                            let f32_error = gamma * (dq + m) * (x[i * k + j] as f64).abs();
+                            f32_error + if rounded { dq * step(i, j) } else { 0.0 }
+                        })
                         .sum::<f64>()
                 };
                 let at = format!("seed {seed} {format:?} n {n} k {k} m {m}");
