@@ -600,6 +600,10 @@ fn long_blocks(kind: Kind, method: Method) {
         c.check("a prompt", &[(0, 300)], &mut rng, seed);
         c.check("a turn of 1,100", &[(0, 1100)], &mut rng, seed);
         c.check("decode after it", &[(0, 1)], &mut rng, seed);
+        // A wide pool: a lone sequence's few (head, tile) tasks split its positions into shares
+        // (the CPU backend) whose partials merge.
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(8).build().unwrap();
+        pool.install(|| c.check("decode with its positions shared out", &[(0, 1)], &mut rng, seed));
         c.check("two prompts at once", &[(1, 1030), (0, 70)], &mut rng, seed);
     }
 }

@@ -1,13 +1,13 @@
 //! Criterion: block-quantized weight products at SmolLM2's shapes (width 576, MLP 1,536), one
-//! token (a decode step) and four, Q4_1 and Q8_0 — `kernels::cpu::quant::matmul`, whatever path
-//! it dispatches to on this CPU.
+//! token (a decode step) and four, Q4_1 and Q8_0 — `kernels::cpu::quant::Packed::matmul`, whatever
+//! path it dispatches to on this CPU.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use half::f16;
 use rand::{Rng, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 
-use veloq::kernels::cpu::quant::{matmul, Format, BLOCK};
+use veloq::kernels::cpu::quant::{Format, Packed, BLOCK};
 
 /// `m × k` weights of `format` with realistic scales.
 fn weights(format: Format, rng: &mut impl Rng, m: usize, k: usize) -> Vec<u8> {
@@ -32,12 +32,13 @@ fn products(c: &mut Criterion) {
     for format in [Format::Q4_1, Format::Q8_0] {
         for (m, k) in [(1536usize, 576usize), (576, 1536)] {
             let w = weights(format, &mut rng, m, k);
+            let packed = Packed::new(format, &w, m, k).unwrap();
             for n in [1usize, 4] {
                 let x: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
                 let mut out = vec![0f32; n * m];
                 g.throughput(Throughput::Bytes(w.len() as u64));
                 g.bench_with_input(BenchmarkId::new(format!("{format:?}_{m}x{k}"), n), &n, |b, &n| {
-                    b.iter(|| matmul(format, &x, n, k, &w, m, &mut out).unwrap())
+                    b.iter(|| packed.matmul(&x, n, &mut out).unwrap())
                 });
             }
         }

@@ -64,6 +64,42 @@ impl Codecs {
     }
 }
 
+/// Positions a share of a view's attention covers at least: below it, the tables a share of codes
+/// builds for its queries cost more than the idle thread it saves.
+const SHARE_MIN: usize = 512;
+
+/// Shares of each view's positions: enough for `base` (view, head, tile) tasks to make at least
+/// two per thread, none under [`SHARE_MIN`] positions.
+fn shares(base: usize, threads: usize, positions: usize) -> usize {
+    let want = (2 * threads).div_ceil(base.max(1));
+    want.min(positions / SHARE_MIN).max(1)
+}
+
+/// Share `sh` of `shares` of the rows of `segs` (`len` elements a row), in order: the rows
+/// `R·sh/shares .. R·(sh + 1)/shares` of their `R`, each piece keeping its positions.
+fn share_rows<'a>(segs: &[Segment<'a, f16>], len: usize, sh: usize, shares: usize) -> Vec<Segment<'a, f16>> {
+    if shares == 1 {
+        return segs.to_vec();
+    }
+    let total: usize = segs.iter().map(|s| s.keys.len() / len).sum();
+    let (lo, hi) = (total * sh / shares, total * (sh + 1) / shares);
+    let mut out = Vec::new();
+    let mut first = 0;
+    for s in segs {
+        let n = s.keys.len() / len;
+        let (a, b) = (lo.max(first) - first, hi.min(first + n).saturating_sub(first));
+        if a < b {
+            out.push(Segment {
+                keys: &s.keys[a * len..b * len],
+                values: &s.values[a * len..b * len],
+                pos0: s.pos0 + a,
+            });
+        }
+        first += n;
+    }
+    out
+}
+
 /// One sequence's f16 rows, token-major `[rows, kv heads, head_dim]`, allocated a block at a time
 /// as rows are first written.
 #[derive(Default)]
@@ -243,11 +279,22 @@ impl CpuBackend {
         let g = hq / kv;
         let qv = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let n = q.dim(0)?;
-        let tasks: Vec<(usize, usize, usize)> = views
+        // (view, kv head, first query of the tile, share, shares): a step of few sequences has
+        // fewer (view, head, tile) tasks than a multiple of the threads (one sequence of 3 kv
+        // heads on 2 threads: one thread idles a third of the time), so each view's positions are
+        // cut into shares whose partials merge below.
+        let base = views.iter().map(|v| kv * v.queries.len().div_ceil(QUERY_TILE)).sum::<usize>();
+        let threads = rayon::current_num_threads();
+        let tasks: Vec<(usize, usize, usize, usize, usize)> = views
             .iter()
             .enumerate()
             .flat_map(|(vi, v)| {
-                (0..kv).flat_map(move |h| (0..v.queries.len()).step_by(QUERY_TILE).map(move |t0| (vi, h, t0)))
+                let shares = shares(base, threads, v.row_spans().iter().map(|r| r.n).sum::<usize>() + v.coded);
+                (0..kv).flat_map(move |h| {
+                    (0..v.queries.len())
+                        .step_by(QUERY_TILE)
+                        .flat_map(move |t0| (0..shares).map(move |sh| (vi, h, t0, sh, shares)))
+                })
             })
             .collect();
         // Query i of the tile, head gh of the group, is the task's query i·g + gh.
@@ -256,7 +303,7 @@ impl CpuBackend {
         };
         let results: Vec<(Vec<Softmax>, Vec<f32>)> = tasks
             .par_iter()
-            .map(|&(vi, kvh, t0)| -> Result<(Vec<Softmax>, Vec<f32>)> {
+            .map(|&(vi, kvh, t0, sh, shares)| -> Result<(Vec<Softmax>, Vec<f32>)> {
                 let v = &views[vi];
                 let t1 = (t0 + QUERY_TILE).min(v.queries.len());
                 let nq = (t1 - t0) * g;
@@ -268,7 +315,7 @@ impl CpuBackend {
                 let mut acc = vec![0.0f32; nq * d];
                 if pieces.rows {
                     if let Some(input) = input {
-                        let segs = self.row_segments(v, input);
+                        let segs = share_rows(&self.row_segments(v, input), self.row_len(), sh, shares);
                         rows::attend(
                             &qs,
                             &q_pos,
@@ -283,29 +330,31 @@ impl CpuBackend {
                     }
                 }
                 if pieces.codes && v.coded > 0 {
-                    self.codes_task(v, kvh, &qs, &q_pos, &mut stats, &mut acc)?;
+                    self.codes_task(v, kvh, (sh, shares), &qs, &q_pos, &mut stats, &mut acc)?;
                 }
                 Ok((stats, acc))
             })
             .collect::<Result<_>>()?;
         let mut out =
             CpuPartial { stats: vec![Softmax::EMPTY; n * hq], acc: vec![0.0; n * hq * d], device: q.device().clone() };
-        for (&(vi, kvh, t0), (stats, acc)) in tasks.iter().zip(results) {
+        for (&(vi, kvh, t0, _, _), (stats, acc)) in tasks.iter().zip(results) {
             let v = &views[vi];
             let t1 = (t0 + QUERY_TILE).min(v.queries.len());
             for (i, (row, st)) in rows_of(v.queries.start, kvh, t0, t1).zip(stats).enumerate() {
-                out.stats[row] = st;
-                out.acc[row * d..(row + 1) * d].copy_from_slice(&acc[i * d..(i + 1) * d]);
+                out.stats[row].merge(&mut out.acc[row * d..(row + 1) * d], st, &acc[i * d..(i + 1) * d]);
             }
         }
         Ok(out)
     }
 
-    /// Folds a view's codes into the partials of its queries `qs` (one query head over kv head `h`).
+    /// Folds share `share.0` of `share.1` of a view's codes into the partials of its queries `qs`
+    /// (one query head over kv head `h`).
+    #[allow(clippy::too_many_arguments)]
     fn codes_task(
         &self,
         v: &SeqView,
         h: usize,
+        share: (usize, usize),
         qs: &[f32],
         q_pos: &[usize],
         stats: &mut [Softmax],
@@ -314,14 +363,21 @@ impl CpuBackend {
         let Some((codecs, block)) = &self.codecs else { return Ok(()) };
         let d = self.heads.dim;
         let sc = &self.codes[v.slot];
+        // Codes are unmasked (older than every query): a share is a run of whole blocks.
+        let n_blocks = v.coded.div_ceil(*block);
+        let (b0, b1) = (n_blocks * share.0 / share.1, n_blocks * (share.0 + 1) / share.1);
+        let len = v.coded.min(b1 * block).saturating_sub(b0 * block);
+        if len == 0 {
+            return Ok(());
+        }
         match codecs {
             Codecs::Lut { keys, values } => {
                 let blocks = CodeBlocks {
-                    keys: &sc.keys,
-                    values: &sc.values,
+                    keys: &sc.keys[b0..b1],
+                    values: &sc.values[b0..b1],
                     block: *block,
                     heads: self.heads.kv,
-                    len: v.coded,
+                    len,
                 };
                 let mut scratch = CodesScratch::default();
                 let (mut cs, mut ca) = (vec![Softmax::EMPTY; stats.len()], vec![0.0f32; acc.len()]);
@@ -340,12 +396,13 @@ impl CpuBackend {
                 }
             }
             Codecs::Decode { keys, values } => {
-                // Codes are unmasked (older than every query); positions only order them.
+                // Positions only order the codes (whole blocks of them).
                 let n = block * self.row_len();
                 let (mut kb, mut vb) = (vec![0.0f32; n], vec![0.0f32; n]);
                 let mut scratch = RowsScratch::new(d, qs.len() / d);
                 let (mut cs, mut ca) = (vec![Softmax::EMPTY; stats.len()], vec![0.0f32; acc.len()]);
-                for (i, (kc, vc)) in sc.keys.iter().zip(&sc.values).enumerate().take(v.coded / block) {
+                let whole = b1.min(v.coded / block);
+                for (i, (kc, vc)) in sc.keys.iter().zip(&sc.values).enumerate().take(whole).skip(b0) {
                     keys.decode(kc, &mut kb)?;
                     values.decode(vc, &mut vb)?;
                     let seg = [Segment { keys: &kb[..], values: &vb[..], pos0: v.n_sink + i * block }];
@@ -550,5 +607,42 @@ impl Backend for CpuBackend {
             *s = SlotRows::default();
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use half::f16;
+    use veloq::kernels::cpu::attention::Segment;
+
+    use super::{share_rows, shares, SHARE_MIN};
+
+    /// The shares of a view's rows are its rows, each once, in order, at their own positions.
+    #[test]
+    fn shares_cover_every_row_once() {
+        let len = 3;
+        let rows: Vec<f16> = (0..40 * len).map(|i| f16::from_f32(i as f32)).collect();
+        // Three runs (a sink, a wrapped ring, staged input) of 5, 21 and 14 rows.
+        let segs = [
+            Segment { keys: &rows[..5 * len], values: &rows[..5 * len], pos0: 0 },
+            Segment { keys: &rows[5 * len..26 * len], values: &rows[5 * len..26 * len], pos0: 100 },
+            Segment { keys: &rows[26 * len..], values: &rows[26 * len..], pos0: 121 },
+        ];
+        for n in 1..=7 {
+            let mut seen = Vec::new();
+            for sh in 0..n {
+                for s in share_rows(&segs, len, sh, n) {
+                    for r in 0..s.keys.len() / len {
+                        seen.push((s.keys[r * len].to_f32() as usize / len, s.pos0 + r));
+                    }
+                }
+            }
+            // The sink at positions 0..5, then the ring and the input continuing from 100.
+            let want: Vec<(usize, usize)> = (0..40).map(|r| (r, if r < 5 { r } else { 95 + r })).collect();
+            assert_eq!(seen, want, "{n} shares");
+        }
+        assert_eq!(shares(3, 2, 1024), 2, "one sequence, 3 kv heads, 2 threads, 1k");
+        assert_eq!(shares(3, 2, SHARE_MIN - 1), 1, "short contexts stay whole");
+        assert_eq!(shares(64, 2, 1 << 20), 1, "enough tasks already");
     }
 }

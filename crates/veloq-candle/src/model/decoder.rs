@@ -200,13 +200,27 @@ impl Model {
                     .ok_or_else(|| Error::Model { path: origin.clone(), reason: format!("no tensor {p}.{n}") })
             };
             let mut linear = |n: &str| -> Result<Linear> { Linear::new(get(&format!("{n}.weight"))?, device, weights) };
+            // Separate matrices in veloq's CPU layout become one (one product each).
             let qkv = match fused_qkv {
                 Some(w) => Qkv3::Fused(Linear::new(w, device, weights)?),
-                None => Qkv3::Separate { q: linear("attn_q")?, k: linear("attn_k")?, v: linear("attn_v")? },
+                None => {
+                    let (q, k, v) = (linear("attn_q")?, linear("attn_k")?, linear("attn_v")?);
+                    match Linear::stack(&[&q, &k, &v]) {
+                        Some(qkv) => Qkv3::Fused(qkv),
+                        None => Qkv3::Separate { q, k, v },
+                    }
+                }
             };
             let wo = linear("attn_output")?;
             let gate_up = match gate {
-                Some(g) => GateUp::Separate { gate: Linear::new(g, device, weights)?, up: linear("ffn_up")? },
+                Some(g) => {
+                    let (gate, up) = (Linear::new(g, device, weights)?, linear("ffn_up")?);
+                    // The fused form's halves are gate and up.
+                    match Linear::stack(&[&gate, &up]).filter(|_| gate.rows() == up.rows()) {
+                        Some(both) => GateUp::Fused(both),
+                        None => GateUp::Separate { gate, up },
+                    }
+                }
                 None => GateUp::Fused(linear("ffn_up")?),
             };
             let down = linear("ffn_down")?;

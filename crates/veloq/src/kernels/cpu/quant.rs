@@ -6,12 +6,15 @@
 //! Why our own: candle 0.11 has no SIMD path for Q4_1 (its `vec_dot` is the scalar reference) and
 //! multiplies one (row, column) pair at a time, so a 512-token prefill chunk of SmolLM2 (Q4_1)
 //! spent three quarters of its time there; its Q8_0 product (SmolLM2's tied output matrix, 49k
-//! rows) runs on candle's one thread while the other core waits. Two paths, both multithreaded
-//! over tiles of W's rows:
-//! - few tokens (decode, small steps): each tile's blocks are multiplied into up to [`ROWS`] tokens
-//!   at a time (the weights stream from memory once per [`ROWS`] tokens); with AVX2 the block's
-//!   integers meet the activations as 16-bit integers (a scale per block of 32: [`Tokens`]) in
-//!   `madd` instructions, half the work of widening every weight to f32;
+//! rows) runs on candle's one thread while the other core waits.
+//!
+//! The weights are repacked once ([`Packed`]): rows in groups of [`GROUP`], each group's blocks
+//! interleaved so that one AVX2 register holds two weights of each of its 8 rows. A product then
+//! never sums across a register: `madd` of a group's pair of columns against the activations' pair,
+//! broadcast, leaves each row's partial sum in its own 32-bit lane, and a block's scales (8 f16 in
+//! a row) scale all 8 rows at once. Two paths, both multithreaded over tiles of groups:
+//! - few tokens (decode, small steps): each group's blocks meet up to [`ROWS`] tokens' activations
+//!   as 16-bit integers (a scale per block of 32: [`Tokens`]), integer sums per block;
 //! - many tokens (prefill chunks): each tile of W is widened into scratch (a tile, not the matrix)
 //!   and multiplied by the `gemm` crate (the kernel candle itself uses for f32 matmuls).
 //!
@@ -26,6 +29,8 @@ use super::gemm::matmul as gemm;
 
 /// Weights per block.
 pub const BLOCK: usize = 32;
+/// W rows per group of the packed layout: an AVX2 register's eight 32-bit lanes.
+pub const GROUP: usize = 8;
 
 /// A GGUF block format of 32 weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,32 +50,67 @@ impl Format {
         }
     }
 
-    /// One block widened to f32 into `o` (32 weights).
-    fn widen(self, b: &[u8], o: &mut [f32]) {
-        let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+    /// Bytes of a group's scales (d, and Q4_1's m) at the head of each packed group block.
+    const fn scale_bytes(self) -> usize {
+        match self {
+            Format::Q4_1 => 4 * GROUP,
+            Format::Q8_0 => 2 * GROUP,
+        }
+    }
+
+    /// Row `r`'s 32 weights of a packed group block `g`, widened to f32 into `o`.
+    fn widen_packed(self, g: &[u8], r: usize, o: &mut [f32]) {
+        let half = |at: usize| f16::from_le_bytes([g[at], g[at + 1]]).to_f32();
+        let (d, body) = (half(2 * r), self.scale_bytes());
         match self {
             Format::Q4_1 => {
-                let min = f16::from_le_bytes([b[2], b[3]]).to_f32();
-                for (j, &q) in b[4..].iter().enumerate() {
-                    o[j] = (q & 15) as f32 * d + min;
-                    o[j + 16] = (q >> 4) as f32 * d + min;
+                let min = half(2 * GROUP + 2 * r);
+                for c in 0..GROUP {
+                    for e in 0..2 {
+                        let q = g[body + 16 * c + 2 * r + e];
+                        o[2 * c + e] = (q & 15) as f32 * d + min;
+                        o[16 + 2 * c + e] = (q >> 4) as f32 * d + min;
+                    }
                 }
             }
             Format::Q8_0 => {
-                for (o, &q) in o.iter_mut().zip(&b[2..]) {
-                    *o = q as i8 as f32 * d;
+                for j in 0..BLOCK / 2 {
+                    for e in 0..2 {
+                        o[2 * j + e] = g[body + 16 * j + 2 * r + e] as i8 as f32 * d;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes GGUF block `src` as row `r` of packed group block `g` (the inverse of
+    /// [`Format::widen_packed`]'s reading).
+    fn pack_into(self, src: &[u8], g: &mut [u8], r: usize) {
+        g[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
+        let body = self.scale_bytes();
+        match self {
+            Format::Q4_1 => {
+                g[2 * GROUP + 2 * r..2 * GROUP + 2 * r + 2].copy_from_slice(&src[2..4]);
+                // Nibble byte i holds weights i and 16 + i: bytes 2c, 2c + 1 go to chunk c.
+                for c in 0..GROUP {
+                    g[body + 16 * c + 2 * r..][..2].copy_from_slice(&src[4 + 2 * c..][..2]);
+                }
+            }
+            Format::Q8_0 => {
+                for j in 0..BLOCK / 2 {
+                    g[body + 16 * j + 2 * r..][..2].copy_from_slice(&src[2 + 2 * j..][..2]);
                 }
             }
         }
     }
 }
 
-/// Tokens multiplied per pass over a block in the few-token path.
+/// Tokens multiplied per pass over a group in the few-token path.
 pub const ROWS: usize = 4;
 /// From this many tokens on, tiles are widened and multiplied by `gemm`.
 pub const GEMM_FROM: usize = 16;
-/// W rows per task.
-const TILE: usize = 32;
+/// Groups per task (32 rows).
+const TILE_GROUPS: usize = 4;
 
 /// Why a product cannot run.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -88,6 +128,9 @@ pub enum ShapeError {
         /// Its length.
         got: usize,
     },
+    #[error("block-quantized matrices stack only in one format and width, each but the last a whole number of {GROUP}-row groups")]
+    /// Matrices [`Packed::stack`] cannot join.
+    Stack,
 }
 
 fn check(what: &'static str, expected: usize, got: usize) -> Result<(), ShapeError> {
@@ -98,57 +141,147 @@ fn check(what: &'static str, expected: usize, got: usize) -> Result<(), ShapeErr
     }
 }
 
-/// `out[n, m] = x[n, k] · W[m, k]ᵀ` with `w` the `m × k/32` blocks of `format`, row after row.
-pub fn matmul(
+/// A `[rows, cols]` matrix of GGUF blocks repacked for the products: rows in groups of
+/// [`GROUP`] (the last padded with zero weights), each group's blocks one after another, and in
+/// each group block the 8 rows' d (then Q4_1's 8 m) as f16, then the weights in chunks of 16
+/// bytes, two weights of each row per chunk: Q4_1 chunk c holds nibble bytes 2c and 2c + 1 of
+/// every row (weights 2c, 2c + 1 in the low nibbles, 16 + 2c, 17 + 2c in the high), Q8_0 chunk j
+/// holds weights 2j and 2j + 1. The same bytes as the GGUF blocks, rearranged.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Packed {
     format: Format,
-    x: &[f32],
-    n: usize,
-    k: usize,
-    w: &[u8],
-    m: usize,
-    out: &mut [f32],
-) -> Result<(), ShapeError> {
-    if !k.is_multiple_of(BLOCK) {
-        return Err(ShapeError::K(k));
-    }
-    check("activations", n * k, x.len())?;
-    check("weight bytes", m * k / BLOCK * format.block_bytes(), w.len())?;
-    check("outputs", n * m, out.len())?;
-    if n == 0 || m == 0 {
-        return Ok(());
-    }
-    if n >= GEMM_FROM {
-        widened_gemm(format, x, n, k, w, m, out);
-    } else {
-        few_tokens(format, x, n, k, w, m, out);
-    }
-    Ok(())
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
 }
 
-/// W's rows (`w`, whole rows of `format` blocks) widened to f32 into `dst` (`rows × k`).
-pub fn dequantize(format: Format, w: &[u8], k: usize, dst: &mut [f32]) {
-    let bb = format.block_bytes();
-    for (row, d) in w.chunks_exact(k / BLOCK * bb).zip(dst.chunks_exact_mut(k)) {
-        for (b, o) in row.chunks_exact(bb).zip(d.chunks_exact_mut(BLOCK)) {
-            format.widen(b, o);
+impl Packed {
+    /// Repacks `w`, `rows × cols/32` blocks of `format` row after row (a GGUF tensor's data).
+    pub fn new(format: Format, w: &[u8], rows: usize, cols: usize) -> Result<Self, ShapeError> {
+        if !cols.is_multiple_of(BLOCK) {
+            return Err(ShapeError::K(cols));
+        }
+        let (nb, bb) = (cols / BLOCK, format.block_bytes());
+        check("weight bytes", rows * nb * bb, w.len())?;
+        let mut data = vec![0u8; rows.div_ceil(GROUP) * GROUP * nb * bb];
+        let gbb = GROUP * bb;
+        for (g, group) in data.chunks_exact_mut(nb * gbb).enumerate() {
+            for (b, gb) in group.chunks_exact_mut(gbb).enumerate() {
+                for r in 0..GROUP.min(rows - g * GROUP) {
+                    format.pack_into(&w[((g * GROUP + r) * nb + b) * bb..][..bb], gb, r);
+                }
+            }
+        }
+        Ok(Self { format, rows, cols, data })
+    }
+
+    /// The matrices' rows one after another: what one product over all of them multiplies (a
+    /// layer's q, k and v). Same format and width, every part but the last whole groups.
+    pub fn stack(parts: &[&Packed]) -> Result<Self, ShapeError> {
+        let Some(first) = parts.first() else { return Err(ShapeError::Stack) };
+        let joins = parts.iter().all(|p| p.format == first.format && p.cols == first.cols)
+            && parts[..parts.len() - 1].iter().all(|p| p.rows.is_multiple_of(GROUP));
+        if !joins {
+            return Err(ShapeError::Stack);
+        }
+        let rows = parts.iter().map(|p| p.rows).sum::<usize>();
+        let data = parts.iter().flat_map(|p| p.data.iter().copied()).collect();
+        Ok(Self { format: first.format, rows, cols: first.cols, data })
+    }
+
+    /// The block format.
+    pub fn format(&self) -> Format {
+        self.format
+    }
+    /// Rows (outputs per token).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    /// Columns (inputs per token).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// Bytes held (what one pass over the weights reads), the padding rows included.
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Bytes of one group block (8 rows × 32 columns).
+    fn group_block(&self) -> usize {
+        GROUP * self.format.block_bytes()
+    }
+
+    /// `out[n, rows] = x[n, cols] · Wᵀ`.
+    pub fn matmul(&self, x: &[f32], n: usize, out: &mut [f32]) -> Result<(), ShapeError> {
+        check("activations", n * self.cols, x.len())?;
+        check("outputs", n * self.rows, out.len())?;
+        if n == 0 || self.rows == 0 {
+            return Ok(());
+        }
+        if n >= GEMM_FROM {
+            self.widened_gemm(x, n, out);
+        } else {
+            self.few_tokens(x, n, out);
+        }
+        Ok(())
+    }
+
+    /// Rows `r0 ..` of a tile of groups (`tile`, whole groups) widened to f32 into `dst`
+    /// (`live rows × cols`).
+    fn widen_tile(&self, tile: &[u8], live: usize, dst: &mut [f32]) {
+        let (k, gbb) = (self.cols, self.group_block());
+        for (g, group) in tile.chunks_exact(k / BLOCK * gbb).enumerate() {
+            for (b, gb) in group.chunks_exact(gbb).enumerate() {
+                for r in 0..GROUP.min(live.saturating_sub(g * GROUP)) {
+                    self.format.widen_packed(gb, r, &mut dst[(g * GROUP + r) * k + b * BLOCK..][..BLOCK]);
+                }
+            }
         }
     }
-}
 
-fn widened_gemm(format: Format, x: &[f32], n: usize, k: usize, w: &[u8], m: usize, out: &mut [f32]) {
-    let row_bytes = k / BLOCK * format.block_bytes();
-    let out_ptr = SendPtr(out.as_mut_ptr());
-    w.par_chunks(row_bytes * TILE).enumerate().for_each(|(t, wt)| {
-        let rows = wt.len() / row_bytes;
-        let mut tile = vec![0f32; rows * k];
-        dequantize(format, wt, k, &mut tile);
-        let dst = out_ptr;
-        // SAFETY: gemm writes out[i, t·TILE .. t·TILE + rows] for i < n (row stride m, column
-        // stride 1): inside `out` (n·m elements, checked by `matmul`) and disjoint between tasks,
-        // which own disjoint column ranges. x is n × k (row stride k), the tile rows × k read
-        // transposed (row stride 1, column stride k).
-        unsafe { gemm((n, rows, k), dst.0.add(t * TILE), m, false, x.as_ptr(), k, tile.as_ptr(), (1, k)) };
-    });
+    fn widened_gemm(&self, x: &[f32], n: usize, out: &mut [f32]) {
+        let (k, m) = (self.cols, self.rows);
+        let out_ptr = SendPtr(out.as_mut_ptr());
+        let tile_bytes = TILE_GROUPS * k / BLOCK * self.group_block();
+        self.data.par_chunks(tile_bytes).enumerate().for_each(|(t, tile)| {
+            let r0 = t * TILE_GROUPS * GROUP;
+            let live = (m - r0).min(TILE_GROUPS * GROUP);
+            let mut w = vec![0f32; live * k];
+            self.widen_tile(tile, live, &mut w);
+            let dst = out_ptr;
+            // SAFETY: gemm writes out[i, r0 .. r0 + live] for i < n (row stride m, column stride
+            // 1): inside `out` (n·m elements, checked by `matmul`) and disjoint between tasks,
+            // which own disjoint row ranges of W. x is n × k (row stride k), the tile live × k
+            // read transposed (row stride 1, column stride k).
+            unsafe { gemm((n, live, k), dst.0.add(r0), m, false, x.as_ptr(), k, w.as_ptr(), (1, k)) };
+        });
+    }
+
+    fn few_tokens(&self, x: &[f32], n: usize, out: &mut [f32]) {
+        let (k, m) = (self.cols, self.rows);
+        let (kernel, integers) = select(self.format);
+        let tokens = Tokens::new(x, integers);
+        let group_bytes = k / BLOCK * self.group_block();
+        let out_ptr = SendPtr(out.as_mut_ptr());
+        self.data.par_chunks(TILE_GROUPS * group_bytes).enumerate().for_each(|(t, tile)| {
+            for (gi, g) in tile.chunks_exact(group_bytes).enumerate() {
+                let r0 = (t * TILE_GROUPS + gi) * GROUP;
+                let live = GROUP.min(m - r0);
+                for i0 in (0..n).step_by(ROWS) {
+                    let rows = ROWS.min(n - i0);
+                    let mut acc = [[0f32; GROUP]; ROWS];
+                    kernel(g, tokens.rows(i0, rows, k), k, &mut acc[..rows]);
+                    for (i, a) in acc[..rows].iter().enumerate() {
+                        let dst = out_ptr;
+                        // SAFETY: out[(i0 + i)·m + r0 ..][..live] lies inside `out` (n·m elements,
+                        // checked by `matmul`; r0 + live ≤ m) and belongs to this task's group
+                        // alone.
+                        unsafe { std::ptr::copy_nonoverlapping(a.as_ptr(), dst.0.add((i0 + i) * m + r0), live) };
+                    }
+                }
+            }
+        });
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -169,7 +302,7 @@ struct Tokens<'a> {
 }
 
 impl<'a> Tokens<'a> {
-    /// `x`'s sums, and its 16-bit integers when `integers` (the kernels of Q4_1 read them).
+    /// `x`'s sums, and its 16-bit integers when `integers` (the SIMD kernels read them).
     fn new(x: &'a [f32], integers: bool) -> Self {
         let blocks = x.len() / BLOCK;
         let sums = x.chunks_exact(BLOCK).map(|b| b.iter().sum()).collect();
@@ -210,215 +343,156 @@ struct TokenRows<'a> {
     scales: &'a [f32],
 }
 
-fn few_tokens(format: Format, x: &[f32], n: usize, k: usize, w: &[u8], m: usize, out: &mut [f32]) {
-    let row_bytes = k / BLOCK * format.block_bytes();
-    let (dot, integers) = select(format, n);
-    let tokens = Tokens::new(x, integers);
-    // Results per W row ([m, n]), transposed into `out` after: tasks own whole W rows.
-    let mut by_row = vec![0f32; m * n];
-    by_row.par_chunks_mut(TILE * n).zip(w.par_chunks(row_bytes * TILE)).for_each(|(o, wt)| {
-        for (r, wr) in wt.chunks_exact(row_bytes).enumerate() {
-            for i0 in (0..n).step_by(ROWS) {
-                let rows = ROWS.min(n - i0);
-                let mut acc = [0f32; ROWS];
-                dot(wr, tokens.rows(i0, rows, k), k, &mut acc[..rows]);
-                o[r * n + i0..r * n + i0 + rows].copy_from_slice(&acc[..rows]);
-            }
-        }
-    });
-    for i in 0..n {
-        for r in 0..m {
-            out[i * m + r] = by_row[r * n + i];
-        }
-    }
+/// One packed group (all its blocks) against up to [`ROWS`] tokens: `acc[i][r]` = token i's
+/// product with the group's row r.
+type GroupFn = fn(g: &[u8], t: TokenRows<'_>, k: usize, acc: &mut [[f32; GROUP]]);
+
+/// The group kernel of `format` on this CPU (the first of [`kernels`]), and whether it reads the
+/// 16-bit activations.
+fn select(format: Format) -> (GroupFn, bool) {
+    let (_, kernel, integers) = kernels(format)[0];
+    (kernel, integers)
 }
 
-/// One W row against up to [`ROWS`] tokens: `acc[i] = Σ_b d_b·(q_b · x_i,b) (+ m_b·Σ x_i,b)`.
-type DotFn = fn(w: &[u8], t: TokenRows<'_>, k: usize, acc: &mut [f32]);
-
-/// The dot kernel of `format` for `n` tokens on this CPU, and whether it reads the 16-bit
-/// activations: Q4_1 for one token (a decode step), where the widening to f32 is most of the work;
-/// with more tokens per block, or Q8_0's bytes, the f32 form measured faster (`cargo bench -p
-/// veloq --bench quant`).
-fn select(format: Format, n: usize) -> (DotFn, bool) {
+/// Every group kernel of `format` this CPU runs, fastest first: name, kernel, and whether it
+/// reads the 16-bit activations. The SIMD ones give the same bits (exact integer sums, the same
+/// f32 operations after).
+fn kernels(format: Format) -> Vec<(&'static str, GroupFn, bool)> {
+    let mut all: Vec<(&'static str, GroupFn, bool)> = Vec::with_capacity(3);
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx2")
-            && std::is_x86_feature_detected!("fma")
-            && std::is_x86_feature_detected!("f16c")
-        {
-            return match format {
-                Format::Q4_1 if n > 1 => (
-                    |w, t, k, acc| {
-                        // SAFETY: AVX2, FMA and F16C were detected just above.
-                        unsafe { avx2::dot_q4_1_f32(w, t.x, t.sums, k, acc) }
-                    },
-                    false,
-                ),
-                Format::Q4_1 => (
-                    |w, t, k, acc| {
-                        // SAFETY: AVX2, FMA and F16C were detected just above.
-                        unsafe { avx2::dot_q4_1(w, t, k, acc) }
-                    },
-                    true,
-                ),
-                Format::Q8_0 => (
-                    |w, t, k, acc| {
-                        // SAFETY: AVX2, FMA and F16C were detected just above.
-                        unsafe { avx2::dot_q8_0(w, t.x, k, acc) }
-                    },
-                    false,
-                ),
-            };
+        use std::arch::is_x86_feature_detected as has;
+        let avx2 = has!("avx2") && has!("fma") && has!("f16c");
+        // SAFETY (each): the instruction sets its kernel enables were detected here.
+        if avx2 && has!("avx512vnni") && has!("avx512vl") {
+            all.push(match format {
+                Format::Q4_1 => ("vnni", |g, t, k, a| unsafe { simd::vnni::group::<true>(g, t, k, a) }, true),
+                Format::Q8_0 => ("vnni", |g, t, k, a| unsafe { simd::vnni::group::<false>(g, t, k, a) }, true),
+            });
+        }
+        if avx2 {
+            all.push(match format {
+                Format::Q4_1 => ("avx2", |g, t, k, a| unsafe { simd::avx2::group::<true>(g, t, k, a) }, true),
+                Format::Q8_0 => ("avx2", |g, t, k, a| unsafe { simd::avx2::group::<false>(g, t, k, a) }, true),
+            });
         }
     }
-    match format {
-        Format::Q4_1 => (|w, t, k, acc| portable_dot(Format::Q4_1, w, t.x, k, acc), false),
-        Format::Q8_0 => (|w, t, k, acc| portable_dot(Format::Q8_0, w, t.x, k, acc), false),
+    all.push(match format {
+        Format::Q4_1 => ("portable", |g, t, k, a| portable(Format::Q4_1, g, t, k, a), false),
+        Format::Q8_0 => ("portable", |g, t, k, a| portable(Format::Q8_0, g, t, k, a), false),
+    });
+    all
+}
+
+/// Each row's blocks widened one at a time, then multiplied in f32 (no SIMD).
+fn portable(format: Format, g: &[u8], t: TokenRows<'_>, k: usize, acc: &mut [[f32; GROUP]]) {
+    let gbb = GROUP * format.block_bytes();
+    let mut widened = [0f32; BLOCK];
+    acc.iter_mut().for_each(|a| *a = [0.0; GROUP]);
+    for (b, gb) in g.chunks_exact(gbb).enumerate() {
+        for r in 0..GROUP {
+            format.widen_packed(gb, r, &mut widened);
+            for (i, a) in acc.iter_mut().enumerate() {
+                let xb = &t.x[i * k + b * BLOCK..][..BLOCK];
+                a[r] += widened.iter().zip(xb).map(|(w, x)| w * x).sum::<f32>();
+            }
+        }
     }
 }
 
-/// Blocks widened one at a time, then multiplied (no SIMD).
-fn portable_dot(format: Format, w: &[u8], x: &[f32], k: usize, acc: &mut [f32]) {
-    let mut widened = [0f32; BLOCK];
-    for (i, a) in acc.iter_mut().enumerate() {
-        let xi = &x[i * k..(i + 1) * k];
-        let mut total = 0f32;
-        for (b, xb) in w.chunks_exact(format.block_bytes()).zip(xi.chunks_exact(BLOCK)) {
-            format.widen(b, &mut widened);
-            total += widened.iter().zip(xb).map(|(w, x)| w * x).sum::<f32>();
+/// The group kernels' body for one instruction set: `$dot(acc, a, b)` adds the pairwise
+/// products of 16-bit lanes `a`·`b` into the 32-bit lanes of `acc` (`madd` then `add` on AVX2,
+/// one `vpdpwssd` with AVX-512 VNNI: the same exact integer sums, so every variant gives the same
+/// bits).
+#[cfg(target_arch = "x86_64")]
+macro_rules! group_kernels {
+    ($features:literal, |$acc:ident, $a:ident, $b:ident| $dot:expr) => {
+        use std::arch::x86_64::*;
+
+        use super::super::{Format, TokenRows, BLOCK, GROUP};
+
+        /// [`super::super::GroupFn`] for Q4_1 (`Q41`) or Q8_0, up to [`super::super::ROWS`] tokens.
+        #[target_feature(enable = $features)]
+        pub unsafe fn group<const Q41: bool>(g: &[u8], t: TokenRows<'_>, k: usize, acc: &mut [[f32; GROUP]]) {
+            match acc.len() {
+                1 => tokens::<Q41, 1>(g, t, k, acc),
+                2 => tokens::<Q41, 2>(g, t, k, acc),
+                3 => tokens::<Q41, 3>(g, t, k, acc),
+                _ => tokens::<Q41, 4>(g, t, k, acc),
+            }
         }
-        *a = total;
-    }
+
+        /// Per block: each chunk of 16 weight bytes widened to 16-bit lanes (two weights of each
+        /// of the 8 rows), multiplied pairwise with each token's pair of activations broadcast,
+        /// so every row's sum stays in its own lane; the block's 32-bit sums are exact (Q4_1:
+        /// |Σ| ≤ 32·15·32,767 < 2²⁴; Q8_0 fits 32 bits), converted once and scaled by the rows'
+        /// d times the token's block scale; Q4_1 adds m·Σx from the exact sums.
+        #[target_feature(enable = $features)]
+        unsafe fn tokens<const Q41: bool, const R: usize>(
+            g: &[u8],
+            t: TokenRows<'_>,
+            k: usize,
+            acc: &mut [[f32; GROUP]],
+        ) {
+            let format = if Q41 { Format::Q4_1 } else { Format::Q8_0 };
+            let (nb, gbb, body) = (k / BLOCK, GROUP * format.block_bytes(), format.scale_bytes());
+            debug_assert!(acc.len() == R && t.q.len() >= R * k && t.scales.len() >= R * nb && g.len() >= nb * gbb);
+            let mut total = [_mm256_setzero_ps(); R];
+            let low = _mm_set1_epi8(15);
+            for bi in 0..nb {
+                // SAFETY: group block bi is g[bi·gbb ..][..gbb], inside `g` (checked above); token
+                // i's block bi is q[i·k + bi·32 ..][..32], read as 16 pairs of i16.
+                let b = g.as_ptr().add(bi * gbb);
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(b as *const __m128i));
+                let x: [*const i32; R] = std::array::from_fn(|i| t.q.as_ptr().add(i * k + bi * BLOCK) as *const i32);
+                let mut sums = [_mm256_setzero_si256(); R];
+                if Q41 {
+                    for c in 0..GROUP {
+                        let q = _mm_loadu_si128(b.add(body + 16 * c) as *const __m128i);
+                        let lo = _mm256_cvtepu8_epi16(_mm_and_si128(q, low));
+                        let hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), low));
+                        for i in 0..R {
+                            let xl = _mm256_set1_epi32(x[i].add(c).read_unaligned());
+                            let xh = _mm256_set1_epi32(x[i].add(c + GROUP).read_unaligned());
+                            let ($acc, $a, $b) = (sums[i], lo, xl);
+                            let ($acc, $a, $b) = ($dot, hi, xh);
+                            sums[i] = $dot;
+                        }
+                    }
+                } else {
+                    for j in 0..BLOCK / 2 {
+                        let q = _mm256_cvtepi8_epi16(_mm_loadu_si128(b.add(body + 16 * j) as *const __m128i));
+                        for i in 0..R {
+                            let ($acc, $a, $b) = (sums[i], q, _mm256_set1_epi32(x[i].add(j).read_unaligned()));
+                            sums[i] = $dot;
+                        }
+                    }
+                }
+                let m = if Q41 { _mm256_cvtph_ps(_mm_loadu_si128(b.add(2 * GROUP) as *const __m128i)) } else { d };
+                for i in 0..R {
+                    let s = _mm256_mul_ps(d, _mm256_set1_ps(*t.scales.get_unchecked(i * nb + bi)));
+                    total[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i]), s, total[i]);
+                    if Q41 {
+                        total[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(*t.sums.get_unchecked(i * nb + bi)), total[i]);
+                    }
+                }
+            }
+            for i in 0..R {
+                _mm256_storeu_ps(acc[i].as_mut_ptr(), total[i]);
+            }
+        }
+    };
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use std::arch::x86_64::*;
-
-    use super::{Format, TokenRows, BLOCK, ROWS};
-
-    const BLOCK_BYTES: usize = Format::Q4_1.block_bytes();
-    const Q8_BYTES: usize = Format::Q8_0.block_bytes();
-
-    /// Widens a block's 32 nibbles to f32 `q` (not yet scaled): 4 registers of 8.
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn nibbles(b: &[u8]) -> [__m256; 4] {
-        // SAFETY (caller): `b` holds a whole block (20 bytes); the 16 nibble bytes start at 4.
-        let q = _mm_loadu_si128(b.as_ptr().add(4) as *const __m128i);
-        let lo = _mm_and_si128(q, _mm_set1_epi8(15));
-        let hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(15));
-        let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-        [f(lo), f(_mm_srli_si128(lo, 8)), f(hi), f(_mm_srli_si128(hi, 8))]
+mod simd {
+    /// AVX2: `madd` then `add`.
+    pub mod avx2 {
+        group_kernels!("avx2,fma,f16c", |acc, a, b| _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)));
     }
-
-    /// A block's leading f16 pair (Q4_1's d and m) as f32, by the F16C instruction.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn scale_min(b: *const u8) -> (f32, f32) {
-        // SAFETY (caller): `b` points at a block's first 4 bytes.
-        let dm = _mm_cvtph_ps(_mm_cvtsi32_si128((b as *const i32).read_unaligned()));
-        (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)))
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
-    }
-
-    /// See [`super::DotFn`]. Per block: the 32 nibbles widened to 16-bit lanes once, then for every
-    /// token two `madd`s with its 16-bit activations, the 8 sums converted and accumulated scaled
-    /// by d times the token's block scale, plus m·Σx from the exact sums.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q4_1(w: &[u8], t: TokenRows<'_>, k: usize, acc: &mut [f32]) {
-        let (nb, rows) = (k / BLOCK, acc.len());
-        debug_assert!(rows <= ROWS && t.q.len() >= rows * k && t.scales.len() >= rows * nb);
-        debug_assert!(w.len() >= nb * BLOCK_BYTES);
-        let mut total = [_mm256_setzero_ps(); ROWS];
-        let mut mins = [0f32; ROWS];
-        let low = _mm_set1_epi8(15);
-        for bi in 0..nb {
-            // SAFETY: block bi is w[bi·20 ..][..20], inside `w` (checked above).
-            let b = w.as_ptr().add(bi * BLOCK_BYTES);
-            let (d, m) = scale_min(b);
-            let q = _mm_loadu_si128(b.add(4) as *const __m128i);
-            let lo = _mm256_cvtepu8_epi16(_mm_and_si128(q, low));
-            let hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), low));
-            for i in 0..rows {
-                // SAFETY: token i's block bi is q[i·k + bi·32 ..][..32] and scales/sums[i·nb + bi].
-                let xp = t.q.as_ptr().add(i * k + bi * BLOCK) as *const __m256i;
-                let p = _mm256_add_epi32(
-                    _mm256_madd_epi16(lo, _mm256_loadu_si256(xp)),
-                    _mm256_madd_epi16(hi, _mm256_loadu_si256(xp.add(1))),
-                );
-                let s = d * *t.scales.get_unchecked(i * nb + bi);
-                total[i] = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(p), total[i]);
-                mins[i] += m * *t.sums.get_unchecked(i * nb + bi);
-            }
-        }
-        for i in 0..rows {
-            acc[i] = hsum(total[i]) + mins[i];
-        }
-    }
-
-    /// Q4_1 against several tokens' f32 activations: per block the nibbles widened to f32 once,
-    /// then for every token 4 FMAs into its own accumulator scaled by d, plus m·Σx from the sums
-    /// (with two or more tokens this beats [`dot_q4_1`], whose per-token work is larger).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q4_1_f32(w: &[u8], x: &[f32], sums: &[f32], k: usize, acc: &mut [f32]) {
-        let (nb, rows) = (k / BLOCK, acc.len());
-        debug_assert!(rows <= ROWS && x.len() >= rows * k && w.len() >= nb * BLOCK_BYTES);
-        let mut total = [_mm256_setzero_ps(); ROWS];
-        let mut mins = [0f32; ROWS];
-        for bi in 0..nb {
-            let b = &w[bi * BLOCK_BYTES..(bi + 1) * BLOCK_BYTES];
-            let (d, m) = scale_min(b.as_ptr());
-            let q = nibbles(b);
-            for i in 0..rows {
-                // SAFETY: token i's block bi is x[i·k + bi·32 ..][..32], inside x (checked above).
-                let xp = x.as_ptr().add(i * k + bi * BLOCK);
-                let mut s = _mm256_mul_ps(q[0], _mm256_loadu_ps(xp));
-                s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xp.add(8)), s);
-                s = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xp.add(16)), s);
-                s = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xp.add(24)), s);
-                total[i] = _mm256_fmadd_ps(_mm256_set1_ps(d), s, total[i]);
-                mins[i] += m * sums[i * nb + bi];
-            }
-        }
-        for i in 0..rows {
-            acc[i] = hsum(total[i]) + mins[i];
-        }
-    }
-
-    /// One W row of Q8_0 against up to [`ROWS`] tokens' f32 activations: each block's bytes widened
-    /// to f32 once, 4 FMAs per token, scaled by d.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q8_0(w: &[u8], x: &[f32], k: usize, acc: &mut [f32]) {
-        let (nb, rows) = (k / BLOCK, acc.len());
-        debug_assert!(rows <= ROWS && x.len() >= rows * k && w.len() >= nb * Q8_BYTES);
-        let mut total = [_mm256_setzero_ps(); ROWS];
-        for bi in 0..nb {
-            let b = w.as_ptr().add(bi * Q8_BYTES);
-            let d = _mm256_set1_ps(half::f16::from_le_bytes([*b, *b.add(1)]).to_f32());
-            // SAFETY: the block's 32 signed bytes are b[2..34], inside `w` (checked above).
-            let q: [__m256; 4] = std::array::from_fn(|j| {
-                let v = _mm_loadl_epi64(b.add(2 + 8 * j) as *const __m128i);
-                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))
-            });
-            for (i, t) in total[..rows].iter_mut().enumerate() {
-                // SAFETY: token i's block bi is x[i·k + bi·32 ..][..32], inside x (checked above).
-                let xp = x.as_ptr().add(i * k + bi * BLOCK);
-                let mut s = _mm256_mul_ps(q[0], _mm256_loadu_ps(xp));
-                s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xp.add(8)), s);
-                s = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xp.add(16)), s);
-                s = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xp.add(24)), s);
-                *t = _mm256_fmadd_ps(d, s, *t);
-            }
-        }
-        for (a, t) in acc.iter_mut().zip(total) {
-            *a = hsum(t);
-        }
+    /// AVX-512 VNNI on 256-bit registers: `vpdpwssd` (Intel since Ice Lake, AMD since Zen 4).
+    pub mod vnni {
+        group_kernels!("avx2,fma,f16c,avx512vnni,avx512vl", |acc, a, b| _mm256_dpwssd_epi32(acc, a, b));
     }
 }
 
@@ -447,77 +521,85 @@ mod tests {
         w
     }
 
-    /// Per weight, (|d·q|, |m|) (Q8_0: m = 0). Their sum is what the f32 error of a product with
-    /// it scales by; |d·q| alone is what the activations' 16-bit rounding multiplies (Q4_1's m
-    /// meets exact sums).
-    fn magnitudes(format: Format, w: &[u8]) -> Vec<(f64, f64)> {
-        let mut out = Vec::with_capacity(w.len() / format.block_bytes() * BLOCK);
-        for b in w.chunks_exact(format.block_bytes()) {
-            let d = f16::from_le_bytes([b[0], b[1]]).to_f64().abs();
-            match format {
-                Format::Q4_1 => {
-                    let m = f16::from_le_bytes([b[2], b[3]]).to_f64().abs();
-                    let q = b[4..].iter().map(|q| q & 15).chain(b[4..].iter().map(|q| q >> 4));
-                    out.extend(q.map(|q| (d * q as f64, m)));
-                }
-                Format::Q8_0 => out.extend(b[2..].iter().map(|&q| (d * (q as i8 as f64).abs(), 0.0))),
+    /// A GGUF block's 32 weights as f64 `(d·q, m)` pairs (Q8_0: m = 0), read from the GGUF layout
+    /// directly, independent of the packing.
+    fn block_terms(format: Format, b: &[u8]) -> Vec<(f64, f64)> {
+        let d = f16::from_le_bytes([b[0], b[1]]).to_f64();
+        match format {
+            Format::Q4_1 => {
+                let m = f16::from_le_bytes([b[2], b[3]]).to_f64();
+                let q = b[4..].iter().map(|q| q & 15).chain(b[4..].iter().map(|q| q >> 4));
+                q.map(|q| (d * q as f64, m)).collect()
             }
+            Format::Q8_0 => b[2..].iter().map(|&q| (d * q as i8 as f64, 0.0)).collect(),
         }
-        out
     }
 
-    /// f64 over the widened weights: the reference both paths must match.
-    fn reference(format: Format, x: &[f32], n: usize, k: usize, w: &[u8], m: usize) -> Vec<f64> {
-        let mut wd = vec![0f32; m * k];
-        dequantize(format, w, k, &mut wd);
+    /// Every weight's `(d·q, m)` terms, row after row.
+    fn terms(format: Format, w: &[u8]) -> Vec<(f64, f64)> {
+        w.chunks_exact(format.block_bytes()).flat_map(|b| block_terms(format, b)).collect()
+    }
+
+    /// f64 over the GGUF blocks: the reference every path must match.
+    fn reference(x: &[f32], n: usize, k: usize, t: &[(f64, f64)], m: usize) -> Vec<f64> {
         let mut out = vec![0f64; n * m];
         for i in 0..n {
             for r in 0..m {
-                out[i * m + r] = (0..k).map(|j| x[i * k + j] as f64 * wd[r * k + j] as f64).sum();
+                out[i * m + r] = (0..k).map(|j| x[i * k + j] as f64 * (t[r * k + j].0 + t[r * k + j].1)).sum();
             }
         }
         out
     }
 
-    /// Both paths and the portable dot against the f64 reference over the widened weights, on
-    /// fresh random weights and activations. The bound is the maths of f32 arithmetic, whatever
-    /// the summation order (the `gemm` crate picks its kernel by the CPU at run time): a sum of k
-    /// rounded products errs by at most γ_k·Σ|terms| (γ_k = kε/(1−kε), ε = 2⁻²⁴), where a Q4_1
-    /// term counts |d·q| and |m| apart (the kernel sums d·Σqx and m·Σx, which may cancel), and
-    /// widening a weight to f32 adds 2ε of it; 2·(k + 4)·ε covers both. A lone token's Q4_1 product
-    /// may also round each activation to 16 bits of its block's largest |x| (the AVX2 kernel): at
-    /// most half a step, |x|max / 32,767 / 2 (the 10⁻⁶ covers the f32 rounding of the scale and of
-    /// x / scale, a few ε), times |d·q| of its weight. Other products keep f32 activations, and
-    /// the bound leaves that term out for them.
+    /// Both paths and the portable kernel against the f64 reference over the GGUF blocks, on
+    /// fresh random weights and activations, shapes with partial groups and tiles. The bound is
+    /// the maths of f32 arithmetic, whatever the summation order (the `gemm` crate picks its
+    /// kernel by the CPU at run time): a sum of k rounded products errs by at most γ_k·Σ|terms|
+    /// (γ_k = kε/(1−kε), ε = 2⁻²⁴), where a Q4_1 term counts |d·q| and |m| apart (the kernel sums
+    /// d·Σqx and m·Σx, which may cancel), and widening a weight to f32 adds 2ε of it; 2·(k + 4)·ε
+    /// covers both. Fewer than `GEMM_FROM` tokens may also round each activation to 16 bits of its
+    /// block's largest |x| (the SIMD kernels): at most half a step, |x|max / 32,767 / 2 (the 10⁻⁶
+    /// covers the f32 rounding of the scale and of x / scale, a few ε), times |d·q| of its weight;
+    /// the gemm path keeps f32 activations, and its bound leaves that term out.
     #[test]
-    fn both_paths_match_the_reference_on_random_shapes() {
+    fn every_path_matches_the_reference_on_random_shapes() {
         let seed = crate::testing::fresh_seed();
         let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed);
         for format in [Format::Q4_1, Format::Q8_0] {
-            for &(n, k, m) in
-                &[(1, 32, 1), (1, 576, 576), (3, 64, 45), (5, 96, 33), (15, 128, 70), (16, 576, 64), (37, 160, 97)]
-            {
+            for &(n, k, m) in &[
+                (1, 32, 1),
+                (1, 576, 576),
+                (2, 64, 45),
+                (3, 64, 45),
+                (4, 96, 33),
+                (5, 96, 33),
+                (15, 128, 70),
+                (16, 576, 64),
+                (37, 160, 97),
+            ] {
                 let w = weights(format, &mut rng, m, k);
+                let t = terms(format, &w);
                 let x: Vec<f32> = (0..n * k).map(|_| rng.random_range(-2.0f32..2.0)).collect();
-                let want = reference(format, &x, n, k, &w, m);
+                let want = reference(&x, n, k, &t, m);
+                let packed = Packed::new(format, &w, m, k).unwrap();
                 let mut out = vec![f32::NAN; n * m];
-                matmul(format, &x, n, k, &w, m, &mut out).unwrap();
-                let mags = magnitudes(format, &w);
+                packed.matmul(&x, n, &mut out).unwrap();
                 let gamma = 2.0 * (k + 4) as f64 * f64::powi(2.0, -24);
-                let rounded = format == Format::Q4_1 && n == 1;
+                let rounded = n < GEMM_FROM;
                 let step = |i: usize, j: usize| -> f64 {
                     let block = &x[i * k + j / BLOCK * BLOCK..][..BLOCK];
                     block.iter().fold(0f64, |a, v| a.max(v.abs() as f64)) / i16::MAX as f64 / 2.0 * (1.0 + 1e-6)
                 };
-                let bound = |i: usize, r: usize| -> f64 {
+                let bound_if = |rounded: bool, i: usize, r: usize| -> f64 {
                     (0..k)
                         .map(|j| {
-                            let (dq, m) = mags[r * k + j];
-                            let f32_error = gamma * (dq + m) * (x[i * k + j] as f64).abs();
-                            f32_error + if rounded { dq * step(i, j) } else { 0.0 }
+                            let (dq, m) = t[r * k + j];
+                            let f32_error = gamma * (dq.abs() + m.abs()) * (x[i * k + j] as f64).abs();
+                            f32_error + if rounded { dq.abs() * step(i, j) } else { 0.0 }
                         })
                         .sum::<f64>()
                 };
+                let bound = |i: usize, r: usize| bound_if(rounded, i, r);
                 let at = format!("seed {seed} {format:?} n {n} k {k} m {m}");
                 for i in 0..n {
                     for r in 0..m {
@@ -529,20 +611,74 @@ mod tests {
                         );
                     }
                 }
-                let mut portable = vec![0f32; n.min(ROWS)];
-                portable_dot(format, &w[..k / BLOCK * format.block_bytes()], &x, k, &mut portable);
-                for (i, p) in portable.iter().enumerate() {
-                    assert!((*p as f64 - want[i * m]).abs() <= bound(i, 0), "{at}: portable");
+                // Every kernel this CPU runs, over every group and the first tokens: within the
+                // bound, and the SIMD ones (16-bit activations) bit for bit the same.
+                let nr = n.min(ROWS);
+                let group_bytes = k / BLOCK * packed.group_block();
+                let mut simd: Option<(&str, Vec<[f32; GROUP]>)> = None;
+                for (name, kernel, integers) in kernels(format) {
+                    let tokens = Tokens::new(&x, integers);
+                    let mut got = Vec::new();
+                    for (gi, g) in packed.data.chunks_exact(group_bytes).enumerate() {
+                        let mut acc = [[f32::NAN; GROUP]; ROWS];
+                        kernel(g, tokens.rows(0, nr, k), k, &mut acc[..nr]);
+                        for (i, a) in acc[..nr].iter().enumerate() {
+                            for (r, &p) in a.iter().enumerate().take(m - gi * GROUP) {
+                                let (want, b) = (want[i * m + gi * GROUP + r], bound_if(integers, i, gi * GROUP + r));
+                                assert!((p as f64 - want).abs() <= b, "{at}: {name} [{i}, {}]", gi * GROUP + r);
+                            }
+                        }
+                        got.extend_from_slice(&acc[..nr]);
+                    }
+                    match (&simd, integers) {
+                        (Some((first, bits)), true) => {
+                            let same = bits
+                                .iter()
+                                .flatten()
+                                .zip(got.iter().flatten())
+                                .all(|(a, b)| a.to_bits() == b.to_bits());
+                            assert!(same, "{at}: {name} and {first} differ");
+                        }
+                        (None, true) => simd = Some((name, got)),
+                        (_, false) => {}
+                    }
                 }
             }
+        }
+    }
+
+    /// Stacked matrices multiply as the GGUF rows one after another, and packing keeps every byte.
+    #[test]
+    fn stacking_is_packing_the_rows_together() {
+        let seed = crate::testing::fresh_seed();
+        let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed);
+        for format in [Format::Q4_1, Format::Q8_0] {
+            let k = 64;
+            let (a, b, c) =
+                (weights(format, &mut rng, 16, k), weights(format, &mut rng, 8, k), weights(format, &mut rng, 5, k));
+            let pack = |w: &[u8], m| Packed::new(format, w, m, k).unwrap();
+            let stacked = Packed::stack(&[&pack(&a, 16), &pack(&b, 8), &pack(&c, 5)]).unwrap();
+            let rows = [a.as_slice(), &b, &c].concat();
+            let whole = pack(&rows, 29);
+            assert_eq!(stacked, whole, "seed {seed} {format:?}");
+            let mut sorted = whole.data.clone();
+            let mut bytes = rows;
+            bytes.extend(std::iter::repeat_n(0, whole.data.len() - bytes.len()));
+            sorted.sort_unstable();
+            bytes.sort_unstable();
+            assert_eq!(sorted, bytes, "seed {seed} {format:?}: packing lost or made up bytes");
+            assert_eq!(Packed::stack(&[&pack(&c, 5), &pack(&b, 8)]), Err(ShapeError::Stack));
         }
     }
 
     #[test]
     fn shapes_are_checked() {
         let mut out = vec![0f32; 1];
-        assert_eq!(matmul(Format::Q4_1, &[0.0; 33], 1, 33, &[], 1, &mut out), Err(ShapeError::K(33)));
-        assert!(matches!(matmul(Format::Q4_1, &[0.0; 32], 1, 32, &[0; 19], 1, &mut out), Err(ShapeError::Len { .. })));
-        assert!(matches!(matmul(Format::Q8_0, &[0.0; 32], 1, 32, &[0; 20], 1, &mut out), Err(ShapeError::Len { .. })));
+        assert_eq!(Packed::new(Format::Q4_1, &[], 1, 33), Err(ShapeError::K(33)));
+        assert!(matches!(Packed::new(Format::Q4_1, &[0; 19], 1, 32), Err(ShapeError::Len { .. })));
+        assert!(matches!(Packed::new(Format::Q8_0, &[0; 20], 1, 32), Err(ShapeError::Len { .. })));
+        let p = Packed::new(Format::Q8_0, &[0; 34], 1, 32).unwrap();
+        assert!(matches!(p.matmul(&[0.0; 31], 1, &mut out), Err(ShapeError::Len { what: "activations", .. })));
+        assert!(matches!(p.matmul(&[0.0; 32], 1, &mut [0.0; 2]), Err(ShapeError::Len { what: "outputs", .. })));
     }
 }
