@@ -115,8 +115,8 @@ const TILE_GROUPS: usize = 4;
 /// Why a product cannot run.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ShapeError {
-    #[error("block-quantized weights: k = {0} is not a multiple of 32")]
-    /// An inner dimension that is not a whole number of blocks.
+    #[error("block-quantized weights: k = {0} is not a positive multiple of 32")]
+    /// An inner dimension that is not a whole, non-zero number of blocks.
     K(usize),
     #[error("block-quantized product: expected {expected} {what}, got {got}")]
     /// A buffer of the wrong length.
@@ -158,7 +158,7 @@ pub struct Packed {
 impl Packed {
     /// Repacks `w`, `rows × cols/32` blocks of `format` row after row (a GGUF tensor's data).
     pub fn new(format: Format, w: &[u8], rows: usize, cols: usize) -> Result<Self, ShapeError> {
-        if !cols.is_multiple_of(BLOCK) {
+        if cols == 0 || !cols.is_multiple_of(BLOCK) {
             return Err(ShapeError::K(cols));
         }
         let (nb, bb) = (cols / BLOCK, format.block_bytes());
@@ -226,8 +226,7 @@ impl Packed {
         Ok(())
     }
 
-    /// Rows `r0 ..` of a tile of groups (`tile`, whole groups) widened to f32 into `dst`
-    /// (`live rows × cols`).
+    /// The first `live` rows of a tile of whole groups widened to f32 into `dst` (`live × cols`).
     fn widen_tile(&self, tile: &[u8], live: usize, dst: &mut [f32]) {
         let (k, gbb) = (self.cols, self.group_block());
         for (g, group) in tile.chunks_exact(k / BLOCK * gbb).enumerate() {
@@ -675,6 +674,7 @@ mod tests {
     fn shapes_are_checked() {
         let mut out = vec![0f32; 1];
         assert_eq!(Packed::new(Format::Q4_1, &[], 1, 33), Err(ShapeError::K(33)));
+        assert_eq!(Packed::new(Format::Q4_1, &[], 1, 0), Err(ShapeError::K(0)));
         assert!(matches!(Packed::new(Format::Q4_1, &[0; 19], 1, 32), Err(ShapeError::Len { .. })));
         assert!(matches!(Packed::new(Format::Q8_0, &[0; 20], 1, 32), Err(ShapeError::Len { .. })));
         let p = Packed::new(Format::Q8_0, &[0; 34], 1, 32).unwrap();
