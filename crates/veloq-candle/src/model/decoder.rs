@@ -8,7 +8,9 @@
 //! position from the step; the caches check that every sequence continues where its slot ends.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Module, Tensor, D};
@@ -361,9 +363,20 @@ impl Model {
         self.check_step(tokens, step, cache)?;
         if self.device.is_cpu() && rayon::current_thread_index().is_none() {
             // On a thread-pool thread, each product's parallel loop starts by work stealing from
-            // a neighbour still spinning, not by waking the pool from outside and sleeping until
-            // it finishes (two wake-ups per product, hundreds a step).
-            return rayon::scope(|_| self.run_step(tokens, step, cache, logits));
+            // a neighbour, not by waking the pool from outside and sleeping until it finishes
+            // (two wake-ups per product, hundreds a step); and the other threads keep stealing
+            // through the serial work between loops instead of falling asleep after a few idle
+            // rounds and being woken by the next loop.
+            let done = AtomicBool::new(false);
+            return rayon::scope(|s| {
+                let (me, done) = (rayon::current_thread_index(), &done);
+                for _ in 1..rayon::current_num_threads() {
+                    s.spawn(move |_| keep_stealing(done, me));
+                }
+                let out = self.run_step(tokens, step, cache, logits);
+                done.store(true, Ordering::Release);
+                out
+            });
         }
         self.run_step(tokens, step, cache, logits)
     }
@@ -572,6 +585,33 @@ impl Model {
         }
         let x = self.norm.forward(x)?;
         Ok(self.output.forward(&x)?.to_dtype(DType::F32)?)
+    }
+}
+
+/// How long a step's helper spins with nothing to steal before it leaves the thread to sleep.
+const IDLE_SPIN: Duration = Duration::from_micros(500);
+
+/// Runs the pool's pending jobs until `done`, spinning when there are none: a step's helper on
+/// another thread of the pool. It returns at once on the step's own thread (`step`: it may pick
+/// this job up while it waits inside a loop, and the step would never finish), and after
+/// [`IDLE_SPIN`] with nothing to do (a helper picked up by a thread that is itself inside another
+/// step's wait holds that step back for at most this long).
+fn keep_stealing(done: &AtomicBool, step: Option<usize>) {
+    if rayon::current_thread_index() == step {
+        return;
+    }
+    let mut idle_since = None;
+    while !done.load(Ordering::Acquire) {
+        match rayon::yield_now() {
+            Some(rayon::Yield::Executed) => idle_since = None,
+            Some(rayon::Yield::Idle) => {
+                if idle_since.get_or_insert_with(Instant::now).elapsed() > IDLE_SPIN {
+                    return;
+                }
+                std::hint::spin_loop();
+            }
+            None => return,
+        }
     }
 }
 
