@@ -77,9 +77,9 @@ fn shares(base: usize, threads: usize, positions: usize) -> usize {
 
 /// Share `sh` of `shares` of the rows of `segs` (`len` elements a row), in order: the rows
 /// `R·sh/shares .. R·(sh + 1)/shares` of their `R`, each piece keeping its positions.
-fn share_rows<'a>(segs: &[Segment<'a, f16>], len: usize, sh: usize, shares: usize) -> Vec<Segment<'a, f16>> {
+fn share_rows(segs: Vec<Segment<'_, f16>>, len: usize, sh: usize, shares: usize) -> Vec<Segment<'_, f16>> {
     if shares == 1 {
-        return segs.to_vec();
+        return segs;
     }
     let total: usize = segs.iter().map(|s| s.keys.len() / len).sum();
     let (lo, hi) = (total * sh / shares, total * (sh + 1) / shares);
@@ -315,7 +315,7 @@ impl CpuBackend {
                 let mut acc = vec![0.0f32; nq * d];
                 if pieces.rows {
                     if let Some(input) = input {
-                        let segs = share_rows(&self.row_segments(v, input), self.row_len(), sh, shares);
+                        let segs = share_rows(self.row_segments(v, input), self.row_len(), sh, shares);
                         rows::attend(
                             &qs,
                             &q_pos,
@@ -631,7 +631,7 @@ mod tests {
         for n in 1..=7 {
             let mut seen = Vec::new();
             for sh in 0..n {
-                for s in share_rows(&segs, len, sh, n) {
+                for s in share_rows(segs.to_vec(), len, sh, n) {
                     for r in 0..s.keys.len() / len {
                         seen.push((s.keys[r * len].to_f32() as usize / len, s.pos0 + r));
                     }

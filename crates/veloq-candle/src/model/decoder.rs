@@ -218,7 +218,7 @@ impl Model {
                 Some(g) => {
                     let (gate, up) = (Linear::new(g, device, weights)?, linear("ffn_up")?);
                     // The fused form's halves are gate and up.
-                    match Linear::stack(&[&gate, &up]).filter(|_| gate.rows() == up.rows()) {
+                    match (gate.rows() == up.rows()).then(|| Linear::stack(&[&gate, &up])).flatten() {
                         Some(both) => GateUp::Fused(both),
                         None => GateUp::Separate { gate, up },
                     }
