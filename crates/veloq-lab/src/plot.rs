@@ -195,6 +195,14 @@ pub fn attention(path: &Path, series: &[AttentionSeries]) -> Result<()> {
 /// Panels of a figure: a title, then one labelled line of (x, y) points per method.
 pub type Panels = Vec<(String, Vec<(String, Vec<(f64, f64)>)>)>;
 
+/// The distinct x of every line, ascending.
+fn measured_x(lines: &[(String, Vec<(f64, f64)>)]) -> Vec<f64> {
+    let mut xs: Vec<f64> = lines.iter().flat_map(|l| l.1.iter().map(|p| p.0)).collect();
+    xs.sort_by(f64::total_cmp);
+    xs.dedup();
+    xs
+}
+
 /// Tokens/s (`y_desc` says which) against context (log x), one line per method, one panel per
 /// (model, batch) or (engine, threads).
 pub fn speed(path: &Path, device: &str, x_desc: &str, y_desc: &str, panels: &Panels) -> Result<()> {
@@ -216,8 +224,12 @@ pub fn speed(path: &Path, device: &str, x_desc: &str, y_desc: &str, panels: &Pan
             .caption(format!("{title} — {device}"), ("sans-serif", 15))
             .x_label_area_size(36)
             .y_label_area_size(56)
-            .build_cartesian_2d((xmin * 0.8..xmax * 1.25).log_scale(), 0.0..ymax * 1.15)?;
-        chart.configure_mesh().x_desc(x_desc).y_desc(y_desc).draw()?;
+            .build_cartesian_2d(
+                (xmin * 0.8..xmax * 1.25).log_scale().with_key_points(measured_x(lines)),
+                0.0..ymax * 1.15,
+            )?;
+        // Ticks at the measured x only: a log axis's own minor ticks crowd into overlapping labels.
+        chart.configure_mesh().x_desc(x_desc).y_desc(y_desc).x_label_formatter(&|x| format!("{x}")).draw()?;
         for (i, (label, line)) in lines.iter().enumerate() {
             let color = COLORS[i % COLORS.len()];
             chart
