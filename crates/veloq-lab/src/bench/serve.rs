@@ -104,6 +104,10 @@ pub struct Args {
     /// (stored, f16, f32: `veloq serve --weights`).
     #[arg(long, value_delimiter = ',', default_value = "stored")]
     weights: Vec<Weights>,
+    /// Tokens per forward pass of veloq's servers (`veloq serve --step-tokens`: every running
+    /// sequence's token, then prompt chunks), each served side by side.
+    #[arg(long, value_delimiter = ',', default_values_t = [veloq_candle::prefill::DEFAULT_CHUNK])]
+    step_tokens: Vec<usize>,
     /// llama.cpp's llama-server (scripts/llama-cpp builds it beside llama-bench).
     #[arg(long)]
     llama_server: Option<PathBuf>,
@@ -139,6 +143,7 @@ enum Server {
         prefix_cache: bool,
         reserve: Reserve,
         weights: Weights,
+        step_tokens: usize,
     },
     Llama {
         kv: String,
@@ -149,11 +154,16 @@ enum Server {
 impl Server {
     fn label(&self) -> String {
         match self {
-            Server::Veloq { label, prefix_cache, reserve, weights, .. } => {
+            Server::Veloq { label, prefix_cache, reserve, weights, step_tokens, .. } => {
                 let grow = if *reserve == Reserve::Grow { " grow" } else { "" };
                 let prefix = if *prefix_cache { "" } else { " no prefix cache" };
                 let weights = if *weights == Weights::Stored { String::new() } else { format!(" {weights} weights") };
-                format!("veloq {label}{weights}{grow}{prefix}")
+                let step = if *step_tokens == veloq_candle::prefill::DEFAULT_CHUNK {
+                    String::new()
+                } else {
+                    format!(" step {step_tokens}")
+                };
+                format!("veloq {label}{weights}{grow}{prefix}{step}")
             }
             Server::Llama { kv, cache_prompt: false } => format!("llama-server {kv} KV"),
             Server::Llama { kv, cache_prompt: true } => format!("llama-server {kv} KV cache_prompt"),
@@ -237,11 +247,12 @@ fn start(a: &Args, s: &Server, elements_per_position: usize, parallel: usize) ->
     let model = a.files.model();
     let mut llama_kv_bytes = None;
     let mut cmd = match s {
-        Server::Veloq { method, calibration, prefix_cache, reserve, weights, .. } => {
+        Server::Veloq { method, calibration, prefix_cache, reserve, weights, step_tokens, .. } => {
             let mut c = Command::new(std::env::current_exe()?);
             c.args(["serve", "--quiet", "--method", &method.to_string(), "--port", &port.to_string()])
                 .args(["--kv-budget", &a.kv_budget.to_string(), "--max-context", &max_context.to_string()])
                 .args(["--max-seqs", &parallel.max(1).to_string(), "--device", &a.device.to_string()])
+                .args(["--step-tokens", &step_tokens.to_string()])
                 .arg("--cache-dir")
                 .arg(&a.files.cache_dir)
                 .arg("--model")
@@ -624,6 +635,9 @@ pub fn run(a: Args) -> Result<()> {
         p
     };
 
+    if a.step_tokens.contains(&0) {
+        bail!("--step-tokens: a forward pass takes at least one token");
+    }
     let synthetic = model_path.to_str().is_some_and(|p| p.starts_with("synthetic:"));
     let mut servers = Vec::new();
     for &method in &a.methods {
@@ -635,8 +649,18 @@ pub fn run(a: Args) -> Result<()> {
         };
         for &weights in &a.weights {
             for &reserve in &a.reserve {
-                let (label, calibration) = (label.clone(), calibration.clone());
-                servers.push(Server::Veloq { label, method, calibration, prefix_cache: true, reserve, weights });
+                for &step_tokens in &a.step_tokens {
+                    let (label, calibration) = (label.clone(), calibration.clone());
+                    servers.push(Server::Veloq {
+                        label,
+                        method,
+                        calibration,
+                        prefix_cache: true,
+                        reserve,
+                        weights,
+                        step_tokens,
+                    });
+                }
             }
         }
     }
