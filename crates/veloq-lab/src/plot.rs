@@ -212,10 +212,9 @@ pub fn speed(path: &Path, device: &str, x_desc: &str, y_desc: &str, panels: &Pan
     let root = BitMapBackend::new(path, (560 * cols as u32, 420 * rows as u32)).into_drawing_area();
     root.fill(&WHITE)?;
     for ((title, lines), area) in panels.iter().zip(root.split_evenly((rows, cols))) {
-        let pts = || lines.iter().flat_map(|l| l.1.iter());
-        let xmin = pts().map(|p| p.0).fold(f64::INFINITY, f64::min);
-        let xmax = pts().map(|p| p.0).fold(0.0, f64::max);
-        let ymax = pts().map(|p| p.1).fold(0.0, f64::max);
+        let xs = measured_x(lines);
+        let (Some(&xmin), Some(&xmax)) = (xs.first(), xs.last()) else { continue };
+        let ymax = lines.iter().flat_map(|l| l.1.iter()).map(|p| p.1).fold(0.0, f64::max);
         if !xmin.is_finite() || xmax <= 0.0 {
             continue;
         }
@@ -224,10 +223,7 @@ pub fn speed(path: &Path, device: &str, x_desc: &str, y_desc: &str, panels: &Pan
             .caption(format!("{title} — {device}"), ("sans-serif", 15))
             .x_label_area_size(36)
             .y_label_area_size(56)
-            .build_cartesian_2d(
-                (xmin * 0.8..xmax * 1.25).log_scale().with_key_points(measured_x(lines)),
-                0.0..ymax * 1.15,
-            )?;
+            .build_cartesian_2d((xmin * 0.8..xmax * 1.25).log_scale().with_key_points(xs), 0.0..ymax * 1.15)?;
         // Ticks at the measured x only: a log axis's own minor ticks crowd into overlapping labels.
         chart.configure_mesh().x_desc(x_desc).y_desc(y_desc).x_label_formatter(&|x| format!("{x}")).draw()?;
         for (i, (label, line)) in lines.iter().enumerate() {
