@@ -175,10 +175,15 @@ def test_cuda_arrays_are_checked_before_any_device_is_used(cal, rng):
     cache = veloq.KvCache("vq-4", q_heads=9, calibration=cal, max_context=64)
     k = keys_like(rng, cal, 4)[None]
     q = rng.standard_normal((1, 4, 9, 64)).astype(np.float32)
-    with pytest.raises(veloq.ShapeError, match="float32"):
-        cache.append(0, FakeCudaArray(k.shape, typestr="<f2"), FakeCudaArray(k.shape))
+    with pytest.raises(veloq.ShapeError, match="float32 or float16"):
+        cache.append(0, FakeCudaArray(k.shape, typestr="<f8"), FakeCudaArray(k.shape))
     with pytest.raises(veloq.ShapeError, match="contiguous"):
         cache.append(0, FakeCudaArray(k.shape, strides=(4 * 64 * 3 * 4, 4, 4 * 4 * 64, 4 * 4 * 3)), FakeCudaArray(k.shape))
+    # Strides are in bytes: float16's contiguous strides are half float32's.
+    with pytest.raises(veloq.ShapeError, match="contiguous"):
+        cache.append(0, FakeCudaArray(k.shape, typestr="<f2", strides=(4 * 3 * 64 * 4, 3 * 64 * 4, 64 * 4, 4)), FakeCudaArray(k.shape))
+    with pytest.raises(veloq.DeviceError, match='device="cuda"'):
+        cache.append(0, FakeCudaArray(k.shape, typestr="<f2", strides=(4 * 3 * 64 * 2, 3 * 64 * 2, 64 * 2, 2)), FakeCudaArray(k.shape))
     with pytest.raises(veloq.ShapeError, match="k: expected shape"):
         cache.append(0, FakeCudaArray((1, 4, 2, 64)), FakeCudaArray(k.shape))
     with pytest.raises(veloq.DeviceError, match='device="cuda"'):

@@ -110,6 +110,69 @@ def test_work_is_ordered_on_a_side_stream(calibration_path, gen):
     assert torch.equal(got, want.cpu())
 
 
+class _Interface:
+    """A CUDA array known only by its ``__cuda_array_interface__`` (as CuPy or Numba hand one over)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    @property
+    def __cuda_array_interface__(self):
+        if self.t.dtype == torch.float64:
+            return {**torch.zeros(1, device="cuda").__cuda_array_interface__, "typestr": "<f8"}
+        return self.t.__cuda_array_interface__
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("method", ["fp16", "vq-4"])
+def test_half_tensors_are_converted_in_the_copy(calibration_path, gen, method, dtype):
+    """A model's f16/bf16 tensors are read as they are, converted to f32 exactly in the copy, and
+    the attention written back in the output's dtype: what the same values give as float32,
+    rounded once (both round to nearest even). Mixed dtypes in one call too."""
+    cal = veloq.Calibration.load(calibration_path) if method != "fp16" else None
+    spec = dict(q_heads=9, calibration=cal, max_context=1024, device="cuda")
+    if cal is None:
+        spec.update(layers=30, kv_heads=3, head_dim=64)
+    lo, ref = veloq.KvCache(method, **spec), veloq.KvCache(method, **spec)
+    for i, (q, k, v) in enumerate(steps(gen, 9, 3, 64, [200, 1, 1, 30, 1])):
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        want = torch.empty(q.shape, device="cuda")
+        ref.attend(1, q.float(), k.float(), v.float(), out=want)
+        if i == 3:  # mixed: f32 queries, f16/bf16 keys and values, f32 out
+            got = torch.empty_like(want)
+            lo.attend(1, q.float(), k, v, out=got)
+            assert torch.equal(got, want)
+        else:
+            got = torch.empty_like(q)
+            lo.attend(1, q, k, v, out=got)
+            assert got.dtype == dtype
+            assert torch.equal(got, want.to(dtype))
+    assert lo.length(1) == ref.length(1) == 233
+
+
+def test_array_interface_path_matches_torch_tensors(calibration_path, gen):
+    """Arrays known only by ``__cuda_array_interface__`` (float32 and float16) give exactly what
+    the same torch tensors give through their own attributes."""
+    cal = veloq.Calibration.load(calibration_path)
+    a = veloq.KvCache("vq-4", q_heads=9, calibration=cal, max_context=1024, device="cuda")
+    b = veloq.KvCache("vq-4", q_heads=9, calibration=cal, max_context=1024, device="cuda")
+    for i, (q, k, v) in enumerate(steps(gen, 9, 3, 64, [100, 1, 1])):
+        if i == 2:
+            q, k, v = q.half(), k.half(), v.half()
+        ya, yb = torch.empty_like(q), torch.empty_like(q)
+        a.attend(0, q, k, v, out=ya)
+        b.attend(0, _Interface(q), _Interface(k), _Interface(v), out=_Interface(yb))
+        assert torch.equal(ya, yb)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="one GPU")
+def test_tensors_on_another_gpu_are_refused(gen):
+    cache = veloq.KvCache("fp16", q_heads=2, layers=1, kv_heads=1, head_dim=64, max_context=8, device="cuda:0")
+    k = torch.randn(1, 1, 1, 64, device="cuda:1")
+    with pytest.raises(veloq.DeviceError, match="cuda:1"):
+        cache.append(0, k, k)
+
+
 def test_append_then_decode_on_cuda(calibration_path, gen):
     cal = veloq.Calibration.load(calibration_path)
     a = veloq.KvCache("vq-4", q_heads=9, calibration=cal, max_context=1024, device="cuda")
@@ -129,8 +192,10 @@ def test_misuse_on_cuda_is_refused(calibration_path, gen):
     q, k, v = steps(gen, 9, 3, 64, [4])[0]
     with pytest.raises(veloq.ShapeError, match="out="):
         cache.attend(0, q, k, v)
-    with pytest.raises(veloq.ShapeError, match="float32"):
-        cache.attend(0, q, k.half(), v, out=torch.empty_like(q))
+    with pytest.raises(veloq.ShapeError, match="float32, float16 or bfloat16, got torch.float64"):
+        cache.attend(0, q, k.double(), v, out=torch.empty_like(q))
+    with pytest.raises(veloq.ShapeError, match="float32 or float16"):
+        cache.attend(0, q, _Interface(k.double()), v, out=torch.empty_like(q))
     with pytest.raises(veloq.ShapeError, match="contiguous"):
         cache.attend(0, q, k.transpose(1, 2).contiguous().transpose(1, 2), v, out=torch.empty_like(q))
     with pytest.raises(veloq.ShapeError, match="CUDA array"):

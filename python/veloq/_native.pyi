@@ -27,7 +27,8 @@ class OutOfMemoryError(VeloqError): ...
 _Path = Union[str, PathLike]
 
 class _CudaArray(Protocol):
-    """A CUDA array of any framework (a torch CUDA tensor, CuPy): float32, C-contiguous."""
+    """A CUDA array of any framework (a torch CUDA tensor, CuPy): float32 or float16 (bfloat16
+    too for torch tensors, read through their own attributes), C-contiguous."""
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]: ...
 

@@ -16,8 +16,9 @@ exactly whatever the cache stores, so torch's SDPA computes it and veloq only st
 values. A forward pass without a ``VeloqCache`` (no cache, or another cache) runs SDPA throughout.
 
 On CUDA (a veloq built with the ``cuda`` feature) the cache lives on the model's GPU: the step's
-tensors are handed to veloq's kernels by device address (``__cuda_array_interface__``) and the
-work is ordered on torch's current stream — nothing goes through the host.
+tensors are handed to veloq's kernels by device address, in the model's dtype (float16,
+bfloat16 or float32: veloq converts in the copy that reads them), and the work is ordered on
+torch's current stream — nothing goes through the host.
 """
 
 from __future__ import annotations
@@ -200,6 +201,29 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.detach().transpose(1, 2).to(torch.float32).contiguous()
 
 
+_CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _cuda_rows(x: torch.Tensor) -> torch.Tensor:
+    """[batch, heads, tokens, dim] → [batch, tokens, heads, dim] in the model's dtype (veloq
+    converts as it copies): a view at decode, where one token's heads are already contiguous."""
+    x = x.detach().transpose(1, 2)
+    if x.dtype not in _CUDA_DTYPES:
+        x = x.to(torch.float32)
+    return x.contiguous()
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream(device: torch.device) -> int:
+    """torch's current stream on ``device`` as a ``CUstream`` handle (the raw query where torch
+    has it: building a ``torch.cuda.Stream`` object once per layer is measurable host time)."""
+    if _raw_stream is not None:
+        return _raw_stream(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 def _np(x: torch.Tensor) -> np.ndarray:
     """[batch, heads, tokens, dim] → [batch, tokens, heads, dim] float32 NumPy (host memory)."""
     return _rows(x).cpu().numpy()
@@ -238,18 +262,18 @@ def veloq_attention(
         scaling = 1.0 / math.sqrt(query.shape[-1])
     native = layer.owner.native
     cuda = query.device.type == "cuda"
-    stream = {"stream": torch.cuda.current_stream(query.device).cuda_stream} if cuda else {}
+    stream = {"stream": _stream(query.device)} if cuda else {}
     if query.shape[2] > 1 and native.length(layer.index) == 0:
         # A first chunk sees only its own positions, exact in the cache too: SDPA attends, veloq stores.
         out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        rows = _rows if cuda else _np
+        rows = _cuda_rows if cuda else _np
         native.append(layer.index, rows(key), rows(value), **stream)
         return out, None
     if cuda:
-        q = _rows(query)
-        out = torch.empty_like(q)
-        native.attend(layer.index, q, _rows(key), _rows(value), float(scaling), out=out, **stream)
-        return out.to(query.dtype), None
+        q = _cuda_rows(query)
+        out = torch.empty(q.shape, dtype=query.dtype, device=query.device)
+        native.attend(layer.index, q, _cuda_rows(key), _cuda_rows(value), float(scaling), out=out, **stream)
+        return out, None
     out = native.attend(layer.index, _np(query), _np(key), _np(value), float(scaling))
     return torch.from_numpy(out).to(query.dtype), None
 

@@ -169,7 +169,7 @@ def fill(cache, g, ctx, gen):
             if isinstance(cache, vt.VeloqCache):
                 cache._ensure(k)
                 stream = torch.cuda.current_stream().cuda_stream
-                cache.native.append(layer, vt._rows(k), vt._rows(v), stream=stream)
+                cache.native.append(layer, vt._cuda_rows(k), vt._cuda_rows(v), stream=stream)
             else:
                 cache.update(k, v, layer)
 

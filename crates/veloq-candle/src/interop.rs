@@ -1,9 +1,10 @@
 //! Device memory owned by another framework (PyTorch, CuPy, JAX — whatever hands out a CUDA
 //! pointer and a stream), exchanged with veloq's tensors without a trip through the host: a
 //! foreign buffer is copied device to device into a tensor on veloq's stream, a result copied
-//! back the same way, and the two streams are ordered by events, so neither side waits on the
-//! host and the foreign framework's allocator can reuse its buffers as soon as its own stream
-//! says so.
+//! back the same way — converted between the model's f16/bf16 and the cache's f32 in the same
+//! launch, so the caller converts nothing — and the two streams are ordered by events, so
+//! neither side waits on the host and the foreign framework's allocator can reuse its buffers as
+//! soon as its own stream says so.
 //!
 //! The other framework must use the device's primary context (PyTorch, CuPy and JAX do).
 
@@ -13,18 +14,33 @@ use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Device, Storage, Tensor};
-use cudarc::driver::{result, sys, CudaEvent, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{
+    result, sys, CudaEvent, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 
 use crate::error::{Error, Result};
 
-/// A contiguous buffer of f32 on a CUDA device that another framework owns: its address and its
-/// length in elements.
+/// The element type of a foreign buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ForeignDType {
+    /// IEEE single precision.
+    F32,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+/// A contiguous buffer on a CUDA device that another framework owns: its address, its length in
+/// elements and their type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ForeignBuffer {
     /// The device address of the first element.
     pub ptr: u64,
-    /// Elements (f32).
+    /// Elements.
     pub len: usize,
+    /// Their type.
+    pub dtype: ForeignDType,
 }
 
 /// A stream of another framework, as its raw `CUstream` handle (0: the legacy default stream,
@@ -42,6 +58,8 @@ pub struct Exchange {
     /// Recorded on veloq's stream, waited on by the foreign one: the outputs are written and the
     /// inputs read.
     outputs: CudaEvent,
+    /// candle's conversion kernels, looked up once: f16 → f32, bf16 → f32, f32 → f16, f32 → bf16.
+    casts: [CudaFunction; 4],
 }
 
 impl Exchange {
@@ -53,7 +71,11 @@ impl Exchange {
         let stream = cuda.cuda_stream();
         let ctx = stream.context().clone();
         let event = || ctx.new_event(None).map_err(|e| Error::Device(format!("creating a CUDA event: {e}")));
-        Ok(Self { device: cuda.clone(), stream, inputs: event()?, outputs: event()? })
+        let cast = |name: &str| -> Result<CudaFunction> {
+            Ok(cuda.get_or_load_func(name, &candle_core::cuda_backend::kernels::CAST)?.into_cuda_function())
+        };
+        let casts = [cast("cast_f16_f32")?, cast("cast_bf16_f32")?, cast("cast_f32_f16")?, cast("cast_f32_bf16")?];
+        Ok(Self { device: cuda.clone(), stream, inputs: event()?, outputs: event()?, casts })
     }
 
     /// veloq's stream waits for what `foreign` has queued so far (the inputs being written).
@@ -79,34 +101,44 @@ impl Exchange {
         .map_err(driver)
     }
 
-    /// A new f32 tensor of `shape` on veloq's stream holding a copy of `src`.
+    /// A new f32 tensor of `shape` on veloq's stream holding a copy of `src` (converted from f16
+    /// or bf16 in the copy).
     ///
     /// # Safety
-    /// `src` must address `src.len` f32 on this device, left unchanged until the copy is done:
-    /// call [`before`](Self::before) on the stream that would next write it.
+    /// `src` must address `src.len` elements of `src.dtype` on this device, left unchanged until
+    /// the copy is done: call [`before`](Self::before) on the stream that would next write it.
     pub unsafe fn read(&self, src: ForeignBuffer, shape: &[usize]) -> Result<Tensor> {
         let n: usize = shape.iter().product();
         if n != src.len {
             return Err(Error::Shape(format!("a buffer of {} elements read as {shape:?}", src.len)));
         }
         let mut dst = self.stream.alloc::<f32>(n).map_err(driver)?;
-        {
-            let (ptr, _sync) = dst.device_ptr_mut(&self.stream);
-            result::memcpy_dtod_async(ptr, src.ptr, n * 4, self.stream.cu_stream()).map_err(driver)?;
+        match src.dtype {
+            ForeignDType::F32 => {
+                let (ptr, _sync) = dst.device_ptr_mut(&self.stream);
+                result::memcpy_dtod_async(ptr, src.ptr, n * 4, self.stream.cu_stream()).map_err(driver)?;
+            }
+            dtype => {
+                let (ptr, _sync) = dst.device_ptr_mut(&self.stream);
+                let f = &self.casts[if dtype == ForeignDType::F16 { 0 } else { 1 }];
+                self.cast(f, n, src.ptr, ptr)?;
+            }
         }
         let storage = CudaStorage::wrap_cuda_slice(dst, self.device.clone());
         Ok(Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false))
     }
 
-    /// Copies `t` (f32 on this device) into `dst`, on veloq's stream.
+    /// Copies `t` (f32 on this device) into `dst` (converted to f16 or bf16 in the copy), on
+    /// veloq's stream.
     ///
     /// # Safety
-    /// `dst` must address `dst.len` writable f32 on this device that nothing reads or writes
-    /// until the copy is done: call [`before`](Self::before) on the stream that uses it next.
+    /// `dst` must address `dst.len` writable elements of `dst.dtype` on this device that nothing
+    /// reads or writes until the copy is done: call [`before`](Self::before) on the stream that
+    /// uses it next.
     pub unsafe fn write(&self, t: &Tensor, dst: ForeignBuffer) -> Result<()> {
         if t.dtype() != DType::F32 || t.elem_count() != dst.len {
             return Err(Error::Shape(format!(
-                "{:?} {:?} written into a buffer of {} f32",
+                "{:?} {:?} written into a buffer of {} elements",
                 t.dtype(),
                 t.dims(),
                 dst.len
@@ -125,7 +157,28 @@ impl Exchange {
         };
         let src = cuda.as_cuda_slice::<f32>()?.slice(start..end);
         let (ptr, _sync) = src.device_ptr(&self.stream);
-        result::memcpy_dtod_async(dst.ptr, ptr, dst.len * 4, self.stream.cu_stream()).map_err(driver)
+        match dst.dtype {
+            ForeignDType::F32 => {
+                result::memcpy_dtod_async(dst.ptr, ptr, dst.len * 4, self.stream.cu_stream()).map_err(driver)
+            }
+            ForeignDType::F16 => self.cast(&self.casts[2], dst.len, ptr, dst.ptr),
+            ForeignDType::Bf16 => self.cast(&self.casts[3], dst.len, ptr, dst.ptr),
+        }
+    }
+
+    /// One launch of candle's contiguous cast kernel `f`: `n` elements from device address `src`
+    /// to device address `dst`, on veloq's stream.
+    ///
+    /// # Safety
+    /// `src` and `dst` must address `n` elements of the kernel's source and destination types.
+    unsafe fn cast(&self, f: &CudaFunction, n: usize, src: u64, dst: u64) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let (dims, info) = (0usize, 0u64); // no layout: contiguous
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&n).arg(&dims).arg(&info).arg(&src).arg(&dst);
+        b.launch(LaunchConfig::for_num_elems(n as u32)).map(drop).map_err(driver)
     }
 
     fn bind(&self) -> Result<()> {

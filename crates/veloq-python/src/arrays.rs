@@ -1,6 +1,6 @@
-//! The arrays `KvCache` takes: NumPy arrays on the host, or CUDA arrays of any framework that
-//! publishes `__cuda_array_interface__` (PyTorch, CuPy, Numba, JAX) — read in place through their
-//! device address, never through the host.
+//! The arrays `KvCache` takes: NumPy arrays on the host, or CUDA arrays — torch CUDA tensors, or
+//! those of any framework that publishes `__cuda_array_interface__` (CuPy, Numba, JAX) — read in
+//! place through their device address, never through the host.
 
 use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -23,7 +23,37 @@ fn check_shape(dims: &[usize], shape: &[Option<usize>], what: &str) -> PyResult<
     Ok(())
 }
 
-/// A C-contiguous float32 CUDA array described by `__cuda_array_interface__` (version 2 or 3).
+/// The element types a CUDA array may hold: what models compute in. veloq's cache converts
+/// on the way in and out, in the same launch as the copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Elem {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl Elem {
+    #[cfg(feature = "cuda")]
+    pub fn foreign(self) -> veloq_candle::interop::ForeignDType {
+        use veloq_candle::interop::ForeignDType;
+        match self {
+            Elem::F32 => ForeignDType::F32,
+            Elem::F16 => ForeignDType::F16,
+            Elem::Bf16 => ForeignDType::Bf16,
+        }
+    }
+
+    fn size(self) -> isize {
+        match self {
+            Elem::F32 => 4,
+            Elem::F16 | Elem::Bf16 => 2,
+        }
+    }
+}
+
+/// A C-contiguous float32, float16 or bfloat16 CUDA array: a torch CUDA tensor (read through its
+/// own attributes, the fast path a decode step takes once per layer) or any array publishing
+/// `__cuda_array_interface__` (version 2 or 3: CuPy, Numba, JAX; float32 or float16).
 #[derive(Clone, Debug)]
 pub struct CudaArray {
     /// Its device address (read by the CUDA build only).
@@ -31,16 +61,25 @@ pub struct CudaArray {
     pub ptr: u64,
     /// Its dimensions.
     pub shape: Vec<usize>,
+    /// Its element type.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub elem: Elem,
+    /// The CUDA device it lives on, where the array says (torch tensors do).
+    pub device: Option<usize>,
     /// The stream its producer last wrote it on, as a `CUstream` handle (the interface's
     /// numbering is the driver's: 1 legacy default, 2 per-thread default); `None` if it names none.
     pub stream: Option<u64>,
 }
 
 impl CudaArray {
-    /// The array behind `x`'s `__cuda_array_interface__`, or `None` if `x` publishes none (a
-    /// host array). `writable`: refuse read-only arrays. Checked against `shape` as
-    /// [`host`] checks.
+    /// The array behind `x` — a torch CUDA tensor or an object with `__cuda_array_interface__` —
+    /// or `None` if `x` is neither (a host array). `writable`: refuse read-only arrays. Checked
+    /// against `shape` as [`host`] checks, and to be C-contiguous.
     pub fn of(x: &Bound<'_, PyAny>, shape: &[Option<usize>], what: &str, writable: bool) -> PyResult<Option<Self>> {
+        if let Some(a) = Self::torch(x, what)? {
+            check_shape(&a.shape, shape, what)?;
+            return Ok(Some(a));
+        }
         let Ok(iface) = x.getattr("__cuda_array_interface__") else {
             return Ok(None);
         };
@@ -53,24 +92,19 @@ impl CudaArray {
                 .ok_or_else(|| ShapeError::new_err(format!("{what}: __cuda_array_interface__ has no {key:?}")))
         };
         let typestr: String = get("typestr")?.extract()?;
-        if typestr != "<f4" {
-            return Err(ShapeError::new_err(format!(
-                "{what}: expected float32 (typestr \"<f4\"), got {typestr:?} (convert with .float())"
-            )));
-        }
+        let elem = match typestr.as_str() {
+            "<f4" => Elem::F32,
+            "<f2" => Elem::F16,
+            _ => {
+                return Err(ShapeError::new_err(format!(
+                    "{what}: expected float32 or float16 (typestr \"<f4\" or \"<f2\"), got {typestr:?}"
+                )))
+            }
+        };
         let dims: Vec<usize> = get("shape")?.extract()?;
         check_shape(&dims, shape, what)?;
         if let Some(strides) = iface.get_item("strides")?.filter(|s| !s.is_none()) {
-            let strides: Vec<isize> = strides.extract()?;
-            let mut want = 4isize;
-            for (&s, &d) in strides.iter().zip(&dims).rev() {
-                if d > 1 && s != want {
-                    return Err(ShapeError::new_err(format!(
-                        "{what}: the array must be C-contiguous (.contiguous()), strides {strides:?}"
-                    )));
-                }
-                want *= d as isize;
-            }
+            check_contiguous(&dims, &strides.extract::<Vec<isize>>()?, elem.size(), what)?;
         }
         let data = get("data")?;
         let data = data.cast::<PyTuple>().map_err(|_| ShapeError::new_err(format!("{what}: data is not a tuple")))?;
@@ -86,7 +120,43 @@ impl CudaArray {
             Some(s) if !s.is_none() => Some(s.extract()?),
             _ => None,
         };
-        Ok(Some(Self { ptr, shape: dims, stream }))
+        Ok(Some(Self { ptr, shape: dims, elem, device: None, stream }))
+    }
+
+    /// A torch CUDA tensor read through its attributes (torch's `__cuda_array_interface__` is
+    /// Python code, run once per array per call, and knows no bfloat16); `None` for anything else,
+    /// CPU tensors included.
+    fn torch(x: &Bound<'_, PyAny>, what: &str) -> PyResult<Option<Self>> {
+        let ty = x.get_type();
+        if !ty.module().is_ok_and(|m| m.to_cow().is_ok_and(|m| m == "torch" || m.starts_with("torch.")))
+            || !x.hasattr(pyo3::intern!(x.py(), "data_ptr"))?
+        {
+            return Ok(None);
+        }
+        let py = x.py();
+        let device = x.getattr(pyo3::intern!(py, "device"))?;
+        if device.getattr(pyo3::intern!(py, "type"))?.extract::<String>()? != "cuda" {
+            return Ok(None);
+        }
+        let dtype = x.getattr(pyo3::intern!(py, "dtype"))?.str()?;
+        let elem = match &*dtype.to_cow()? {
+            "torch.float32" => Elem::F32,
+            "torch.float16" => Elem::F16,
+            "torch.bfloat16" => Elem::Bf16,
+            other => {
+                return Err(ShapeError::new_err(format!(
+                    "{what}: expected float32, float16 or bfloat16, got {other} (convert with .float())"
+                )))
+            }
+        };
+        let dims: Vec<usize> = x.getattr(pyo3::intern!(py, "shape"))?.extract()?;
+        let strides: Vec<isize> = x.call_method0(pyo3::intern!(py, "stride"))?.extract()?;
+        // Element strides: the check below counts in bytes.
+        let strides: Vec<isize> = strides.iter().map(|s| s * elem.size()).collect();
+        check_contiguous(&dims, &strides, elem.size(), what)?;
+        let ptr: u64 = x.call_method0(pyo3::intern!(py, "data_ptr"))?.extract()?;
+        let index: Option<usize> = device.getattr(pyo3::intern!(py, "index"))?.extract()?;
+        Ok(Some(Self { ptr, shape: dims, elem, device: index, stream: None }))
     }
 
     /// Elements.
@@ -94,4 +164,18 @@ impl CudaArray {
     pub fn elements(&self) -> usize {
         self.shape.iter().product()
     }
+}
+
+/// Byte strides of a C-contiguous array of `dims` (dimensions of length 1 may have any stride).
+fn check_contiguous(dims: &[usize], strides: &[isize], size: isize, what: &str) -> PyResult<()> {
+    let mut want = size;
+    for (&s, &d) in strides.iter().zip(dims).rev() {
+        if d > 1 && s != want {
+            return Err(ShapeError::new_err(format!(
+                "{what}: the array must be C-contiguous (.contiguous()), byte strides {strides:?}"
+            )));
+        }
+        want *= d as isize;
+    }
+    Ok(())
 }

@@ -138,11 +138,12 @@ impl KvCache {
     /// `[batch, tokens, q_heads, head_dim]` float32. `scale` defaults to 1/√head_dim.
     ///
     /// NumPy arrays in, a NumPy array out. On a CUDA cache the arrays may instead be CUDA arrays
-    /// (`__cuda_array_interface__`: torch CUDA tensors, CuPy): then the attention is written into
-    /// `out` (a float32 CUDA array of the output's shape), which is returned, and the work is
-    /// ordered after what `stream` (a `CUstream` handle, e.g. `torch.cuda.current_stream().cuda_stream`;
-    /// by default the one the arrays name, else the default stream) has queued, and before
-    /// whatever it queues next.
+    /// (torch CUDA tensors, or any array with `__cuda_array_interface__`: CuPy, Numba), float32,
+    /// float16 or (torch) bfloat16, each C-contiguous and converted in the copy that reads it:
+    /// then the attention is written into `out` (a CUDA array of the output's shape, any of those
+    /// types), which is returned, and the work is ordered after what `stream` (a `CUstream`
+    /// handle, e.g. `torch.cuda.current_stream().cuda_stream`; by default the one the arrays
+    /// name, else the default stream) has queued, and before whatever it queues next.
     #[pyo3(signature = (layer, q, k, v, scale = None, *, out = None, stream = None))]
     #[allow(clippy::too_many_arguments)]
     fn attend<'py>(
@@ -181,11 +182,12 @@ impl KvCache {
             Inputs::Cuda { q, k, v } => {
                 let out = out.ok_or_else(|| {
                     ShapeError::new_err(format!(
-                        "attend over CUDA arrays writes into out=: a float32 CUDA array [{b}, {t}, {hq}, {d}]"
+                        "attend over CUDA arrays writes into out=: a CUDA array [{b}, {t}, {hq}, {d}] (float32, float16 or bfloat16)"
                     ))
                 })?;
                 let o = CudaArray::of(out, &[Some(b), Some(t), Some(hq), Some(d)], "out", true)?
-                    .ok_or_else(|| ShapeError::new_err("out: expected a CUDA array (__cuda_array_interface__)"))?;
+                    .ok_or_else(|| ShapeError::new_err("out: expected a CUDA array like k"))?;
+                self.same_device(&o, "out")?;
                 let stream = stream.or(k.stream).unwrap_or(0);
                 py.detach(|| self.device_step(layer, b, t, q.as_ref().map(|q| (q, &o, scale)), &k, &v, stream))?;
                 Ok(out.clone())
@@ -312,7 +314,22 @@ impl KvCache {
         };
         let q = q.map(|q| cuda(q, hq, "q")).transpose()?;
         let v = cuda(v, hk, "v")?;
+        for (a, what) in [(Some(&kc), "k"), (Some(&v), "v"), (q.as_ref(), "q")] {
+            if let Some(a) = a {
+                self.same_device(a, what)?;
+            }
+        }
         Ok(Inputs::Cuda { q, k: kc, v })
+    }
+
+    /// Refuses an array on another GPU than the cache's (where the array says which).
+    fn same_device(&self, a: &CudaArray, what: &str) -> PyResult<()> {
+        match (a.device, self.device) {
+            (Some(i), Device::Cuda(j)) if i != j => {
+                Err(DeviceError::new_err(format!("{what} is on cuda:{i}; the cache is on {}", self.device)))
+            }
+            _ => Ok(()),
+        }
     }
 
     fn kv_tensor(&self, x: &[f32], tokens: usize, dev: &CandleDevice) -> candle_core::Result<Tensor> {
@@ -336,11 +353,11 @@ impl KvCache {
         use veloq_candle::interop::{ForeignBuffer, ForeignStream};
         let ex = self.exchange.as_ref().expect("a CUDA cache has an exchange");
         let stream = ForeignStream(stream);
-        let buf = |a: &CudaArray| ForeignBuffer { ptr: a.ptr, len: a.elements() };
+        let buf = |a: &CudaArray| ForeignBuffer { ptr: a.ptr, len: a.elements(), dtype: a.elem.foreign() };
         let (hq, hk, d) = (self.q_heads, self.kv_heads, self.head_dim);
         ex.after(stream).py()?;
         let run = || -> veloq_candle::Result<()> {
-            // SAFETY: the arrays were checked to be C-contiguous float32 of these shapes; the
+            // SAFETY: the arrays were checked to be C-contiguous, of these shapes and types; the
             // caller's stream waits for this work (`before` below) before it touches them again.
             let (kt, vt) = unsafe { (ex.read(buf(k), &[b * t, hk, d])?, ex.read(buf(v), &[b * t, hk, d])?) };
             let q = match q {

@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Host time of one layer's attention hand-over in transformers (issue 33): eager decode of the 8B
+config is bound by the host, so what a layer's attention costs the host is what a step pays.
+One layer of the Llama-3.1-8B geometry (32 query heads, 8 kv heads, head dim 128, f16), a cache
+of `--context` positions, then `--calls` one-token steps back to back with one synchronisation at
+the end: wall time per call is host time while the GPU keeps up (a short context keeps its work
+small). Variants, each on a fresh cache, alternated `--rounds` times:
+
+- `dynamic+sdpa`: DynamicCache's layer update (two `cat`s) and transformers' SDPA attention;
+- `veloq previous`: the previous hand-over — q, k, v converted to float32 by torch, handed over
+  through `__cuda_array_interface__`, the output converted back by torch;
+- `veloq`: `vt.veloq_attention` as shipped (the model's f16 tensors read through their own
+  attributes, converted in veloq's copy; the output written in f16);
+- `native only`: `KvCache.attend` alone on ready f16 tensors (veloq's own host time).
+
+Usage: hf_attend_host.py [--context 1024] [--calls 400] [--rounds 3] [--json OUT]
+"""
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+import veloq
+import veloq.transformers as vt
+from hf_models import llama8b_config
+
+HQ, HK, D = 32, 8, 128
+
+
+class Interface:
+    """A CUDA array known only by ``__cuda_array_interface__`` (the previous hand-over)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    @property
+    def __cuda_array_interface__(self):
+        return self.t.__cuda_array_interface__
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    cal = veloq.Calibration.train(
+        [rng.standard_normal((1024, HK, D)).astype(np.float32)],
+        [rng.standard_normal((1024, HK, D)).astype(np.float32)],
+        method="vq-4",
+    )
+    cfg = llama8b_config(a.context + a.calls + 64)
+    cfg._attn_implementation = "sdpa"
+    module = LlamaAttention(cfg, layer_idx=0).cuda().half().eval()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(h, t):
+        return torch.randn(1, h, t, D, device="cuda", dtype=torch.float16, generator=gen)
+
+    steps = [(rand(HQ, 1), rand(HK, 1), rand(HK, 1)) for _ in range(a.calls)]
+    scale = D**-0.5
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def veloq_cache():
+        c = veloq.KvCache("vq-4", q_heads=HQ, calibration=cal, max_context=a.context + a.calls + 64, device="cuda")
+        c.append(0, vt._cuda_rows(rand(HK, a.context)), vt._cuda_rows(rand(HK, a.context)), stream=stream)
+        return c
+
+    def dynamic():
+        cache = DynamicCache(config=cfg)
+        cache.update(rand(HK, a.context), rand(HK, a.context), 0)
+        attn = vt.ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+        def call(q, k, v):
+            kk, vv = cache.update(k, v, 0)
+            return attn(module, q, kk, vv, None, scaling=scale)[0]
+
+        return call
+
+    def previous():
+        c = veloq_cache()
+
+        def call(q, k, v):
+            q32 = vt._rows(q)
+            out = torch.empty_like(q32)
+            c.attend(0, Interface(q32), Interface(vt._rows(k)), Interface(vt._rows(v)), scale,
+                     out=Interface(out), stream=torch.cuda.current_stream(q.device).cuda_stream)
+            return out.to(q.dtype)
+
+        return call
+
+    def shipped():
+        owner = type("Owner", (), {})()
+        owner.native = veloq_cache()
+        layer = type("Layer", (), {"index": 0, "owner": owner, "is_sliding": False})()
+
+        def call(q, k, v):
+            vt._current.layer = layer
+            return vt.veloq_attention(module, q, k, v, None, scaling=scale)[0]
+
+        return call
+
+    def native():
+        c = veloq_cache()
+        ready = [(vt._cuda_rows(q), vt._cuda_rows(k), vt._cuda_rows(v), torch.empty(1, 1, HQ, D, device="cuda", dtype=torch.float16)) for q, k, v in steps]
+        it = iter(ready)
+
+        def call(q, k, v):
+            q, k, v, out = next(it)
+            return c.attend(0, q, k, v, scale, out=out, stream=stream)
+
+        return call
+
+    variants = {"dynamic+sdpa": dynamic, "veloq previous": previous, "veloq": shipped, "native only": native}
+    res = {"context": a.context, "calls": a.calls, "us_per_call": {k: [] for k in variants}}
+    with torch.no_grad():
+        for r in range(a.rounds):
+            for name, make in variants.items():
+                call = make()
+                for q, k, v in steps[:20]:  # warm-up (also compiles veloq's kernels once)
+                    call(q, k, v)
+                call = make()
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for q, k, v in steps:
+                    call(q, k, v)
+                torch.cuda.synchronize()
+                us = 1e6 * (time.perf_counter() - t) / a.calls
+                res["us_per_call"][name].append(us)
+                print(f"round {r + 1} {name:>15}: {us:7.1f} us/call", flush=True)
+    print("median:", {k: round(sorted(v)[len(v) // 2], 1) for k, v in res["us_per_call"].items()})
+    if a.json:
+        json.dump(res, open(a.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
