@@ -140,6 +140,23 @@ def test_kv_cache_input_is_checked(cal, rng):
     assert cache.length(0) == 0, "a refused step changes nothing"
 
 
+def test_kv_cache_on_its_own_threads_attends_as_on_the_shared_pool(cal, rng):
+    """`threads` changes where the kernels run (and so the order of some sums), nothing else: a
+    prompt then decode steps agree within f32 summation error (a wrong result is off by O(1))."""
+    caches = [veloq.KvCache("vq-4", q_heads=9, calibration=cal, max_context=512, threads=t) for t in (None, 1, 3)]
+    for n in (300, 1, 1, 1):
+        q = rng.standard_normal((1, n, 9, 64)).astype(np.float32)
+        k, v = keys_like(rng, cal, n)[None], keys_like(rng, cal, n)[None]
+        ref, *others = [c.attend(2, q, k, v, 0.125) for c in caches]
+        for y in others:
+            assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max() * 64
+    assert {c.length(2) for c in caches} == {303}
+    with pytest.raises(veloq.ConfigError, match="at least 1"):
+        veloq.KvCache("vq-4", q_heads=9, calibration=cal, threads=0)
+    with pytest.raises(veloq.ConfigError, match="CPU"):
+        veloq.KvCache("vq-4", q_heads=9, calibration=cal, device="cuda", threads=2)
+
+
 def test_append_stores_what_attend_stores(cal, rng):
     """A prompt appended without attention (the caller attended it) leaves the cache exactly as
     attending it does: the next step's attention is identical."""

@@ -50,8 +50,10 @@ def test_fp16_through_veloq_equals_dynamic_cache(hf):
     model, tok = hf
     ids = prompt_ids(tok, "What is the capital of France?")
     ref = model.generate(ids, max_new_tokens=16, do_sample=False, cache=transformers.DynamicCache())
-    got = model.generate(ids, max_new_tokens=16, do_sample=False, cache=vt.VeloqCache(model, method="fp16"))
-    assert torch.equal(ref, got)
+    for threads in (None, 2):  # veloq's kernels on one thread of their own (the default), or two
+        cache = vt.VeloqCache(model, method="fp16", threads=threads)
+        got = model.generate(ids, max_new_tokens=16, do_sample=False, cache=cache)
+        assert torch.equal(ref, got)
 
 
 def test_vq4_tracks_dynamic_cache_in_less_memory(hf, hf_cal):
@@ -138,6 +140,8 @@ def test_misuse_is_refused(hf, hf_cal):
     model, tok = hf
     with pytest.raises(veloq.CalibrationError, match="needs a calibration"):
         vt.VeloqCache(model, method="vq-4")
+    with pytest.raises(veloq.ConfigError, match="at least 1"):
+        vt.VeloqCache(model, method="fp16", threads=0)
     # A calibration of another geometry (head_dim 32) is refused before any work.
     rng = np.random.default_rng(0)
     small = [rng.standard_normal((512, 3, 32)).astype(np.float32) for _ in range(30)]

@@ -202,6 +202,7 @@ class KvCache:
         batch: int = 1,
         kernels: str = "auto",
         device: str = "cpu",
+        threads: Optional[int] = None,
     ) -> "KvCache": ...
     @overload
     def attend(

@@ -118,7 +118,10 @@ class VeloqCache(Cache):
 
     ``calibration`` is a ``veloq.Calibration`` or the path of one (``calibrate`` or
     ``veloq calibrate`` make them); without one, ``method`` must need none ("fp16", "kivi-2",
-    "rlm-4", …). ``max_context`` bounds a sequence's positions.
+    "rlm-4", …). ``max_context`` bounds a sequence's positions. ``threads`` (CPU models): the
+    threads veloq's kernels run decode steps on, 1 by default — torch's own threads hold the
+    cores between its ops (spinning, waiting for the next one), so more for veloq only contend
+    with them; a prompt's coding runs on every core.
     """
 
     def __init__(
@@ -129,6 +132,7 @@ class VeloqCache(Cache):
         method: Optional[str] = None,
         max_context: int = 8192,
         kernels: str = "auto",
+        threads: Optional[int] = None,
     ):
         g = geometry(model)
         if isinstance(calibration, (str, os.PathLike)):
@@ -153,6 +157,10 @@ class VeloqCache(Cache):
             self._spec["device"] = f"cuda:{device.index}"
         elif device.type != "cpu":
             raise DeviceError(f"veloq.transformers runs on CPU and CUDA tensors, not {device}")
+        else:
+            self._spec["threads"] = 1 if threads is None else threads
+        if threads is not None and device.type != "cpu":
+            raise ConfigError(f"threads is for a model on the CPU; this one is on {device}")
         # Built now to fail early on a calibration of another model; rebuilt for the first step's batch.
         self.native: Optional[KvCache] = KvCache(**self._spec)
         self._batch = 1

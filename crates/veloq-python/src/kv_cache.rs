@@ -33,6 +33,8 @@ pub struct KvCache {
     method: Method,
     device: Device,
     candle: CandleDevice,
+    /// A CPU cache's own pool for decode steps (`threads`); `None`: rayon's global pool.
+    pool: Option<rayon::ThreadPool>,
     #[cfg(feature = "cuda")]
     exchange: Option<veloq_candle::interop::Exchange>,
 }
@@ -48,9 +50,13 @@ impl KvCache {
     /// A cache of `method` for a model of `q_heads` query heads on `device` ("cpu", "cuda",
     /// "cuda:N"). A VecInfer method takes the model's geometry from `calibration`; the others
     /// need `layers`, `kv_heads` and `head_dim`. `windows` gives the sliding window of each layer
-    /// (None: global attention).
+    /// (None: global attention). `threads`: on the CPU, run decode steps (one token a sequence)
+    /// on a pool of this many threads of the cache's own; by default, and for prompts always,
+    /// the process's pool (one thread a core). Inside another framework's forward pass, whose
+    /// threads own the cores and spin between its ops, 1 is fastest for decode steps; a prompt's
+    /// coding is long enough to gain from every core.
     #[new]
-    #[pyo3(signature = (method = "vq-4", *, q_heads, calibration = None, layers = None, kv_heads = None, head_dim = None, windows = None, max_context = 8192, batch = 1, kernels = "auto", device = "cpu"))]
+    #[pyo3(signature = (method = "vq-4", *, q_heads, calibration = None, layers = None, kv_heads = None, head_dim = None, windows = None, max_context = 8192, batch = 1, kernels = "auto", device = "cpu", threads = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         method: &str,
@@ -64,10 +70,25 @@ impl KvCache {
         batch: usize,
         kernels: &str,
         device: &str,
+        threads: Option<usize>,
     ) -> PyResult<Self> {
         let method = parse_method(method)?;
         let kernels = kernels.parse::<veloq::kernels::KernelChoice>().py()?;
         let device = device.parse::<Device>().py()?;
+        let pool = match (threads, device) {
+            (None, _) => None,
+            (Some(0), _) => return Err(ConfigError::new_err("threads must be at least 1")),
+            (Some(_), Device::Cuda(_)) => {
+                return Err(ConfigError::new_err(format!("threads is for a cache on the CPU; this one is on {device}")))
+            }
+            (Some(n), Device::Cpu) => Some(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n)
+                    .thread_name(|i| format!("veloq-kv-{i}"))
+                    .build()
+                    .map_err(|e| ConfigError::new_err(format!("starting {n} threads: {e}")))?,
+            ),
+        };
         let cal = match calibration {
             None => None,
             Some(c) => Some(match c.cast::<Calibration>() {
@@ -129,6 +150,7 @@ impl KvCache {
                 Device::Cpu => None,
             },
             candle,
+            pool,
         })
     }
 
@@ -170,11 +192,13 @@ impl KvCache {
                 let (qs, ks, vs) = (slice(&q, "q")?, slice(&k, "k")?, slice(&v, "v")?);
                 let dev = self.candle.clone();
                 let y = py
-                    .detach(|| -> veloq_candle::Result<Vec<f32>> {
-                        let (kt, vt) = (self.kv_tensor(ks, b * t, &dev)?, self.kv_tensor(vs, b * t, &dev)?);
-                        let qt = Tensor::from_slice(qs, (b * t, hq, d), &dev)?;
-                        let y = step(&mut self.lock(), layer, b, t, &kt, &vt, Some((&qt, scale)))?;
-                        Ok(y.expect("attend returns attention").flatten_all()?.to_vec1::<f32>()?)
+                    .detach(|| {
+                        self.on_pool(t, || -> veloq_candle::Result<Vec<f32>> {
+                            let (kt, vt) = (self.kv_tensor(ks, b * t, &dev)?, self.kv_tensor(vs, b * t, &dev)?);
+                            let qt = Tensor::from_slice(qs, (b * t, hq, d), &dev)?;
+                            let y = step(&mut self.lock(), layer, b, t, &kt, &vt, Some((&qt, scale)))?;
+                            Ok(y.expect("attend returns attention").flatten_all()?.to_vec1::<f32>()?)
+                        })
                     })
                     .py()?;
                 Ok(y.into_pyarray(py).reshape(vec![b, t, hq, d])?.into_any())
@@ -214,9 +238,11 @@ impl KvCache {
             Inputs::Host { k, v, .. } => {
                 let (ks, vs) = (slice(&k, "k")?, slice(&v, "v")?);
                 let dev = self.candle.clone();
-                py.detach(|| -> veloq_candle::Result<()> {
-                    let (kt, vt) = (self.kv_tensor(ks, b * t, &dev)?, self.kv_tensor(vs, b * t, &dev)?);
-                    step(&mut self.lock(), layer, b, t, &kt, &vt, None).map(drop)
+                py.detach(|| {
+                    self.on_pool(t, || -> veloq_candle::Result<()> {
+                        let (kt, vt) = (self.kv_tensor(ks, b * t, &dev)?, self.kv_tensor(vs, b * t, &dev)?);
+                        step(&mut self.lock(), layer, b, t, &kt, &vt, None).map(drop)
+                    })
                 })
                 .py()
             }
@@ -320,6 +346,15 @@ impl KvCache {
             }
         }
         Ok(Inputs::Cuda { q, k: kc, v })
+    }
+
+    /// Runs a step of `t` tokens a sequence: a decode step on the cache's own pool if it has one
+    /// (its kernels' parallel loops then use it), anything else where it is called.
+    fn on_pool<R: Send>(&self, t: usize, f: impl FnOnce() -> R + Send) -> R {
+        match &self.pool {
+            Some(p) if t == 1 => p.install(f),
+            _ => f(),
+        }
     }
 
     /// Refuses an array on another GPU than the cache's (where the array says which).
