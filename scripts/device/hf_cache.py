@@ -25,6 +25,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import statistics
 import time
 
@@ -40,7 +41,10 @@ T0 = time.time()
 
 
 def log(*a):
-    print(f"[{time.time() - T0:6.0f}s]", *a, flush=True)
+    # The host's load average rides along: eager decode is bound by the host, so a busy host
+    # (another tenant, a build) shows in every step time (seen: 25-45 ms for a 20 ms step).
+    load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"[{time.time() - T0:6.0f}s load {load}]", *a, flush=True)
 
 
 def forward(model, ids, cache):
