@@ -157,10 +157,9 @@ class VeloqCache(Cache):
             self._spec["device"] = f"cuda:{device.index}"
         elif device.type != "cpu":
             raise DeviceError(f"veloq.transformers runs on CPU and CUDA tensors, not {device}")
-        else:
-            self._spec["threads"] = 1 if threads is None else threads
-        if threads is not None and device.type != "cpu":
-            raise ConfigError(f"threads is for a model on the CPU; this one is on {device}")
+        # One thread of veloq's own for CPU decode steps unless told otherwise (KvCache refuses
+        # threads for a CUDA cache).
+        self._spec["threads"] = 1 if threads is None and device.type == "cpu" else threads
         # Built now to fail early on a calibration of another model; rebuilt for the first step's batch.
         self.native: Optional[KvCache] = KvCache(**self._spec)
         self._batch = 1

@@ -13,7 +13,6 @@ pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod grammar;
-#[cfg(feature = "cuda")]
 pub mod interop;
 pub mod method;
 pub mod model;

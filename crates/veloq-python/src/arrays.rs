@@ -6,6 +6,8 @@ use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
+use veloq_candle::interop::ForeignDType;
+
 use crate::errors::ShapeError;
 
 /// A float32 array's data, C order, checked against `shape` (`None` matches any length).
@@ -23,34 +25,6 @@ fn check_shape(dims: &[usize], shape: &[Option<usize>], what: &str) -> PyResult<
     Ok(())
 }
 
-/// The element types a CUDA array may hold: what models compute in. veloq's cache converts
-/// on the way in and out, in the same launch as the copy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Elem {
-    F32,
-    F16,
-    Bf16,
-}
-
-impl Elem {
-    #[cfg(feature = "cuda")]
-    pub fn foreign(self) -> veloq_candle::interop::ForeignDType {
-        use veloq_candle::interop::ForeignDType;
-        match self {
-            Elem::F32 => ForeignDType::F32,
-            Elem::F16 => ForeignDType::F16,
-            Elem::Bf16 => ForeignDType::Bf16,
-        }
-    }
-
-    fn size(self) -> isize {
-        match self {
-            Elem::F32 => 4,
-            Elem::F16 | Elem::Bf16 => 2,
-        }
-    }
-}
-
 /// A C-contiguous float32, float16 or bfloat16 CUDA array: a torch CUDA tensor (read through its
 /// own attributes, the fast path a decode step takes once per layer) or any array publishing
 /// `__cuda_array_interface__` (version 2 or 3: CuPy, Numba, JAX; float32 or float16).
@@ -61,9 +35,9 @@ pub struct CudaArray {
     pub ptr: u64,
     /// Its dimensions.
     pub shape: Vec<usize>,
-    /// Its element type.
+    /// Its element type (veloq's cache converts it on the way in and out, in the copy).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub elem: Elem,
+    pub elem: ForeignDType,
     /// The CUDA device it lives on, where the array says (torch tensors do).
     pub device: Option<usize>,
     /// The stream its producer last wrote it on, as a `CUstream` handle (the interface's
@@ -93,8 +67,8 @@ impl CudaArray {
         };
         let typestr: String = get("typestr")?.extract()?;
         let elem = match typestr.as_str() {
-            "<f4" => Elem::F32,
-            "<f2" => Elem::F16,
+            "<f4" => ForeignDType::F32,
+            "<f2" => ForeignDType::F16,
             _ => {
                 return Err(ShapeError::new_err(format!(
                     "{what}: expected float32 or float16 (typestr \"<f4\" or \"<f2\"), got {typestr:?}"
@@ -104,7 +78,7 @@ impl CudaArray {
         let dims: Vec<usize> = get("shape")?.extract()?;
         check_shape(&dims, shape, what)?;
         if let Some(strides) = iface.get_item("strides")?.filter(|s| !s.is_none()) {
-            check_contiguous(&dims, &strides.extract::<Vec<isize>>()?, elem.size(), what)?;
+            check_contiguous(&dims, &strides.extract::<Vec<isize>>()?, elem.size() as isize, what)?;
         }
         let data = get("data")?;
         let data = data.cast::<PyTuple>().map_err(|_| ShapeError::new_err(format!("{what}: data is not a tuple")))?;
@@ -140,9 +114,9 @@ impl CudaArray {
         }
         let dtype = x.getattr(pyo3::intern!(py, "dtype"))?.str()?;
         let elem = match &*dtype.to_cow()? {
-            "torch.float32" => Elem::F32,
-            "torch.float16" => Elem::F16,
-            "torch.bfloat16" => Elem::Bf16,
+            "torch.float32" => ForeignDType::F32,
+            "torch.float16" => ForeignDType::F16,
+            "torch.bfloat16" => ForeignDType::Bf16,
             other => {
                 return Err(ShapeError::new_err(format!(
                     "{what}: expected float32, float16 or bfloat16, got {other} (convert with .float())"
@@ -152,8 +126,9 @@ impl CudaArray {
         let dims: Vec<usize> = x.getattr(pyo3::intern!(py, "shape"))?.extract()?;
         let strides: Vec<isize> = x.call_method0(pyo3::intern!(py, "stride"))?.extract()?;
         // Element strides: the check below counts in bytes.
-        let strides: Vec<isize> = strides.iter().map(|s| s * elem.size()).collect();
-        check_contiguous(&dims, &strides, elem.size(), what)?;
+        let size = elem.size() as isize;
+        let strides: Vec<isize> = strides.iter().map(|s| s * size).collect();
+        check_contiguous(&dims, &strides, size, what)?;
         let ptr: u64 = x.call_method0(pyo3::intern!(py, "data_ptr"))?.extract()?;
         let index: Option<usize> = device.getattr(pyo3::intern!(py, "index"))?.extract()?;
         Ok(Some(Self { ptr, shape: dims, elem, device: index, stream: None }))

@@ -334,17 +334,15 @@ impl KvCache {
         }
         let (b, t) = (kc.shape[0], kc.shape[1]);
         let shape = |h| [Some(b), Some(t), Some(h), Some(d)];
+        self.same_device(&kc, "k")?;
         let cuda = |x: &Bound<'py, PyAny>, h, what| {
-            CudaArray::of(x, &shape(h), what, false)?
-                .ok_or_else(|| ShapeError::new_err(format!("{what}: expected a CUDA array like k")))
+            let a = CudaArray::of(x, &shape(h), what, false)?
+                .ok_or_else(|| ShapeError::new_err(format!("{what}: expected a CUDA array like k")))?;
+            self.same_device(&a, what)?;
+            Ok::<_, PyErr>(a)
         };
         let q = q.map(|q| cuda(q, hq, "q")).transpose()?;
         let v = cuda(v, hk, "v")?;
-        for (a, what) in [(Some(&kc), "k"), (Some(&v), "v"), (q.as_ref(), "q")] {
-            if let Some(a) = a {
-                self.same_device(a, what)?;
-            }
-        }
         Ok(Inputs::Cuda { q, k: kc, v })
     }
 
@@ -388,7 +386,7 @@ impl KvCache {
         use veloq_candle::interop::{ForeignBuffer, ForeignStream};
         let ex = self.exchange.as_ref().expect("a CUDA cache has an exchange");
         let stream = ForeignStream(stream);
-        let buf = |a: &CudaArray| ForeignBuffer { ptr: a.ptr, len: a.elements(), dtype: a.elem.foreign() };
+        let buf = |a: &CudaArray| ForeignBuffer { ptr: a.ptr, len: a.elements(), dtype: a.elem };
         let (hq, hk, d) = (self.q_heads, self.kv_heads, self.head_dim);
         ex.after(stream).py()?;
         let run = || -> veloq_candle::Result<()> {
