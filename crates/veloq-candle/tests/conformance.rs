@@ -516,8 +516,9 @@ fn truncation(kind: Kind, method: Method) {
 
 /// Forks: a prompt long enough for codes, copied into another slot, then both go on with
 /// different tokens; each attends exactly the shared prefix and its own continuation. A fork of
-/// a fork, taken after its source went on, holds what the source held then. A fork needs another,
-/// empty slot (refusals change nothing); a forked sequence's storage is what a grown one's is.
+/// a fork, taken after its source went on, holds what the source held then, and outlives it. A
+/// fork needs another, empty slot (refusals change nothing); a forked sequence's storage is what a
+/// grown one's is, less what it shares with its source (the CPU shares code blocks, counted once).
 fn forks(kind: Kind, method: Method) {
     let seed = seed();
     let mut rng = Rng(seed | 1);
@@ -526,9 +527,16 @@ fn forks(kind: Kind, method: Method) {
         c.check("a prompt", &[(0, 90)], &mut rng, seed);
         let before = c.cache.resident_bytes();
         c.fork(0, 1);
+        let shared = c.cache.shared_bytes(1);
+        assert_eq!(shared, c.cache.shared_bytes(0), "a fork and its source share the same blocks");
         if kind == Kind::Cpu {
             let grown = c.cache.resident_bytes() - before;
-            assert_eq!(grown, c.cache.sequence_bytes(90), "a fork's storage is a grown sequence's");
+            assert_eq!(grown + shared, c.cache.sequence_bytes(90), "a fork's storage is a grown sequence's");
+            // Codes are shared; rows, which change, are not.
+            let coded = !matches!(method, Method::Fp16 | Method::Sliding(_));
+            assert_eq!(shared > 0, coded, "{shared} B shared");
+        } else {
+            assert_eq!(shared, 0, "device backends copy");
         }
         c.check("both decode", &[(0, 1), (1, 1)], &mut rng, seed);
         for i in 0..12 {
@@ -546,7 +554,9 @@ fn forks(kind: Kind, method: Method) {
             c.check(&format!("three decode {i}"), &[(2, 1), (0, 1), (1, 1)], &mut rng, seed);
         }
         c.truncate(1, 0);
+        c.check("a fork outlives its source", &[(2, 5)], &mut rng, seed);
         c.truncate(2, 0);
+        assert_eq!(c.cache.shared_bytes(0), 0, "freed forks share nothing");
         c.check("freed forks, the first goes on", &[(0, 3)], &mut rng, seed);
         c.fork(0, 2);
         c.check("a fork into a freed slot", &[(2, 4), (0, 1)], &mut rng, seed);

@@ -86,6 +86,12 @@ pub fn render(info: &EngineInfo, s: &Stats, model: &str) -> String {
             one(s.kv_resident_bytes as f64),
         ),
         (
+            "kv_borrowed_bytes",
+            "gauge",
+            "KV bytes running forks read from their source's storage instead of a copy (counted once).",
+            one(s.kv_borrowed_bytes as f64),
+        ),
+        (
             "kv_bytes_per_position",
             "gauge",
             "Storage bytes per cached position of the method (all layers, keys and values).",

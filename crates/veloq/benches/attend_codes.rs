@@ -16,7 +16,7 @@ use veloq::calibrate::{train_codec, KMeansConfig};
 use veloq::codec::codebook::PqShape;
 use veloq::codec::vecinfer::CodecSpec;
 use veloq::kernels::cpu::attention::codes::GROUP;
-use veloq::kernels::cpu::attention::{codes, CodeBlocks, CodesScratch, LutCodec, Softmax};
+use veloq::kernels::cpu::attention::{codes, CodeBlock, CodeBlocks, CodesScratch, LutCodec, Softmax};
 
 fn normal(n: usize, seed: u64) -> Vec<f32> {
     let mut r = Xoshiro256PlusPlus::seed_from_u64(seed);
@@ -39,8 +39,8 @@ fn attend(c: &mut Criterion) {
         let (kc, vc) = (codec(true, 1), codec(false, 2));
         let x = normal(len * heads * d, 3);
         let n = block * heads * d;
-        let kb: Vec<Box<[u8]>> = x.chunks(n).map(|r| kc.encode_vec(r).unwrap().into_boxed_slice()).collect();
-        let vb: Vec<Box<[u8]>> = x.chunks(n).map(|r| vc.encode_vec(r).unwrap().into_boxed_slice()).collect();
+        let kb: Vec<CodeBlock> = x.chunks(n).map(|r| kc.encode_vec(r).unwrap().into()).collect();
+        let vb: Vec<CodeBlock> = x.chunks(n).map(|r| vc.encode_vec(r).unwrap().into()).collect();
         let blocks = CodeBlocks { keys: &kb, values: &vb, block, heads, len };
         let (kl, vl) = (LutCodec::new(kc), LutCodec::new(vc));
         for t in [1usize, 2, 3, 4, 8, 16] {

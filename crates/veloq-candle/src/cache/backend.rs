@@ -93,8 +93,16 @@ pub trait Backend: Send + Sync {
     /// what was reserved up front (device backends), whatever the footprint.
     fn sequence_bytes(&self, footprint: Footprint) -> usize;
 
-    /// Copies what slot `from` stores — its first `held.rows` rows and `held.coded` codes — into
-    /// slot `to`, whose storage is unused (a fork planned by
+    /// Bytes of `slot`'s storage that other slots hold too (a fork shares its source's immutable
+    /// blocks where the backend can): counted once in [`resident_bytes`](Self::resident_bytes).
+    /// Backends that copy on fork share nothing (the default).
+    fn shared_bytes(&self, slot: usize) -> usize {
+        let _ = slot;
+        0
+    }
+
+    /// Makes slot `to`, whose storage is unused, hold what slot `from` stores — its first
+    /// `held.rows` rows and `held.coded` codes (copied, or shared where they never change) (a fork planned by
     /// [`Residency::fork`](super::Residency::fork)).
     fn copy_slot(&mut self, from: usize, to: usize, held: Footprint) -> Result<()>;
 

@@ -7,6 +7,7 @@
 //! Tensors on other devices work too (the step's keys, values and queries are copied to the host
 //! and the output back): the scalar baselines run this way everywhere.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
@@ -15,7 +16,9 @@ use rayon::prelude::*;
 
 use veloq::codec::block::BlockCodec;
 use veloq::codec::vecinfer::VecInferCodec;
-use veloq::kernels::cpu::attention::{codes, rows, CodeBlocks, CodesScratch, LutCodec, RowsScratch, Segment, Softmax};
+use veloq::kernels::cpu::attention::{
+    codes, rows, CodeBlock, CodeBlocks, CodesScratch, LutCodec, RowsScratch, Segment, Softmax,
+};
 
 use super::backend::{Backend, Heads};
 use super::residency::{Footprint, Put, Quantize, Restore, RowSource, SeqView};
@@ -52,7 +55,7 @@ impl Codecs {
     }
 
     /// Encodes f16 rows with the key or value codec (VecInfer reads f16 directly; others f32).
-    fn encode(&self, keys: bool, rows: &[f16]) -> Result<Box<[u8]>> {
+    fn encode(&self, keys: bool, rows: &[f16]) -> Result<CodeBlock> {
         Ok(match (self, keys) {
             (Codecs::Lut { keys, .. }, true) => keys.codec().encode_vec(rows)?,
             (Codecs::Lut { values, .. }, false) => values.codec().encode_vec(rows)?,
@@ -60,7 +63,7 @@ impl Codecs {
                 self.codec(keys).encode_vec(&rows.iter().map(|x| x.to_f32()).collect::<Vec<_>>())?
             }
         }
-        .into_boxed_slice())
+        .into())
     }
 }
 
@@ -108,11 +111,19 @@ struct SlotRows {
     values: Vec<Box<[f16]>>,
 }
 
-/// One sequence's codes: blocks of `block` positions, keys and values.
+/// One sequence's codes: blocks of `block` positions, keys and values. A block never changes once
+/// written, so a fork shares its source's blocks (reference-counted) instead of copying them.
 #[derive(Default)]
 struct SlotCodes {
-    keys: Vec<Box<[u8]>>,
-    values: Vec<Box<[u8]>>,
+    keys: Vec<CodeBlock>,
+    values: Vec<CodeBlock>,
+}
+
+impl SlotCodes {
+    /// Every block, keys then values.
+    fn blocks(&self) -> impl Iterator<Item = &CodeBlock> {
+        self.keys.iter().chain(&self.values)
+    }
 }
 
 /// A step's keys and values as f16 rows `[tokens, kv heads, head_dim]`.
@@ -551,8 +562,10 @@ impl Backend for CpuBackend {
     fn resident_bytes(&self) -> usize {
         let rows: usize =
             self.rows.iter().map(|s| s.keys.iter().chain(&s.values).map(|b| b.len() * 2).sum::<usize>()).sum();
+        // A block shared by forks is held once.
+        let mut seen = HashSet::new();
         let codes: usize =
-            self.codes.iter().map(|s| s.keys.iter().chain(&s.values).map(|b| b.len()).sum::<usize>()).sum();
+            self.codes.iter().flat_map(SlotCodes::blocks).filter(|b| seen.insert(b.as_ptr())).map(|b| b.len()).sum();
         let tables = match &self.codecs {
             Some((c, _)) => {
                 let transposed = match c {
@@ -577,6 +590,10 @@ impl Backend for CpuBackend {
         rows + codes
     }
 
+    fn shared_bytes(&self, slot: usize) -> usize {
+        self.codes.get(slot).map_or(0, |s| s.blocks().filter(|b| Arc::strong_count(b) > 1).map(|b| b.len()).sum())
+    }
+
     fn copy_slot(&mut self, from: usize, to: usize, held: Footprint) -> Result<()> {
         if from.max(to) >= self.rows.len() {
             return Err(Error::Shape(format!("copy slot {from} into {to} of {} slots", self.rows.len())));
@@ -591,6 +608,7 @@ impl Backend for CpuBackend {
             if n > src.keys.len() {
                 return Err(Error::Config(format!("slot {from} holds {} code blocks, not {n}", src.keys.len())));
             }
+            // The blocks themselves are shared, not copied.
             let codes = SlotCodes { keys: src.keys[..n].to_vec(), values: src.values[..n].to_vec() };
             self.codes[to] = codes;
         }

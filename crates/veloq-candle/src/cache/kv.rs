@@ -149,4 +149,8 @@ impl<B: Backend> LayerCache for KvCache<B> {
     fn sequence_bytes(&self, positions: usize) -> usize {
         self.backend.sequence_bytes(self.residency.policy().footprint(positions))
     }
+
+    fn shared_bytes(&self, slot: usize) -> usize {
+        self.backend.shared_bytes(slot)
+    }
 }

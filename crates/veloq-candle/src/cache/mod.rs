@@ -67,14 +67,22 @@ pub trait LayerCache: Send {
     fn len(&self, slot: usize) -> usize;
     /// Keeps the first `len` positions of `slot` (0 frees it for a new sequence).
     fn truncate(&mut self, slot: usize, len: usize) -> Result<()>;
-    /// Makes the empty slot `to` hold what `from` holds (a copy): sequences that share a prompt
+    /// Makes the empty slot `to` hold what `from` holds (a copy, or storage shared where it
+    /// never changes: [`shared_bytes`](Self::shared_bytes)): sequences that share a prompt
     /// prefill it once, then go their own ways. Call after commit. Caches that cannot copy their
     /// storage refuse, and the caller prefills instead.
     fn fork(&mut self, from: usize, to: usize) -> Result<()> {
         Err(Error::Config(format!("this cache cannot fork slot {from} into {to}")))
     }
-    /// Bytes really held (rows, codes and the codecs' tables as allocated), not bit counts.
+    /// Bytes really held (rows, codes and the codecs' tables as allocated, storage that forks
+    /// share counted once), not bit counts.
     fn resident_bytes(&self) -> usize;
+    /// Bytes of `slot`'s storage that other slots hold too (after a fork, on caches that share
+    /// what never changes instead of copying it); 0 where forks copy.
+    fn shared_bytes(&self, slot: usize) -> usize {
+        let _ = slot;
+        0
+    }
     /// Bytes the storage of one sequence of `positions` positions takes (grown from empty, its
     /// steps committed), the tables every sequence shares not counted: what admission control
     /// budgets per request. Device backends reserve every slot up front, so theirs is the slot's
@@ -157,6 +165,12 @@ impl ModelCache {
     /// Bytes every layer holds.
     pub fn resident_bytes(&self) -> usize {
         self.layers.iter().map(|l| l.resident_bytes()).sum()
+    }
+
+    /// Bytes of `slot`'s storage other slots hold too, in every layer (see
+    /// [`LayerCache::shared_bytes`]).
+    pub fn shared_bytes(&self, slot: usize) -> usize {
+        self.layers.iter().map(|l| l.shared_bytes(slot)).sum()
     }
 
     /// Bytes one sequence of `positions` positions takes in every layer (see

@@ -14,7 +14,9 @@
 //! request whose prompt shares a long prefix with a *running* sequence (the `n` choices of one
 //! prompt, a system prompt concurrent users send) waits for it to hold that prefix and starts
 //! from a copy of its cache ([`ModelCache::fork`]); so does one that shares too little of a
-//! resident sequence to take its slot over.
+//! resident sequence to take its slot over. Where the caches share what a fork does not change
+//! (the CPU's code blocks), the budget counts it once: the shared bytes leave the fork's
+//! reservation and the source's slot stays pinned while the fork runs.
 //!
 //! The engine knows nothing of HTTP: a request comes with a [`Sink`] that receives its
 //! [`Event`]s and tells whether anyone still listens.
@@ -492,6 +494,16 @@ struct Live {
     /// Waiting, its slot empty, for a running sequence to hold a prefix of its prompt, to start
     /// from a copy of it.
     follows: Option<Follow>,
+    /// Started from a fork whose blocks it shares with the source's slot: those bytes are the
+    /// source's (its slot pinned meanwhile), not in `reserved`.
+    borrowed: Option<Borrow>,
+}
+
+/// Bytes a forked sequence reads from another slot's storage instead of its own.
+#[derive(Clone, Copy, Debug)]
+struct Borrow {
+    slot: usize,
+    bytes: usize,
 }
 
 /// What a request waits for before it starts from a fork: the running request `source` holding
@@ -503,6 +515,11 @@ struct Follow {
 }
 
 impl Live {
+    /// Bytes of its storage that another slot's reservation covers.
+    fn borrowed(&self) -> usize {
+        self.borrowed.map_or(0, |b| b.bytes)
+    }
+
     /// The tokens the caches hold for this sequence, in order, once they hold them: the feed,
     /// then every generated token since (the last is not in the caches yet).
     fn history(&self) -> impl Iterator<Item = &u32> {
@@ -713,7 +730,12 @@ impl Worker {
                 scored: carry.scored,
                 scoring: None,
                 follows,
+                borrowed: None,
             });
+            if copied {
+                let (i, from) = (self.live.len() - 1, resident.expect("copied from a resident").0);
+                self.borrow(i, from);
+            }
             if let Some(e) = broken {
                 self.fail_all(&format!("emptying a cache slot failed: {e}"));
             }
@@ -757,6 +779,7 @@ impl Worker {
                 self.caches.truncate(to, 0)?;
                 continue;
             }
+            self.borrow(i, slot);
             let l = &mut self.live[i];
             (l.fed, l.cached) = (f.at, f.at);
             let mut ledger = self.ledger.lock().expect("ledger");
@@ -764,6 +787,18 @@ impl Worker {
             ledger.stats.cached_prompt_tokens += f.at as u64;
         }
         Ok(())
+    }
+
+    /// Live sequence `i`, just forked from `from`, counts the storage it shares with it once: those
+    /// bytes leave its reservation and `from` stays pinned while it runs.
+    fn borrow(&mut self, i: usize, from: usize) {
+        let l = &mut self.live[i];
+        let bytes = self.caches.shared_bytes(l.slot).min(l.reserved);
+        if bytes > 0 {
+            self.adm.lend(from, bytes);
+            l.reserved -= bytes;
+            l.borrowed = Some(Borrow { slot: from, bytes });
+        }
     }
 
     /// One forward pass over every live sequence, then their new tokens.
@@ -1025,6 +1060,9 @@ impl Worker {
     /// A sequence that stops running gives back its reservation; its slot stays resident for its
     /// prefix (with the prefix cache) or is emptied.
     fn give_back(&mut self, l: &Live) -> Result<()> {
+        if let Some(b) = l.borrowed {
+            self.adm.repay(b.slot);
+        }
         let held = self.caches.len(l.slot);
         if self.prefix_cache && held > 0 {
             let tokens: Vec<u32> = l.history().copied().take(held).collect();
@@ -1048,7 +1086,7 @@ impl Worker {
                     let next = (self.caches.len(l.slot) + 1).min(self.info.max_context);
                     let decoding = l.fed == l.job.feed.len();
                     if decoding {
-                        self.info.sequence_bytes(next).saturating_sub(l.reserved)
+                        self.info.sequence_bytes(next).saturating_sub(l.reserved + l.borrowed())
                     } else {
                         0
                     }
@@ -1065,11 +1103,26 @@ impl Worker {
                 self.live.iter_mut().zip(extra).for_each(|(l, x)| l.reserved += x);
                 return Ok(());
             }
+            // Before anyone is preempted: a fork that alone reads a resident source takes over the
+            // bytes it shares, and the source, which holds at least those, gives the rest back.
+            let settled = (0..self.live.len()).find_map(|i| {
+                let b = self.live[i].borrowed?;
+                self.adm.settle(b.slot, b.bytes).then_some((i, b))
+            });
+            if let Some((i, b)) = settled {
+                self.caches.truncate(b.slot, 0)?;
+                let l = &mut self.live[i];
+                (l.reserved, l.borrowed) = (l.reserved + b.bytes, None);
+                continue;
+            }
             if self.live.len() == 1 {
                 // Alone, a request always fits: its worst case was checked at submission.
                 return Err(Error::Config("the KV budget cannot hold one sequence's next position".into()));
             }
-            let growing = (0..self.live.len()).filter(|&i| self.live[i].reserved < self.live[i].job.need);
+            let growing = (0..self.live.len()).filter(|&i| {
+                let l = &self.live[i];
+                l.reserved + l.borrowed() < l.job.need
+            });
             let newest = growing.max_by_key(|&i| self.live[i].job.arrived).expect("a sequence that needs more grows");
             self.preempt(newest)?;
         }
@@ -1124,6 +1177,7 @@ impl Worker {
         s.kv_reserved_bytes = self.adm.reserved();
         (s.resident_prefixes, s.kv_prefix_bytes) = self.adm.resident();
         s.kv_resident_bytes = resident;
+        s.kv_borrowed_bytes = self.live.iter().map(Live::borrowed).sum();
         // Storage that grows with its sequences is measured; storage reserved per slot is in use
         // for every slot that holds a sequence.
         s.kv_sequence_bytes = match self.info.sequence_bytes(0) {

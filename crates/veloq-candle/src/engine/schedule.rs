@@ -14,6 +14,11 @@ use crate::cache::SeqStep;
 /// a later request whose prompt starts with the same tokens (the next turn of a chat, the same
 /// system prompt) takes that slot and feeds only the rest. Resident sequences count in the budget
 /// and give way, least recently used first, to any request that needs their bytes or slot.
+///
+/// A sequence started from a fork may read blocks its source holds instead of copies
+/// ([`lend`](Self::lend)): those bytes are counted once, in the source's reservation or resident
+/// bytes, and the source's slot is pinned — never taken over nor given up — until every borrower
+/// has stopped running.
 #[derive(Clone, Debug)]
 pub struct Admission<T> {
     /// Bytes sequences may take in all.
@@ -24,6 +29,8 @@ pub struct Admission<T> {
     /// Finished sequences kept for their prefixes, least recently used first.
     idle: VecDeque<Resident>,
     idle_bytes: usize,
+    /// Per slot, the running sequences that read blocks it holds.
+    pins: Vec<u32>,
 }
 
 /// A finished sequence left in its slot.
@@ -65,7 +72,45 @@ impl<T> Admission<T> {
             queue: VecDeque::new(),
             idle: VecDeque::new(),
             idle_bytes: 0,
+            pins: vec![0; slots],
         }
+    }
+
+    /// Whether `slot` holds blocks a running sequence reads.
+    fn pinned(&self, slot: usize) -> bool {
+        self.pins[slot] > 0
+    }
+
+    /// A running sequence now reads `bytes` of what `slot` holds instead of its own copy: they
+    /// leave its reservation (`bytes` at most what it reserved), and `slot` stays as it is until
+    /// [`repay`](Self::repay).
+    pub fn lend(&mut self, slot: usize, bytes: usize) {
+        self.pins[slot] += 1;
+        self.reserved -= bytes;
+    }
+
+    /// The only borrower of the resident `slot` takes over the `bytes` it reads from it: they join
+    /// its reservation and the resident is given up (empty its slot). Refused (`false`, nothing
+    /// changed) when `slot` is not resident or others read it too. A sequence that needs the room
+    /// its source holds gets it this way before anyone is preempted.
+    pub fn settle(&mut self, slot: usize, bytes: usize) -> bool {
+        let Some(i) = self.idle.iter().position(|r| r.slot == slot) else { return false };
+        if self.pins[slot] != 1 {
+            return false;
+        }
+        let r = self.idle.remove(i).expect("found");
+        self.idle_bytes -= r.bytes;
+        self.pins[slot] = 0;
+        self.free.push(slot);
+        self.reserved += bytes;
+        true
+    }
+
+    /// A borrower of `slot`'s blocks stopped running (it gives back its own reservation
+    /// separately, and parks with its whole bytes counted).
+    pub fn repay(&mut self, slot: usize) {
+        debug_assert!(self.pins[slot] > 0, "slot {slot} repaid more than lent");
+        self.pins[slot] -= 1;
     }
 
     /// Queues `item`, which needs `bytes` once admitted.
@@ -83,15 +128,20 @@ impl<T> Admission<T> {
     /// `None` (and changes nothing) when even that does not make room.
     pub fn grow(&mut self, extra: usize) -> Option<Vec<usize>> {
         let mut room = self.budget.saturating_sub(self.reserved + self.idle_bytes);
-        let mut n = 0;
-        while room < extra && n < self.idle.len() {
-            room += self.idle[n].bytes;
-            n += 1;
+        let mut gone = Vec::new();
+        for (i, r) in self.idle.iter().enumerate() {
+            if room >= extra {
+                break;
+            }
+            if !self.pinned(r.slot) {
+                room += r.bytes;
+                gone.push(i);
+            }
         }
         if room < extra {
             return None;
         }
-        let gone: Vec<Resident> = self.idle.drain(..n).collect();
+        let gone: Vec<Resident> = gone.into_iter().rev().filter_map(|i| self.idle.remove(i)).collect();
         self.idle_bytes -= gone.iter().map(|r| r.bytes).sum::<usize>();
         self.free.extend(gone.iter().map(|r| r.slot));
         self.reserved += extra;
@@ -113,6 +163,7 @@ impl<T> Admission<T> {
             .idle
             .iter()
             .enumerate()
+            .filter(|(_, r)| !self.pinned(r.slot))
             .map(|(i, r)| (i, common_prefix(&r.tokens, p).min(p.len().saturating_sub(1))))
             .filter(|&(i, n)| n > 0 && 2 * n >= self.idle[i].tokens.len())
             .max_by_key(|&(i, n)| (n, i));
@@ -128,7 +179,7 @@ impl<T> Admission<T> {
             if room >= bytes && slots > 0 {
                 break;
             }
-            if best.is_some_and(|(b, _)| b == i) {
+            if best.is_some_and(|(b, _)| b == i) || self.pinned(r.slot) {
                 continue;
             }
             room += r.bytes;
@@ -179,6 +230,7 @@ impl<T> Admission<T> {
     /// Gives up every resident sequence (the caches were rebuilt empty); returns their slots.
     pub fn forget_resident(&mut self) -> Vec<usize> {
         self.idle_bytes = 0;
+        self.pins.iter_mut().for_each(|p| *p = 0);
         let slots: Vec<usize> = self.idle.drain(..).map(|r| r.slot).collect();
         self.free.extend(&slots);
         slots
@@ -351,6 +403,66 @@ mod tests {
         a.push(vec![44], 1);
         assert!(a.admit(prompt).is_none());
         assert_eq!((a.waiting(), a.reserved()), (1, 100));
+    }
+
+    /// A resident sequence whose blocks a running fork reads is neither given up nor taken over
+    /// until the fork repays; the borrowed bytes leave the fork's reservation meanwhile.
+    #[test]
+    fn lent_residents_stay_until_repaid() {
+        fn prompt(t: &Vec<u32>) -> &[u32] {
+            t
+        }
+        let mut a: Admission<Vec<u32>> = Admission::new(100, 3);
+        let source = vec![1, 2, 3, 4, 5, 6];
+        a.push(source.clone(), 40);
+        let s = a.admit(prompt).unwrap();
+        a.park(s.slot, 40, 40, source.clone());
+        // A fork of the resident (too short a share to take it over): admitted whole, then 30 of its 50 bytes read from the resident.
+        a.push(vec![1, 9, 9], 50);
+        let f = a.admit(prompt).unwrap();
+        assert_eq!(f.evicted, Vec::<usize>::new());
+        a.lend(s.slot, 30);
+        assert_eq!(a.reserved(), 20);
+        // The same prompt again would take the resident over; pinned, it gets a free slot instead.
+        a.push(source.clone(), 30);
+        let again = a.admit(prompt).unwrap();
+        assert_eq!((again.reuse, again.evicted.is_empty()), (0, true));
+        assert_ne!(again.slot, s.slot);
+        // No slot left but the pinned resident's: nothing fits, nothing is given up.
+        a.push(vec![7], 1);
+        assert!(a.admit(prompt).is_none());
+        assert_eq!(a.grow(100), None);
+        assert_eq!(a.resident(), (1, 40));
+        // Repaid, the resident gives way.
+        a.repay(s.slot);
+        a.release(again.slot, 30);
+        assert_eq!(a.grow(100 - 20 - 40 + 1), Some(vec![s.slot]));
+    }
+
+    /// The one borrower of a resident takes its shared bytes over and the resident goes; a
+    /// resident read by two, or a slot not resident, is refused and nothing changes.
+    #[test]
+    fn a_sole_borrower_settles_its_resident_source() {
+        let mut a: Admission<Vec<u32>> = Admission::new(100, 4);
+        let mut slots = Vec::new();
+        for (prompt, bytes) in [(vec![1, 2, 3, 4], 40), (vec![5, 6, 7, 8], 20)] {
+            a.push(prompt.clone(), bytes);
+            let s = a.admit(|t: &Vec<u32>| t).unwrap();
+            a.park(s.slot, bytes, bytes, prompt);
+            slots.push(s.slot);
+        }
+        let (first, second, free) = (slots[0], slots[1], 3);
+        a.lend(first, 0);
+        a.lend(second, 0);
+        a.lend(second, 0);
+        assert!(!a.settle(second, 15), "two read it");
+        assert!(!a.settle(free, 15), "not resident");
+        assert_eq!((a.reserved(), a.resident()), (0, (2, 60)));
+        assert!(a.settle(first, 30));
+        assert_eq!((a.reserved(), a.resident()), (30, (1, 20)));
+        // Its slot is free again: the next admission takes it.
+        a.push(vec![9], 50);
+        assert_eq!(a.admit(|t: &Vec<u32>| t).map(|x| x.slot), Some(first));
     }
 
     #[test]

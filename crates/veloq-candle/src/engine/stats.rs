@@ -49,6 +49,9 @@ pub struct Stats {
     pub kv_sequence_bytes: usize,
     /// Bytes the caches hold now, shared tables included, measured.
     pub kv_resident_bytes: usize,
+    /// Bytes running forks read from their source's storage instead of a copy of their own
+    /// (counted once, in the source's reservation or resident bytes).
+    pub kv_borrowed_bytes: usize,
     /// Prompt tokens per second over the last seconds of work.
     pub prefill_tok_s: f64,
     /// Generated tokens per second over the last seconds of work.

@@ -400,6 +400,82 @@ fn a_short_shared_prefix_is_copied_from_a_resident_sequence() {
     assert_eq!(s.prompt_tokens as usize, a.len() + (b.len() - 60) + (c.len() - third.cached_tokens), "{s:?}");
 }
 
+/// Forks of a coded cache read their source's code blocks instead of copies, and admission counts
+/// those bytes once: a budget with room for 2¾ whole sequences (two, were forks copies) runs a
+/// prompt's four requests at once — each is admitted whole and gives back what it shares once it
+/// holds the fork — each answering as the prompt alone does on the same cache.
+#[test]
+fn forks_share_their_source_codes_and_the_budget_counts_them_once() {
+    let seed = fresh_seed();
+    let tok = Arc::new(word_tokenizer(VOCAB));
+    let model = Arc::new(tiny_model_seeded(VOCAB, CONTEXT, seed));
+    let kivi = CacheConfig::kivi(4, 16);
+    let probe = kivi.build(&model).unwrap();
+    let (prompt, n) = (prompts(seed, &[200]).remove(0), 8);
+    let need = probe.sequence_bytes(prompt.len() + n);
+    let tables = probe.resident_bytes() - probe.sequence_bytes(0);
+    let cfg = EngineConfig { kv_budget: tables + 2 * need + 3 * need / 4, step_tokens: 32, ..EngineConfig::default() };
+    let engine = Engine::start(model.clone(), tok.clone(), kivi.clone(), cfg).unwrap();
+    // The reference: the prompt alone on a fresh engine with the same caches.
+    let alone = Engine::start(model, tok, kivi, EngineConfig::default()).unwrap();
+    let (want, _) = run_greedy(&alone, &prompt, n, seed);
+    // The first request holds the engine in its admission until the others are queued.
+    let (open, gate) = mpsc::channel();
+    let (tx, first_rx) = mpsc::channel();
+    let first = TestSink { tx, gate: Some(gate), texts: 0, listen: usize::MAX, gone: Arc::new(Mutex::new(false)) };
+    engine.submit(greedy(prompt.clone(), n), Box::new(first)).unwrap();
+    let mut rxs = vec![first_rx];
+    for _ in 0..3 {
+        let (s, rx) = sink(usize::MAX);
+        engine.submit(greedy(prompt.clone(), n), s).unwrap();
+        rxs.push(rx);
+    }
+    open.send(()).unwrap();
+    for rx in &rxs {
+        let ev = events(rx);
+        assert!(matches!(ev.last(), Some(Event::Done(_))), "seed {seed}: {ev:?}");
+        assert_eq!(tokens_of(&ev), want, "seed {seed}: a fork answers as the prompt alone");
+    }
+    let s = engine.stats();
+    assert_eq!((s.forks, s.peak_running), (3, 4), "{s:?}");
+    assert_eq!((s.finished, s.kv_reserved_bytes, s.kv_borrowed_bytes), (4, 0, 0), "{s:?}");
+    // Parked, each counts its whole storage in the budget; the caches hold the shared codes once.
+    assert!(s.kv_sequence_bytes < s.kv_prefix_bytes, "{s:?}");
+}
+
+/// A fork that outgrows the room its finished source leaves takes the shared bytes over (the
+/// source's slot given up, the fork's reservation grown by them) instead of failing: a resident
+/// source stays pinned only while nothing needs its room.
+#[test]
+fn a_lone_fork_takes_over_what_it_shares_when_it_needs_the_room() {
+    let seed = fresh_seed();
+    let tok = Arc::new(word_tokenizer(VOCAB));
+    let model = Arc::new(tiny_model_seeded(VOCAB, CONTEXT, seed));
+    let kivi = CacheConfig::kivi(4, 16);
+    let probe = kivi.build(&model).unwrap();
+    let tables = probe.resident_bytes() - probe.sequence_bytes(0);
+    // Room for the first conversation resident and the second's prompt, not for both grown.
+    let cfg = EngineConfig {
+        kv_budget: tables + probe.sequence_bytes(240) + probe.sequence_bytes(130),
+        reserve: Reserve::Grow,
+        step_tokens: 32,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::start(model, tok, kivi, cfg).unwrap();
+    let ps = prompts(seed, &[200, 20]);
+    let (_, first) = run_greedy(&engine, &ps[0], 40, seed);
+    assert_eq!(first.completion_tokens, 40, "seed {seed}");
+    // 100 shared tokens of the 239 it holds: a copy (a fork), not a takeover.
+    let mut second: Vec<u32> = ps[0][..100].iter().chain(&ps[1]).copied().collect();
+    second[100] = (ps[0][100] + 1) % VOCAB as u32;
+    let (_, sum) = run_greedy(&engine, &second, 130, seed);
+    assert_eq!((sum.cached_tokens, sum.completion_tokens, sum.finish), (100, 130, Finish::Length), "seed {seed}");
+    let s = engine.stats();
+    assert_eq!((s.forks, s.failed, s.preempted, s.kv_reserved_bytes), (1, 0, 0, 0), "{s:?}");
+    // The first conversation gave way; the second stays resident.
+    assert_eq!(s.resident_prefixes, 1, "{s:?}");
+}
+
 #[test]
 fn bad_requests_are_refused_before_they_queue() {
     let tok = Arc::new(word_tokenizer(VOCAB));

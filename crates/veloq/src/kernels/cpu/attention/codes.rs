@@ -92,14 +92,18 @@ impl LutCodec {
     }
 }
 
+/// One block of packed codes. Blocks are immutable once written, so sequences that share a
+/// prefix (forks) share its blocks instead of copying them.
+pub type CodeBlock = Arc<[u8]>;
+
 /// One sequence's coded positions: blocks of `block` tokens, each the packed codes of
 /// `[block, heads, subspaces]` as the codec encodes them; `len` positions in all.
 #[derive(Clone, Copy, Debug)]
 pub struct CodeBlocks<'a> {
     /// Key code blocks.
-    pub keys: &'a [Box<[u8]>],
+    pub keys: &'a [CodeBlock],
     /// Value code blocks.
-    pub values: &'a [Box<[u8]>],
+    pub values: &'a [CodeBlock],
     /// Positions per block.
     pub block: usize,
     /// Kv heads per position.
@@ -110,7 +114,7 @@ pub struct CodeBlocks<'a> {
 
 /// Packed codes of one side (keys or values) of [`CodeBlocks`], `m` codes of `bits` per head vector.
 struct Packed<'a> {
-    blocks: &'a [Box<[u8]>],
+    blocks: &'a [CodeBlock],
     block: usize,
     heads: usize,
     bits: u32,
@@ -153,7 +157,7 @@ const MANY_TILE: usize = 64;
 /// space).
 fn decode_tile(
     codec: &LutCodec,
-    blocks: &[Box<[u8]>],
+    blocks: &[CodeBlock],
     codes: &CodeBlocks,
     h: usize,
     t0: usize,
@@ -384,7 +388,7 @@ fn add_lanes(sum: &mut [f32; GROUP], x: &[f32; GROUP]) {
 /// (`(t1 − t0) × m`, dense).
 #[allow(clippy::too_many_arguments)]
 fn gather_rows(
-    blocks: &[Box<[u8]>],
+    blocks: &[CodeBlock],
     block: usize,
     heads: usize,
     h: usize,
@@ -654,8 +658,8 @@ mod tests {
             );
             let (kx, vx) = (outlier_rows(&mut r, len * heads, d), normal(&mut r, len * heads * d, 1.0));
             let n = heads * d * block;
-            let kb: Vec<Box<[u8]>> = kx.chunks(n).map(|c| kc.encode_vec(c).unwrap().into_boxed_slice()).collect();
-            let vb: Vec<Box<[u8]>> = vx.chunks(n).map(|c| vc.encode_vec(c).unwrap().into_boxed_slice()).collect();
+            let kb: Vec<CodeBlock> = kx.chunks(n).map(|c| kc.encode_vec(c).unwrap().into()).collect();
+            let vb: Vec<CodeBlock> = vx.chunks(n).map(|c| vc.encode_vec(c).unwrap().into()).collect();
             let (mut kd, mut vd) = (vec![0.0f32; kx.len()], vec![0.0f32; vx.len()]);
             for (i, (a, b)) in kb.iter().zip(&vb).enumerate() {
                 kc.decode(a, &mut kd[i * n..(i + 1) * n]).unwrap();

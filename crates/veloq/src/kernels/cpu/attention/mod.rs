@@ -14,7 +14,7 @@ pub mod softmax;
 
 use super::gemm::matmul;
 
-pub use codes::{attend_many, CodeBlocks, CodesScratch, LutCodec};
+pub use codes::{attend_many, CodeBlock, CodeBlocks, CodesScratch, LutCodec};
 pub use rows::{RowsScratch, Segment};
 pub use softmax::Softmax;
 
