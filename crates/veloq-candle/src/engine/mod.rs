@@ -16,7 +16,7 @@
 //! from a copy of its cache ([`ModelCache::fork`]); so does one that shares too little of a
 //! resident sequence to take its slot over. Where the caches share what a fork does not change
 //! (the CPU's code blocks), the budget counts it once: the shared bytes leave the fork's
-//! reservation and the source's slot stays pinned while the fork runs.
+//! reservation and the source's slot stays pinned while the fork runs or stays resident.
 //!
 //! The engine knows nothing of HTTP: a request comes with a [`Sink`] that receives its
 //! [`Event`]s and tells whether anyone still listens.
@@ -495,7 +495,8 @@ struct Live {
     /// from a copy of it.
     follows: Option<Follow>,
     /// Started from a fork whose blocks it shares with the source's slot: those bytes are the
-    /// source's (its slot pinned meanwhile), not in `reserved`.
+    /// source's (its slot pinned meanwhile, and after, while this one stays resident), not in
+    /// `reserved`.
     borrowed: Option<Borrow>,
 }
 
@@ -1058,16 +1059,18 @@ impl Worker {
     }
 
     /// A sequence that stops running gives back its reservation; its slot stays resident for its
-    /// prefix (with the prefix cache) or is emptied.
+    /// prefix (with the prefix cache; a fork still reading its source's blocks, counting only its
+    /// own) or is emptied.
     fn give_back(&mut self, l: &Live) -> Result<()> {
-        if let Some(b) = l.borrowed {
-            self.adm.repay(b.slot);
-        }
         let held = self.caches.len(l.slot);
         if self.prefix_cache && held > 0 {
             let tokens: Vec<u32> = l.history().copied().take(held).collect();
-            self.adm.park(l.slot, l.reserved, self.info.sequence_bytes(held), tokens);
+            let own = self.info.sequence_bytes(held).saturating_sub(l.borrowed());
+            self.adm.park(l.slot, l.reserved, own, tokens, l.borrowed.map(|b| b.slot));
             return Ok(());
+        }
+        if let Some(b) = l.borrowed {
+            self.adm.repay(b.slot);
         }
         let emptied = self.caches.truncate(l.slot, 0);
         self.adm.release(l.slot, l.reserved);
@@ -1107,10 +1110,12 @@ impl Worker {
             // bytes it shares, and the source, which holds at least those, gives the rest back.
             let settled = (0..self.live.len()).find_map(|i| {
                 let b = self.live[i].borrowed?;
-                self.adm.settle(b.slot, b.bytes).then_some((i, b))
+                Some((i, b, self.adm.settle(b.slot, b.bytes)?))
             });
-            if let Some((i, b)) = settled {
-                self.caches.truncate(b.slot, 0)?;
+            if let Some((i, b, emptied)) = settled {
+                for e in emptied {
+                    self.caches.truncate(e, 0)?;
+                }
                 let l = &mut self.live[i];
                 (l.reserved, l.borrowed) = (l.reserved + b.bytes, None);
                 continue;

@@ -17,8 +17,9 @@ use crate::cache::SeqStep;
 ///
 /// A sequence started from a fork may read blocks its source holds instead of copies
 /// ([`lend`](Self::lend)): those bytes are counted once, in the source's reservation or resident
-/// bytes, and the source's slot is pinned — never taken over nor given up — until every borrower
-/// has stopped running.
+/// bytes, and the source's slot is pinned — never taken over nor given up — while any borrower
+/// holds them, running or resident (a resident borrower counts only its own bytes and gives way
+/// before its source).
 #[derive(Clone, Debug)]
 pub struct Admission<T> {
     /// Bytes sequences may take in all.
@@ -29,7 +30,7 @@ pub struct Admission<T> {
     /// Finished sequences kept for their prefixes, least recently used first.
     idle: VecDeque<Resident>,
     idle_bytes: usize,
-    /// Per slot, the running sequences that read blocks it holds.
+    /// Per slot, the sequences (running or resident) that read blocks it holds.
     pins: Vec<u32>,
 }
 
@@ -37,8 +38,11 @@ pub struct Admission<T> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Resident {
     slot: usize,
+    /// What it holds besides what it reads from `lender`.
     bytes: usize,
     tokens: Vec<u32>,
+    /// The slot whose blocks it reads (pinned while it stays).
+    lender: Option<usize>,
 }
 
 /// An admitted item and what the caches must do before it runs.
@@ -76,9 +80,55 @@ impl<T> Admission<T> {
         }
     }
 
-    /// Whether `slot` holds blocks a running sequence reads.
+    /// Whether `slot` holds blocks another sequence reads.
     fn pinned(&self, slot: usize) -> bool {
         self.pins[slot] > 0
+    }
+
+    /// Residents to give up (indices into `idle`), least recently used first, until `enough`
+    /// holds for the room and slots they free besides `room` and `slots`; `keep` is not given
+    /// up. A resident others read goes only after them. `None` if even all of them fall short.
+    fn give_way(
+        &self,
+        mut room: usize,
+        mut slots: usize,
+        keep: Option<usize>,
+        enough: impl Fn(usize, usize) -> bool,
+    ) -> Option<Vec<usize>> {
+        let mut pins = self.pins.clone();
+        let mut out: Vec<usize> = Vec::new();
+        while !enough(room, slots) {
+            let (i, r) = self
+                .idle
+                .iter()
+                .enumerate()
+                .find(|&(i, r)| keep != Some(i) && !out.contains(&i) && pins[r.slot] == 0)?;
+            out.push(i);
+            room += r.bytes;
+            slots += 1;
+            if let Some(l) = r.lender {
+                pins[l] -= 1;
+            }
+        }
+        Some(out)
+    }
+
+    /// Takes the residents at `gone` (indices into `idle`) out: their bytes and their hold on
+    /// their lenders go; returns them in order.
+    fn remove_idle(&mut self, gone: &[usize]) -> Vec<Resident> {
+        let mut out = Vec::new();
+        for (i, r) in std::mem::take(&mut self.idle).into_iter().enumerate() {
+            if !gone.contains(&i) {
+                self.idle.push_back(r);
+                continue;
+            }
+            self.idle_bytes -= r.bytes;
+            if let Some(l) = r.lender {
+                self.pins[l] -= 1;
+            }
+            out.push(r);
+        }
+        out
     }
 
     /// A running sequence now reads `bytes` of what `slot` holds instead of its own copy: they
@@ -89,25 +139,30 @@ impl<T> Admission<T> {
         self.reserved -= bytes;
     }
 
-    /// The only borrower of the resident `slot` takes over the `bytes` it reads from it: they join
-    /// its reservation and the resident is given up (empty its slot). Refused (`false`, nothing
-    /// changed) when `slot` is not resident or others read it too. A sequence that needs the room
-    /// its source holds gets it this way before anyone is preempted.
-    pub fn settle(&mut self, slot: usize, bytes: usize) -> bool {
-        let Some(i) = self.idle.iter().position(|r| r.slot == slot) else { return false };
-        if self.pins[slot] != 1 {
-            return false;
+    /// The only running borrower of the resident `slot` takes over the `bytes` it reads from it:
+    /// they join its reservation, and the resident is given up with the residents that read it
+    /// (returns the slots to empty). Refused (`None`, nothing changed) when `slot` is not
+    /// resident, another running sequence reads it, or a resident that reads it is read in turn.
+    /// A sequence that needs the room its source holds gets it this way before anyone is
+    /// preempted.
+    pub fn settle(&mut self, slot: usize, bytes: usize) -> Option<Vec<usize>> {
+        let at = self.idle.iter().position(|r| r.slot == slot)?;
+        let readers: Vec<usize> = (0..self.idle.len()).filter(|&i| self.idle[i].lender == Some(slot)).collect();
+        if self.pins[slot] as usize != 1 + readers.len() || readers.iter().any(|&i| self.pinned(self.idle[i].slot)) {
+            return None;
         }
-        let r = self.idle.remove(i).expect("found");
-        self.idle_bytes -= r.bytes;
+        let gone: Vec<usize> = readers.into_iter().chain([at]).collect();
+        let slots: Vec<usize> = self.remove_idle(&gone).into_iter().map(|r| r.slot).collect();
+        debug_assert_eq!(self.pins[slot], 1);
         self.pins[slot] = 0;
-        self.free.push(slot);
+        self.free.extend(&slots);
         self.reserved += bytes;
-        true
+        Some(slots)
     }
 
-    /// A borrower of `slot`'s blocks stopped running (it gives back its own reservation
-    /// separately, and parks with its whole bytes counted).
+    /// A running borrower of `slot`'s blocks stopped running and gives them up (it gives back its
+    /// own reservation separately). One that stays resident keeps reading them instead
+    /// ([`park`](Self::park) with its lender).
     pub fn repay(&mut self, slot: usize) {
         debug_assert!(self.pins[slot] > 0, "slot {slot} repaid more than lent");
         self.pins[slot] -= 1;
@@ -127,25 +182,12 @@ impl<T> Admission<T> {
     /// (least recently used first) if that is what it takes; returns the slots to empty, or
     /// `None` (and changes nothing) when even that does not make room.
     pub fn grow(&mut self, extra: usize) -> Option<Vec<usize>> {
-        let mut room = self.budget.saturating_sub(self.reserved + self.idle_bytes);
-        let mut gone = Vec::new();
-        for (i, r) in self.idle.iter().enumerate() {
-            if room >= extra {
-                break;
-            }
-            if !self.pinned(r.slot) {
-                room += r.bytes;
-                gone.push(i);
-            }
-        }
-        if room < extra {
-            return None;
-        }
-        let gone: Vec<Resident> = gone.into_iter().rev().filter_map(|i| self.idle.remove(i)).collect();
-        self.idle_bytes -= gone.iter().map(|r| r.bytes).sum::<usize>();
-        self.free.extend(gone.iter().map(|r| r.slot));
+        let room = self.budget.saturating_sub(self.reserved + self.idle_bytes);
+        let gone = self.give_way(room, 0, None, |room, _| room >= extra)?;
+        let slots: Vec<usize> = self.remove_idle(&gone).into_iter().map(|r| r.slot).collect();
+        self.free.extend(&slots);
         self.reserved += extra;
-        Some(gone.into_iter().map(|r| r.slot).collect())
+        Some(slots)
     }
 
     /// The first waiting item, with a slot and its bytes reserved, if it fits now (after giving
@@ -168,38 +210,22 @@ impl<T> Admission<T> {
             .filter(|&(i, n)| n > 0 && 2 * n >= self.idle[i].tokens.len())
             .max_by_key(|&(i, n)| (n, i));
         // What is free now, then resident sequences given up oldest first until the item fits.
+        // A resident taken over gives its bytes and slot to the item, which reserves all it needs
+        // (what the resident read from a lender included).
         let mut room = self.budget.saturating_sub(self.reserved + self.idle_bytes);
         let mut slots = self.free.len();
         if let Some((i, _)) = best {
             room += self.idle[i].bytes;
             slots += 1;
         }
-        let mut evict = Vec::new();
-        for (i, r) in self.idle.iter().enumerate() {
-            if room >= bytes && slots > 0 {
-                break;
-            }
-            if best.is_some_and(|(b, _)| b == i) || self.pinned(r.slot) {
-                continue;
-            }
-            room += r.bytes;
-            slots += 1;
-            evict.push(i);
-        }
-        if room < bytes || slots == 0 {
-            return None;
-        }
+        let keep = best.map(|(i, _)| i);
+        let evict = self.give_way(room, slots, keep, |room, slots| room >= bytes && slots > 0)?;
         let (item, bytes) = self.queue.pop_front()?;
         let taken = best.map(|(i, n)| (self.idle[i].slot, n));
-        let gone: Vec<usize> = evict.iter().chain(best.as_ref().map(|(i, _)| i)).copied().collect();
+        let gone: Vec<usize> = evict.iter().copied().chain(keep).collect();
         let mut evicted = Vec::new();
-        for (i, r) in std::mem::take(&mut self.idle).into_iter().enumerate() {
-            if !gone.contains(&i) {
-                self.idle.push_back(r);
-                continue;
-            }
-            self.idle_bytes -= r.bytes;
-            if evict.contains(&i) {
+        for r in self.remove_idle(&gone) {
+            if taken.is_none_or(|(t, _)| t != r.slot) {
                 evicted.push(r.slot);
                 self.free.push(r.slot);
             }
@@ -220,11 +246,13 @@ impl<T> Admission<T> {
     }
 
     /// A finished sequence gives back its reservation but stays in its slot, holding `tokens`
-    /// (the positions its caches hold, `bytes` of them), for a later prompt that starts the same.
-    pub fn park(&mut self, slot: usize, reserved: usize, bytes: usize, tokens: Vec<u32>) {
+    /// (the positions its caches hold), for a later prompt that starts the same: `bytes` of its
+    /// own, and what it reads from `lender`'s slot (a fork; the pin [`lend`](Self::lend) took
+    /// stays until it goes).
+    pub fn park(&mut self, slot: usize, reserved: usize, bytes: usize, tokens: Vec<u32>, lender: Option<usize>) {
         self.reserved -= reserved;
         self.idle_bytes += bytes;
-        self.idle.push_back(Resident { slot, bytes, tokens });
+        self.idle.push_back(Resident { slot, bytes, tokens, lender });
     }
 
     /// Gives up every resident sequence (the caches were rebuilt empty); returns their slots.
@@ -369,8 +397,8 @@ mod tests {
         let x = a.admit(prompt).unwrap();
         let y = a.admit(prompt).unwrap();
         assert_eq!((x.reuse, y.reuse, a.reserved()), (0, 0, 80));
-        a.park(x.slot, 40, 20, vec![1, 2, 3, 4, 5, 6]);
-        a.park(y.slot, 40, 30, vec![7, 8, 9, 10]);
+        a.park(x.slot, 40, 20, vec![1, 2, 3, 4, 5, 6], None);
+        a.park(y.slot, 40, 30, vec![7, 8, 9, 10], None);
         assert_eq!((a.reserved(), a.resident()), (0, (2, 50)));
         // The next turn of the first: its history plus new tokens; the last prompt token is fed.
         a.push(vec![1, 2, 3, 4, 5, 6, 11, 12], 45);
@@ -379,7 +407,7 @@ mod tests {
         assert_eq!((a.reserved(), a.resident()), (45, (1, 30)));
         // A prompt equal to what a slot holds still feeds its last token.
         a.release(t.slot, 45);
-        a.park(t.slot, 0, 10, vec![5, 5]);
+        a.park(t.slot, 0, 10, vec![5, 5], None);
         a.push(vec![5, 5], 10);
         let t = a.admit(prompt).unwrap();
         assert_eq!((t.slot, t.reuse), (x.slot, 1));
@@ -391,7 +419,7 @@ mod tests {
         assert!(t.slot != y.slot);
         a.release(t.slot, 10);
         // Needing more than is free gives up resident sequences, least recently used first.
-        a.park(x.slot, 0, 25, vec![3, 3, 3]);
+        a.park(x.slot, 0, 25, vec![3, 3, 3], None);
         assert_eq!(a.resident(), (2, 55));
         a.push(vec![42], 60);
         let t = a.admit(prompt).unwrap();
@@ -416,7 +444,7 @@ mod tests {
         let source = vec![1, 2, 3, 4, 5, 6];
         a.push(source.clone(), 40);
         let s = a.admit(prompt).unwrap();
-        a.park(s.slot, 40, 40, source.clone());
+        a.park(s.slot, 40, 40, source.clone(), None);
         // A fork of the resident (too short a share to take it over): admitted whole, then 30 of its 50 bytes read from the resident.
         a.push(vec![1, 9, 9], 50);
         let f = a.admit(prompt).unwrap();
@@ -439,30 +467,67 @@ mod tests {
         assert_eq!(a.grow(100 - 20 - 40 + 1), Some(vec![s.slot]));
     }
 
-    /// The one borrower of a resident takes its shared bytes over and the resident goes; a
-    /// resident read by two, or a slot not resident, is refused and nothing changes.
+    /// The one running borrower of a resident takes its shared bytes over and the resident goes,
+    /// with the residents that read it; a resident two running sequences read, or a slot not
+    /// resident, is refused and nothing changes.
     #[test]
     fn a_sole_borrower_settles_its_resident_source() {
-        let mut a: Admission<Vec<u32>> = Admission::new(100, 4);
+        let mut a: Admission<Vec<u32>> = Admission::new(100, 5);
         let mut slots = Vec::new();
-        for (prompt, bytes) in [(vec![1, 2, 3, 4], 40), (vec![5, 6, 7, 8], 20)] {
+        for (prompt, bytes) in [(vec![1, 2, 3, 4], 40), (vec![5, 6, 7, 8], 20), (vec![9, 9, 9], 30)] {
             a.push(prompt.clone(), bytes);
             let s = a.admit(|t: &Vec<u32>| t).unwrap();
-            a.park(s.slot, bytes, bytes, prompt);
             slots.push(s.slot);
         }
-        let (first, second, free) = (slots[0], slots[1], 3);
+        let (first, second, reader, free) = (slots[0], slots[1], slots[2], 4);
+        a.park(first, 40, 40, vec![1, 2, 3, 4], None);
+        a.park(second, 20, 20, vec![5, 6, 7, 8], None);
+        // A finished fork of the first stays resident reading 25 of its 30 bytes from it.
+        a.lend(first, 25);
+        a.park(reader, 5, 5, vec![9, 9, 9], Some(first));
         a.lend(first, 0);
         a.lend(second, 0);
         a.lend(second, 0);
-        assert!(!a.settle(second, 15), "two read it");
-        assert!(!a.settle(free, 15), "not resident");
-        assert_eq!((a.reserved(), a.resident()), (0, (2, 60)));
-        assert!(a.settle(first, 30));
+        assert_eq!(a.settle(second, 15), None, "two running sequences read it");
+        assert_eq!(a.settle(free, 15), None, "not resident");
+        assert_eq!((a.reserved(), a.resident()), (0, (3, 65)));
+        let mut gone = a.settle(first, 30).unwrap();
+        gone.sort();
+        assert_eq!(gone, vec![first, reader], "the source goes with the resident that reads it");
         assert_eq!((a.reserved(), a.resident()), (30, (1, 20)));
-        // Its slot is free again: the next admission takes it.
-        a.push(vec![9], 50);
-        assert_eq!(a.admit(|t: &Vec<u32>| t).map(|x| x.slot), Some(first));
+        // Their slots are free again.
+        for _ in 0..2 {
+            a.push(vec![7], 1);
+            let s = a.admit(|t: &Vec<u32>| t).unwrap().slot;
+            assert!(s == first || s == reader, "{s}");
+        }
+    }
+
+    /// A resident fork counts its own bytes only and keeps its source: the source gives way after
+    /// it, least recently used or not.
+    #[test]
+    fn resident_forks_give_way_before_their_source() {
+        let mut a: Admission<Vec<u32>> = Admission::new(120, 4);
+        let mut slots = Vec::new();
+        for prompt in [vec![1, 1, 1, 1], vec![2, 2, 2, 2], vec![3, 3, 3, 3]] {
+            a.push(prompt, 40);
+            slots.push(a.admit(|t: &Vec<u32>| t).unwrap().slot);
+        }
+        let (source, fork, other) = (slots[0], slots[1], slots[2]);
+        a.park(source, 40, 40, vec![1, 1, 1, 1], None);
+        // The fork read 30 bytes from the source; it parks with its 10 own bytes.
+        a.lend(source, 30);
+        a.park(fork, 10, 10, vec![1, 1, 5, 5], Some(source));
+        a.park(other, 40, 40, vec![3, 3, 3, 3], None);
+        assert_eq!((a.reserved(), a.resident()), (0, (3, 90)), "the shared bytes counted once");
+        // 15 bytes more than are free: the oldest resident, the source, is read by the fork, which
+        // goes first; that is not enough, so the source goes next (before the more recent `other`).
+        let mut gone = a.grow(30 + 15).unwrap();
+        gone.sort();
+        let mut want = vec![source, fork];
+        want.sort();
+        assert_eq!(gone, want);
+        assert_eq!((a.reserved(), a.resident()), (45, (1, 40)));
     }
 
     #[test]

@@ -439,8 +439,9 @@ fn forks_share_their_source_codes_and_the_budget_counts_them_once() {
     let s = engine.stats();
     assert_eq!((s.forks, s.peak_running), (3, 4), "{s:?}");
     assert_eq!((s.finished, s.kv_reserved_bytes, s.kv_borrowed_bytes), (4, 0, 0), "{s:?}");
-    // Parked, each counts its whole storage in the budget; the caches hold the shared codes once.
-    assert!(s.kv_sequence_bytes < s.kv_prefix_bytes, "{s:?}");
+    // Resident, the forks go on reading the first one's codes: the caches hold them once, and the
+    // budget counts them once.
+    assert_eq!((s.resident_prefixes, s.kv_prefix_bytes), (4, s.kv_sequence_bytes), "{s:?}");
 }
 
 /// A fork that outgrows the room its finished source leaves takes the shared bytes over (the
