@@ -241,6 +241,7 @@ impl<T> Admission<T> {
     /// A finished sequence gives back its slot and bytes.
     pub fn release(&mut self, slot: usize, bytes: usize) {
         debug_assert!(!self.free.contains(&slot), "slot {slot} released twice");
+        debug_assert!(!self.pinned(slot), "slot {slot} is read by others: park it");
         self.reserved -= bytes;
         self.free.push(slot);
     }
@@ -528,6 +529,178 @@ mod tests {
         want.sort();
         assert_eq!(gone, want);
         assert_eq!((a.reserved(), a.resident()), (45, (1, 40)));
+    }
+
+    /// What a random run of admissions, forks, finishes, growth and settlements must keep: the
+    /// reservations and resident bytes are what was handed out; nothing is over the budget after
+    /// an admission or a growth; no slot is given twice; and every slot whose blocks a sequence
+    /// reads (running or resident) is still running or resident — shared bytes are always
+    /// counted by someone.
+    mod bookkeeping {
+        use std::collections::BTreeMap;
+
+        use proptest::prelude::*;
+
+        use super::super::Admission;
+
+        #[derive(Clone, Debug)]
+        enum Op {
+            /// Queue a prompt (tokens from a small alphabet, so prefixes repeat) needing `bytes`,
+            /// then admit what fits.
+            Submit { prompt: Vec<u32>, bytes: usize },
+            /// Running sequence `who` (an index among the running) starts reading `share` (a
+            /// fraction of its reservation) from running or resident sequence `from`.
+            Lend { who: usize, from: usize, share: f64 },
+            /// Running sequence `who` finishes: parked with `keep` of its reservation, or freed.
+            Finish { who: usize, park: bool, keep: f64 },
+            /// Every running sequence together needs `extra` more bytes.
+            Grow { extra: usize },
+            /// Running borrower `who` takes over what it reads.
+            Settle { who: usize },
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                3 => (prop::collection::vec(0u32..3, 1..6), 1usize..40)
+                    .prop_map(|(prompt, bytes)| Op::Submit { prompt, bytes }),
+                2 => (0usize..8, 0usize..16, 0.0f64..1.0).prop_map(|(who, from, share)| Op::Lend { who, from, share }),
+                2 => (0usize..8, any::<bool>(), 0.0f64..1.0).prop_map(|(who, park, keep)| Op::Finish { who, park, keep }),
+                1 => (0usize..60).prop_map(|extra| Op::Grow { extra }),
+                1 => (0usize..8).prop_map(|who| Op::Settle { who }),
+            ]
+        }
+
+        /// A running sequence as the test sees it.
+        #[derive(Clone, Debug)]
+        struct Run {
+            slot: usize,
+            prompt: Vec<u32>,
+            reserved: usize,
+            /// The slot it reads from and how many bytes.
+            lent: Option<(usize, usize)>,
+        }
+
+        /// What the test expects the admission to hold.
+        #[derive(Default)]
+        struct Model {
+            running: Vec<Run>,
+            /// Resident slot → (bytes, lender).
+            resident: BTreeMap<usize, (usize, Option<usize>)>,
+        }
+
+        impl Model {
+            fn gone(&mut self, slots: &[usize]) {
+                for s in slots {
+                    assert!(self.resident.remove(s).is_some(), "slot {s} given up but not resident");
+                }
+            }
+
+            fn check(&self, a: &Admission<Vec<u32>>, budget: usize) {
+                let reserved: usize = self.running.iter().map(|r| r.reserved).sum();
+                let idle: usize = self.resident.values().map(|r| r.0).sum();
+                assert_eq!((a.reserved(), a.resident()), (reserved, (self.resident.len(), idle)));
+                assert!(reserved + idle <= budget, "{reserved} + {idle} over {budget}");
+                let held = |s: usize| self.resident.contains_key(&s) || self.running.iter().any(|r| r.slot == s);
+                for r in &self.running {
+                    assert!(r.lent.is_none_or(|(l, _)| held(l)), "{r:?} reads a slot given up");
+                }
+                for (s, (_, lender)) in &self.resident {
+                    assert!(lender.is_none_or(held), "resident {s} reads a slot given up");
+                }
+                let mut slots: Vec<usize> =
+                    self.running.iter().map(|r| r.slot).chain(self.resident.keys().copied()).collect();
+                slots.sort();
+                slots.dedup();
+                assert_eq!(slots.len(), self.running.len() + self.resident.len(), "a slot given twice");
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(400))]
+            #[test]
+            fn shared_bytes_stay_counted(ops in prop::collection::vec(op(), 1..80)) {
+                let budget = 100;
+                let mut a: Admission<Vec<u32>> = Admission::new(budget, 6);
+                let mut m = Model::default();
+                for op in ops {
+                    match op {
+                        Op::Submit { prompt, bytes } => {
+                            a.push(prompt, bytes);
+                            while let Some(x) = a.admit(|t: &Vec<u32>| t) {
+                                m.gone(&x.evicted);
+                                if x.reuse > 0 {
+                                    m.gone(&[x.slot]);
+                                }
+                                m.running.push(Run { slot: x.slot, prompt: x.item, reserved: x.bytes, lent: None });
+                            }
+                        }
+                        Op::Lend { who, from, share } => {
+                            // As in the engine: a sequence just forked into its slot reads from one
+                            // other, at most what that one holds, and nothing reads from it yet.
+                            let n = m.running.len();
+                            if n == 0 || m.running[who % n].lent.is_some() {
+                                continue;
+                            }
+                            let me = m.running[who % n].slot;
+                            let read = m.running.iter().filter_map(|r| r.lent).chain(m.resident.values().filter_map(|r| r.1.map(|l| (l, 0))));
+                            if read.map(|l| l.0).any(|l| l == me) {
+                                continue;
+                            }
+                            let holders: Vec<(usize, usize)> = m.running.iter().map(|r| (r.slot, r.reserved))
+                                .chain(m.resident.iter().map(|(&s, r)| (s, r.0))).filter(|h| h.0 != me).collect();
+                            let Some(&(from, has)) = holders.get(from % holders.len().max(1)) else { continue };
+                            let r = &mut m.running[who % n];
+                            let bytes = ((r.reserved as f64 * share) as usize).min(has);
+                            a.lend(from, bytes);
+                            r.reserved -= bytes;
+                            r.lent = Some((from, bytes));
+                        }
+                        Op::Finish { who, park, keep } => {
+                            if m.running.is_empty() {
+                                continue;
+                            }
+                            let n = m.running.len();
+                            let r = m.running.remove(who % n);
+                            // As in the engine: a sequence others read stays resident.
+                            let read = m.running.iter().filter_map(|x| x.lent.map(|l| l.0)).chain(m.resident.values().filter_map(|x| x.1)).any(|l| l == r.slot);
+                            if park || read {
+                                // It holds at least what others read from it.
+                                let lent = m.running.iter().filter_map(|x| x.lent).filter(|l| l.0 == r.slot).map(|l| l.1).max();
+                                let own = ((r.reserved as f64 * keep) as usize).max(lent.unwrap_or(0));
+                                a.park(r.slot, r.reserved, own, r.prompt.clone(), r.lent.map(|l| l.0));
+                                m.resident.insert(r.slot, (own, r.lent.map(|l| l.0)));
+                            } else {
+                                if let Some((l, _)) = r.lent {
+                                    a.repay(l);
+                                }
+                                a.release(r.slot, r.reserved);
+                            }
+                        }
+                        Op::Grow { extra } => {
+                            if m.running.is_empty() {
+                                continue;
+                            }
+                            if let Some(gone) = a.grow(extra) {
+                                m.gone(&gone);
+                                m.running[0].reserved += extra;
+                            }
+                        }
+                        Op::Settle { who } => {
+                            let n = m.running.len();
+                            let Some((l, bytes)) = m.running.get(who % n.max(1)).and_then(|r| r.lent) else { continue };
+                            if let Some(gone) = a.settle(l, bytes) {
+                                assert!(gone.contains(&l));
+                                m.gone(&gone);
+                                let r = &mut m.running[who % n];
+                                r.reserved += bytes;
+                                r.lent = None;
+                            }
+                        }
+                    }
+                    m.check(&a, budget);
+                }
+            }
+        }
     }
 
     #[test]
