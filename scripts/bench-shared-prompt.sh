@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Eight clients at once, each a chat over the same 1,727-token document (the start of Emma) with a
 # question of its own, $TOKENS tokens each (128), on SmolLM2 and the default vq-4 under a KV budget of
-# 2.75 sequences of 2,560 positions (the server's own figures). Every later request forks the first
+# $SEQS sequences of 2,560 positions (2.75; the server's own figures). Every later request forks the first
 # one's cache; the binaries given (e.g. one whose forks copy their source's codes and one whose
 # forks share them) serve the same load in turn, two rounds. Prints per server: wall time for all
 # eight, the most sequences that ran at once, forks, prompt tokens fed, and the peaks of resident
@@ -15,6 +15,8 @@ DATA=${VELOQ_CACHE:-$HOME/.cache/veloq}
 M=$DATA/smollm2-135m-instruct.q4_1.gguf
 C=$DATA/smollm2-135m-instruct.q4_1.vq-4.safetensors
 TOKENS=${TOKENS:-128}
+# The KV budget in sequences of 2,560 positions (veloq's own figures).
+SEQS=${SEQS:-2.75}
 # A veloq binary for the budget's figures (the first one given that is not llama-server).
 V=target/release/veloq
 for spec in "$@"; do [[ ${spec%%=*} == llama* ]] || { V=${spec#*=}; break; }; done
@@ -23,19 +25,21 @@ for round in 1 2; do
 for spec in "$@"; do
   label=${spec%%=*}; B=${spec#*=}
   port=$((18000 + RANDOM % 1000))
-  # The budget from veloq's own figures: shared tables + 2.75 sequences of 2,560 positions.
+  # The budget from veloq's own figures: shared tables + $SEQS sequences of 2,560 positions.
   CANDLE_NUM_THREADS=1 $V serve --model "$M" --calibration "$C" --method vq-4 --port $port --max-context 4096 --quiet > /tmp/shared-probe.log 2>&1 &
   pid=$!
   for i in $(seq 100); do curl -sf localhost:$port/health >/dev/null && break; sleep 0.3; done
-  budget=$(curl -s localhost:$port/v1/models | python3 -c '
+  budget=$(curl -s localhost:$port/v1/models | SEQS=$SEQS python3 -c '
 import json, sys
 v = json.load(sys.stdin)["data"][0]["veloq"]
 per = {s["positions"]: s["bytes"] for s in v["kv_sequence_bytes"]}
-print(int(v["kv_shared_bytes"] + 2.75 * (per[1024] + per[4096]) / 2))')
+import os
+print(int(v["kv_shared_bytes"] + float(os.environ["SEQS"]) * (per[1024] + per[4096]) / 2))')
   kill $pid; wait $pid 2>/dev/null
   if [[ $label == llama* ]]; then
     # q4_0: 18 bytes per 32 elements; SmolLM2 holds 30 layers x 3 kv heads x 64 x (k, v) a position.
     slots=$(( budget / (30 * 3 * 64 * 2 * 18 / 32) / 2048 ))
+    [ $slots -gt 0 ] || slots=1
     $B -m "$M" -c $((slots * 2048)) -np $slots -no-kvu -cram 0 -fa on -ctk q4_0 -ctv q4_0 -t 2 -ub 512 -b 512 \
       --host 127.0.0.1 --port $port --metrics --no-webui > /tmp/shared-$label.log 2>&1 &
   else

@@ -529,6 +529,7 @@ fn forks(kind: Kind, method: Method) {
         c.fork(0, 1);
         let shared = c.cache.shared_bytes(1);
         assert_eq!(shared, c.cache.shared_bytes(0), "a fork and its source share the same blocks");
+        assert_eq!(shared, c.cache.fork_shares(90), "what a fork shares is known ahead");
         if kind == Kind::Cpu {
             let grown = c.cache.resident_bytes() - before;
             assert_eq!(grown + shared, c.cache.sequence_bytes(90), "a fork's storage is a grown sequence's");

@@ -101,6 +101,13 @@ pub trait Backend: Send + Sync {
         0
     }
 
+    /// Bytes of a slot holding `footprint` that a fork of it would share instead of copying:
+    /// what [`shared_bytes`](Self::shared_bytes) reports on such a fork. 0 where forks copy.
+    fn shareable_bytes(&self, footprint: Footprint) -> usize {
+        let _ = footprint;
+        0
+    }
+
     /// Makes slot `to`, whose storage is unused, hold what slot `from` stores — its first
     /// `held.rows` rows and `held.coded` codes (copied, or shared where they never change) (a fork planned by
     /// [`Residency::fork`](super::Residency::fork)).

@@ -590,6 +590,11 @@ impl Backend for CpuBackend {
         rows + codes
     }
 
+    fn shareable_bytes(&self, f: Footprint) -> usize {
+        let rows = Footprint { rows: 0, ..f };
+        self.sequence_bytes(rows)
+    }
+
     fn shared_bytes(&self, slot: usize) -> usize {
         self.codes.get(slot).map_or(0, |s| s.blocks().filter(|b| Arc::strong_count(b) > 1).map(|b| b.len()).sum())
     }

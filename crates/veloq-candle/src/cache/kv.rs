@@ -153,4 +153,8 @@ impl<B: Backend> LayerCache for KvCache<B> {
     fn shared_bytes(&self, slot: usize) -> usize {
         self.backend.shared_bytes(slot)
     }
+
+    fn fork_shares(&self, positions: usize) -> usize {
+        self.backend.shareable_bytes(self.residency.policy().footprint(positions))
+    }
 }

@@ -83,6 +83,13 @@ pub trait LayerCache: Send {
         let _ = slot;
         0
     }
+    /// Bytes a fork of a sequence's first `positions` positions shares with it: what
+    /// [`shared_bytes`](Self::shared_bytes) reports on the fork, known before it is made (what
+    /// admission can count once ahead of it).
+    fn fork_shares(&self, positions: usize) -> usize {
+        let _ = positions;
+        0
+    }
     /// Bytes the storage of one sequence of `positions` positions takes (grown from empty, its
     /// steps committed), the tables every sequence shares not counted: what admission control
     /// budgets per request. Device backends reserve every slot up front, so theirs is the slot's
@@ -171,6 +178,12 @@ impl ModelCache {
     /// [`LayerCache::shared_bytes`]).
     pub fn shared_bytes(&self, slot: usize) -> usize {
         self.layers.iter().map(|l| l.shared_bytes(slot)).sum()
+    }
+
+    /// Bytes a fork of `positions` positions shares with its source, in every layer (see
+    /// [`LayerCache::fork_shares`]).
+    pub fn fork_shares(&self, positions: usize) -> usize {
+        self.layers.iter().map(|l| l.fork_shares(positions)).sum()
     }
 
     /// Bytes one sequence of `positions` positions takes in every layer (see

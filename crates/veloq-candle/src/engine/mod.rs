@@ -297,6 +297,21 @@ struct Job {
     carry: Option<Carry>,
     /// Its place in its grammar, when it has one.
     constraint: Option<Constraint>,
+    /// Admitted without what it will read from a fork's source; off once that went wrong (the
+    /// fork did not happen and the budget could not hold it whole).
+    fork_discount: bool,
+}
+
+impl Job {
+    /// The tokens a resident prefix may stand for: its feed, or none for a request scoring its
+    /// prompt (it needs every prompt token's logits).
+    fn reusable(&self) -> &[u32] {
+        if self.req.prompt_logprobs.is_some() {
+            &[]
+        } else {
+            &self.feed
+        }
+    }
 }
 
 /// What a preempted sequence had done, kept while it waits to run again.
@@ -441,7 +456,8 @@ impl Engine {
             },
         };
         let feed = req.prompt.clone();
-        let job = Job { id: 0, req, sink, arrived: Instant::now(), need, feed, carry: None, constraint };
+        let job =
+            Job { id: 0, req, sink, arrived: Instant::now(), need, feed, carry: None, constraint, fork_discount: true };
         let tx = self.tx.lock().expect("sender");
         match tx.as_ref() {
             Some(t) if t.send(job).is_ok() => Ok(()),
@@ -653,9 +669,38 @@ impl Worker {
         self.info.sequence_bytes(job.feed.len() + ahead).min(job.need)
     }
 
+    /// Where `job`, admitted now without taking a resident over, will start from a fork — the
+    /// running sequence that holds (or feeds) most of its prompt, else the resident one — and the
+    /// bytes it will read from that slot instead of its own.
+    fn planned_fork(&self, job: &Job) -> Option<(usize, usize)> {
+        if !self.prefix_cache || job.req.prompt_logprobs.is_some() || !job.fork_discount {
+            return None;
+        }
+        let (slot, at) = match self.source_for(&job.feed) {
+            Some(f) => (self.live.iter().find(|l| l.job.id == f.source)?.slot, f.at),
+            None => self.adm.resident_prefix(&job.feed).filter(|&(_, n)| n >= MIN_FORK)?,
+        };
+        Some((slot, self.caches.fork_shares(at))).filter(|&(_, bytes)| bytes > 0)
+    }
+
     fn admit(&mut self) {
-        // A request scoring its prompt needs every prompt token's logits: it reuses no prefix.
-        while let Some(a) = self.adm.admit(|j: &Job| if j.req.prompt_logprobs.is_some() { &[] } else { &j.feed }) {
+        loop {
+            // A request that will start from a fork is admitted without what it will read from
+            // the source, whose slot stays pinned meanwhile.
+            let plan = self.adm.front().and_then(|j| self.planned_fork(j));
+            if let Some((source, _)) = plan {
+                self.adm.lend(source, 0);
+            }
+            let Some(a) = self.adm.admit(Job::reusable, plan.map_or(0, |p| p.1)) else {
+                if let Some((source, _)) = plan {
+                    self.adm.repay(source);
+                }
+                break;
+            };
+            let borrowed = plan.filter(|_| a.discount > 0).map(|(slot, _)| Borrow { slot, bytes: a.discount });
+            if let (Some((source, _)), None) = (plan, borrowed) {
+                self.adm.repay(source);
+            }
             let (mut job, slot, reserved) = (a.item, a.slot, a.bytes);
             let mut broken = a.evicted.iter().find_map(|&e| self.caches.truncate(e, 0).err());
             // A slot keeps the shared prefix; a layer that cannot cut there (a sliding window
@@ -731,11 +776,18 @@ impl Worker {
                 scored: carry.scored,
                 scoring: None,
                 follows,
-                borrowed: None,
+                borrowed,
             });
-            if copied {
-                let (i, from) = (self.live.len() - 1, resident.expect("copied from a resident").0);
-                self.borrow(i, from);
+            // What it reads from the resident it copied, or nothing if it feeds its prompt itself;
+            // a follower settles once it forks.
+            if follows.is_none() {
+                let i = self.live.len() - 1;
+                let from = resident.filter(|_| copied).map(|(from, _)| from);
+                match self.credit(i, from) {
+                    Ok(true) => {}
+                    Ok(false) => broken = broken.or(self.requeue(i).err()),
+                    Err(e) => broken = broken.or(Some(e)),
+                }
             }
             if let Some(e) = broken {
                 self.fail_all(&format!("emptying a cache slot failed: {e}"));
@@ -761,45 +813,85 @@ impl Worker {
     /// Starts each waiting request whose source now holds its prefix from a copy of it; one
     /// whose source stopped running (finished, cancelled, preempted) feeds its prompt itself.
     fn fork_followers(&mut self) -> Result<()> {
+        let mut whole = Vec::new();
         for i in 0..self.live.len() {
             let Some(f) = self.live[i].follows else { continue };
             let source = self.live.iter().find(|l| l.job.id == f.source).map(|l| l.slot);
             let slot = match source {
-                Some(s) if self.caches.len(s) >= f.at => s,
+                Some(s) if self.caches.len(s) >= f.at => Some(s),
                 Some(_) => continue,
-                None => {
-                    self.live[i].follows = None;
-                    continue;
-                }
+                None => None,
             };
             let to = self.live[i].slot;
             self.live[i].follows = None;
             // A sliding-window layer cannot cut back below what it holds: the source's chunks
             // stop at `at` while a request waits for it, so a cut is rare; then it feeds itself.
-            if self.caches.fork(slot, to, f.at).is_err() {
-                self.caches.truncate(to, 0)?;
+            let forked = match slot {
+                Some(s) if self.caches.fork(s, to, f.at).is_ok() => Some(s),
+                Some(_) => {
+                    self.caches.truncate(to, 0)?;
+                    None
+                }
+                None => None,
+            };
+            if !self.credit(i, forked)? {
+                whole.push(i);
                 continue;
             }
-            self.borrow(i, slot);
-            let l = &mut self.live[i];
-            (l.fed, l.cached) = (f.at, f.at);
-            let mut ledger = self.ledger.lock().expect("ledger");
-            ledger.stats.forks += 1;
-            ledger.stats.cached_prompt_tokens += f.at as u64;
+            if forked.is_some() {
+                let l = &mut self.live[i];
+                (l.fed, l.cached) = (f.at, f.at);
+                let mut ledger = self.ledger.lock().expect("ledger");
+                ledger.stats.forks += 1;
+                ledger.stats.cached_prompt_tokens += f.at as u64;
+            }
+        }
+        for i in whole.into_iter().rev() {
+            self.requeue(i)?;
         }
         Ok(())
     }
 
-    /// Live sequence `i`, just forked from `from`, counts the storage it shares with it once: those
-    /// bytes leave its reservation and `from` stays pinned while it runs.
-    fn borrow(&mut self, i: usize, from: usize) {
-        let l = &mut self.live[i];
-        let bytes = self.caches.shared_bytes(l.slot).min(l.reserved);
-        if bytes > 0 {
-            self.adm.lend(from, bytes);
-            l.reserved -= bytes;
-            l.borrowed = Some(Borrow { slot: from, bytes });
+    /// Live `i`'s credit becomes what it really reads: what it shares with `from`'s storage after
+    /// a fork, or nothing (`None`: it feeds its prompt itself). Its reservation gives back what it
+    /// reads beyond what it was admitted without, or grows by what it reads less (giving up
+    /// resident sequences if need be); `false`, nothing changed, when the budget cannot hold that.
+    fn credit(&mut self, i: usize, from: Option<usize>) -> Result<bool> {
+        let (slot, reserved, old) = (self.live[i].slot, self.live[i].reserved, self.live[i].borrowed);
+        let alone = reserved + old.map_or(0, |b| b.bytes);
+        let new = from.map(|f| Borrow { slot: f, bytes: self.caches.shared_bytes(slot).min(alone) });
+        let new = new.filter(|b| b.bytes > 0);
+        let want = alone - new.map_or(0, |b| b.bytes);
+        // Pinned first, so that growing cannot give the new source up.
+        if let Some(n) = new {
+            self.adm.lend(n.slot, 0);
         }
+        if want > reserved {
+            let Some(evicted) = self.adm.grow(want - reserved) else {
+                if let Some(n) = new {
+                    self.adm.repay(n.slot);
+                }
+                return Ok(false);
+            };
+            for e in evicted {
+                self.caches.truncate(e, 0)?;
+            }
+        } else {
+            self.adm.unreserve(reserved - want);
+        }
+        if let Some(o) = old {
+            self.adm.repay(o.slot);
+        }
+        let l = &mut self.live[i];
+        (l.reserved, l.borrowed) = (want, new);
+        Ok(true)
+    }
+
+    /// Live `i` was admitted without what it would read from a fork that did not happen, and the
+    /// budget cannot hold it whole now: it goes back to the head of the queue, to be admitted
+    /// whole.
+    fn requeue(&mut self, i: usize) -> Result<()> {
+        self.back_to_queue(i, false)
     }
 
     /// One forward pass over every live sequence, then their new tokens.
@@ -1072,6 +1164,8 @@ impl Worker {
         if let Some(b) = l.borrowed {
             self.adm.repay(b.slot);
         }
+        // A slot others read is always parked (it holds what they read), except one that stopped
+        // before holding anything: a request admitted to fork it then feeds itself.
         let emptied = self.caches.truncate(l.slot, 0);
         self.adm.release(l.slot, l.reserved);
         emptied
@@ -1136,14 +1230,23 @@ impl Worker {
     /// Takes a running sequence out (its memory given back) and queues it first, to feed its
     /// prompt and output again and go on where it stopped.
     fn preempt(&mut self, i: usize) -> Result<()> {
+        self.back_to_queue(i, true)
+    }
+
+    /// Takes live `i` out (its memory given back) and queues it first; a preempted one counts.
+    fn back_to_queue(&mut self, i: usize, preempted: bool) -> Result<()> {
         let l = self.live.remove(i);
         let given = self.give_back(&l);
         let Live { mut job, out, sampler, text, cached, admitted, first, scored, preemptions, .. } = l;
         job.feed = job.req.prompt.iter().chain(&out).copied().collect();
-        job.carry = Some(Carry { scored, out, sampler, text, cached, admitted, first, preemptions: preemptions + 1 });
+        let preemptions = preemptions + usize::from(preempted);
+        job.carry = Some(Carry { scored, out, sampler, text, cached, admitted, first, preemptions });
+        job.fork_discount &= preempted;
         let bytes = self.admission_bytes(&job);
         self.adm.push_front(job, bytes);
-        self.ledger.lock().expect("ledger").stats.preempted += 1;
+        if preempted {
+            self.ledger.lock().expect("ledger").stats.preempted += 1;
+        }
         given
     }
 

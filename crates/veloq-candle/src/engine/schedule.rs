@@ -54,6 +54,9 @@ pub struct Admitted<T> {
     pub slot: usize,
     /// Bytes reserved for it.
     pub bytes: usize,
+    /// Bytes it was admitted without: the discount asked for, which it expects to read from a
+    /// fork's source (0 when it takes a resident over instead).
+    pub discount: usize,
     /// Positions of the slot to keep: the prompt's first `reuse` tokens are already there (0: the
     /// slot must be emptied first if it is not).
     pub reuse: usize,
@@ -160,6 +163,16 @@ impl<T> Admission<T> {
         Some(slots)
     }
 
+    /// `bytes` leave the reservations (a sequence reads them from another's storage).
+    pub fn unreserve(&mut self, bytes: usize) {
+        self.reserved -= bytes;
+    }
+
+    /// The first waiting item.
+    pub fn front(&self) -> Option<&T> {
+        self.queue.front().map(|(t, _)| t)
+    }
+
     /// A running borrower of `slot`'s blocks stopped running and gives them up (it gives back its
     /// own reservation separately). One that stays resident keeps reading them instead
     /// ([`park`](Self::park) with its lender).
@@ -198,9 +211,13 @@ impl<T> Admission<T> {
     /// half of what it holds (so a reuse never throws away most of another conversation); the
     /// longest such prefix wins, the most recent on a tie. The prompt's last token is always fed
     /// (its logits start the completion).
-    pub fn admit(&mut self, prompt: impl Fn(&T) -> &[u32]) -> Option<Admitted<T>> {
+    ///
+    /// An item that will start from a fork needs `discount` bytes less (what it will read from
+    /// the fork's source, whose slot the caller pins): unless it takes a resident over, it is
+    /// admitted without them.
+    pub fn admit(&mut self, prompt: impl Fn(&T) -> &[u32], discount: usize) -> Option<Admitted<T>> {
         let (item, bytes) = self.queue.front()?;
-        let (p, bytes) = (prompt(item), *bytes);
+        let (p, mut bytes) = (prompt(item), *bytes);
         let best = self
             .idle
             .iter()
@@ -219,8 +236,10 @@ impl<T> Admission<T> {
             slots += 1;
         }
         let keep = best.map(|(i, _)| i);
+        let discount = if best.is_some() { 0 } else { discount.min(bytes) };
+        bytes -= discount;
         let evict = self.give_way(room, slots, keep, |room, slots| room >= bytes && slots > 0)?;
-        let (item, bytes) = self.queue.pop_front()?;
+        let (item, _) = self.queue.pop_front()?;
         let taken = best.map(|(i, n)| (self.idle[i].slot, n));
         let gone: Vec<usize> = evict.iter().copied().chain(keep).collect();
         let mut evicted = Vec::new();
@@ -235,13 +254,12 @@ impl<T> Admission<T> {
             None => (self.free.pop()?, 0),
         };
         self.reserved += bytes;
-        Some(Admitted { item, slot, bytes, reuse, evicted })
+        Some(Admitted { item, slot, bytes, discount, reuse, evicted })
     }
 
     /// A finished sequence gives back its slot and bytes.
     pub fn release(&mut self, slot: usize, bytes: usize) {
         debug_assert!(!self.free.contains(&slot), "slot {slot} released twice");
-        debug_assert!(!self.pinned(slot), "slot {slot} is read by others: park it");
         self.reserved -= bytes;
         self.free.push(slot);
     }
@@ -366,20 +384,20 @@ mod tests {
         fn no_prompt<'a>(_: &'a &str) -> &'a [u32] {
             &[]
         }
-        let (first, s0) = a.admit(no_prompt).map(|x| (x.item, x.slot)).unwrap();
-        let (second, s1) = a.admit(no_prompt).map(|x| (x.item, x.slot)).unwrap();
+        let (first, s0) = a.admit(no_prompt, 0).map(|x| (x.item, x.slot)).unwrap();
+        let (second, s1) = a.admit(no_prompt, 0).map(|x| (x.item, x.slot)).unwrap();
         assert_eq!((first, second), ("a", "b"));
         assert_ne!(s0, s1);
         // c needs 30 with 90 reserved: it waits, and d (which would fit) does not pass it.
-        assert!(a.admit(no_prompt).is_none());
+        assert!(a.admit(no_prompt, 0).is_none());
         assert_eq!((a.waiting(), a.reserved()), (2, 90));
         a.release(s0, 40);
-        let (third, s2) = a.admit(no_prompt).map(|x| (x.item, x.slot)).unwrap();
+        let (third, s2) = a.admit(no_prompt, 0).map(|x| (x.item, x.slot)).unwrap();
         assert_eq!(third, "c");
         // d fits the bytes (85 reserved) and takes the last slot; then no slot is left.
-        assert_eq!(a.admit(no_prompt).map(|x| x.item), Some("d"));
+        assert_eq!(a.admit(no_prompt, 0).map(|x| x.item), Some("d"));
         a.push("e", 1);
-        assert!(a.admit(no_prompt).is_none(), "three slots, three sequences");
+        assert!(a.admit(no_prompt, 0).is_none(), "three slots, three sequences");
         assert_eq!(a.retain_waiting(|&t| t != "e"), vec!["e"]);
         a.release(s1, 50);
         a.release(s2, 30);
@@ -395,27 +413,27 @@ mod tests {
         // Two finished conversations resident (20 and 30 bytes), one slot free.
         a.push(vec![1, 2, 3, 4], 40);
         a.push(vec![7, 8, 9], 40);
-        let x = a.admit(prompt).unwrap();
-        let y = a.admit(prompt).unwrap();
+        let x = a.admit(prompt, 0).unwrap();
+        let y = a.admit(prompt, 0).unwrap();
         assert_eq!((x.reuse, y.reuse, a.reserved()), (0, 0, 80));
         a.park(x.slot, 40, 20, vec![1, 2, 3, 4, 5, 6], None);
         a.park(y.slot, 40, 30, vec![7, 8, 9, 10], None);
         assert_eq!((a.reserved(), a.resident()), (0, (2, 50)));
         // The next turn of the first: its history plus new tokens; the last prompt token is fed.
         a.push(vec![1, 2, 3, 4, 5, 6, 11, 12], 45);
-        let t = a.admit(prompt).unwrap();
+        let t = a.admit(prompt, 0).unwrap();
         assert_eq!((t.slot, t.reuse, t.evicted.clone()), (x.slot, 6, vec![]));
         assert_eq!((a.reserved(), a.resident()), (45, (1, 30)));
         // A prompt equal to what a slot holds still feeds its last token.
         a.release(t.slot, 45);
         a.park(t.slot, 0, 10, vec![5, 5], None);
         a.push(vec![5, 5], 10);
-        let t = a.admit(prompt).unwrap();
+        let t = a.admit(prompt, 0).unwrap();
         assert_eq!((t.slot, t.reuse), (x.slot, 1));
         a.release(t.slot, 10);
         // A prefix shorter than half of what a slot holds does not take it: the free slot is used.
         a.push(vec![7, 99], 10);
-        let t = a.admit(prompt).unwrap();
+        let t = a.admit(prompt, 0).unwrap();
         assert_eq!((t.reuse, t.evicted.clone(), a.resident()), (0, vec![], (1, 30)));
         assert!(t.slot != y.slot);
         a.release(t.slot, 10);
@@ -423,14 +441,14 @@ mod tests {
         a.park(x.slot, 0, 25, vec![3, 3, 3], None);
         assert_eq!(a.resident(), (2, 55));
         a.push(vec![42], 60);
-        let t = a.admit(prompt).unwrap();
+        let t = a.admit(prompt, 0).unwrap();
         assert_eq!((t.reuse, t.evicted.clone(), a.resident()), (0, vec![y.slot], (1, 25)));
         a.push(vec![43], 40);
-        let t = a.admit(prompt).unwrap();
+        let t = a.admit(prompt, 0).unwrap();
         assert_eq!((t.evicted.clone(), a.reserved(), a.resident()), (vec![x.slot], 100, (0, 0)));
         // Nothing left to give up: the next waits, and nothing changed.
         a.push(vec![44], 1);
-        assert!(a.admit(prompt).is_none());
+        assert!(a.admit(prompt, 0).is_none());
         assert_eq!((a.waiting(), a.reserved()), (1, 100));
     }
 
@@ -444,22 +462,22 @@ mod tests {
         let mut a: Admission<Vec<u32>> = Admission::new(100, 3);
         let source = vec![1, 2, 3, 4, 5, 6];
         a.push(source.clone(), 40);
-        let s = a.admit(prompt).unwrap();
+        let s = a.admit(prompt, 0).unwrap();
         a.park(s.slot, 40, 40, source.clone(), None);
         // A fork of the resident (too short a share to take it over): admitted whole, then 30 of its 50 bytes read from the resident.
         a.push(vec![1, 9, 9], 50);
-        let f = a.admit(prompt).unwrap();
+        let f = a.admit(prompt, 0).unwrap();
         assert_eq!(f.evicted, Vec::<usize>::new());
         a.lend(s.slot, 30);
         assert_eq!(a.reserved(), 20);
         // The same prompt again would take the resident over; pinned, it gets a free slot instead.
         a.push(source.clone(), 30);
-        let again = a.admit(prompt).unwrap();
+        let again = a.admit(prompt, 0).unwrap();
         assert_eq!((again.reuse, again.evicted.is_empty()), (0, true));
         assert_ne!(again.slot, s.slot);
         // No slot left but the pinned resident's: nothing fits, nothing is given up.
         a.push(vec![7], 1);
-        assert!(a.admit(prompt).is_none());
+        assert!(a.admit(prompt, 0).is_none());
         assert_eq!(a.grow(100), None);
         assert_eq!(a.resident(), (1, 40));
         // Repaid, the resident gives way.
@@ -477,7 +495,7 @@ mod tests {
         let mut slots = Vec::new();
         for (prompt, bytes) in [(vec![1, 2, 3, 4], 40), (vec![5, 6, 7, 8], 20), (vec![9, 9, 9], 30)] {
             a.push(prompt.clone(), bytes);
-            let s = a.admit(|t: &Vec<u32>| t).unwrap();
+            let s = a.admit(|t: &Vec<u32>| t, 0).unwrap();
             slots.push(s.slot);
         }
         let (first, second, reader, free) = (slots[0], slots[1], slots[2], 4);
@@ -499,7 +517,7 @@ mod tests {
         // Their slots are free again.
         for _ in 0..2 {
             a.push(vec![7], 1);
-            let s = a.admit(|t: &Vec<u32>| t).unwrap().slot;
+            let s = a.admit(|t: &Vec<u32>| t, 0).unwrap().slot;
             assert!(s == first || s == reader, "{s}");
         }
     }
@@ -512,7 +530,7 @@ mod tests {
         let mut slots = Vec::new();
         for prompt in [vec![1, 1, 1, 1], vec![2, 2, 2, 2], vec![3, 3, 3, 3]] {
             a.push(prompt, 40);
-            slots.push(a.admit(|t: &Vec<u32>| t).unwrap().slot);
+            slots.push(a.admit(|t: &Vec<u32>| t, 0).unwrap().slot);
         }
         let (source, fork, other) = (slots[0], slots[1], slots[2]);
         a.park(source, 40, 40, vec![1, 1, 1, 1], None);
@@ -546,8 +564,9 @@ mod tests {
         #[derive(Clone, Debug)]
         enum Op {
             /// Queue a prompt (tokens from a small alphabet, so prefixes repeat) needing `bytes`,
-            /// then admit what fits.
-            Submit { prompt: Vec<u32>, bytes: usize },
+            /// then admit what fits; the first admitted expects to fork running or resident
+            /// sequence `fork.0` and read `fork.1` of what that holds, admitted without it.
+            Submit { prompt: Vec<u32>, bytes: usize, fork: Option<(usize, f64)> },
             /// Running sequence `who` (an index among the running) starts reading `share` (a
             /// fraction of its reservation) from running or resident sequence `from`.
             Lend { who: usize, from: usize, share: f64 },
@@ -561,8 +580,8 @@ mod tests {
 
         fn op() -> impl Strategy<Value = Op> {
             prop_oneof![
-                3 => (prop::collection::vec(0u32..3, 1..6), 1usize..40)
-                    .prop_map(|(prompt, bytes)| Op::Submit { prompt, bytes }),
+                3 => (prop::collection::vec(0u32..3, 1..6), 1usize..40, prop::option::of((0usize..16, 0.0f64..1.0)))
+                    .prop_map(|(prompt, bytes, fork)| Op::Submit { prompt, bytes, fork }),
                 2 => (0usize..8, 0usize..16, 0.0f64..1.0).prop_map(|(who, from, share)| Op::Lend { who, from, share }),
                 2 => (0usize..8, any::<bool>(), 0.0f64..1.0).prop_map(|(who, park, keep)| Op::Finish { who, park, keep }),
                 1 => (0usize..60).prop_map(|extra| Op::Grow { extra }),
@@ -589,6 +608,12 @@ mod tests {
         }
 
         impl Model {
+            /// Running and resident slots but `but`, with the bytes each holds.
+            fn holders(&self, but: usize) -> Vec<(usize, usize)> {
+                let running = self.running.iter().map(|r| (r.slot, r.reserved));
+                running.chain(self.resident.iter().map(|(&s, r)| (s, r.0))).filter(|h| h.0 != but).collect()
+            }
+
             fn gone(&mut self, slots: &[usize]) {
                 for s in slots {
                     assert!(self.resident.remove(s).is_some(), "slot {s} given up but not resident");
@@ -624,14 +649,35 @@ mod tests {
                 let mut m = Model::default();
                 for op in ops {
                     match op {
-                        Op::Submit { prompt, bytes } => {
+                        Op::Submit { prompt, bytes, fork } => {
                             a.push(prompt, bytes);
-                            while let Some(x) = a.admit(|t: &Vec<u32>| t) {
+                            // As the engine: the planned source pinned while the item is admitted.
+                            let holders = m.holders(usize::MAX);
+                            let mut plan = fork.and_then(|(i, share)| {
+                                let &(slot, has) = holders.get(i % holders.len().max(1))?;
+                                Some((slot, ((bytes as f64 * share) as usize).min(has)))
+                            });
+                            loop {
+                                if let Some((source, _)) = plan {
+                                    a.lend(source, 0);
+                                }
+                                let Some(x) = a.admit(|t: &Vec<u32>| t, plan.map_or(0, |p| p.1)) else {
+                                    if let Some((source, _)) = plan {
+                                        a.repay(source);
+                                    }
+                                    break;
+                                };
                                 m.gone(&x.evicted);
                                 if x.reuse > 0 {
                                     m.gone(&[x.slot]);
+                                    assert_eq!(x.discount, 0, "a takeover is admitted whole");
                                 }
-                                m.running.push(Run { slot: x.slot, prompt: x.item, reserved: x.bytes, lent: None });
+                                let lent = plan.filter(|_| x.discount > 0).map(|(source, _)| (source, x.discount));
+                                if let (Some((source, _)), None) = (plan, lent) {
+                                    a.repay(source);
+                                }
+                                m.running.push(Run { slot: x.slot, prompt: x.item, reserved: x.bytes, lent });
+                                plan = None;
                             }
                         }
                         Op::Lend { who, from, share } => {
@@ -646,8 +692,7 @@ mod tests {
                             if read.map(|l| l.0).any(|l| l == me) {
                                 continue;
                             }
-                            let holders: Vec<(usize, usize)> = m.running.iter().map(|r| (r.slot, r.reserved))
-                                .chain(m.resident.iter().map(|(&s, r)| (s, r.0))).filter(|h| h.0 != me).collect();
+                            let holders = m.holders(me);
                             let Some(&(from, has)) = holders.get(from % holders.len().max(1)) else { continue };
                             let r = &mut m.running[who % n];
                             let bytes = ((r.reserved as f64 * share) as usize).min(has);
