@@ -686,21 +686,10 @@ impl Worker {
     fn admit(&mut self) {
         loop {
             // A request that will start from a fork is admitted without what it will read from
-            // the source, whose slot stays pinned meanwhile.
+            // the source, whose slot is pinned from then on.
             let plan = self.adm.front().and_then(|j| self.planned_fork(j));
-            if let Some((source, _)) = plan {
-                self.adm.lend(source, 0);
-            }
-            let Some(a) = self.adm.admit(Job::reusable, plan.map_or(0, |p| p.1)) else {
-                if let Some((source, _)) = plan {
-                    self.adm.repay(source);
-                }
-                break;
-            };
+            let Some(a) = self.adm.admit(Job::reusable, plan) else { break };
             let borrowed = plan.filter(|_| a.discount > 0).map(|(slot, _)| Borrow { slot, bytes: a.discount });
-            if let (Some((source, _)), None) = (plan, borrowed) {
-                self.adm.repay(source);
-            }
             let (mut job, slot, reserved) = (a.item, a.slot, a.bytes);
             let mut broken = a.evicted.iter().find_map(|&e| self.caches.truncate(e, 0).err());
             // A slot keeps the shared prefix; a layer that cannot cut there (a sliding window

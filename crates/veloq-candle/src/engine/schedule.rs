@@ -54,8 +54,8 @@ pub struct Admitted<T> {
     pub slot: usize,
     /// Bytes reserved for it.
     pub bytes: usize,
-    /// Bytes it was admitted without: the discount asked for, which it expects to read from a
-    /// fork's source (0 when it takes a resident over instead).
+    /// Bytes it was admitted without: what it expects to read from the fork's source (pinned
+    /// when this is not 0; 0 when it takes a resident over instead).
     pub discount: usize,
     /// Positions of the slot to keep: the prompt's first `reuse` tokens are already there (0: the
     /// slot must be emptied first if it is not).
@@ -89,13 +89,14 @@ impl<T> Admission<T> {
     }
 
     /// Residents to give up (indices into `idle`), least recently used first, until `enough`
-    /// holds for the room and slots they free besides `room` and `slots`; `keep` is not given
-    /// up. A resident others read goes only after them. `None` if even all of them fall short.
+    /// holds for the room and slots they free besides `room` and `slots`; those at `keep` are not
+    /// given up. A resident others read goes only after them. `None` if even all of them fall
+    /// short.
     fn give_way(
         &self,
         mut room: usize,
         mut slots: usize,
-        keep: Option<usize>,
+        keep: &[usize],
         enough: impl Fn(usize, usize) -> bool,
     ) -> Option<Vec<usize>> {
         let mut pins = self.pins.clone();
@@ -105,7 +106,7 @@ impl<T> Admission<T> {
                 .idle
                 .iter()
                 .enumerate()
-                .find(|&(i, r)| keep != Some(i) && !out.contains(&i) && pins[r.slot] == 0)?;
+                .find(|&(i, r)| !keep.contains(&i) && !out.contains(&i) && pins[r.slot] == 0)?;
             out.push(i);
             room += r.bytes;
             slots += 1;
@@ -196,7 +197,7 @@ impl<T> Admission<T> {
     /// `None` (and changes nothing) when even that does not make room.
     pub fn grow(&mut self, extra: usize) -> Option<Vec<usize>> {
         let room = self.budget.saturating_sub(self.reserved + self.idle_bytes);
-        let gone = self.give_way(room, 0, None, |room, _| room >= extra)?;
+        let gone = self.give_way(room, 0, &[], |room, _| room >= extra)?;
         let slots: Vec<usize> = self.remove_idle(&gone).into_iter().map(|r| r.slot).collect();
         self.free.extend(&slots);
         self.reserved += extra;
@@ -212,10 +213,10 @@ impl<T> Admission<T> {
     /// longest such prefix wins, the most recent on a tie. The prompt's last token is always fed
     /// (its logits start the completion).
     ///
-    /// An item that will start from a fork needs `discount` bytes less (what it will read from
-    /// the fork's source, whose slot the caller pins): unless it takes a resident over, it is
-    /// admitted without them.
-    pub fn admit(&mut self, prompt: impl Fn(&T) -> &[u32], discount: usize) -> Option<Admitted<T>> {
+    /// An item that will start from a fork of the running or resident sequence in `fork.0` needs
+    /// `fork.1` bytes less (what it will read from it): unless it takes a resident over, it is
+    /// admitted without them, and that slot is pinned ([`lend`](Self::lend)) and kept.
+    pub fn admit(&mut self, prompt: impl Fn(&T) -> &[u32], fork: Option<(usize, usize)>) -> Option<Admitted<T>> {
         let (item, bytes) = self.queue.front()?;
         let (p, mut bytes) = (prompt(item), *bytes);
         let best = self
@@ -235,12 +236,18 @@ impl<T> Admission<T> {
             room += self.idle[i].bytes;
             slots += 1;
         }
-        let keep = best.map(|(i, _)| i);
-        let discount = if best.is_some() { 0 } else { discount.min(bytes) };
+        let source = fork.filter(|&(_, d)| best.is_none() && d.min(bytes) > 0);
+        let discount = source.map_or(0, |(_, d)| d.min(bytes));
         bytes -= discount;
-        let evict = self.give_way(room, slots, keep, |room, slots| room >= bytes && slots > 0)?;
+        let keep = best.map(|(i, _)| i);
+        let fork_source = source.and_then(|(s, _)| self.idle.iter().position(|r| r.slot == s));
+        let kept: Vec<usize> = keep.into_iter().chain(fork_source).collect();
+        let evict = self.give_way(room, slots, &kept, |room, slots| room >= bytes && slots > 0)?;
         let (item, _) = self.queue.pop_front()?;
         let taken = best.map(|(i, n)| (self.idle[i].slot, n));
+        if let Some((s, _)) = source {
+            self.pins[s] += 1;
+        }
         let gone: Vec<usize> = evict.iter().copied().chain(keep).collect();
         let mut evicted = Vec::new();
         for r in self.remove_idle(&gone) {
@@ -384,20 +391,20 @@ mod tests {
         fn no_prompt<'a>(_: &'a &str) -> &'a [u32] {
             &[]
         }
-        let (first, s0) = a.admit(no_prompt, 0).map(|x| (x.item, x.slot)).unwrap();
-        let (second, s1) = a.admit(no_prompt, 0).map(|x| (x.item, x.slot)).unwrap();
+        let (first, s0) = a.admit(no_prompt, None).map(|x| (x.item, x.slot)).unwrap();
+        let (second, s1) = a.admit(no_prompt, None).map(|x| (x.item, x.slot)).unwrap();
         assert_eq!((first, second), ("a", "b"));
         assert_ne!(s0, s1);
         // c needs 30 with 90 reserved: it waits, and d (which would fit) does not pass it.
-        assert!(a.admit(no_prompt, 0).is_none());
+        assert!(a.admit(no_prompt, None).is_none());
         assert_eq!((a.waiting(), a.reserved()), (2, 90));
         a.release(s0, 40);
-        let (third, s2) = a.admit(no_prompt, 0).map(|x| (x.item, x.slot)).unwrap();
+        let (third, s2) = a.admit(no_prompt, None).map(|x| (x.item, x.slot)).unwrap();
         assert_eq!(third, "c");
         // d fits the bytes (85 reserved) and takes the last slot; then no slot is left.
-        assert_eq!(a.admit(no_prompt, 0).map(|x| x.item), Some("d"));
+        assert_eq!(a.admit(no_prompt, None).map(|x| x.item), Some("d"));
         a.push("e", 1);
-        assert!(a.admit(no_prompt, 0).is_none(), "three slots, three sequences");
+        assert!(a.admit(no_prompt, None).is_none(), "three slots, three sequences");
         assert_eq!(a.retain_waiting(|&t| t != "e"), vec!["e"]);
         a.release(s1, 50);
         a.release(s2, 30);
@@ -413,27 +420,27 @@ mod tests {
         // Two finished conversations resident (20 and 30 bytes), one slot free.
         a.push(vec![1, 2, 3, 4], 40);
         a.push(vec![7, 8, 9], 40);
-        let x = a.admit(prompt, 0).unwrap();
-        let y = a.admit(prompt, 0).unwrap();
+        let x = a.admit(prompt, None).unwrap();
+        let y = a.admit(prompt, None).unwrap();
         assert_eq!((x.reuse, y.reuse, a.reserved()), (0, 0, 80));
         a.park(x.slot, 40, 20, vec![1, 2, 3, 4, 5, 6], None);
         a.park(y.slot, 40, 30, vec![7, 8, 9, 10], None);
         assert_eq!((a.reserved(), a.resident()), (0, (2, 50)));
         // The next turn of the first: its history plus new tokens; the last prompt token is fed.
         a.push(vec![1, 2, 3, 4, 5, 6, 11, 12], 45);
-        let t = a.admit(prompt, 0).unwrap();
+        let t = a.admit(prompt, None).unwrap();
         assert_eq!((t.slot, t.reuse, t.evicted.clone()), (x.slot, 6, vec![]));
         assert_eq!((a.reserved(), a.resident()), (45, (1, 30)));
         // A prompt equal to what a slot holds still feeds its last token.
         a.release(t.slot, 45);
         a.park(t.slot, 0, 10, vec![5, 5], None);
         a.push(vec![5, 5], 10);
-        let t = a.admit(prompt, 0).unwrap();
+        let t = a.admit(prompt, None).unwrap();
         assert_eq!((t.slot, t.reuse), (x.slot, 1));
         a.release(t.slot, 10);
         // A prefix shorter than half of what a slot holds does not take it: the free slot is used.
         a.push(vec![7, 99], 10);
-        let t = a.admit(prompt, 0).unwrap();
+        let t = a.admit(prompt, None).unwrap();
         assert_eq!((t.reuse, t.evicted.clone(), a.resident()), (0, vec![], (1, 30)));
         assert!(t.slot != y.slot);
         a.release(t.slot, 10);
@@ -441,14 +448,14 @@ mod tests {
         a.park(x.slot, 0, 25, vec![3, 3, 3], None);
         assert_eq!(a.resident(), (2, 55));
         a.push(vec![42], 60);
-        let t = a.admit(prompt, 0).unwrap();
+        let t = a.admit(prompt, None).unwrap();
         assert_eq!((t.reuse, t.evicted.clone(), a.resident()), (0, vec![y.slot], (1, 25)));
         a.push(vec![43], 40);
-        let t = a.admit(prompt, 0).unwrap();
+        let t = a.admit(prompt, None).unwrap();
         assert_eq!((t.evicted.clone(), a.reserved(), a.resident()), (vec![x.slot], 100, (0, 0)));
         // Nothing left to give up: the next waits, and nothing changed.
         a.push(vec![44], 1);
-        assert!(a.admit(prompt, 0).is_none());
+        assert!(a.admit(prompt, None).is_none());
         assert_eq!((a.waiting(), a.reserved()), (1, 100));
     }
 
@@ -462,22 +469,22 @@ mod tests {
         let mut a: Admission<Vec<u32>> = Admission::new(100, 3);
         let source = vec![1, 2, 3, 4, 5, 6];
         a.push(source.clone(), 40);
-        let s = a.admit(prompt, 0).unwrap();
+        let s = a.admit(prompt, None).unwrap();
         a.park(s.slot, 40, 40, source.clone(), None);
         // A fork of the resident (too short a share to take it over): admitted whole, then 30 of its 50 bytes read from the resident.
         a.push(vec![1, 9, 9], 50);
-        let f = a.admit(prompt, 0).unwrap();
+        let f = a.admit(prompt, None).unwrap();
         assert_eq!(f.evicted, Vec::<usize>::new());
         a.lend(s.slot, 30);
         assert_eq!(a.reserved(), 20);
         // The same prompt again would take the resident over; pinned, it gets a free slot instead.
         a.push(source.clone(), 30);
-        let again = a.admit(prompt, 0).unwrap();
+        let again = a.admit(prompt, None).unwrap();
         assert_eq!((again.reuse, again.evicted.is_empty()), (0, true));
         assert_ne!(again.slot, s.slot);
         // No slot left but the pinned resident's: nothing fits, nothing is given up.
         a.push(vec![7], 1);
-        assert!(a.admit(prompt, 0).is_none());
+        assert!(a.admit(prompt, None).is_none());
         assert_eq!(a.grow(100), None);
         assert_eq!(a.resident(), (1, 40));
         // Repaid, the resident gives way.
@@ -495,7 +502,7 @@ mod tests {
         let mut slots = Vec::new();
         for (prompt, bytes) in [(vec![1, 2, 3, 4], 40), (vec![5, 6, 7, 8], 20), (vec![9, 9, 9], 30)] {
             a.push(prompt.clone(), bytes);
-            let s = a.admit(|t: &Vec<u32>| t, 0).unwrap();
+            let s = a.admit(|t: &Vec<u32>| t, None).unwrap();
             slots.push(s.slot);
         }
         let (first, second, reader, free) = (slots[0], slots[1], slots[2], 4);
@@ -517,7 +524,7 @@ mod tests {
         // Their slots are free again.
         for _ in 0..2 {
             a.push(vec![7], 1);
-            let s = a.admit(|t: &Vec<u32>| t, 0).unwrap().slot;
+            let s = a.admit(|t: &Vec<u32>| t, None).unwrap().slot;
             assert!(s == first || s == reader, "{s}");
         }
     }
@@ -530,7 +537,7 @@ mod tests {
         let mut slots = Vec::new();
         for prompt in [vec![1, 1, 1, 1], vec![2, 2, 2, 2], vec![3, 3, 3, 3]] {
             a.push(prompt, 40);
-            slots.push(a.admit(|t: &Vec<u32>| t, 0).unwrap().slot);
+            slots.push(a.admit(|t: &Vec<u32>| t, None).unwrap().slot);
         }
         let (source, fork, other) = (slots[0], slots[1], slots[2]);
         a.park(source, 40, 40, vec![1, 1, 1, 1], None);
@@ -651,31 +658,18 @@ mod tests {
                     match op {
                         Op::Submit { prompt, bytes, fork } => {
                             a.push(prompt, bytes);
-                            // As the engine: the planned source pinned while the item is admitted.
                             let holders = m.holders(usize::MAX);
                             let mut plan = fork.and_then(|(i, share)| {
                                 let &(slot, has) = holders.get(i % holders.len().max(1))?;
                                 Some((slot, ((bytes as f64 * share) as usize).min(has)))
                             });
-                            loop {
-                                if let Some((source, _)) = plan {
-                                    a.lend(source, 0);
-                                }
-                                let Some(x) = a.admit(|t: &Vec<u32>| t, plan.map_or(0, |p| p.1)) else {
-                                    if let Some((source, _)) = plan {
-                                        a.repay(source);
-                                    }
-                                    break;
-                                };
+                            while let Some(x) = a.admit(|t: &Vec<u32>| t, plan) {
                                 m.gone(&x.evicted);
                                 if x.reuse > 0 {
                                     m.gone(&[x.slot]);
                                     assert_eq!(x.discount, 0, "a takeover is admitted whole");
                                 }
                                 let lent = plan.filter(|_| x.discount > 0).map(|(source, _)| (source, x.discount));
-                                if let (Some((source, _)), None) = (plan, lent) {
-                                    a.repay(source);
-                                }
                                 m.running.push(Run { slot: x.slot, prompt: x.item, reserved: x.bytes, lent });
                                 plan = None;
                             }
