@@ -109,8 +109,8 @@ pub trait Backend: Send + Sync {
     }
 
     /// Makes slot `to`, whose storage is unused, hold what slot `from` stores — its first
-    /// `held.rows` rows and `held.coded` codes (copied, or shared where they never change) (a fork planned by
-    /// [`Residency::fork`](super::Residency::fork)).
+    /// `held.rows` rows and `held.coded` codes, copied or shared where they never change (a fork
+    /// planned by [`Residency::fork`](super::Residency::fork)).
     fn copy_slot(&mut self, from: usize, to: usize, held: Footprint) -> Result<()>;
 
     /// Storage rows of `slot` from `rows` on are unused: backends that grow with their sequences

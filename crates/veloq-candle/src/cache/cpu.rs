@@ -562,10 +562,16 @@ impl Backend for CpuBackend {
     fn resident_bytes(&self) -> usize {
         let rows: usize =
             self.rows.iter().map(|s| s.keys.iter().chain(&s.values).map(|b| b.len() * 2).sum::<usize>()).sum();
-        // A block shared by forks is held once.
+        // A block shared by forks is held once; only shared blocks need telling apart (this runs
+        // every engine step).
         let mut seen = HashSet::new();
-        let codes: usize =
-            self.codes.iter().flat_map(SlotCodes::blocks).filter(|b| seen.insert(b.as_ptr())).map(|b| b.len()).sum();
+        let codes: usize = self
+            .codes
+            .iter()
+            .flat_map(SlotCodes::blocks)
+            .filter(|b| Arc::strong_count(b) == 1 || seen.insert(b.as_ptr()))
+            .map(|b| b.len())
+            .sum();
         let tables = match &self.codecs {
             Some((c, _)) => {
                 let transposed = match c {

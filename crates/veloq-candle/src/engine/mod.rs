@@ -853,7 +853,7 @@ impl Worker {
         let want = alone - new.map_or(0, |b| b.bytes);
         // Pinned first, so that growing cannot give the new source up.
         if let Some(n) = new {
-            self.adm.lend(n.slot, 0);
+            self.adm.pin(n.slot);
         }
         if want > reserved {
             let Some(evicted) = self.adm.grow(want - reserved) else {

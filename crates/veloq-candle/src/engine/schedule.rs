@@ -15,11 +15,11 @@ use crate::cache::SeqStep;
 /// system prompt) takes that slot and feeds only the rest. Resident sequences count in the budget
 /// and give way, least recently used first, to any request that needs their bytes or slot.
 ///
-/// A sequence started from a fork may read blocks its source holds instead of copies
-/// ([`lend`](Self::lend)): those bytes are counted once, in the source's reservation or resident
-/// bytes, and the source's slot is pinned — never taken over nor given up — while any borrower
-/// holds them, running or resident (a resident borrower counts only its own bytes and gives way
-/// before its source).
+/// A sequence started from a fork may read blocks its source holds instead of copies: those
+/// bytes leave its reservation ([`unreserve`](Self::unreserve)) and are counted once, in the
+/// source's reservation or resident bytes, and the source's slot is pinned ([`pin`](Self::pin)) —
+/// never taken over nor given up — while any borrower holds them, running or resident (a resident
+/// borrower counts only its own bytes and gives way before its source).
 #[derive(Clone, Debug)]
 pub struct Admission<T> {
     /// Bytes sequences may take in all.
@@ -135,12 +135,10 @@ impl<T> Admission<T> {
         out
     }
 
-    /// A running sequence now reads `bytes` of what `slot` holds instead of its own copy: they
-    /// leave its reservation (`bytes` at most what it reserved), and `slot` stays as it is until
-    /// [`repay`](Self::repay).
-    pub fn lend(&mut self, slot: usize, bytes: usize) {
+    /// A running sequence reads (or is about to read) blocks `slot` holds: `slot` stays as it is,
+    /// neither taken over nor given up, until [`repay`](Self::repay).
+    pub fn pin(&mut self, slot: usize) {
         self.pins[slot] += 1;
-        self.reserved -= bytes;
     }
 
     /// The only running borrower of the resident `slot` takes over the `bytes` it reads from it:
@@ -215,7 +213,7 @@ impl<T> Admission<T> {
     ///
     /// An item that will start from a fork of the running or resident sequence in `fork.0` needs
     /// `fork.1` bytes less (what it will read from it): unless it takes a resident over, it is
-    /// admitted without them, and that slot is pinned ([`lend`](Self::lend)) and kept.
+    /// admitted without them, and that slot is pinned ([`pin`](Self::pin)) and kept.
     pub fn admit(&mut self, prompt: impl Fn(&T) -> &[u32], fork: Option<(usize, usize)>) -> Option<Admitted<T>> {
         let (item, bytes) = self.queue.front()?;
         let (p, mut bytes) = (prompt(item), *bytes);
@@ -236,17 +234,17 @@ impl<T> Admission<T> {
             room += self.idle[i].bytes;
             slots += 1;
         }
-        let source = fork.filter(|&(_, d)| best.is_none() && d.min(bytes) > 0);
-        let discount = source.map_or(0, |(_, d)| d.min(bytes));
+        let discount = fork.filter(|_| best.is_none()).map_or(0, |(_, d)| d.min(bytes));
+        let source = fork.filter(|_| discount > 0).map(|(s, _)| s);
         bytes -= discount;
         let keep = best.map(|(i, _)| i);
-        let fork_source = source.and_then(|(s, _)| self.idle.iter().position(|r| r.slot == s));
+        let fork_source = source.and_then(|s| self.idle.iter().position(|r| r.slot == s));
         let kept: Vec<usize> = keep.into_iter().chain(fork_source).collect();
         let evict = self.give_way(room, slots, &kept, |room, slots| room >= bytes && slots > 0)?;
         let (item, _) = self.queue.pop_front()?;
         let taken = best.map(|(i, n)| (self.idle[i].slot, n));
-        if let Some((s, _)) = source {
-            self.pins[s] += 1;
+        if let Some(s) = source {
+            self.pin(s);
         }
         let gone: Vec<usize> = evict.iter().copied().chain(keep).collect();
         let mut evicted = Vec::new();
@@ -273,8 +271,8 @@ impl<T> Admission<T> {
 
     /// A finished sequence gives back its reservation but stays in its slot, holding `tokens`
     /// (the positions its caches hold), for a later prompt that starts the same: `bytes` of its
-    /// own, and what it reads from `lender`'s slot (a fork; the pin [`lend`](Self::lend) took
-    /// stays until it goes).
+    /// own, and what it reads from `lender`'s slot (a fork; the [`pin`](Self::pin) it took stays
+    /// until it goes).
     pub fn park(&mut self, slot: usize, reserved: usize, bytes: usize, tokens: Vec<u32>, lender: Option<usize>) {
         self.reserved -= reserved;
         self.idle_bytes += bytes;
@@ -475,7 +473,8 @@ mod tests {
         a.push(vec![1, 9, 9], 50);
         let f = a.admit(prompt, None).unwrap();
         assert_eq!(f.evicted, Vec::<usize>::new());
-        a.lend(s.slot, 30);
+        a.pin(s.slot);
+        a.unreserve(30);
         assert_eq!(a.reserved(), 20);
         // The same prompt again would take the resident over; pinned, it gets a free slot instead.
         a.push(source.clone(), 30);
@@ -509,11 +508,12 @@ mod tests {
         a.park(first, 40, 40, vec![1, 2, 3, 4], None);
         a.park(second, 20, 20, vec![5, 6, 7, 8], None);
         // A finished fork of the first stays resident reading 25 of its 30 bytes from it.
-        a.lend(first, 25);
+        a.pin(first);
+        a.unreserve(25);
         a.park(reader, 5, 5, vec![9, 9, 9], Some(first));
-        a.lend(first, 0);
-        a.lend(second, 0);
-        a.lend(second, 0);
+        a.pin(first);
+        a.pin(second);
+        a.pin(second);
         assert_eq!(a.settle(second, 15), None, "two running sequences read it");
         assert_eq!(a.settle(free, 15), None, "not resident");
         assert_eq!((a.reserved(), a.resident()), (0, (3, 65)));
@@ -542,7 +542,8 @@ mod tests {
         let (source, fork, other) = (slots[0], slots[1], slots[2]);
         a.park(source, 40, 40, vec![1, 1, 1, 1], None);
         // The fork read 30 bytes from the source; it parks with its 10 own bytes.
-        a.lend(source, 30);
+        a.pin(source);
+        a.unreserve(30);
         a.park(fork, 10, 10, vec![1, 1, 5, 5], Some(source));
         a.park(other, 40, 40, vec![3, 3, 3, 3], None);
         assert_eq!((a.reserved(), a.resident()), (0, (3, 90)), "the shared bytes counted once");
@@ -690,7 +691,8 @@ mod tests {
                             let Some(&(from, has)) = holders.get(from % holders.len().max(1)) else { continue };
                             let r = &mut m.running[who % n];
                             let bytes = ((r.reserved as f64 * share) as usize).min(has);
-                            a.lend(from, bytes);
+                            a.pin(from);
+                            a.unreserve(bytes);
                             r.reserved -= bytes;
                             r.lent = Some((from, bytes));
                         }

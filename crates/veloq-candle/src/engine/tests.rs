@@ -49,6 +49,15 @@ fn sink(listen: usize) -> (Box<dyn Sink>, mpsc::Receiver<Event>) {
     (Box::new(TestSink { tx, gate: None, texts: 0, listen, gone: Arc::new(Mutex::new(false)) }), rx)
 }
 
+/// A sink that holds the engine inside this request's admission until the returned sender sends
+/// (so that requests submitted meanwhile find it running with nothing fed yet).
+fn gated_sink() -> (Box<dyn Sink>, mpsc::Receiver<Event>, mpsc::Sender<()>) {
+    let (open, gate) = mpsc::channel();
+    let (tx, rx) = mpsc::channel();
+    let s = TestSink { tx, gate: Some(gate), texts: 0, listen: usize::MAX, gone: Arc::new(Mutex::new(false)) };
+    (Box::new(s), rx, open)
+}
+
 /// Events until the end of a request.
 fn events(rx: &mpsc::Receiver<Event>) -> Vec<Event> {
     let mut out = Vec::new();
@@ -340,10 +349,8 @@ fn requests_sharing_a_prompt_fork_the_running_one() {
     other[70] = (ps[0][70] + 1) % VOCAB as u32;
     // The first request holds the engine in its admission until the others are queued, so they
     // find it running with its prompt partly fed.
-    let (open, gate) = mpsc::channel();
-    let (tx, first_rx) = mpsc::channel();
-    let first = TestSink { tx, gate: Some(gate), texts: 0, listen: usize::MAX, gone: Arc::new(Mutex::new(false)) };
-    engine.submit(greedy(ps[0].clone(), 8), Box::new(first)).unwrap();
+    let (first, first_rx, open) = gated_sink();
+    engine.submit(greedy(ps[0].clone(), 8), first).unwrap();
     let mut rxs = vec![first_rx];
     for p in [ps[0].clone(), ps[0].clone(), other.clone(), ps[1].clone()] {
         let (s, rx) = sink(usize::MAX);
@@ -400,6 +407,31 @@ fn a_short_shared_prefix_is_copied_from_a_resident_sequence() {
     assert_eq!(s.prompt_tokens as usize, a.len() + (b.len() - 60) + (c.len() - third.cached_tokens), "{s:?}");
 }
 
+/// A tiny random model with 4-bit KIVI caches (coded: on the CPU its forks share code blocks).
+struct Coded {
+    model: Arc<Model>,
+    tok: Arc<tokenizers::Tokenizer>,
+    cache: CacheConfig,
+    /// The caches of one sequence, for their byte counts.
+    probe: ModelCache,
+    /// Bytes of the tables every sequence shares.
+    tables: usize,
+}
+
+impl Coded {
+    fn new(seed: u64) -> Self {
+        let model = Arc::new(tiny_model_seeded(VOCAB, CONTEXT, seed));
+        let cache = CacheConfig::kivi(4, 16);
+        let probe = cache.build(&model).unwrap();
+        let tables = probe.resident_bytes() - probe.sequence_bytes(0);
+        Self { model, tok: Arc::new(word_tokenizer(VOCAB)), cache, probe, tables }
+    }
+
+    fn engine(&self, cfg: EngineConfig) -> Engine {
+        Engine::start(self.model.clone(), self.tok.clone(), self.cache.clone(), cfg).unwrap()
+    }
+}
+
 /// Forks of a coded cache read their source's code blocks instead of copies, and admission counts
 /// those bytes once, from their admission on: a budget with room for 2.1 whole sequences (two,
 /// were forks copies or credited only once they hold the fork) runs a prompt's four requests at
@@ -407,23 +439,20 @@ fn a_short_shared_prefix_is_copied_from_a_resident_sequence() {
 #[test]
 fn forks_share_their_source_codes_and_the_budget_counts_them_once() {
     let seed = fresh_seed();
-    let tok = Arc::new(word_tokenizer(VOCAB));
-    let model = Arc::new(tiny_model_seeded(VOCAB, CONTEXT, seed));
-    let kivi = CacheConfig::kivi(4, 16);
-    let probe = kivi.build(&model).unwrap();
+    let c = Coded::new(seed);
     let (prompt, n) = (prompts(seed, &[200]).remove(0), 8);
-    let need = probe.sequence_bytes(prompt.len() + n);
-    let tables = probe.resident_bytes() - probe.sequence_bytes(0);
-    let cfg = EngineConfig { kv_budget: tables + 2 * need + need / 10, step_tokens: 32, ..EngineConfig::default() };
-    let engine = Engine::start(model.clone(), tok.clone(), kivi.clone(), cfg).unwrap();
+    let need = c.probe.sequence_bytes(prompt.len() + n);
+    let engine = c.engine(EngineConfig {
+        kv_budget: c.tables + 2 * need + need / 10,
+        step_tokens: 32,
+        ..EngineConfig::default()
+    });
     // The reference: the prompt alone on a fresh engine with the same caches.
-    let alone = Engine::start(model, tok, kivi, EngineConfig::default()).unwrap();
+    let alone = c.engine(EngineConfig::default());
     let (want, _) = run_greedy(&alone, &prompt, n, seed);
     // The first request holds the engine in its admission until the others are queued.
-    let (open, gate) = mpsc::channel();
-    let (tx, first_rx) = mpsc::channel();
-    let first = TestSink { tx, gate: Some(gate), texts: 0, listen: usize::MAX, gone: Arc::new(Mutex::new(false)) };
-    engine.submit(greedy(prompt.clone(), n), Box::new(first)).unwrap();
+    let (first, first_rx, open) = gated_sink();
+    engine.submit(greedy(prompt.clone(), n), first).unwrap();
     let mut rxs = vec![first_rx];
     for _ in 0..3 {
         let (s, rx) = sink(usize::MAX);
@@ -450,19 +479,14 @@ fn forks_share_their_source_codes_and_the_budget_counts_them_once() {
 #[test]
 fn a_lone_fork_takes_over_what_it_shares_when_it_needs_the_room() {
     let seed = fresh_seed();
-    let tok = Arc::new(word_tokenizer(VOCAB));
-    let model = Arc::new(tiny_model_seeded(VOCAB, CONTEXT, seed));
-    let kivi = CacheConfig::kivi(4, 16);
-    let probe = kivi.build(&model).unwrap();
-    let tables = probe.resident_bytes() - probe.sequence_bytes(0);
+    let c = Coded::new(seed);
     // Room for the first conversation resident and the second's prompt, not for both grown.
-    let cfg = EngineConfig {
-        kv_budget: tables + probe.sequence_bytes(240) + probe.sequence_bytes(130),
+    let engine = c.engine(EngineConfig {
+        kv_budget: c.tables + c.probe.sequence_bytes(240) + c.probe.sequence_bytes(130),
         reserve: Reserve::Grow,
         step_tokens: 32,
         ..EngineConfig::default()
-    };
-    let engine = Engine::start(model, tok, kivi, cfg).unwrap();
+    });
     let ps = prompts(seed, &[200, 20]);
     let (_, first) = run_greedy(&engine, &ps[0], 40, seed);
     assert_eq!(first.completion_tokens, 40, "seed {seed}");
