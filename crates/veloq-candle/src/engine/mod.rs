@@ -321,7 +321,9 @@ struct Carry {
     out: Vec<u32>,
     sampler: Sampler,
     text: TextStream,
-    cached: usize,
+    /// Prompt tokens its first admission took from the cache; `None` for a request sent back to
+    /// the queue before it fed anything, whose next admission's count stands.
+    cached: Option<usize>,
     admitted: Instant,
     first: Option<Instant>,
     preemptions: usize,
@@ -673,12 +675,12 @@ impl Worker {
     /// running sequence that holds (or feeds) most of its prompt, else the resident one — and the
     /// bytes it will read from that slot instead of its own.
     fn planned_fork(&self, job: &Job) -> Option<(usize, usize)> {
-        if !self.prefix_cache || job.req.prompt_logprobs.is_some() || !job.fork_discount {
+        if !job.fork_discount {
             return None;
         }
-        let (slot, at) = match self.source_for(&job.feed) {
+        let (slot, at) = match self.running_source(job, 0) {
             Some(f) => (self.live.iter().find(|l| l.job.id == f.source)?.slot, f.at),
-            None => self.adm.resident_prefix(&job.feed).filter(|&(_, n)| n >= MIN_FORK)?,
+            None => self.resident_source(job, 0)?,
         };
         Some((slot, self.caches.fork_shares(at))).filter(|&(_, bytes)| bytes > 0)
     }
@@ -697,10 +699,7 @@ impl Worker {
             let mut cached = a.reuse;
             // A running sequence that holds (or is feeding) more of the prompt than any resident
             // one: start from a copy of it once it holds that much.
-            let follows = match (job.req.prompt_logprobs, self.prefix_cache) {
-                (None, true) => self.source_for(&job.feed).filter(|f| f.at > cached),
-                _ => None,
-            };
+            let follows = self.running_source(&job, cached);
             if follows.is_some() {
                 cached = 0;
             }
@@ -710,10 +709,7 @@ impl Worker {
             }
             // A resident sequence that shares more than that, too little of what it holds to be
             // taken over (a system prompt before another user's finished conversation): a copy.
-            let resident = match (follows, job.req.prompt_logprobs, self.prefix_cache) {
-                (None, None, true) => self.adm.resident_prefix(&job.feed).filter(|&(_, n)| n >= MIN_FORK && n > cached),
-                _ => None,
-            };
+            let resident = follows.is_none().then(|| self.resident_source(&job, cached)).flatten();
             let mut copied = false;
             if let Some((from, n)) = resident {
                 // Refused (a sliding window that no longer holds the cut): the prompt is fed whole.
@@ -739,7 +735,7 @@ impl Worker {
                     out: Vec::new(),
                     sampler: Sampler::new(r.sampling.clone(), &r.prompt),
                     text: TextStream::new(r.stop.clone()),
-                    cached,
+                    cached: Some(cached),
                     admitted: Instant::now(),
                     first: None,
                     preemptions: 0,
@@ -752,7 +748,7 @@ impl Worker {
                 job,
                 slot,
                 reserved,
-                cached: carry.cached,
+                cached: carry.cached.unwrap_or(cached),
                 fed: cached,
                 resumed_at: carry.out.len(),
                 out: carry.out,
@@ -785,9 +781,15 @@ impl Worker {
         self.retire();
     }
 
-    /// The running sequence whose history shares the longest prefix with `feed` (at least
-    /// [`MIN_FORK`] tokens; the last prompt token is always fed, for its logits), and how many.
-    fn source_for(&self, feed: &[u32]) -> Option<Follow> {
+    /// The running sequence a request would start from a copy of: the one whose history shares
+    /// the longest prefix with its prompt (at least [`MIN_FORK`] tokens and more than the `cached`
+    /// its own slot keeps; the last prompt token is always fed, for its logits), and how many.
+    /// None where prefixes are not reused or the request scores its prompt.
+    fn running_source(&self, job: &Job, cached: usize) -> Option<Follow> {
+        if !self.prefix_cache || job.req.prompt_logprobs.is_some() {
+            return None;
+        }
+        let feed = &job.feed;
         self.live
             .iter()
             .filter(|l| l.follows.is_none() && l.done.is_none())
@@ -795,8 +797,17 @@ impl Worker {
                 let shared = l.history().zip(feed).take_while(|(a, b)| a == b).count();
                 Follow { source: l.job.id, at: shared.min(feed.len() - 1) }
             })
-            .filter(|f| f.at >= MIN_FORK)
+            .filter(|f| f.at >= MIN_FORK && f.at > cached)
             .max_by_key(|f| f.at)
+    }
+
+    /// The resident (finished) sequence a request would start from a copy of, by the same rule:
+    /// its slot and how many positions it shares.
+    fn resident_source(&self, job: &Job, cached: usize) -> Option<(usize, usize)> {
+        if !self.prefix_cache || job.req.prompt_logprobs.is_some() {
+            return None;
+        }
+        self.adm.resident_prefix(&job.feed).filter(|&(_, n)| n >= MIN_FORK && n > cached)
     }
 
     /// Starts each waiting request whose source now holds its prefix from a copy of it; one
@@ -1228,6 +1239,7 @@ impl Worker {
         let given = self.give_back(&l);
         let Live { mut job, out, sampler, text, cached, admitted, first, scored, preemptions, .. } = l;
         job.feed = job.req.prompt.iter().chain(&out).copied().collect();
+        let cached = (preempted || preemptions > 0).then_some(cached);
         let preemptions = preemptions + usize::from(preempted);
         job.carry = Some(Carry { scored, out, sampler, text, cached, admitted, first, preemptions });
         job.fork_discount &= preempted;

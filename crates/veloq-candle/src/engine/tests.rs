@@ -1,6 +1,7 @@
 //! The engine on a tiny random model: batched requests answer as each would alone, admission keeps
 //! to the budget, abandoned requests free their memory, bad requests are refused up front.
 
+use std::sync::atomic::AtomicUsize;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -22,6 +23,9 @@ struct TestSink {
     texts: usize,
     listen: usize,
     gone: Arc<Mutex<bool>>,
+    /// The engine's polls (one a step) answered alive once admitted, before the client leaves.
+    polls: Option<AtomicUsize>,
+    admitted: bool,
 }
 
 impl Sink for TestSink {
@@ -29,6 +33,7 @@ impl Sink for TestSink {
         if let (Event::Admitted, Some(gate)) = (&e, self.gate.take()) {
             let _ = gate.recv_timeout(Duration::from_secs(60));
         }
+        self.admitted |= matches!(e, Event::Admitted);
         if matches!(e, Event::Text(_)) {
             self.texts += 1;
             if self.texts > self.listen {
@@ -40,22 +45,34 @@ impl Sink for TestSink {
         true
     }
     fn alive(&self) -> bool {
+        if let (true, Some(polls)) = (self.admitted, &self.polls) {
+            let left = polls.load(Ordering::Relaxed);
+            if left == 0 {
+                return false;
+            }
+            polls.store(left - 1, Ordering::Relaxed);
+        }
         !*self.gone.lock().unwrap()
     }
 }
 
-fn sink(listen: usize) -> (Box<dyn Sink>, mpsc::Receiver<Event>) {
+fn test_sink(listen: usize) -> (TestSink, mpsc::Receiver<Event>) {
     let (tx, rx) = mpsc::channel();
-    (Box::new(TestSink { tx, gate: None, texts: 0, listen, gone: Arc::new(Mutex::new(false)) }), rx)
+    let gone = Arc::new(Mutex::new(false));
+    (TestSink { tx, gate: None, texts: 0, listen, gone, polls: None, admitted: false }, rx)
+}
+
+fn sink(listen: usize) -> (Box<dyn Sink>, mpsc::Receiver<Event>) {
+    let (s, rx) = test_sink(listen);
+    (Box::new(s), rx)
 }
 
 /// A sink that holds the engine inside this request's admission until the returned sender sends
 /// (so that requests submitted meanwhile find it running with nothing fed yet).
 fn gated_sink() -> (Box<dyn Sink>, mpsc::Receiver<Event>, mpsc::Sender<()>) {
     let (open, gate) = mpsc::channel();
-    let (tx, rx) = mpsc::channel();
-    let s = TestSink { tx, gate: Some(gate), texts: 0, listen: usize::MAX, gone: Arc::new(Mutex::new(false)) };
-    (Box::new(s), rx, open)
+    let (s, rx) = test_sink(usize::MAX);
+    (Box::new(TestSink { gate: Some(gate), ..s }), rx, open)
 }
 
 /// Events until the end of a request.
@@ -499,6 +516,44 @@ fn a_lone_fork_takes_over_what_it_shares_when_it_needs_the_room() {
     assert_eq!((s.forks, s.failed, s.preempted, s.kv_reserved_bytes), (1, 0, 0, 0), "{s:?}");
     // The first conversation gave way; the second stays resident.
     assert_eq!(s.resident_prefixes, 1, "{s:?}");
+}
+
+/// A request admitted without the bytes it would share with a running source whose client leaves
+/// before it holds the prefix: the request cannot fork, the budget cannot hold it whole while the
+/// source's prefix stays resident for it, so it goes back to the head of the queue and is admitted
+/// whole, taking that prefix over — the prompt is fed once in all, and it answers as alone.
+#[test]
+fn a_fork_that_cannot_happen_goes_back_to_the_queue() {
+    let seed = fresh_seed();
+    let c = Coded::new(seed);
+    let (prompt, n) = (prompts(seed, &[200]).remove(0), 8);
+    let need = c.probe.sequence_bytes(prompt.len() + n);
+    // Room for the source whole and the follower without what it shares, not for both whole.
+    let own = need - c.probe.fork_shares(prompt.len() - 1);
+    let engine = c.engine(EngineConfig {
+        kv_budget: c.tables + need + own + need / 10,
+        step_tokens: 32,
+        ..EngineConfig::default()
+    });
+    let (want, _) = run_greedy(&c.engine(EngineConfig::default()), &prompt, n, seed);
+    // The source's client leaves after five steps with the follower admitted (the source then
+    // holds 6 × 32 of the 199 positions the follower waits for).
+    let (source, _source_rx) = test_sink(usize::MAX);
+    let (open, gate) = mpsc::channel();
+    let source = TestSink { gate: Some(gate), polls: Some(AtomicUsize::new(5)), ..source };
+    engine.submit(greedy(prompt.clone(), n), Box::new(source)).unwrap();
+    let (follower, rx) = sink(usize::MAX);
+    engine.submit(greedy(prompt.clone(), n), follower).unwrap();
+    open.send(()).unwrap();
+    let ev = events(&rx);
+    let Some(Event::Done(sum)) = ev.last().cloned() else { panic!("seed {seed}: {ev:?}") };
+    assert_eq!(tokens_of(&ev), want, "seed {seed}: the requeued request answers as the prompt alone");
+    let s = engine.stats();
+    assert_eq!((s.cancelled, s.finished, s.forks, s.prefix_hits), (1, 1, 0, 1), "{s:?}");
+    assert_eq!(sum.cached_tokens as u64, s.cached_prompt_tokens, "{s:?}");
+    assert!(sum.cached_tokens > 0 && sum.cached_tokens < prompt.len() - 1, "seed {seed}: {sum:?}");
+    assert_eq!(s.prompt_tokens, prompt.len() as u64, "seed {seed}: fed once in all: {s:?}");
+    assert_eq!((s.kv_reserved_bytes, s.kv_borrowed_bytes), (0, 0), "{s:?}");
 }
 
 #[test]
