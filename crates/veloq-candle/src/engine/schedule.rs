@@ -90,16 +90,20 @@ impl<T> Admission<T> {
 
     /// Residents to give up (indices into `idle`), least recently used first, until `enough`
     /// holds for the room and slots they free besides `room` and `slots`; those at `keep` are not
-    /// given up. A resident others read goes only after them. `None` if even all of them fall
-    /// short.
+    /// given up, and the one at `taken` (in `keep`) is taken over: it stops reading its lender. A
+    /// resident others read goes only after them. `None` if even all of them fall short.
     fn give_way(
         &self,
         mut room: usize,
         mut slots: usize,
         keep: &[usize],
+        taken: Option<usize>,
         enough: impl Fn(usize, usize) -> bool,
     ) -> Option<Vec<usize>> {
         let mut pins = self.pins.clone();
+        if let Some(l) = taken.and_then(|i| self.idle[i].lender) {
+            pins[l] -= 1;
+        }
         let mut out: Vec<usize> = Vec::new();
         while !enough(room, slots) {
             let (i, r) = self
@@ -195,7 +199,7 @@ impl<T> Admission<T> {
     /// `None` (and changes nothing) when even that does not make room.
     pub fn grow(&mut self, extra: usize) -> Option<Vec<usize>> {
         let room = self.budget.saturating_sub(self.reserved + self.idle_bytes);
-        let gone = self.give_way(room, 0, &[], |room, _| room >= extra)?;
+        let gone = self.give_way(room, 0, &[], None, |room, _| room >= extra)?;
         let slots: Vec<usize> = self.remove_idle(&gone).into_iter().map(|r| r.slot).collect();
         self.free.extend(&slots);
         self.reserved += extra;
@@ -234,13 +238,19 @@ impl<T> Admission<T> {
             room += self.idle[i].bytes;
             slots += 1;
         }
-        let discount = fork.filter(|_| best.is_none()).map_or(0, |(_, d)| d.min(bytes));
-        let source = fork.filter(|_| discount > 0).map(|(s, _)| s);
-        bytes -= discount;
         let keep = best.map(|(i, _)| i);
-        let fork_source = source.and_then(|s| self.idle.iter().position(|r| r.slot == s));
-        let kept: Vec<usize> = keep.into_iter().chain(fork_source).collect();
-        let evict = self.give_way(room, slots, &kept, |room, slots| room >= bytes && slots > 0)?;
+        // With the fork's discount, its source kept; or, when a resident source holds the room
+        // the item needs, without it (the source given up, the item feeding its prompt itself).
+        let try_with = |fork: Option<(usize, usize)>| {
+            let need = bytes - fork.map_or(0, |(_, d)| d);
+            let fork_source = fork.and_then(|(s, _)| self.idle.iter().position(|r| r.slot == s));
+            let kept: Vec<usize> = keep.into_iter().chain(fork_source).collect();
+            self.give_way(room, slots, &kept, keep, |room, slots| room >= need && slots > 0).map(|e| (e, fork))
+        };
+        let fork = fork.filter(|_| best.is_none()).map(|(s, d)| (s, d.min(bytes))).filter(|&(_, d)| d > 0);
+        let (evict, fork) = try_with(fork).or_else(|| fork.and_then(|_| try_with(None)))?;
+        let (source, discount) = fork.map_or((None, 0), |(s, d)| (Some(s), d));
+        bytes -= discount;
         let (item, _) = self.queue.pop_front()?;
         let taken = best.map(|(i, n)| (self.idle[i].slot, n));
         if let Some(s) = source {
@@ -557,11 +567,47 @@ mod tests {
         assert_eq!((a.reserved(), a.resident()), (45, (1, 40)));
     }
 
+    /// A request that takes over a resident fork reserves all it needs itself, so the fork's
+    /// source no longer holds anything for it and gives way if the room is needed; a request
+    /// planned to fork a resident source that holds the room it needs is admitted whole instead,
+    /// the source given up. (Either used to leave the request waiting with nothing running.)
+    #[test]
+    fn a_resident_source_gives_way_when_its_readers_no_longer_need_it() {
+        fn prompt(t: &Vec<u32>) -> &[u32] {
+            t
+        }
+        let mut a: Admission<Vec<u32>> = Admission::new(100, 4);
+        a.push(vec![1, 1, 1, 1], 50);
+        let source = a.admit(prompt, None).unwrap().slot;
+        a.park(source, 50, 50, vec![1, 1, 1, 1], None);
+        a.push(vec![2, 2, 2, 2], 40);
+        let fork = a.admit(prompt, None).unwrap().slot;
+        a.pin(source);
+        a.unreserve(30);
+        a.park(fork, 10, 10, vec![2, 2, 2, 2], Some(source));
+        assert_eq!(a.resident(), (2, 60));
+        // The fork's next turn takes it over and needs 90: the source goes.
+        a.push(vec![2, 2, 2, 2, 3], 90);
+        let t = a.admit(prompt, None).unwrap();
+        assert_eq!((t.slot, t.reuse, t.evicted, t.discount), (fork, 4, vec![source], 0));
+        assert_eq!((a.reserved(), a.resident()), (90, (0, 0)));
+        a.release(t.slot, 90);
+        // A resident source of 60 and a request of 70 planned to read 20 of it: 50 do not fit
+        // beside the source, 70 fit without it.
+        a.push(vec![1, 1, 1, 1], 60);
+        let s = a.admit(prompt, None).unwrap().slot;
+        a.park(s, 60, 60, vec![1, 1, 1, 1], None);
+        a.push(vec![1, 5], 70);
+        let f = a.admit(prompt, Some((s, 20))).unwrap();
+        assert_eq!((f.discount, f.bytes, f.evicted), (0, 70, vec![s]));
+        assert_eq!((a.reserved(), a.resident()), (70, (0, 0)));
+    }
+
     /// What a random run of admissions, forks, finishes, growth and settlements must keep: the
     /// reservations and resident bytes are what was handed out; nothing is over the budget after
-    /// an admission or a growth; no slot is given twice; and every slot whose blocks a sequence
-    /// reads (running or resident) is still running or resident — shared bytes are always
-    /// counted by someone.
+    /// an admission or a growth; no slot is given twice; every slot whose blocks a sequence reads
+    /// (running or resident) is still running or resident — shared bytes are always counted by
+    /// someone; and with nothing running, nothing waits.
     mod bookkeeping {
         use std::collections::BTreeMap;
 
@@ -674,6 +720,9 @@ mod tests {
                                 m.running.push(Run { slot: x.slot, prompt: x.item, reserved: x.bytes, lent });
                                 plan = None;
                             }
+                            // Nothing running frees room later: whatever waits must fit now (every
+                            // item fits the budget once the residents give way).
+                            assert!(!m.running.is_empty() || a.waiting() == 0, "nothing runs and {} wait", a.waiting());
                         }
                         Op::Lend { who, from, share } => {
                             // As in the engine: a sequence just forked into its slot reads from one
