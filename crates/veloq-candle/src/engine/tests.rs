@@ -424,8 +424,9 @@ fn a_short_shared_prefix_is_copied_from_a_resident_sequence() {
     assert_eq!(s.prompt_tokens as usize, a.len() + (b.len() - 60) + (c.len() - third.cached_tokens), "{s:?}");
 }
 
-/// A tiny random model with 4-bit KIVI caches (coded: on the CPU its forks share code blocks).
-struct Coded {
+/// A tiny random model and its caches: 4-bit KIVI unless told (coded: on the CPU its forks share
+/// code blocks).
+struct Tiny {
     model: Arc<Model>,
     tok: Arc<tokenizers::Tokenizer>,
     cache: CacheConfig,
@@ -435,7 +436,7 @@ struct Coded {
     tables: usize,
 }
 
-impl Coded {
+impl Tiny {
     fn new(seed: u64) -> Self {
         Self::with(seed, CacheConfig::kivi(4, 16))
     }
@@ -460,7 +461,7 @@ impl Coded {
 #[test]
 fn forks_share_their_source_codes_and_the_budget_counts_them_once() {
     let seed = fresh_seed();
-    let c = Coded::new(seed);
+    let c = Tiny::new(seed);
     let (prompt, n) = (prompts(seed, &[200]).remove(0), 8);
     let need = c.probe.sequence_bytes(prompt.len() + n);
     let engine = c.engine(EngineConfig {
@@ -500,7 +501,7 @@ fn forks_share_their_source_codes_and_the_budget_counts_them_once() {
 #[test]
 fn a_lone_fork_takes_over_what_it_shares_when_it_needs_the_room() {
     let seed = fresh_seed();
-    let c = Coded::new(seed);
+    let c = Tiny::new(seed);
     // Room for the first conversation resident and the second's prompt, not for both grown.
     let engine = c.engine(EngineConfig {
         kv_budget: c.tables + c.probe.sequence_bytes(240) + c.probe.sequence_bytes(130),
@@ -529,7 +530,7 @@ fn a_lone_fork_takes_over_what_it_shares_when_it_needs_the_room() {
 #[test]
 fn a_fork_that_cannot_happen_goes_back_to_the_queue() {
     let seed = fresh_seed();
-    let c = Coded::new(seed);
+    let c = Tiny::new(seed);
     let (prompt, n) = (prompts(seed, &[200]).remove(0), 8);
     let need = c.probe.sequence_bytes(prompt.len() + n);
     // Room for the source whole and the follower without what it shares, not for both whole.
@@ -584,12 +585,12 @@ fn random_shared_load(seed: u64, cache: CacheConfig) {
         (rng % n as u64) as usize
     };
     let dense = matches!(cache.method, crate::Method::Fp16);
-    let c = Coded::with(seed, cache);
+    let c = Tiny::with(seed, cache);
     let doc = prompts(seed, &[40 + draw(100)]).remove(0);
     let reserve = [Reserve::Auto, Reserve::Grow, Reserve::WorstCase][draw(3)];
     let step_tokens = 16 + draw(48);
     // A load: (prompt, max tokens, how its client leaves).
-    let mut wave = |draw: &mut dyn FnMut(usize) -> usize, k: u64| -> Vec<(Vec<u32>, usize, Option<Leave>)> {
+    let wave = |draw: &mut dyn FnMut(usize) -> usize, k: u64| -> Vec<(Vec<u32>, usize, Option<Leave>)> {
         let n = 3 + draw(5);
         (0..n)
             .map(|i| {
