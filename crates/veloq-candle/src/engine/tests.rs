@@ -135,7 +135,12 @@ fn alone(model: &Model, prompt: &[u32], n: usize) -> Vec<(u32, f32)> {
 
 /// [`alone`] with a greedy request's bias and penalties (margins of the adjusted logits).
 fn alone_with(model: &Model, prompt: &[u32], n: usize, opts: &SamplingOptions) -> Vec<(u32, f32)> {
-    let mut caches = CacheConfig::fp16().build(model).unwrap();
+    alone_on(model, &CacheConfig::fp16(), prompt, n, opts)
+}
+
+/// [`alone_with`] over caches of `cache`.
+fn alone_on(model: &Model, cache: &CacheConfig, prompt: &[u32], n: usize, opts: &SamplingOptions) -> Vec<(u32, f32)> {
+    let mut caches = cache.build(model).unwrap();
     let mut logits = model.forward(prompt, &mut caches, crate::model::Logits::Last).unwrap();
     let mut sampler = Sampler::new(opts.clone(), prompt);
     let mut out = Vec::new();
@@ -570,13 +575,16 @@ fn a_fork_that_cannot_happen_goes_back_to_the_queue() {
 /// for admission to wait for ever with nothing running.)
 #[test]
 fn random_loads_with_shared_prefixes_answer_as_alone_and_settle_to_zero() {
+    let mut compared = 0;
     for i in 0..8 {
         let cache = if i % 2 == 0 { CacheConfig::fp16() } else { CacheConfig::kivi(4, 16) };
-        random_shared_load(fresh_seed(), cache);
+        compared += random_shared_load(fresh_seed(), cache);
     }
+    assert!(compared >= 100, "only {compared} tokens had clear margins");
 }
 
-fn random_shared_load(seed: u64, cache: CacheConfig) {
+/// One random load; the tokens compared with the reference.
+fn random_shared_load(seed: u64, cache: CacheConfig) -> usize {
     let mut rng = seed | 1;
     let mut draw = |n: usize| {
         rng ^= rng << 13;
@@ -615,12 +623,11 @@ fn random_shared_load(seed: u64, cache: CacheConfig) {
     let need = c.probe.sequence_bytes(longest);
     let budget = c.tables + need + need * draw(200) / 100;
     let engine = c.engine(EngineConfig { kv_budget: budget, reserve, step_tokens, ..EngineConfig::default() });
-    let reference = c.engine(EngineConfig { prefix_cache: false, ..EngineConfig::default() });
     let case = format!(
         "seed {seed}: {reserve:?}, {step_tokens} tokens a step, budget {:.2} sequences",
         (budget - c.tables) as f64 / need as f64
     );
-    let mut submitted = 0;
+    let (mut submitted, mut compared) = (0, 0);
     for load in &loads {
         // The first request holds the engine in its admission until the rest are queued.
         let (open, gate) = mpsc::channel();
@@ -650,9 +657,17 @@ fn random_shared_load(seed: u64, cache: CacheConfig) {
             let Some(Event::Done(sum)) = ev.last() else { panic!("{case}: {ev:?}") };
             // Codes cut inside a block come back as decoded rows (a takeover or a fork that cuts
             // its source's positions): such a prefix is the codec's approximation of a fresh one.
+            // Batching changes the summation order: tokens are compared while the reference's
+            // choice is clear.
             if dense || (sum.cached_tokens == 0 && sum.preemptions == 0) {
-                let (want, _) = run_greedy(&reference, prompt, *n, seed);
-                assert_eq!(tokens_of(&ev), want, "{case}: a prompt of {} tokens", prompt.len());
+                let want = alone_on(&c.model, &c.cache, prompt, *n, &SamplingOptions::greedy());
+                for (i, (got, (want, margin))) in tokens_of(&ev).into_iter().zip(want).enumerate() {
+                    if margin < 1e-3 {
+                        break;
+                    }
+                    assert_eq!(got, want, "{case}: token {i} of a prompt of {} tokens", prompt.len());
+                    compared += 1;
+                }
             }
         }
     }
@@ -671,6 +686,7 @@ fn random_shared_load(seed: u64, cache: CacheConfig) {
     if dense {
         assert_eq!(s.kv_prefix_bytes, s.kv_sequence_bytes, "{case}: resident bytes are the bytes held: {s:?}");
     }
+    compared
 }
 
 /// How a random load's client leaves: after this many of the engine's polls once admitted, or
