@@ -217,7 +217,9 @@ impl<T> Admission<T> {
     ///
     /// An item that will start from a fork of the running or resident sequence in `fork.0` needs
     /// `fork.1` bytes less (what it will read from it): unless it takes a resident over, it is
-    /// admitted without them, and that slot is pinned ([`pin`](Self::pin)) and kept.
+    /// admitted without them, and that slot is pinned ([`pin`](Self::pin)) and kept — unless the
+    /// source is resident and holds the room the item needs: then the item is admitted whole
+    /// (`discount` 0) and the source may be given up.
     pub fn admit(&mut self, prompt: impl Fn(&T) -> &[u32], fork: Option<(usize, usize)>) -> Option<Admitted<T>> {
         let (item, bytes) = self.queue.front()?;
         let (p, mut bytes) = (prompt(item), *bytes);
