@@ -223,14 +223,19 @@ pub fn check_gemv(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<serde_json::Value>> {
                 let ulp_sum = |w: &[u16], bi: usize, ni: usize| -> f64 {
                     (0..k).map(|j| (f16::from_bits(w[ni * k + j]).to_f64() * flips[bi * k + j]).abs()).sum()
                 };
-                let mut want: Vec<f64> = match epilogue {
+                // Each output and its slack for those flips: a product moves by at most
+                // Σ|w|·(its flips) (RoPE mixes two with weights of modulus ≤ 1); an activation
+                // times its gate by the activation's slope (under 1.13 for SiLU and tanh-GELU)
+                // times the first's move times the gate, plus the activation (≤ |g|) times the
+                // gate's move.
+                let (mut want, slack): (Vec<f64>, Vec<f64>) = match epilogue {
                     // Matrix after matrix, each [b, n], RoPE on the first two's row pairs.
                     GemvEpilogue::Concat => ws
                         .iter()
                         .zip(rows)
                         .enumerate()
                         .flat_map(|(m, (w, &n))| {
-                            let dot = &dot;
+                            let (dot, ulp_sum) = (&dot, &ulp_sum);
                             let (cos, sin) = (&cos, &sin);
                             (0..b).flat_map(move |bi| {
                                 (0..n).map(move |ni| match rope {
@@ -238,61 +243,27 @@ pub fn check_gemv(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<serde_json::Value>> {
                                         let (p, even) = ((ni % d) / 2, ni - ni % 2);
                                         let (x0, x1) = (dot(w, bi, even), dot(w, bi, even + 1));
                                         let (c, s) = (cos[bi * half + p] as f64, sin[bi * half + p] as f64);
-                                        if ni % 2 == 0 {
-                                            x0 * c - x1 * s
-                                        } else {
-                                            x0 * s + x1 * c
-                                        }
+                                        let y = if ni % 2 == 0 { x0 * c - x1 * s } else { x0 * s + x1 * c };
+                                        (y, ulp_sum(w, bi, even) + ulp_sum(w, bi, even + 1))
                                     }
-                                    _ => dot(w, bi, ni),
+                                    _ => (dot(w, bi, ni), ulp_sum(w, bi, ni)),
                                 })
                             })
                         })
-                        .collect(),
-                    _ => (0..b * rows[0])
-                        .map(|i| {
-                            let (bi, ni) = (i / rows[0], i % rows[0]);
-                            let (g, u) = (dot(&ws[0], bi, ni), dot(&ws[1], bi, ni));
-                            let act = if epilogue == GemvEpilogue::Silu {
-                                g / (1.0 + (-g).exp())
-                            } else {
-                                0.5 * g * (1.0 + (0.797_884_560_8 * (g + 0.044715 * g * g * g)).tanh())
-                            };
-                            act * u
-                        })
-                        .collect(),
-                };
-                // Each output's slack for those flips: a product moves by at most Σ|w|·(its flips)
-                // (RoPE mixes two with weights of modulus ≤ 1); an activation times its gate by
-                // the activation's slope (under 1.13 for SiLU and tanh-GELU) times the first's move
-                // times the gate, plus the activation (≤ |g|) times the gate's move.
-                let slack: Vec<f64> = match epilogue {
-                    GemvEpilogue::Concat => ws
-                        .iter()
-                        .zip(rows)
-                        .enumerate()
-                        .flat_map(|(m, (w, &n))| {
-                            let ulp_sum = &ulp_sum;
-                            (0..b).flat_map(move |bi| {
-                                (0..n).map(move |ni| match rope {
-                                    Some(_) if m < 2 => {
-                                        let even = ni - ni % 2;
-                                        ulp_sum(w, bi, even) + ulp_sum(w, bi, even + 1)
-                                    }
-                                    _ => ulp_sum(w, bi, ni),
-                                })
-                            })
-                        })
-                        .collect(),
+                        .unzip(),
                     _ => (0..b * rows[0])
                         .map(|i| {
                             let (bi, ni) = (i / rows[0], i % rows[0]);
                             let (g, u) = (dot(&ws[0], bi, ni), dot(&ws[1], bi, ni));
                             let (sg, su) = (ulp_sum(&ws[0], bi, ni), ulp_sum(&ws[1], bi, ni));
-                            // |act(g)| ≤ |g| for both activations.
-                            1.13 * sg * (u.abs() + su) + (g.abs() + sg) * su
+                            let act = if epilogue == GemvEpilogue::Silu {
+                                g / (1.0 + (-g).exp())
+                            } else {
+                                0.5 * g * (1.0 + (0.797_884_560_8 * (g + 0.044715 * g * g * g)).tanh())
+                            };
+                            (act * u, 1.13 * sg * (u.abs() + su) + (g.abs() + sg) * su)
                         })
-                        .collect(),
+                        .unzip(),
                 };
                 if *res != Res::No {
                     want.iter_mut().zip(&residual).for_each(|(w, r)| *w += *r as f64);
