@@ -179,24 +179,22 @@ pub fn check_gemv(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<serde_json::Value>> {
             let [xd, gd, rd, cd, sd] = [&x, &gains, &residual, &cos, &sin].map(|v| st.clone_htod(v));
             let [xd, gd, rd, cd, sd] = [dev!(xd), dev!(gd), dev!(rd), dev!(cd), dev!(sd)];
             let eps = 1e-5f32;
+            // The activations the products see: normalised (then rounded to f16 on tensor cores).
+            let exact: Vec<f64> = x
+                .chunks(k)
+                .flat_map(|row| {
+                    let inv = if *norm {
+                        1.0 / (row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / k as f64 + eps as f64).sqrt()
+                    } else {
+                        1.0
+                    };
+                    row.iter().zip(&gains).map(move |(&v, &g)| if *norm { v as f64 * inv * g as f64 } else { v as f64 })
+                })
+                .collect();
             for tune in tunes {
                 if !gemv_many_fits(rows, epilogue, *rope, tune) {
                     continue;
                 }
-                // The activations the products see: normalised, then rounded to f16 on tensor cores.
-                let exact: Vec<f64> = x
-                    .chunks(k)
-                    .flat_map(|row| {
-                        let inv = if *norm {
-                            1.0 / (row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / k as f64 + eps as f64).sqrt()
-                        } else {
-                            1.0
-                        };
-                        row.iter()
-                            .zip(&gains)
-                            .map(move |(&v, &g)| if *norm { v as f64 * inv * g as f64 } else { v as f64 })
-                    })
-                    .collect();
                 let xr: Vec<f64> =
                     exact.iter().map(|&v| if tune.tensor_cores { f16::from_f64(v).to_f64() } else { v }).collect();
                 let dot = |w: &[u16], bi: usize, ni: usize| -> f64 {
