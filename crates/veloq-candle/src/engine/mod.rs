@@ -786,10 +786,10 @@ impl Worker {
     /// its own slot keeps; the last prompt token is always fed, for its logits), and how many.
     /// None where prefixes are not reused or the request scores its prompt.
     fn running_source(&self, job: &Job, cached: usize) -> Option<Follow> {
-        if !self.prefix_cache || job.req.prompt_logprobs.is_some() {
+        let feed = job.reusable();
+        if !self.prefix_cache || feed.is_empty() {
             return None;
         }
-        let feed = &job.feed;
         self.live
             .iter()
             .filter(|l| l.follows.is_none() && l.done.is_none())
@@ -804,10 +804,11 @@ impl Worker {
     /// The resident (finished) sequence a request would start from a copy of, by the same rule:
     /// its slot and how many positions it shares.
     fn resident_source(&self, job: &Job, cached: usize) -> Option<(usize, usize)> {
-        if !self.prefix_cache || job.req.prompt_logprobs.is_some() {
+        if !self.prefix_cache {
             return None;
         }
-        self.adm.resident_prefix(&job.feed).filter(|&(_, n)| n >= MIN_FORK && n > cached)
+        // A request scoring its prompt has nothing reusable, so no resident matches it.
+        self.adm.resident_prefix(job.reusable()).filter(|&(_, n)| n >= MIN_FORK && n > cached)
     }
 
     /// Starts each waiting request whose source now holds its prefix from a copy of it; one

@@ -88,20 +88,31 @@ fn events(rx: &mpsc::Receiver<Event>) -> Vec<Event> {
     out
 }
 
+/// A xorshift generator: the tests' random prompts and loads, reproducible from a seed.
+struct Xorshift(u64);
+
+impl Xorshift {
+    fn new(seed: u64) -> Self {
+        Self(seed | 1)
+    }
+
+    /// The next number below `n`.
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as usize
+    }
+
+    /// `n` random tokens.
+    fn tokens(&mut self, n: usize) -> Vec<u32> {
+        (0..n).map(|_| self.below(VOCAB) as u32).collect()
+    }
+}
+
 fn prompts(seed: u64, lens: &[usize]) -> Vec<Vec<u32>> {
-    let mut rng = seed | 1;
-    lens.iter()
-        .map(|&n| {
-            (0..n)
-                .map(|_| {
-                    rng ^= rng << 13;
-                    rng ^= rng >> 7;
-                    rng ^= rng << 17;
-                    (rng % VOCAB as u64) as u32
-                })
-                .collect()
-        })
-        .collect()
+    let mut rng = Xorshift::new(seed);
+    lens.iter().map(|&n| rng.tokens(n)).collect()
 }
 
 fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
@@ -205,16 +216,8 @@ fn batch_answers_as_alone(seed: u64) -> usize {
         assert_eq!(ev.first(), Some(&Event::Admitted), "seed {seed}");
         let Some(Event::Done(sum)) = ev.last() else { panic!("seed {seed}: {ev:?}") };
         assert_eq!((sum.prompt_tokens, sum.completion_tokens, sum.finish), (p.len(), 12, Finish::Length));
-        let text = text_of(&ev);
-        let got: Vec<&str> = text.split_whitespace().map(|w| w.trim_start_matches('w')).collect();
-        // Batching changes the summation order; compare while the reference's choice is clear.
-        for (g, (want, margin)) in got.iter().zip(alone(&model, p, 12)) {
-            if margin < 1e-3 {
-                break;
-            }
-            assert_eq!(g.parse::<u32>().unwrap(), want, "seed {seed}: prompt of {}", p.len());
-            compared += 1;
-        }
+        let what = format!("seed {seed}: prompt of {}", p.len());
+        compared += agree_while_clear(&tokens_of(&ev), &alone(&model, p, 12), 1e-3, &what);
     }
     let s = engine.stats();
     assert_eq!((s.running, s.queued, s.finished, s.kv_reserved_bytes), (0, 0, 5, 0));
@@ -286,6 +289,17 @@ fn a_client_that_leaves_frees_its_sequence() {
         (s.cancelled, s.finished, s.kv_reserved_bytes, s.kv_sequence_bytes, s.resident_prefixes),
         (1, 1, 0, 0, 0)
     );
+}
+
+/// How many of `got` agree with the reference `want` (its tokens and top-two margins) before its
+/// first choice by less than `clear`: batching changes the summation order, so a choice that
+/// close may go either way. Panics at the first disagreement, saying `what`.
+fn agree_while_clear(got: &[u32], want: &[(u32, f32)], clear: f32, what: &str) -> usize {
+    let n = want.iter().take_while(|(_, margin)| *margin >= clear).count().min(got.len());
+    for (i, (g, (w, _))) in got.iter().zip(want).take(n).enumerate() {
+        assert_eq!(g, w, "{what}: token {i}");
+    }
+    n
 }
 
 /// Generated token ids from a request's text (the word tokenizer spells token `i` as `wi`).
@@ -585,43 +599,38 @@ fn random_loads_with_shared_prefixes_answer_as_alone_and_settle_to_zero() {
 
 /// One random load; the tokens compared with the reference.
 fn random_shared_load(seed: u64, cache: CacheConfig) -> usize {
-    let mut rng = seed | 1;
-    let mut draw = |n: usize| {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        (rng % n as u64) as usize
-    };
+    let mut rng = Xorshift::new(seed);
     let dense = matches!(cache.method, crate::Method::Fp16);
     let c = Tiny::with(seed, cache);
-    let doc = prompts(seed, &[40 + draw(100)]).remove(0);
-    let reserve = [Reserve::Auto, Reserve::Grow, Reserve::WorstCase][draw(3)];
-    let step_tokens = 16 + draw(48);
+    let n = 40 + rng.below(100);
+    let doc = rng.tokens(n);
+    let reserve = [Reserve::Auto, Reserve::Grow, Reserve::WorstCase][rng.below(3)];
+    let step_tokens = 16 + rng.below(48);
     // A load: (prompt, max tokens, how its client leaves).
-    let wave = |draw: &mut dyn FnMut(usize) -> usize, k: u64| -> Vec<(Vec<u32>, usize, Option<Leave>)> {
-        let n = 3 + draw(5);
+    let wave = |rng: &mut Xorshift| -> Vec<(Vec<u32>, usize, Option<Leave>)> {
+        let n = 3 + rng.below(5);
         (0..n)
-            .map(|i| {
-                let own = prompts(seed ^ (k << 32 | i as u64), &[1 + draw(12)]).remove(0);
-                let shared = match draw(3) {
+            .map(|_| {
+                let shared = match rng.below(3) {
                     0 => doc.len(),
-                    1 => 1 + draw(doc.len()),
+                    1 => 1 + rng.below(doc.len()),
                     _ => 0,
                 };
-                let prompt: Vec<u32> = doc[..shared].iter().chain(&own).copied().collect();
-                let leave = match draw(6) {
-                    0 => Some(Leave::Polls(draw(4))),
-                    1 => Some(Leave::Texts(draw(4))),
+                let own = 1 + rng.below(12);
+                let prompt: Vec<u32> = doc[..shared].iter().copied().chain(rng.tokens(own)).collect();
+                let leave = match rng.below(6) {
+                    0 => Some(Leave::Polls(rng.below(4))),
+                    1 => Some(Leave::Texts(rng.below(4))),
                     _ => None,
                 };
-                (prompt, 2 + draw(10), leave)
+                (prompt, 2 + rng.below(10), leave)
             })
             .collect()
     };
-    let loads = [wave(&mut draw, 1), wave(&mut draw, 2)];
+    let loads = [wave(&mut rng), wave(&mut rng)];
     let longest = loads.iter().flatten().map(|(p, n, _)| p.len() + n).max().unwrap();
     let need = c.probe.sequence_bytes(longest);
-    let budget = c.tables + need + need * draw(200) / 100;
+    let budget = c.tables + need + need * rng.below(200) / 100;
     let engine = c.engine(EngineConfig { kv_budget: budget, reserve, step_tokens, ..EngineConfig::default() });
     let case = format!(
         "seed {seed}: {reserve:?}, {step_tokens} tokens a step, budget {:.2} sequences",
@@ -657,17 +666,10 @@ fn random_shared_load(seed: u64, cache: CacheConfig) -> usize {
             let Some(Event::Done(sum)) = ev.last() else { panic!("{case}: {ev:?}") };
             // Codes cut inside a block come back as decoded rows (a takeover or a fork that cuts
             // its source's positions): such a prefix is the codec's approximation of a fresh one.
-            // Batching changes the summation order: tokens are compared while the reference's
-            // choice is clear.
             if dense || (sum.cached_tokens == 0 && sum.preemptions == 0) {
                 let want = alone_on(&c.model, &c.cache, prompt, *n, &SamplingOptions::greedy());
-                for (i, (got, (want, margin))) in tokens_of(&ev).into_iter().zip(want).enumerate() {
-                    if margin < 1e-3 {
-                        break;
-                    }
-                    assert_eq!(got, want, "{case}: token {i} of a prompt of {} tokens", prompt.len());
-                    compared += 1;
-                }
+                let what = format!("{case}: a prompt of {} tokens", prompt.len());
+                compared += agree_while_clear(&tokens_of(&ev), &want, 1e-3, &what);
             }
         }
     }
@@ -786,20 +788,12 @@ fn bias_and_penalties(seed: u64) -> usize {
     let rx_bias =
         ask(sampled(p[0].clone(), 12, SamplingOptions { logit_bias: vec![(forced, 100.0)], ..Default::default() }));
     let rxs: Vec<_> = cases.iter().map(|(prompt, o)| ask(sampled((*prompt).clone(), 12, o.clone()))).collect();
-    let words = |rx| -> Vec<u32> {
-        text_of(&events(&rx)).split_whitespace().map(|w| w.trim_start_matches('w').parse().unwrap()).collect()
-    };
+    let words = |rx| tokens_of(&events(&rx));
     assert_eq!(words(rx_bias), vec![forced; 12]);
     let mut compared = 0;
     for (rx, (prompt, opts)) in rxs.into_iter().zip(&cases) {
-        let got = words(rx);
-        for (g, (want, margin)) in got.iter().zip(alone_with(&model, prompt, 12, opts)) {
-            if margin < 1e-4 {
-                break;
-            }
-            assert_eq!(*g, want, "seed {seed} {opts:?}");
-            compared += 1;
-        }
+        let want = alone_with(&model, prompt, 12, opts);
+        compared += agree_while_clear(&words(rx), &want, 1e-4, &format!("seed {seed} {opts:?}"));
     }
     compared
 }
