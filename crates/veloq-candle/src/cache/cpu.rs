@@ -511,16 +511,29 @@ impl Backend for CpuBackend {
             return Err(Error::Config(format!("restore keeps {} positions, not whole blocks of {block}", r.keep)));
         }
         let b = r.keep / block;
-        if r.n > 0 {
-            let sc = &self.codes[r.slot];
-            let (mut kb, mut vb) = (vec![0.0f32; block * len], vec![0.0f32; block * len]);
-            codecs.codec(true).decode(&sc.keys[b], &mut kb)?;
-            codecs.codec(false).decode(&sc.values[b], &mut vb)?;
-            for i in 0..r.n {
-                let (dk, dv) = self.row_mut(r.slot, r.to.row(i));
-                dk.iter_mut().zip(&kb[i * len..(i + 1) * len]).for_each(|(a, &x)| *a = f16::from_f32(x));
-                dv.iter_mut().zip(&vb[i * len..(i + 1) * len]).for_each(|(a, &x)| *a = f16::from_f32(x));
-            }
+        let held = self.codes[r.slot].keys.len();
+        if (r.keep + r.n).div_ceil(block) > held {
+            return Err(Error::Config(format!(
+                "restore of positions {}..{} from {held} code blocks of {block}",
+                r.keep,
+                r.keep + r.n
+            )));
+        }
+        // The blocks the run touches, decoded first (a restore is a cut's few recent positions).
+        let blocks = b..(r.keep + r.n).div_ceil(block);
+        let (mut kb, mut vb) = (vec![0.0f32; blocks.len() * block * len], vec![0.0f32; blocks.len() * block * len]);
+        let sc = &self.codes[r.slot];
+        for (i, blk) in blocks.enumerate() {
+            let at = i * block * len..(i + 1) * block * len;
+            codecs.codec(true).decode(&sc.keys[blk], &mut kb[at.clone()])?;
+            codecs.codec(false).decode(&sc.values[blk], &mut vb[at])?;
+        }
+        let first = r.keep - b * block;
+        for i in 0..r.n {
+            let at = (first + i) * len..(first + i + 1) * len;
+            let (dk, dv) = self.row_mut(r.slot, r.to.row(i));
+            dk.iter_mut().zip(&kb[at.clone()]).for_each(|(a, &x)| *a = f16::from_f32(x));
+            dv.iter_mut().zip(&vb[at]).for_each(|(a, &x)| *a = f16::from_f32(x));
         }
         let sc = &mut self.codes[r.slot];
         sc.keys.truncate(b);

@@ -556,9 +556,10 @@ impl Residency {
         moves
     }
 
-    /// Plans keeping the first `len` positions of `slot`. A cut inside the codes keeps whole
-    /// blocks and decodes the rest of the cut block back into the ring (those positions were
-    /// quantized, so they come back approximately); a sliding window cannot bring back rows it
+    /// Plans keeping the first `len` positions of `slot`. A coded sequence is left as growth to
+    /// `len` leaves it ([`Policy::footprint`]), so that its storage is what the budget counts for
+    /// its length: codes beyond that are decoded back into the ring (those positions were
+    /// quantized, so they come back approximately). A sliding window cannot bring back rows it
     /// dropped. Nothing changes when refused.
     pub fn truncate(&mut self, slot: usize, len: usize) -> Result<Vec<Move>> {
         if self.pending.is_some() {
@@ -592,20 +593,30 @@ impl Residency {
                 }
             }
             st.ring_len = len - st.n_sink - st.past;
+            // Codes past what growth to `len` codes go back into rows, before the ring's oldest.
+            let target = p.footprint(len).coded;
+            if p.coding().is_some() && target < st.past {
+                let (m, ring) = (st.past - target, p.ring());
+                st.ring_head = (st.ring_head + ring - m % ring) % ring;
+                st.ring_len += m;
+                st.past = target;
+                moves.push(Move::Restore(Restore { slot, keep: target, n: m, to: self.ring_run(&st, 0) }));
+            }
         } else if len <= st.n_sink {
             if st.past > 0 {
                 moves.push(Move::Restore(Restore { slot, keep: 0, n: 0, to: self.ring_run(&st, 0) }));
             }
             st = SeqState { n_sink: len, ..SeqState::default() };
         } else {
-            let Some(c) = p.coding() else {
+            if p.coding().is_none() {
                 return Err(Error::Config(format!(
                     "cannot truncate slot {slot} to {len}: positions before {} are gone",
                     st.n_sink + st.past
                 )));
-            };
+            }
+            // What growth to `len` codes stays coded; the rest of the kept positions become rows.
             let into = len - st.n_sink;
-            let keep = into / c.block * c.block;
+            let keep = p.footprint(len).coded;
             st.ring_head = 0;
             st.ring_len = into - keep;
             moves.push(Move::Restore(Restore { slot, keep, n: into - keep, to: self.ring_run(&st, 0) }));
@@ -794,7 +805,12 @@ mod tests {
                     match r.truncate(slot, to) {
                         Ok(moves) => {
                             restores += moves.iter().filter(|m| matches!(m, Move::Restore(x) if x.n > 0)).count();
-                            moves.iter().for_each(|m| sh.apply(m, block))
+                            moves.iter().for_each(|m| sh.apply(m, block));
+                            assert_eq!(
+                                r.coded(slot),
+                                policy.footprint(to).coded,
+                                "seed {start_seed}: a cut to {to} codes what growth to it codes ({policy:?})"
+                            );
                         }
                         Err(_) => assert!(
                             policy.window().is_some(),

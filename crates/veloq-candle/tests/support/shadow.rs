@@ -97,7 +97,6 @@ impl Shadow {
         self.coded[slot] += n;
     }
 
-    /// A truncation: positions cut out of the codes come back as f16 rows.
     /// Slot `to` holds what `from` holds (a fork).
     pub fn fork(&mut self, from: usize, to: usize) {
         self.keys[to] = self.keys[from].clone();
@@ -106,18 +105,20 @@ impl Shadow {
         self.restored[to] = self.restored[from];
     }
 
+    /// A truncation to `len` positions leaves what growth to `len` leaves: as many coded
+    /// positions as commits would have coded, and those past them back as f16 rows.
     pub fn truncate(&mut self, slot: usize, len: usize) {
         self.keys[slot].truncate(len);
         self.values[slot].truncate(len);
         self.restored[slot] = self.restored[slot].filter(|&p| p < len);
-        let sink = self.sink(slot);
-        if len < sink + self.coded[slot] {
-            let into = len.saturating_sub(sink);
-            let keep = into / self.window.block * self.window.block;
-            if sink + keep < len {
+        let (w, sink) = (self.window, self.sink(slot));
+        let keep = len.saturating_sub(w.sink + w.keep) / w.block * w.block;
+        if keep < self.coded[slot] {
+            let end = (sink + self.coded[slot]).min(len);
+            if sink + keep < end {
                 self.restored[slot] = Some(self.restored[slot].map_or(sink + keep, |p| p.min(sink + keep)));
             }
-            for p in sink + keep..len {
+            for p in sink + keep..end {
                 self.keys[slot][p] = round_f16(&self.keys[slot][p]);
                 self.values[slot][p] = round_f16(&self.values[slot][p]);
             }
