@@ -12,8 +12,13 @@ against transformers' own caches on the same model and the same positions.
    values drawn at random, appended through each cache's own API — what a prefill would leave,
    without spending the call's minutes on prefills), then `steps` greedy decode steps are timed
    one by one (a model forward of one token + argmax read back, synchronised); every cache of a
-   context in turn, `--passes` times (the first cache timed at a context runs slow). Caches:
-   DynamicCache, VeloqCache (default vq-4; on the 8B config calibrated by `vt.calibrate` on random
+   context in turn, `--passes` times. Every timed run starts a little further on (its own
+   `positions`), so no step attends a length an earlier run attended: torch's cuDNN attention
+   plans each new key length on the host (about 1 ms a call) and keeps the plan, so a run over
+   lengths seen before times what generation never sees (the "slow first pass" of earlier
+   sessions). Caches: DynamicCache (`dynamic-sdpa`: transformers' SDPA as torch picks its
+   backend; `dynamic-flash`: the same with torch's flash backend forced; `dynamic`: through
+   veloq's attention function, which falls back to SDPA), VeloqCache (default vq-4; on the 8B config calibrated by `vt.calibrate` on random
    token ids, the runner's synthetic stand-in), QuantizedCache (HQQ backend, 4 bits, transformers'
    KIVI-style cache) and, on the 8B config, StaticCache + torch.compile(mode="reduce-overhead")
    (the anchor `scripts/device/hf_decode.py` measures). KV bytes are what each cache holds
@@ -22,6 +27,7 @@ against transformers' own caches on the same model and the same positions.
 Usage: hf_cache.py --gguf smollm2.gguf --text persuasion.txt --json OUT [--contexts 8192,32768,131072]
 """
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -31,6 +37,7 @@ import time
 
 import torch
 import transformers
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import veloq
@@ -203,13 +210,15 @@ def speed(a, res, name, model, cal, contexts):
     base = torch.cuda.memory_allocated()
     rows = []
     compiled = None
+    runs = 0
     for ctx in contexts:
-        # Every cache of a context once, then again (--passes): the first cache timed at a new
-        # context ran ~35 ms a step slower than the same code later in a run, whichever it was.
+        # Every cache of a context once, then again (--passes), each run at lengths of its own.
         for p, kind in itertools.product(range(a.passes), a.caches.split(",")):
             if kind == "static" and name != "llama8b":
                 continue
-            row = {"model": name, "context": ctx, "cache": kind, "pass": p + 1}
+            positions = ctx + runs * (a.steps + a.warmup)
+            runs += 1
+            row = {"model": name, "context": ctx, "positions": positions, "cache": kind, "pass": p + 1}
             if time.time() - T0 > a.budget_s:
                 row["skipped"] = "time budget of the call"
                 rows.append(row)
@@ -217,42 +226,46 @@ def speed(a, res, name, model, cal, contexts):
                 continue
             gen = torch.Generator(device="cuda").manual_seed(ctx)
             cache = None
+            backend = contextlib.nullcontext()
             try:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-                if kind in ("dynamic", "dynamic-sdpa"):
+                if kind in ("dynamic", "dynamic-sdpa", "dynamic-flash"):
                     # dynamic-sdpa: the model's attention set to transformers' own SDPA, not veloq's
                     # function falling back to it (the two must time alike).
-                    set_attn(model, "sdpa" if kind == "dynamic-sdpa" else "veloq")
+                    set_attn(model, "veloq" if kind == "dynamic" else "sdpa")
                     cache = DynamicCache(config=model.config)
+                    if kind == "dynamic-flash":
+                        backend = sdpa_kernel(SDPBackend.FLASH_ATTENTION)
                 elif kind == "veloq":
-                    cache = vt.VeloqCache(model, cal, max_context=ctx + a.steps + a.warmup + 8)
+                    cache = vt.VeloqCache(model, cal, max_context=positions + a.steps + a.warmup + 8)
                 elif kind == "hqq":
                     from transformers.cache_utils import QuantizedCache
                     cache = QuantizedCache(backend="hqq", config=model.config, nbits=4)
                 elif kind == "static":
                     from transformers import StaticCache
                     try:
-                        cache = StaticCache(config=model.config, max_batch_size=1, max_cache_len=ctx + a.steps + a.warmup + 8, device="cuda", dtype=torch.float16)
+                        cache = StaticCache(config=model.config, max_batch_size=1, max_cache_len=positions + a.steps + a.warmup + 8, device="cuda", dtype=torch.float16)
                     except TypeError:
-                        cache = StaticCache(config=model.config, max_cache_len=ctx + a.steps + a.warmup + 8)
+                        cache = StaticCache(config=model.config, max_cache_len=positions + a.steps + a.warmup + 8)
                 t = time.time()
                 if kind == "static":
                     # A static cache costs its length whatever it holds (hf_decode.py): one eager step allocates it.
                     set_attn(model, "sdpa")
                     with torch.no_grad():
-                        pos = torch.tensor([ctx - 1], device="cuda")
+                        pos = torch.tensor([positions - 1], device="cuda")
                         model(input_ids=torch.ones(1, 1, dtype=torch.long, device="cuda"), position_ids=pos.view(1, 1),
                               cache_position=pos, past_key_values=cache, use_cache=True)
                     if compiled is None:
                         compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
-                    times = time_steps(model, cache, a.steps, a.warmup, step_fn=compiled, ctx=ctx)
+                    times = time_steps(model, cache, a.steps, a.warmup, step_fn=compiled, ctx=positions)
                     set_attn(model, "veloq")
                 else:
-                    fill(cache, g, ctx, gen)
+                    fill(cache, g, positions, gen)
                     torch.cuda.synchronize()
                     row["fill_s"] = time.time() - t
-                    times = time_steps(model, cache, a.steps, a.warmup)
+                    with backend:
+                        times = time_steps(model, cache, a.steps, a.warmup)
                     set_attn(model, "veloq")
                 med = statistics.median(times)
                 veloq_bytes = cache.resident_bytes if isinstance(cache, vt.VeloqCache) else 0

@@ -1,8 +1,8 @@
 //! Device memory owned by another framework (PyTorch, CuPy, JAX — whatever hands out a CUDA
 //! pointer and a stream), exchanged with veloq's tensors without a trip through the host: a
-//! foreign buffer is copied device to device into a tensor on veloq's stream, a result copied
-//! back the same way — converted between the model's f16/bf16 and the cache's f32 in the same
-//! launch, so the caller converts nothing — and the two streams are ordered by events, so
+//! step's foreign buffers are copied device to device into veloq's f32 buffers in one launch, a
+//! result copied back the same way — converted between the model's f16/bf16 and the cache's f32
+//! in that launch, so the caller converts nothing — and the two streams are ordered by events, so
 //! neither side waits on the host and the foreign framework's allocator can reuse its buffers as
 //! soon as its own stream says so.
 //!
@@ -14,7 +14,7 @@
 #[cfg(feature = "cuda")]
 mod exchange;
 #[cfg(feature = "cuda")]
-pub use exchange::Exchange;
+pub use exchange::{Exchange, Stage};
 
 /// The element type of a foreign buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -4,16 +4,16 @@
 //! told to skip) and before `veloq-lab bench cuda` times the same kernels.
 
 use anyhow::{bail, Result};
-use half::f16;
+use half::{bf16, f16};
 use serde_json::json;
 
 use veloq::codec::codebook::Granularity;
 use veloq::codec::pack::unpack;
 use veloq::codec::vecinfer::VecInferCodec;
 use veloq::kernels::cuda::{
-    gemv_f16, gemv_f16_many, gemv_many_fits, quantize_jobs, ragged_entry, AttentionScratch, Coded, GemvEpilogue,
-    GemvFused, GemvTune, Gpu, GpuAttention, GpuCodec, QuantizeJob, Ragged, RowMap, SplitKernel, Window, WindowMap,
-    GEMV_MAX_ROWS,
+    gemv_f16, gemv_f16_many, gemv_many_fits, quantize_jobs, ragged_entry, AttentionScratch, Coded, Convert,
+    ConvertPart, Elem, GemvEpilogue, GemvFused, GemvTune, Gpu, GpuAttention, GpuCodec, QuantizeJob, Ragged, RowMap,
+    SplitKernel, Window, WindowMap, GEMV_MAX_ROWS,
 };
 use veloq::kernels::GemvShapes;
 
@@ -23,6 +23,126 @@ macro_rules! dev {
     ($e:expr) => {
         $e.map_err(|e| anyhow::anyhow!("{e:?}"))?
     };
+}
+
+/// Part lengths of the conversion check: empty, one element, not a multiple of a block, and
+/// longer than one launch's threads cover in one pass (the grid strides).
+const CONVERT_LENGTHS: [usize; 4] = [0, 1, 4_097, 3_000_001];
+
+/// The conversion kernel (`vq_convert`) copies every part of a launch, converted exactly as the
+/// host rounds (`half`'s round-to-nearest-even; NaN stays NaN): f32 to f16 and bf16 and back, and
+/// f16 to bf16, four parts of different lengths in one launch, on values spread over f16's and
+/// bf16's whole ranges (subnormals, overflow to infinity, ties) as well as the special values.
+/// Returns the elements checked.
+pub fn check_convert(gpu: &Gpu, rng: &mut Rng) -> Result<usize> {
+    let st = gpu.stream();
+    let kernel = Convert::new(gpu)?;
+    let special =
+        [0.0f32, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 65504.0, 65520.0, 6.0e-8, 1.0 + 1.0 / 2048.0];
+    // Magnitudes from 2^-30 to 2^30 with random mantissas and signs, then the special values.
+    let values = |n: usize, rng: &mut Rng| -> Vec<f32> {
+        (0..n)
+            .map(|i| match i < special.len() {
+                true => special[i],
+                false => {
+                    let e = (rng.uniform() * 60.0 - 30.0) as i32;
+                    let m = 1.0 + rng.uniform() as f32;
+                    let sign = if rng.uniform() < 0.5 { -1.0 } else { 1.0 };
+                    sign * m * 2f32.powi(e)
+                }
+            })
+            .collect()
+    };
+    let same = |a: f32, b: f32| (a.is_nan() && b.is_nan()) || a.to_bits() == b.to_bits();
+    let mut checked = 0;
+    // f32 → f16, f32 → bf16, and f16 → f32, bf16 → f32 of the results, each launch four parts.
+    let x: Vec<Vec<f32>> = CONVERT_LENGTHS.iter().map(|&n| values(n, rng)).collect();
+    let xd = x.iter().map(|v| Ok(dev!(st.clone_htod(&padded(v))))).collect::<Result<Vec<_>>>()?;
+    for to in [Elem::F16, Elem::Bf16] {
+        let outs = CONVERT_LENGTHS
+            .iter()
+            .map(|&n| Ok(dev!(st.clone_htod(&vec![0xFFFFu16; n.max(1)]))))
+            .collect::<Result<Vec<_>>>()?;
+        let parts: Vec<ConvertPart> = (0..x.len())
+            .map(|i| ConvertPart {
+                src: address(&xd[i], st),
+                dst: address(&outs[i], st),
+                n: x[i].len(),
+                from: Elem::F32,
+                to,
+            })
+            .collect();
+        // SAFETY: every address holds at least `n` elements of its type (padded to one for n = 0).
+        unsafe { kernel.launch(gpu, &parts) }?;
+        let back = CONVERT_LENGTHS
+            .iter()
+            .map(|&n| Ok(dev!(st.clone_htod(&vec![f32::NAN; n.max(1)]))))
+            .collect::<Result<Vec<_>>>()?;
+        let parts: Vec<ConvertPart> = (0..x.len())
+            .map(|i| ConvertPart {
+                src: address(&outs[i], st),
+                dst: address(&back[i], st),
+                n: x[i].len(),
+                from: to,
+                to: Elem::F32,
+            })
+            .collect();
+        // SAFETY: as above.
+        unsafe { kernel.launch(gpu, &parts) }?;
+        for i in 0..x.len() {
+            let got: Vec<u16> = dev!(st.clone_dtoh(&outs[i]));
+            let got_back: Vec<f32> = dev!(st.clone_dtoh(&back[i]));
+            for (j, &v) in x[i].iter().enumerate() {
+                let want = match to {
+                    Elem::F16 => f16::from_f32(v).to_f32(),
+                    _ => bf16::from_f32(v).to_f32(),
+                };
+                let stored = match to {
+                    Elem::F16 => f16::from_bits(got[j]).to_f32(),
+                    _ => bf16::from_bits(got[j]).to_f32(),
+                };
+                if !same(stored, want) || !same(got_back[j], want) {
+                    bail!("vq_convert f32 → {to:?} of {v:e} (part {i}, element {j}): {stored:e} stored, {:e} read back, host {want:e}", got_back[j]);
+                }
+            }
+            checked += x[i].len();
+        }
+    }
+    // f16 → bf16 (both narrow: the f32 in between is exact), one part.
+    let h: Vec<u16> = values(100_003, rng).iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+    let hd = dev!(st.clone_htod(&h));
+    let out = dev!(st.clone_htod(&vec![0xFFFFu16; h.len()]));
+    let part =
+        ConvertPart { src: address(&hd, st), dst: address(&out, st), n: h.len(), from: Elem::F16, to: Elem::Bf16 };
+    // SAFETY: both buffers hold `h.len()` elements of 16 bits.
+    unsafe { kernel.launch(gpu, &[part]) }?;
+    let got: Vec<u16> = dev!(st.clone_dtoh(&out));
+    for (j, (&a, &b)) in h.iter().zip(&got).enumerate() {
+        let want = bf16::from_f32(f16::from_bits(a).to_f32()).to_f32();
+        if !same(bf16::from_bits(b).to_f32(), want) {
+            bail!(
+                "vq_convert f16 → bf16 of {:e} (element {j}): {:e}, host {want:e}",
+                f16::from_bits(a).to_f32(),
+                bf16::from_bits(b).to_f32()
+            );
+        }
+    }
+    Ok(checked + h.len())
+}
+
+/// `v`, or one element where it is empty (a device buffer cannot be empty).
+fn padded(v: &[f32]) -> Vec<f32> {
+    if v.is_empty() {
+        vec![0.0]
+    } else {
+        v.to_vec()
+    }
+}
+
+/// The device address of a buffer's first element.
+fn address<T>(b: &cudarc::driver::CudaSlice<T>, st: &std::sync::Arc<cudarc::driver::CudaStream>) -> u64 {
+    use cudarc::driver::DevicePtr;
+    b.device_ptr(st).0
 }
 
 /// One attention configuration under test.
@@ -645,6 +765,7 @@ pub fn all(gpu: &Gpu, rng: &mut Rng, variants: &[Variant]) -> Result<Vec<serde_j
         checks.push(check_quantize(gpu, rng, shape, true)?);
     }
     checks.extend(check_gemv(gpu, rng)?);
+    checks.push(json!({"check": "convert", "elements": check_convert(gpu, rng)?, "exact": true}));
     for &c in &ATTENTION_CHECKS {
         for &v in variants {
             if v.kernel == SplitKernel::TensorCores && c.hq / c.hkv > 8 {

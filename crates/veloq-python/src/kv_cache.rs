@@ -196,7 +196,7 @@ impl KvCache {
                         self.on_pool(t, || -> veloq_candle::Result<Vec<f32>> {
                             let (kt, vt) = (self.kv_tensor(ks, b * t, &dev)?, self.kv_tensor(vs, b * t, &dev)?);
                             let qt = Tensor::from_slice(qs, (b * t, hq, d), &dev)?;
-                            let y = step(&mut self.lock(), layer, b, t, &kt, &vt, Some((&qt, scale)))?;
+                            let y = step(&mut self.lock(), layer, b, t, &kt, &vt, Some((&qt, scale)), None)?;
                             Ok(y.expect("attend returns attention").flatten_all()?.to_vec1::<f32>()?)
                         })
                     })
@@ -241,7 +241,7 @@ impl KvCache {
                 py.detach(|| {
                     self.on_pool(t, || -> veloq_candle::Result<()> {
                         let (kt, vt) = (self.kv_tensor(ks, b * t, &dev)?, self.kv_tensor(vs, b * t, &dev)?);
-                        step(&mut self.lock(), layer, b, t, &kt, &vt, None).map(drop)
+                        step(&mut self.lock(), layer, b, t, &kt, &vt, None, None).map(drop)
                     })
                 })
                 .py()
@@ -390,19 +390,23 @@ impl KvCache {
         let (hq, hk, d) = (self.q_heads, self.kv_heads, self.head_dim);
         ex.after(stream).py()?;
         let run = || -> veloq_candle::Result<()> {
+            let mut stage = ex.stage();
+            let (kv, qs) = ([b * t, hk, d], [b * t, hq, d]);
+            let mut srcs = vec![(buf(k), &kv[..]), (buf(v), &kv[..])];
+            if let Some((q, _, _)) = q {
+                srcs.push((buf(q), &qs[..]));
+            }
             // SAFETY: the arrays were checked to be C-contiguous, of these shapes and types; the
             // caller's stream waits for this work (`before` below) before it touches them again.
-            let (kt, vt) = unsafe { (ex.read(buf(k), &[b * t, hk, d])?, ex.read(buf(v), &[b * t, hk, d])?) };
-            let q = match q {
-                Some((q, out, scale)) => Some((unsafe { ex.read(buf(q), &[b * t, hq, d])? }, out, scale)),
-                None => None,
+            let read = unsafe { stage.read(&srcs)? };
+            let (kt, vt) = (&read[0], &read[1]);
+            let Some((_, out, scale)) = q else {
+                return step(&mut self.lock(), layer, b, t, kt, vt, None, None).map(drop);
             };
-            let y = step(&mut self.lock(), layer, b, t, &kt, &vt, q.as_ref().map(|(qt, _, s)| (qt, *s)))?;
-            if let (Some(y), Some((_, out, _))) = (y, q) {
-                // SAFETY: as above; `out` was checked writable and of the output's shape.
-                unsafe { ex.write(&y, buf(out))? };
-            }
-            Ok(())
+            let y = stage.output(&qs)?;
+            step(&mut self.lock(), layer, b, t, kt, vt, Some((&read[2], scale)), Some(&y))?;
+            // SAFETY: as above; `out` was checked writable and of the output's shape.
+            unsafe { stage.write(&y, buf(out)) }
         };
         let r = run();
         // Whatever happened, the caller's stream must not reuse the arrays before the copies ran.
@@ -440,8 +444,9 @@ fn batch_tokens(inputs: &Inputs<'_>) -> (usize, usize) {
 }
 
 /// Appends `k`, `v` (`[batch × tokens, kv heads, head_dim]`, every sequence `tokens` long,
-/// continuing where it ends) to `layer`, attends `q` if given, and settles the step; a step that
-/// fails leaves every sequence as it was.
+/// continuing where it ends) to `layer`, attends `q` if given — into `into` if given (then nothing
+/// is returned) — and settles the step; a step that fails leaves every sequence as it was.
+#[allow(clippy::too_many_arguments)]
 fn step(
     caches: &mut ModelCache,
     layer: usize,
@@ -450,6 +455,7 @@ fn step(
     k: &Tensor,
     v: &Tensor,
     q: Option<(&Tensor, f32)>,
+    into: Option<&Tensor>,
 ) -> veloq_candle::Result<Option<Tensor>> {
     use veloq_candle::Error;
     let n_layers = caches.layers().len();
@@ -466,7 +472,11 @@ fn step(
     let starts: Vec<_> = (0..b).map(|s| l.len(s)).collect();
     let step = Step::new(starts.iter().enumerate().map(|(slot, &start)| SeqStep { slot, start, len: t }).collect())?;
     l.append(k, v, &step)?;
-    let y = q.map(|(q, scale)| l.attend(q, &step, scale)).transpose();
+    let y = match (q, into) {
+        (Some((q, scale)), Some(out)) => l.attend_into(q, &step, scale, out).map(|()| None),
+        (Some((q, scale)), None) => l.attend(q, &step, scale).map(Some),
+        (None, _) => Ok(None),
+    };
     let settled = y.and_then(|y| l.commit().map(|()| y));
     if settled.is_err() {
         for (slot, &start) in starts.iter().enumerate() {

@@ -1,39 +1,54 @@
 //! [`Exchange`]: copies between foreign buffers and veloq's tensors, and the ordering of the two
 //! streams (see the module above).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Device, Storage, Tensor};
-use cudarc::driver::{
-    result, sys, CudaEvent, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{result, sys, CudaEvent, CudaStream, DevicePtr};
+use veloq::kernels::cuda::{Convert, ConvertPart, Elem, Gpu, MAX_CONVERT_PARTS};
 
 use super::{ForeignBuffer, ForeignDType, ForeignStream};
+use crate::cache::CudaRuntime;
 use crate::error::{Error, Result};
 
+/// Elements of f32 a step's inputs (and, apart, its output) may take from the reused buffers: a
+/// decode step's are far fewer; a long prompt chunk's are allocated for it instead, so the
+/// buffers stay a few MiB.
+const STAGE_ELEMS: usize = 1 << 20;
+
 /// Copies and stream ordering between veloq's stream on one CUDA device and foreign buffers and
-/// streams. One per cache: it holds the two events it orders with.
+/// streams. One per cache: it holds the two events it orders with and the f32 buffers a step's
+/// inputs and output pass through, reused from step to step (an allocation and a free each, per
+/// array and step, were host time that every layer of a decode step paid).
 pub struct Exchange {
     device: CudaDevice,
-    stream: Arc<CudaStream>,
+    runtime: Arc<CudaRuntime>,
     /// Recorded on the foreign stream, waited on by veloq's: the inputs are written.
     inputs: CudaEvent,
     /// Recorded on veloq's stream, waited on by the foreign one: the outputs are written and the
     /// inputs read.
     outputs: CudaEvent,
-    /// candle's conversion kernels, looked up once.
-    casts: Casts,
+    convert: Convert,
+    staging: Mutex<Staging>,
 }
 
-/// candle's contiguous cast kernels between the foreign types and f32.
-struct Casts {
-    f16_to_f32: CudaFunction,
-    bf16_to_f32: CudaFunction,
-    f32_to_f16: CudaFunction,
-    f32_to_bf16: CudaFunction,
+/// The reused buffers: inputs and output apart (a kernel writes the output while it reads the
+/// inputs, and candle locks a buffer for writing as a whole).
+#[derive(Default)]
+struct Staging {
+    inputs: Option<Tensor>,
+    output: Option<Tensor>,
+}
+
+/// One step's use of an [`Exchange`]'s buffers, exclusive while it lives: the tensors
+/// [`read`](Self::read) and [`output`](Self::output) hand out may be the exchange's reused
+/// buffers, so they are the step's only until the stage is dropped.
+pub struct Stage<'a> {
+    ex: &'a Exchange,
+    staging: MutexGuard<'a, Staging>,
 }
 
 impl Exchange {
@@ -42,19 +57,26 @@ impl Exchange {
         let Device::Cuda(cuda) = device else {
             return Err(Error::Device(format!("foreign CUDA buffers need a CUDA device, got {device:?}")));
         };
-        let stream = cuda.cuda_stream();
-        let ctx = stream.context().clone();
+        let runtime = CudaRuntime::new(device)?;
+        let ctx = runtime.gpu().stream().context().clone();
         let event = || ctx.new_event(None).map_err(|e| Error::Device(format!("creating a CUDA event: {e}")));
-        let cast = |name: &str| -> Result<CudaFunction> {
-            Ok(cuda.get_or_load_func(name, &candle_core::cuda_backend::kernels::CAST)?.into_cuda_function())
-        };
-        let casts = Casts {
-            f16_to_f32: cast("cast_f16_f32")?,
-            bf16_to_f32: cast("cast_bf16_f32")?,
-            f32_to_f16: cast("cast_f32_f16")?,
-            f32_to_bf16: cast("cast_f32_bf16")?,
-        };
-        Ok(Self { device: cuda.clone(), stream, inputs: event()?, outputs: event()?, casts })
+        let convert = Convert::new(runtime.gpu())?;
+        Ok(Self {
+            device: cuda.clone(),
+            inputs: event()?,
+            outputs: event()?,
+            convert,
+            runtime,
+            staging: Mutex::new(Staging::default()),
+        })
+    }
+
+    fn gpu(&self) -> &Gpu {
+        self.runtime.gpu()
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.gpu().stream()
     }
 
     /// veloq's stream waits for what `foreign` has queued so far (the inputs being written).
@@ -62,12 +84,12 @@ impl Exchange {
         self.bind()?;
         // SAFETY: the event is alive (owned by self); the handle is the caller's live stream.
         unsafe { result::event::record(self.inputs.cu_event(), foreign.0 as sys::CUstream) }.map_err(driver)?;
-        self.stream.wait(&self.inputs).map_err(driver)
+        self.stream().wait(&self.inputs).map_err(driver)
     }
 
     /// `foreign` waits for what veloq's stream has queued so far (outputs written, inputs read).
     pub fn before(&self, foreign: ForeignStream) -> Result<()> {
-        self.outputs.record(&self.stream).map_err(driver)?;
+        self.outputs.record(self.stream()).map_err(driver)?;
         self.bind()?;
         // SAFETY: as in `after`.
         unsafe {
@@ -80,30 +102,72 @@ impl Exchange {
         .map_err(driver)
     }
 
-    /// A new f32 tensor of `shape` on veloq's stream holding a copy of `src` (converted from f16
-    /// or bf16 in the copy).
+    /// The exchange's buffers for one step (waits while another thread's step holds them).
+    pub fn stage(&self) -> Stage<'_> {
+        Stage { ex: self, staging: self.staging.lock().unwrap_or_else(|p| p.into_inner()) }
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.stream().context().bind_to_thread().map_err(driver)
+    }
+
+    /// A new f32 buffer of `n` elements on veloq's stream, as a tensor.
+    fn alloc(&self, n: usize) -> Result<Tensor> {
+        // SAFETY: every caller writes all `n` elements on this stream before anything reads them.
+        let dst = unsafe { self.stream().alloc::<f32>(n.max(1)) }.map_err(driver)?;
+        let storage = CudaStorage::wrap_cuda_slice(dst, self.device.clone());
+        Ok(Tensor::from_storage(Storage::Cuda(storage), n.max(1), BackpropOp::none(), false))
+    }
+}
+
+impl Stage<'_> {
+    /// f32 tensors of the given shapes holding copies of the buffers (converted from f16 or bf16
+    /// in the copy), all in one launch on veloq's stream.
     ///
     /// # Safety
-    /// `src` must address `src.len` elements of `src.dtype` on this device, left unchanged until
-    /// the copy is done: call [`before`](Self::before) on the stream that would next write it.
-    pub unsafe fn read(&self, src: ForeignBuffer, shape: &[usize]) -> Result<Tensor> {
-        let n: usize = shape.iter().product();
-        if n != src.len {
-            return Err(Error::Shape(format!("a buffer of {} elements read as {shape:?}", src.len)));
+    /// Each buffer must address its `len` elements of its `dtype` on this device, left unchanged
+    /// until the copies are done: call [`Exchange::before`] on the stream that would next write
+    /// them.
+    pub unsafe fn read(&mut self, srcs: &[(ForeignBuffer, &[usize])]) -> Result<Vec<Tensor>> {
+        if srcs.len() > MAX_CONVERT_PARTS {
+            return Err(Error::Shape(format!("{} buffers read at once, at most {MAX_CONVERT_PARTS}", srcs.len())));
         }
-        let mut dst = self.stream.alloc::<f32>(n).map_err(driver)?;
-        {
-            let (ptr, _sync) = dst.device_ptr_mut(&self.stream);
-            match src.dtype {
-                ForeignDType::F32 => {
-                    result::memcpy_dtod_async(ptr, src.ptr, n * 4, self.stream.cu_stream()).map_err(driver)?
-                }
-                ForeignDType::F16 => self.cast(&self.casts.f16_to_f32, n, src.ptr, ptr)?,
-                ForeignDType::Bf16 => self.cast(&self.casts.bf16_to_f32, n, src.ptr, ptr)?,
+        for (src, shape) in srcs {
+            let n: usize = shape.iter().product();
+            if n != src.len {
+                return Err(Error::Shape(format!("a buffer of {} elements read as {shape:?}", src.len)));
             }
         }
-        let storage = CudaStorage::wrap_cuda_slice(dst, self.device.clone());
-        Ok(Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false))
+        let total: usize = srcs.iter().map(|(s, _)| s.len).sum();
+        let buffer = match total <= STAGE_ELEMS {
+            true => reuse(&mut self.staging.inputs, total, self.ex)?,
+            false => self.ex.alloc(total)?,
+        };
+        let base = address(&buffer, &self.ex.device, self.ex.stream())?;
+        let mut parts = Vec::with_capacity(srcs.len());
+        let mut tensors = Vec::with_capacity(srcs.len());
+        let mut offset = 0;
+        for (src, shape) in srcs {
+            let dst = base + (offset * 4) as u64;
+            parts.push(ConvertPart { src: src.ptr, dst, n: src.len, from: elem(src.dtype), to: Elem::F32 });
+            tensors.push(buffer.narrow(0, offset, src.len)?.reshape(*shape)?);
+            offset += src.len;
+        }
+        // SAFETY: the caller vouches for the sources; the destinations are `buffer`'s disjoint
+        // runs, which nothing else uses while this stage lives (the stream orders the previous
+        // step's reads of them before these writes).
+        unsafe { self.ex.convert.launch(self.ex.gpu(), &parts) }?;
+        Ok(tensors)
+    }
+
+    /// An f32 tensor of `shape` for the step's output, uninitialised: a kernel writes it.
+    pub fn output(&mut self, shape: &[usize]) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let buffer = match n <= STAGE_ELEMS {
+            true => reuse(&mut self.staging.output, n, self.ex)?,
+            false => self.ex.alloc(n)?,
+        };
+        Ok(buffer.narrow(0, 0, n)?.reshape(shape)?)
     }
 
     /// Copies `t` (f32 on this device) into `dst` (converted to f16 or bf16 in the copy), on
@@ -111,9 +175,9 @@ impl Exchange {
     ///
     /// # Safety
     /// `dst` must address `dst.len` writable elements of `dst.dtype` on this device that nothing
-    /// reads or writes until the copy is done: call [`before`](Self::before) on the stream that
-    /// uses it next.
-    pub unsafe fn write(&self, t: &Tensor, dst: ForeignBuffer) -> Result<()> {
+    /// reads or writes until the copy is done: call [`Exchange::before`] on the stream that uses
+    /// it next.
+    pub unsafe fn write(&mut self, t: &Tensor, dst: ForeignBuffer) -> Result<()> {
         if t.dtype() != DType::F32 || t.elem_count() != dst.len {
             return Err(Error::Shape(format!(
                 "{:?} {:?} written into a buffer of {} elements",
@@ -123,44 +187,47 @@ impl Exchange {
             )));
         }
         let t = t.contiguous()?;
-        let (storage, layout) = t.storage_and_layout();
-        let Storage::Cuda(cuda) = &*storage else {
-            return Err(Error::Device(format!("expected a tensor on the CUDA device, got one on {:?}", t.device())));
-        };
-        if !cuda.device().same_device(&self.device) {
-            return Err(Error::Device("the tensor is on another CUDA device".into()));
-        }
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            return Err(Error::Shape("expected a contiguous tensor".into()));
-        };
-        let src = cuda.as_cuda_slice::<f32>()?.slice(start..end);
-        let (ptr, _sync) = src.device_ptr(&self.stream);
-        match dst.dtype {
-            ForeignDType::F32 => {
-                result::memcpy_dtod_async(dst.ptr, ptr, dst.len * 4, self.stream.cu_stream()).map_err(driver)
-            }
-            ForeignDType::F16 => self.cast(&self.casts.f32_to_f16, dst.len, ptr, dst.ptr),
-            ForeignDType::Bf16 => self.cast(&self.casts.f32_to_bf16, dst.len, ptr, dst.ptr),
-        }
+        let src = address(&t, &self.ex.device, self.ex.stream())?;
+        let part = ConvertPart { src, dst: dst.ptr, n: dst.len, from: Elem::F32, to: elem(dst.dtype) };
+        // SAFETY: `t` holds `dst.len` f32 elements on this device (checked above and by
+        // `address`); the caller vouches for `dst`.
+        Ok(unsafe { self.ex.convert.launch(self.ex.gpu(), &[part]) }?)
     }
+}
 
-    /// One launch of candle's contiguous cast kernel `f`: `n` elements from device address `src`
-    /// to device address `dst`, on veloq's stream.
-    ///
-    /// # Safety
-    /// `src` and `dst` must address `n` elements of the kernel's source and destination types.
-    unsafe fn cast(&self, f: &CudaFunction, n: usize, src: u64, dst: u64) -> Result<()> {
-        if n == 0 {
-            return Ok(());
-        }
-        let (dims, info) = (0usize, 0u64); // no layout: contiguous
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&n).arg(&dims).arg(&info).arg(&src).arg(&dst);
-        b.launch(LaunchConfig::for_num_elems(n as u32)).map(drop).map_err(driver)
+/// The reused buffer in `slot`, grown (to a power of two) when it holds fewer than `n` elements.
+fn reuse(slot: &mut Option<Tensor>, n: usize, ex: &Exchange) -> Result<Tensor> {
+    if slot.as_ref().is_none_or(|t| t.elem_count() < n) {
+        *slot = Some(ex.alloc(n.max(1).next_power_of_two())?);
     }
+    Ok(slot.clone().expect("just set"))
+}
 
-    fn bind(&self) -> Result<()> {
-        self.stream.context().bind_to_thread().map_err(driver)
+/// The device address of the first element of `t`, a contiguous f32 tensor on `device`.
+fn address(t: &Tensor, device: &CudaDevice, stream: &Arc<CudaStream>) -> Result<u64> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(cuda) = &*storage else {
+        return Err(Error::Device(format!("expected a tensor on the CUDA device, got one on {:?}", t.device())));
+    };
+    if !cuda.device().same_device(device) {
+        return Err(Error::Device("the tensor is on another CUDA device".into()));
+    }
+    if t.dtype() != DType::F32 {
+        return Err(Error::Shape(format!("expected f32, got {:?}", t.dtype())));
+    }
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        return Err(Error::Shape("expected a contiguous tensor".into()));
+    };
+    let slice = cuda.as_cuda_slice::<f32>()?.slice(start..end);
+    let (ptr, _sync) = slice.device_ptr(stream);
+    Ok(ptr)
+}
+
+fn elem(d: ForeignDType) -> Elem {
+    match d {
+        ForeignDType::F32 => Elem::F32,
+        ForeignDType::F16 => Elem::F16,
+        ForeignDType::Bf16 => Elem::Bf16,
     }
 }
 

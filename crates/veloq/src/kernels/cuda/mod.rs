@@ -5,6 +5,7 @@
 //! not a crash.
 
 mod attention;
+mod convert;
 mod dense;
 mod gemv;
 mod launch;
@@ -16,6 +17,7 @@ pub use attention::{
     ragged_entry, AttentionScratch, Coded, GpuAttention, Ragged, SplitKernel, Window, WindowMap, DEFAULT_THREADS,
     MAX_WINDOW, RAGGED_INTS,
 };
+pub use convert::{Convert, ConvertPart, Elem, MAX_CONVERT_PARTS};
 pub use dense::GpuDenseAttention;
 pub use gemv::{gemv_f16, gemv_f16_many, gemv_many_fits, GemvEpilogue, GemvFused, GemvTune, MAX_ROWS as GEMV_MAX_ROWS};
 pub use prefill::{GpuPrefill, GpuPrefillCodes, PrefillOut, PrefillParts, Rows, Split};
@@ -264,12 +266,20 @@ pub fn compile_check(arch: &'static str) -> Result<()> {
     let merge = attention::example_defines().into_iter().map(|d| ("vq_attend_merge", attention::MERGE_SOURCES, d));
     let mma = attention::example_mma_defines().into_iter().map(|d| ("vq_attend_mma", attention::MMA_SOURCES, d));
     let window = std::iter::once(("vq_window_put", window::SOURCES, vec![("D", 128)]));
+    let convert = std::iter::once(("vq_convert", convert::SOURCES, vec![]));
     let dense = dense::example_defines().into_iter().map(|d| ("f16_attend_split", dense::SOURCES, d));
     let quantize = std::iter::once(("vq_quantize", quantize::SOURCES, quantize::example_defines()));
     let gemv = gemv::example_defines().into_iter().map(|(name, d)| (name, gemv::SOURCES, d));
     let prefill = prefill::example_defines().into_iter().map(|d| ("f16_prefill_rows", prefill::SOURCES, d));
-    for (name, sources, defines) in
-        quantize.chain(attention).chain(merge).chain(mma).chain(window).chain(dense).chain(prefill).chain(gemv)
+    for (name, sources, defines) in quantize
+        .chain(attention)
+        .chain(merge)
+        .chain(mma)
+        .chain(window)
+        .chain(convert)
+        .chain(dense)
+        .chain(prefill)
+        .chain(gemv)
     {
         compile(arch, name, sources, &defines)?;
     }
