@@ -132,16 +132,16 @@ def main():
                 call = make()
                 torch.cuda.synchronize()
                 t = time.perf_counter()
-                host = None
+                host, first = None, min(a.host_calls, a.calls)
                 for i, (q, k, v) in enumerate(steps):
                     call(q, k, v)
-                    if i + 1 == a.host_calls:
-                        host = 1e6 * (time.perf_counter() - t) / a.host_calls
+                    if i + 1 == first:
+                        host = 1e6 * (time.perf_counter() - t) / first
                 torch.cuda.synchronize()
                 us = 1e6 * (time.perf_counter() - t) / a.calls
                 res["us_per_call"][name].append(us)
                 res["host_us_per_call"][name].append(host)
-                print(f"round {r + 1} {name:>15}: {us:7.1f} us/call, first {a.host_calls} calls issued at {host:7.1f} us/call", flush=True)
+                print(f"round {r + 1} {name:>15}: {us:7.1f} us/call, first {first} calls issued at {host:7.1f} us/call", flush=True)
     for key in ("us_per_call", "host_us_per_call"):
         print(f"median {key}:", {k: round(sorted(v)[len(v) // 2], 1) for k, v in res[key].items()})
     if a.json:
