@@ -303,7 +303,7 @@ def main():
     ap.add_argument("--calib-tokens", type=int, default=2048)
     ap.add_argument("--json", required=True)
     ap.add_argument("--contexts", default="8192,32768,131072")
-    ap.add_argument("--caches", default="dynamic,veloq,hqq,static")
+    ap.add_argument("--caches", default="dynamic-sdpa,dynamic-flash,veloq,hqq,static")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=4)
