@@ -196,7 +196,7 @@ impl KvCache {
                         self.on_pool(t, || -> veloq_candle::Result<Vec<f32>> {
                             let (kt, vt) = (self.kv_tensor(ks, b * t, &dev)?, self.kv_tensor(vs, b * t, &dev)?);
                             let qt = Tensor::from_slice(qs, (b * t, hq, d), &dev)?;
-                            let y = step(&mut self.lock(), layer, b, t, &kt, &vt, Some((&qt, scale)), None)?;
+                            let y = step(&mut self.lock(), layer, b, t, &kt, &vt, Some((&qt, scale, None)))?;
                             Ok(y.expect("attend returns attention").flatten_all()?.to_vec1::<f32>()?)
                         })
                     })
@@ -241,7 +241,7 @@ impl KvCache {
                 py.detach(|| {
                     self.on_pool(t, || -> veloq_candle::Result<()> {
                         let (kt, vt) = (self.kv_tensor(ks, b * t, &dev)?, self.kv_tensor(vs, b * t, &dev)?);
-                        step(&mut self.lock(), layer, b, t, &kt, &vt, None, None).map(drop)
+                        step(&mut self.lock(), layer, b, t, &kt, &vt, None).map(drop)
                     })
                 })
                 .py()
@@ -401,10 +401,10 @@ impl KvCache {
             let read = unsafe { stage.read(&srcs)? };
             let (kt, vt) = (&read[0], &read[1]);
             let Some((_, out, scale)) = q else {
-                return step(&mut self.lock(), layer, b, t, kt, vt, None, None).map(drop);
+                return step(&mut self.lock(), layer, b, t, kt, vt, None).map(drop);
             };
             let y = stage.output(&qs)?;
-            step(&mut self.lock(), layer, b, t, kt, vt, Some((&read[2], scale)), Some(&y))?;
+            step(&mut self.lock(), layer, b, t, kt, vt, Some((&read[2], scale, Some(&y))))?;
             // SAFETY: as above; `out` was checked writable and of the output's shape.
             unsafe { stage.write(&y, buf(out)) }
         };
@@ -444,9 +444,9 @@ fn batch_tokens(inputs: &Inputs<'_>) -> (usize, usize) {
 }
 
 /// Appends `k`, `v` (`[batch × tokens, kv heads, head_dim]`, every sequence `tokens` long,
-/// continuing where it ends) to `layer`, attends `q` if given — into `into` if given (then nothing
-/// is returned) — and settles the step; a step that fails leaves every sequence as it was.
-#[allow(clippy::too_many_arguments)]
+/// continuing where it ends) to `layer`, attends `q` (queries, scale and, if given, the tensor
+/// the attention is written into — then nothing is returned) if given, and settles the step; a
+/// step that fails leaves every sequence as it was.
 fn step(
     caches: &mut ModelCache,
     layer: usize,
@@ -454,8 +454,7 @@ fn step(
     t: usize,
     k: &Tensor,
     v: &Tensor,
-    q: Option<(&Tensor, f32)>,
-    into: Option<&Tensor>,
+    q: Option<(&Tensor, f32, Option<&Tensor>)>,
 ) -> veloq_candle::Result<Option<Tensor>> {
     use veloq_candle::Error;
     let n_layers = caches.layers().len();
@@ -472,10 +471,10 @@ fn step(
     let starts: Vec<_> = (0..b).map(|s| l.len(s)).collect();
     let step = Step::new(starts.iter().enumerate().map(|(slot, &start)| SeqStep { slot, start, len: t }).collect())?;
     l.append(k, v, &step)?;
-    let y = match (q, into) {
-        (Some((q, scale)), Some(out)) => l.attend_into(q, &step, scale, out).map(|()| None),
-        (Some((q, scale)), None) => l.attend(q, &step, scale).map(Some),
-        (None, _) => Ok(None),
+    let y = match q {
+        Some((q, scale, Some(out))) => l.attend_into(q, &step, scale, out).map(|()| None),
+        Some((q, scale, None)) => l.attend(q, &step, scale).map(Some),
+        None => Ok(None),
     };
     let settled = y.and_then(|y| l.commit().map(|()| y));
     if settled.is_err() {

@@ -139,10 +139,7 @@ impl Stage<'_> {
             }
         }
         let total: usize = srcs.iter().map(|(s, _)| s.len).sum();
-        let buffer = match total <= STAGE_ELEMS {
-            true => reuse(&mut self.staging.inputs, total, self.ex)?,
-            false => self.ex.alloc(total)?,
-        };
+        let buffer = buffer(&mut self.staging.inputs, total, self.ex)?;
         let base = address(&buffer, &self.ex.device, self.ex.stream())?;
         let mut parts = Vec::with_capacity(srcs.len());
         let mut tensors = Vec::with_capacity(srcs.len());
@@ -163,10 +160,7 @@ impl Stage<'_> {
     /// An f32 tensor of `shape` for the step's output, uninitialised: a kernel writes it.
     pub fn output(&mut self, shape: &[usize]) -> Result<Tensor> {
         let n: usize = shape.iter().product();
-        let buffer = match n <= STAGE_ELEMS {
-            true => reuse(&mut self.staging.output, n, self.ex)?,
-            false => self.ex.alloc(n)?,
-        };
+        let buffer = buffer(&mut self.staging.output, n, self.ex)?;
         Ok(buffer.narrow(0, 0, n)?.reshape(shape)?)
     }
 
@@ -195,8 +189,12 @@ impl Stage<'_> {
     }
 }
 
-/// The reused buffer in `slot`, grown (to a power of two) when it holds fewer than `n` elements.
-fn reuse(slot: &mut Option<Tensor>, n: usize, ex: &Exchange) -> Result<Tensor> {
+/// A buffer of at least `n` f32 elements: the reused one in `slot`, grown (to a power of two) when
+/// it holds fewer, or a new one past [`STAGE_ELEMS`].
+fn buffer(slot: &mut Option<Tensor>, n: usize, ex: &Exchange) -> Result<Tensor> {
+    if n > STAGE_ELEMS {
+        return ex.alloc(n);
+    }
     if slot.as_ref().is_none_or(|t| t.elem_count() < n) {
         *slot = Some(ex.alloc(n.max(1).next_power_of_two())?);
     }
