@@ -178,6 +178,29 @@ def test_append_stores_what_attend_stores(cal, rng):
     assert not np.array_equal(a, other.attend(3, q[:, n:], k[:, n:], v[:, n:], scale))
 
 
+def test_heads_first_arrays_attend_as_tokens_first_ones(cal, rng):
+    """`heads_first` takes q, k, v as transformers holds them ([batch, heads, tokens, dim]): a
+    transposed view of [batch, tokens, heads, dim] memory (read in place) and a contiguous
+    heads-first copy (reordered) give bit for bit what the same values give tokens first."""
+    caches = [veloq.KvCache("vq-4", q_heads=9, calibration=cal, max_context=512, batch=2) for _ in range(3)]
+    for n in (40, 1, 1, 7):
+        q = rng.standard_normal((2, n, 9, 64)).astype(np.float32)
+        k, v = (np.stack([keys_like(rng, cal, n) for _ in range(2)]) for _ in range(2))
+        views = [x.transpose(0, 2, 1, 3) for x in (q, k, v)]
+        assert not views[0].flags.c_contiguous or n == 1
+        ref = caches[0].attend(5, q, k, v, 0.125)
+        got_view = caches[1].attend(5, *views, 0.125, heads_first=True)
+        got_copy = caches[2].attend(5, *(np.ascontiguousarray(x) for x in views), 0.125, heads_first=True)
+        assert ref.shape == got_view.shape == got_copy.shape == (2, n, 9, 64)
+        assert np.array_equal(ref, got_view) and np.array_equal(ref, got_copy)
+    k = np.stack([keys_like(rng, cal, 4) for _ in range(2)])
+    caches[1].append(5, k.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), heads_first=True)
+    caches[0].append(5, k, k)
+    assert caches[1].length(5) == caches[0].length(5) == 53
+    with pytest.raises(veloq.ShapeError, match="k: expected shape"):
+        caches[1].append(5, k, k, heads_first=True)  # tokens first, read as heads first
+
+
 class FakeCudaArray:
     """Publishes a CUDA array interface without any memory behind it: only what is checked before
     a device is touched may be exercised with it."""
@@ -207,6 +230,15 @@ def test_cuda_arrays_are_checked_before_any_device_is_used(cal, rng):
         cache.append(0, FakeCudaArray(k.shape), FakeCudaArray(k.shape))
     with pytest.raises(veloq.ShapeError, match="out="):
         cache.attend(0, q, k, k, out=np.empty_like(q))
+    # Heads first: shapes read as [batch, heads, tokens, dim]; the memory must be tokens first.
+    heads_first = (1, 3, 4, 64)
+    view = (4 * 4 * 3 * 64, 4 * 64, 4 * 3 * 64, 4)
+    with pytest.raises(veloq.DeviceError, match='device="cuda"'):
+        cache.append(0, FakeCudaArray(heads_first, strides=view), FakeCudaArray(heads_first, strides=view), heads_first=True)
+    with pytest.raises(veloq.ShapeError, match="transposed view"):
+        cache.append(0, FakeCudaArray(heads_first), FakeCudaArray(heads_first), heads_first=True)
+    with pytest.raises(veloq.ShapeError, match="k: expected shape"):
+        cache.append(0, FakeCudaArray(k.shape), FakeCudaArray(k.shape), heads_first=True)
     assert cache.length(0) == 0, "a refused step changes nothing"
 
 

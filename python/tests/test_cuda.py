@@ -165,6 +165,32 @@ def test_array_interface_path_matches_torch_tensors(calibration_path, gen):
         assert torch.equal(ya, yb)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_heads_first_tensors_are_read_in_place(calibration_path, gen, dtype):
+    """transformers' q, k, v ([batch, heads, tokens, dim] views of tokens-first memory) given
+    `heads_first` attend bit for bit as the same memory given tokens first, prompt and decode;
+    heads-first memory (a model that made it contiguous) is refused, and veloq.transformers'
+    call falls back to reordering it, again bit for bit."""
+    import veloq.transformers as vt
+
+    cal = veloq.Calibration.load(calibration_path)
+    spec = dict(q_heads=9, calibration=cal, max_context=1024, device="cuda", batch=2)
+    a, b, c = (veloq.KvCache("vq-4", **spec) for _ in range(3))
+    for n in (120, 1, 1, 9, 1):
+        q, k, v = (torch.randn(2, n, h, 64, device="cuda", generator=gen).to(dtype) for h in (9, 3, 3))
+        want, got, back = (torch.empty_like(q) for _ in range(3))
+        a.attend(6, q, k, v, out=want)
+        b.attend(6, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out=got, heads_first=True)
+        assert torch.equal(got, want)
+        heads = [x.transpose(1, 2).contiguous() for x in (q, k, v)]
+        if n > 1:
+            with pytest.raises(veloq.ShapeError, match="transposed view"):
+                c.attend(6, *heads, out=back, heads_first=True)
+        vt._cuda_call(c.attend, 6, tensors=heads, out=back)
+        assert torch.equal(back, want)
+    assert a.length(6) == b.length(6) == c.length(6) == 132
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="one GPU")
 def test_tensors_on_another_gpu_are_refused(gen):
     cache = veloq.KvCache("fp16", q_heads=2, layers=1, kv_heads=1, head_dim=64, max_context=8, device="cuda:0")

@@ -215,6 +215,7 @@ class KvCache:
         *,
         out: None = None,
         stream: Optional[int] = None,
+        heads_first: bool = False,
     ) -> npt.NDArray[np.float32]: ...
     @overload
     def attend(
@@ -227,6 +228,7 @@ class KvCache:
         *,
         out: _Out,
         stream: Optional[int] = None,
+        heads_first: bool = False,
     ) -> _Out: ...
     def append(
         self,
@@ -235,6 +237,7 @@ class KvCache:
         v: Union[npt.NDArray[np.float32], _CudaArray],
         *,
         stream: Optional[int] = None,
+        heads_first: bool = False,
     ) -> None: ...
     def length(self, layer: int = 0, seq: int = 0) -> int: ...
     def truncate(self, length: int = 0) -> None: ...

@@ -37,7 +37,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import _native
-from ._native import Calibration, ConfigError, DeviceError, KvCache
+from ._native import Calibration, ConfigError, DeviceError, KvCache, ShapeError
 
 __all__ = ["VeloqCache", "calibrate", "geometry", "kv_bytes"]
 
@@ -236,6 +236,22 @@ def _np(x: torch.Tensor) -> np.ndarray:
     return _rows(x).cpu().numpy()
 
 
+def _np_heads_first(x: torch.Tensor) -> np.ndarray:
+    """[batch, heads, tokens, dim] float32 NumPy over the tensor's own memory (veloq reads it heads
+    first: in place where that memory is [batch, tokens, heads, dim], as projections leave it)."""
+    return x.detach().to(torch.float32).numpy()
+
+
+def _cuda_call(fn, *args, tensors, **kwargs):
+    """``fn(*args, *tensors, heads_first=True)``: the model's own tensors, read in place by veloq
+    (no torch op a layer); where their memory is not in [batch, tokens, heads, dim] order (a model
+    that made them contiguous heads first), copied into it by torch first."""
+    try:
+        return fn(*args, *tensors, heads_first=True, **kwargs)
+    except ShapeError:
+        return fn(*args, *map(_cuda_rows, tensors), **kwargs)
+
+
 def _last_query_sees_all(mask: torch.Tensor) -> bool:
     """Whether a full-attention layer's mask lets every sequence's last query see every position:
     true of a causal mask, false where padding hides positions."""
@@ -273,15 +289,18 @@ def veloq_attention(
     if query.shape[2] > 1 and native.length(layer.index) == 0:
         # A first chunk sees only its own positions, exact in the cache too: SDPA attends, veloq stores.
         out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        rows = _cuda_rows if cuda else _np
-        native.append(layer.index, rows(key), rows(value), **stream)
+        if cuda:
+            _cuda_call(native.append, layer.index, tensors=(key, value), **stream)
+        else:
+            native.append(layer.index, _np_heads_first(key), _np_heads_first(value), heads_first=True)
         return out, None
     if cuda:
-        q = _cuda_rows(query)
-        out = torch.empty(q.shape, dtype=query.dtype, device=query.device)
-        native.attend(layer.index, q, _cuda_rows(key), _cuda_rows(value), float(scaling), out=out, **stream)
+        b, h, t, d = query.shape
+        out = torch.empty((b, t, h, d), dtype=query.dtype, device=query.device)
+        _cuda_call(native.attend, layer.index, tensors=(query, key, value), scale=float(scaling), out=out, **stream)
         return out, None
-    out = native.attend(layer.index, _np(query), _np(key), _np(value), float(scaling))
+    host = _np_heads_first
+    out = native.attend(layer.index, host(query), host(key), host(value), float(scaling), heads_first=True)
     return torch.from_numpy(out).to(query.dtype), None
 
 

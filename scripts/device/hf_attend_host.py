@@ -8,20 +8,23 @@ are also timed as issued (before the synchronisation, and few enough that the GP
 cannot fill and hold the host back). Variants, each on a fresh cache, alternated `--rounds` times:
 
 - `dynamic+sdpa`: DynamicCache's layer update (two `cat`s) and transformers' SDPA attention;
-- `veloq previous`: the previous hand-over — q, k, v converted to float32 by torch, handed over
-  through `__cuda_array_interface__`, the output converted back by torch;
-- `veloq`: `vt.veloq_attention` as shipped (the model's f16 tensors read through their own
-  attributes, converted in veloq's copy; the output written in f16);
+- `dynamic+flash`: the same with torch's flash backend forced (`sdpa_kernel`, around the calls);
+- `veloq reordered`: the previous hand-over — q, k, v reordered to [batch, tokens, heads, dim]
+  by torch (detach, transpose, contiguous: three ops a tensor), then read by veloq;
+- `veloq`: `vt.veloq_attention` as shipped (the model's f16 tensors read in place, heads first,
+  through their own attributes, converted in veloq's copy; the output written in f16);
 - `native only`: `KvCache.attend` alone on ready f16 tensors (veloq's own host time).
 
 Usage: hf_attend_host.py [--context 1024] [--calls 400] [--rounds 3] [--json OUT]
 """
 import argparse
+import contextlib
 import json
 import time
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaAttention
 
@@ -30,17 +33,6 @@ import veloq.transformers as vt
 from hf_models import llama8b_config
 
 HQ, HK, D = 32, 8, 128
-
-
-class Interface:
-    """A CUDA array known only by ``__cuda_array_interface__`` (the previous hand-over)."""
-
-    def __init__(self, t):
-        self.t = t
-
-    @property
-    def __cuda_array_interface__(self):
-        return self.t.__cuda_array_interface__
 
 
 def main():
@@ -86,15 +78,14 @@ def main():
 
         return call
 
-    def previous():
+    def reordered():
         c = veloq_cache()
 
         def call(q, k, v):
-            q32 = vt._rows(q)
-            out = torch.empty_like(q32)
-            c.attend(0, Interface(q32), Interface(vt._rows(k)), Interface(vt._rows(v)), scale,
-                     out=Interface(out), stream=torch.cuda.current_stream(q.device).cuda_stream)
-            return out.to(q.dtype)
+            qr = vt._cuda_rows(q)
+            out = torch.empty(qr.shape, dtype=q.dtype, device=q.device)
+            c.attend(0, qr, vt._cuda_rows(k), vt._cuda_rows(v), scale, out=out, stream=vt._stream(q.device))
+            return out
 
         return call
 
@@ -120,28 +111,30 @@ def main():
 
         return call
 
-    variants = {"dynamic+sdpa": dynamic, "veloq previous": previous, "veloq": shipped, "native only": native}
+    variants = {"dynamic+sdpa": dynamic, "dynamic+flash": dynamic, "veloq reordered": reordered, "veloq": shipped,
+                "native only": native}
     res = {"context": a.context, "calls": a.calls, "us_per_call": {k: [] for k in variants},
            "host_us_per_call": {k: [] for k in variants}}
     with torch.no_grad():
         for r in range(a.rounds):
             for name, make in variants.items():
-                call = make()
-                for q, k, v in steps[:20]:  # warm-up (also compiles veloq's kernels once)
-                    call(q, k, v)
-                call = make()
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                host, first = None, min(a.host_calls, a.calls)
-                for i, (q, k, v) in enumerate(steps):
-                    call(q, k, v)
-                    if i + 1 == first:
-                        host = 1e6 * (time.perf_counter() - t) / first
-                torch.cuda.synchronize()
-                us = 1e6 * (time.perf_counter() - t) / a.calls
-                res["us_per_call"][name].append(us)
-                res["host_us_per_call"][name].append(host)
-                print(f"round {r + 1} {name:>15}: {us:7.1f} us/call, first {first} calls issued at {host:7.1f} us/call", flush=True)
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if name == "dynamic+flash" else contextlib.nullcontext():
+                    call = make()
+                    for q, k, v in steps[:20]:  # warm-up (also compiles veloq's kernels once)
+                        call(q, k, v)
+                    call = make()
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    host, first = None, min(a.host_calls, a.calls)
+                    for i, (q, k, v) in enumerate(steps):
+                        call(q, k, v)
+                        if i + 1 == first:
+                            host = 1e6 * (time.perf_counter() - t) / first
+                    torch.cuda.synchronize()
+                    us = 1e6 * (time.perf_counter() - t) / a.calls
+                    res["us_per_call"][name].append(us)
+                    res["host_us_per_call"][name].append(host)
+                    print(f"round {r + 1} {name:>15}: {us:7.1f} us/call, first {first} calls issued at {host:7.1f} us/call", flush=True)
     for key in ("us_per_call", "host_us_per_call"):
         print(f"median {key}:", {k: round(sorted(v)[len(v) // 2], 1) for k, v in res[key].items()})
     if a.json:

@@ -2,6 +2,9 @@
 //! those of any framework that publishes `__cuda_array_interface__` (CuPy, Numba, JAX) — read in
 //! place through their device address, never through the host.
 
+use std::borrow::Cow;
+
+use numpy::ndarray::IxDyn;
 use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -15,6 +18,49 @@ pub fn host<'a>(x: &'a PyReadonlyArrayDyn<'_, f32>, shape: &[Option<usize>], wha
     check_shape(x.shape(), shape, what)?;
     x.as_slice()
         .map_err(|_| ShapeError::new_err(format!("{what}: the array must be C-contiguous (np.ascontiguousarray)")))
+}
+
+/// A float32 array's data in the order `[batch, tokens, heads, dim]` where `heads_first` says it
+/// was given as `[batch, heads, tokens, dim]` (transformers' layout): read in place when its
+/// memory is already in that order (a transposed view, as attention projections make), copied
+/// into it otherwise. Without `heads_first`, as [`host`].
+pub fn host_steps<'a>(
+    x: &'a PyReadonlyArrayDyn<'_, f32>,
+    shape: &[Option<usize>],
+    what: &str,
+    heads_first: bool,
+) -> PyResult<Cow<'a, [f32]>> {
+    if !heads_first {
+        return host(x, shape, what).map(Cow::Borrowed);
+    }
+    let dims = steps_dims(x.shape().to_vec(), true);
+    check_shape(&dims, shape, what)?;
+    let view = x.as_array().permuted_axes(IxDyn(&[0, 2, 1, 3]));
+    Ok(match view.to_slice() {
+        Some(s) => Cow::Borrowed(s),
+        None => Cow::Owned(view.iter().copied().collect()),
+    })
+}
+
+/// Checks a host array as [`host_steps`] reads it, without reading it.
+pub fn check_host_steps(
+    x: &PyReadonlyArrayDyn<'_, f32>,
+    shape: &[Option<usize>],
+    what: &str,
+    heads_first: bool,
+) -> PyResult<()> {
+    if !heads_first {
+        return host(x, shape, what).map(drop);
+    }
+    check_shape(&steps_dims(x.shape().to_vec(), true), shape, what)
+}
+
+/// `dims` (or strides) of an array given heads first, in `[batch, tokens, heads, dim]` order.
+fn steps_dims<T>(mut dims: Vec<T>, heads_first: bool) -> Vec<T> {
+    if heads_first && dims.len() == 4 {
+        dims.swap(1, 2);
+    }
+    dims
 }
 
 fn check_shape(dims: &[usize], shape: &[Option<usize>], what: &str) -> PyResult<()> {
@@ -50,7 +96,21 @@ impl CudaArray {
     /// or `None` if `x` is neither (a host array). `writable`: refuse read-only arrays. Checked
     /// against `shape` as [`host`] checks, and to be C-contiguous.
     pub fn of(x: &Bound<'_, PyAny>, shape: &[Option<usize>], what: &str, writable: bool) -> PyResult<Option<Self>> {
-        if let Some(a) = Self::torch(x, what)? {
+        Self::steps(x, shape, what, writable, false)
+    }
+
+    /// As [`of`](Self::of), for an array that `heads_first` may give as `[batch, heads, tokens,
+    /// dim]`: its shape is then reported, and checked against `shape`, in `[batch, tokens, heads,
+    /// dim]` order, whose memory order it must have (a transposed view, as attention projections
+    /// make: read in place, no copy).
+    pub fn steps(
+        x: &Bound<'_, PyAny>,
+        shape: &[Option<usize>],
+        what: &str,
+        writable: bool,
+        heads_first: bool,
+    ) -> PyResult<Option<Self>> {
+        if let Some(a) = Self::torch(x, what, heads_first)? {
             check_shape(&a.shape, shape, what)?;
             return Ok(Some(a));
         }
@@ -75,11 +135,14 @@ impl CudaArray {
                 )))
             }
         };
-        let dims: Vec<usize> = get("shape")?.extract()?;
+        let given: Vec<usize> = get("shape")?.extract()?;
+        let strides = match iface.get_item("strides")?.filter(|s| !s.is_none()) {
+            Some(s) => s.extract::<Vec<isize>>()?,
+            None => c_strides(&given, elem.size() as isize),
+        };
+        let dims = steps_dims(given, heads_first);
         check_shape(&dims, shape, what)?;
-        if let Some(strides) = iface.get_item("strides")?.filter(|s| !s.is_none()) {
-            check_contiguous(&dims, &strides.extract::<Vec<isize>>()?, elem.size() as isize, what)?;
-        }
+        check_contiguous(&dims, &steps_dims(strides, heads_first), elem.size() as isize, what, heads_first)?;
         let data = get("data")?;
         let data = data.cast::<PyTuple>().map_err(|_| ShapeError::new_err(format!("{what}: data is not a tuple")))?;
         let ptr: u64 = data.get_item(0)?.extract()?;
@@ -100,7 +163,7 @@ impl CudaArray {
     /// A torch CUDA tensor read through its attributes (torch's `__cuda_array_interface__` is
     /// Python code, run once per array per call, and knows no bfloat16); `None` for anything else,
     /// CPU tensors included.
-    fn torch(x: &Bound<'_, PyAny>, what: &str) -> PyResult<Option<Self>> {
+    fn torch(x: &Bound<'_, PyAny>, what: &str, heads_first: bool) -> PyResult<Option<Self>> {
         let ty = x.get_type();
         if !ty.module().is_ok_and(|m| m.to_cow().is_ok_and(|m| m == "torch" || m.starts_with("torch.")))
             || !x.hasattr(pyo3::intern!(x.py(), "data_ptr"))?
@@ -123,12 +186,12 @@ impl CudaArray {
                 )))
             }
         };
-        let dims: Vec<usize> = x.getattr(pyo3::intern!(py, "shape"))?.extract()?;
-        let strides: Vec<isize> = x.call_method0(pyo3::intern!(py, "stride"))?.extract()?;
+        let dims: Vec<usize> = steps_dims(x.getattr(pyo3::intern!(py, "shape"))?.extract()?, heads_first);
+        let strides: Vec<isize> = steps_dims(x.call_method0(pyo3::intern!(py, "stride"))?.extract()?, heads_first);
         // Element strides: the check below counts in bytes.
         let size = elem.size() as isize;
         let strides: Vec<isize> = strides.iter().map(|s| s * size).collect();
-        check_contiguous(&dims, &strides, size, what)?;
+        check_contiguous(&dims, &strides, size, what, heads_first)?;
         let ptr: u64 = x.call_method0(pyo3::intern!(py, "data_ptr"))?.extract()?;
         let index: Option<usize> = device.getattr(pyo3::intern!(py, "index"))?.extract()?;
         Ok(Some(Self { ptr, shape: dims, elem, device: index, stream: None }))
@@ -141,14 +204,30 @@ impl CudaArray {
     }
 }
 
+/// Byte strides of a C-contiguous array of `dims`.
+fn c_strides(dims: &[usize], size: isize) -> Vec<isize> {
+    let mut strides = vec![size; dims.len()];
+    for i in (0..dims.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * dims[i + 1] as isize;
+    }
+    strides
+}
+
 /// Byte strides of a C-contiguous array of `dims` (dimensions of length 1 may have any stride).
-fn check_contiguous(dims: &[usize], strides: &[isize], size: isize, what: &str) -> PyResult<()> {
+/// `heads_first`: `dims` and `strides` were reordered from an array given heads first.
+fn check_contiguous(dims: &[usize], strides: &[isize], size: isize, what: &str, heads_first: bool) -> PyResult<()> {
     let mut want = size;
     for (&s, &d) in strides.iter().zip(dims).rev() {
         if d > 1 && s != want {
-            return Err(ShapeError::new_err(format!(
-                "{what}: the array must be C-contiguous (.contiguous()), byte strides {strides:?}"
-            )));
+            return Err(ShapeError::new_err(if heads_first {
+                format!(
+                    "{what}: given heads first, the array must be a transposed view of C-contiguous \
+                     [batch, tokens, heads, dim] memory (x.transpose(1, 2).contiguous().transpose(1, 2)); \
+                     byte strides in that order {strides:?}"
+                )
+            } else {
+                format!("{what}: the array must be C-contiguous (.contiguous()), byte strides {strides:?}")
+            }));
         }
         want *= d as isize;
     }

@@ -41,8 +41,18 @@ pub struct KvCache {
 
 /// A step's inputs as the caller gave them: all NumPy or all CUDA arrays.
 enum Inputs<'py> {
-    Host { q: Option<PyReadonlyArrayDyn<'py, f32>>, k: PyReadonlyArrayDyn<'py, f32>, v: PyReadonlyArrayDyn<'py, f32> },
-    Cuda { q: Option<CudaArray>, k: CudaArray, v: CudaArray },
+    /// `heads_first`: the arrays are `[batch, heads, tokens, dim]`.
+    Host {
+        q: Option<PyReadonlyArrayDyn<'py, f32>>,
+        k: PyReadonlyArrayDyn<'py, f32>,
+        v: PyReadonlyArrayDyn<'py, f32>,
+        heads_first: bool,
+    },
+    Cuda {
+        q: Option<CudaArray>,
+        k: CudaArray,
+        v: CudaArray,
+    },
 }
 
 #[pymethods]
@@ -166,7 +176,13 @@ impl KvCache {
     /// types), which is returned, and the work is ordered after what `stream` (a `CUstream`
     /// handle, e.g. `torch.cuda.current_stream().cuda_stream`; by default the one the arrays
     /// name, else the default stream) has queued, and before whatever it queues next.
-    #[pyo3(signature = (layer, q, k, v, scale = None, *, out = None, stream = None))]
+    ///
+    /// `heads_first`: `q`, `k` and `v` are given as `[batch, heads, tokens, head_dim]`, the layout
+    /// transformers' attention functions receive; CUDA arrays must then be transposed views of
+    /// C-contiguous `[batch, tokens, heads, head_dim]` memory (what attention projections make:
+    /// read in place), NumPy arrays may be anything (copied where they are not such views). The
+    /// output keeps `[batch, tokens, q_heads, head_dim]`, the layout those functions return.
+    #[pyo3(signature = (layer, q, k, v, scale = None, *, out = None, stream = None, heads_first = false))]
     #[allow(clippy::too_many_arguments)]
     fn attend<'py>(
         &self,
@@ -178,18 +194,20 @@ impl KvCache {
         scale: Option<f32>,
         out: Option<&Bound<'py, PyAny>>,
         stream: Option<u64>,
+        heads_first: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let (hq, d) = (self.q_heads, self.head_dim);
-        let inputs = self.inputs(Some(q), k, v)?;
+        let inputs = self.inputs(Some(q), k, v, heads_first)?;
         let (b, t) = batch_tokens(&inputs);
         let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
         match inputs {
-            Inputs::Host { q, k, v } => {
+            Inputs::Host { q, k, v, heads_first } => {
                 if out.is_some() {
                     return Err(ShapeError::new_err("out= is for CUDA arrays; NumPy inputs return a new array"));
                 }
                 let q = q.expect("attend has queries");
-                let (qs, ks, vs) = (slice(&q, "q")?, slice(&k, "k")?, slice(&v, "v")?);
+                let (qs, ks, vs) = (slice(&q, heads_first)?, slice(&k, heads_first)?, slice(&v, heads_first)?);
+                let (qs, ks, vs) = (&*qs, &*ks, &*vs);
                 let dev = self.candle.clone();
                 let y = py
                     .detach(|| {
@@ -223,7 +241,7 @@ impl KvCache {
     /// whose attention the caller computed itself (the first chunk of a prompt attends only to
     /// itself, exactly, whatever the cache stores). Positions leaving the recent window become
     /// codes as in `attend`. NumPy or (on a CUDA cache) CUDA arrays, ordered on `stream` as there.
-    #[pyo3(signature = (layer, k, v, *, stream = None))]
+    #[pyo3(signature = (layer, k, v, *, stream = None, heads_first = false))]
     fn append(
         &self,
         py: Python<'_>,
@@ -231,12 +249,14 @@ impl KvCache {
         k: &Bound<'_, PyAny>,
         v: &Bound<'_, PyAny>,
         stream: Option<u64>,
+        heads_first: bool,
     ) -> PyResult<()> {
-        let inputs = self.inputs(None, k, v)?;
+        let inputs = self.inputs(None, k, v, heads_first)?;
         let (b, t) = batch_tokens(&inputs);
         match inputs {
-            Inputs::Host { k, v, .. } => {
-                let (ks, vs) = (slice(&k, "k")?, slice(&v, "v")?);
+            Inputs::Host { k, v, heads_first, .. } => {
+                let (ks, vs) = (slice(&k, heads_first)?, slice(&v, heads_first)?);
+                let (ks, vs) = (&*ks, &*vs);
                 let dev = self.candle.clone();
                 py.detach(|| {
                     self.on_pool(t, || -> veloq_candle::Result<()> {
@@ -305,27 +325,30 @@ impl KvCache {
         self.caches.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The step's arrays, all of one kind and shaped `[batch, tokens, heads, head_dim]` alike.
+    /// The step's arrays, all of one kind and shaped `[batch, tokens, heads, head_dim]` alike
+    /// (`[batch, heads, tokens, head_dim]` where `heads_first`).
     fn inputs<'py>(
         &self,
         q: Option<&Bound<'py, PyAny>>,
         k: &Bound<'py, PyAny>,
         v: &Bound<'py, PyAny>,
+        heads_first: bool,
     ) -> PyResult<Inputs<'py>> {
         let (hq, hk, d) = (self.q_heads, self.kv_heads, self.head_dim);
         let kv_shape = [None, None, Some(hk), Some(d)];
-        let Some(kc) = CudaArray::of(k, &kv_shape, "k", false)? else {
+        let Some(kc) = CudaArray::steps(k, &kv_shape, "k", false, heads_first)? else {
             let k: PyReadonlyArrayDyn<'py, f32> = k.extract()?;
-            arrays::host(&k, &kv_shape, "k")?;
-            let (b, t) = (k.shape()[0], k.shape()[1]);
+            arrays::check_host_steps(&k, &kv_shape, "k", heads_first)?;
+            let t_axis = if heads_first { 2 } else { 1 };
+            let (b, t) = (k.shape()[0], k.shape()[t_axis]);
             let shape = |h| [Some(b), Some(t), Some(h), Some(d)];
             let q: Option<PyReadonlyArrayDyn<'py, f32>> = q.map(|q| q.extract()).transpose()?;
             if let Some(q) = &q {
-                arrays::host(q, &shape(hq), "q")?;
+                arrays::check_host_steps(q, &shape(hq), "q", heads_first)?;
             }
             let v: PyReadonlyArrayDyn<'py, f32> = v.extract()?;
-            arrays::host(&v, &shape(hk), "v")?;
-            return Ok(Inputs::Host { q, k, v });
+            arrays::check_host_steps(&v, &shape(hk), "v", heads_first)?;
+            return Ok(Inputs::Host { q, k, v, heads_first });
         };
         if self.device == Device::Cpu {
             return Err(DeviceError::new_err(
@@ -336,7 +359,7 @@ impl KvCache {
         let shape = |h| [Some(b), Some(t), Some(h), Some(d)];
         self.same_device(&kc, "k")?;
         let cuda = |x: &Bound<'py, PyAny>, h, what| {
-            let a = CudaArray::of(x, &shape(h), what, false)?
+            let a = CudaArray::steps(x, &shape(h), what, false, heads_first)?
                 .ok_or_else(|| ShapeError::new_err(format!("{what}: expected a CUDA array like k")))?;
             self.same_device(&a, what)?;
             Ok::<_, PyErr>(a)
@@ -431,14 +454,15 @@ impl KvCache {
     }
 }
 
-/// The data of a host array whose shape [`KvCache::inputs`] checked.
-fn slice<'a>(x: &'a PyReadonlyArrayDyn<'_, f32>, what: &str) -> PyResult<&'a [f32]> {
-    arrays::host(x, &[None; 4], what)
+/// The data of a host array whose shape [`KvCache::inputs`] checked, `[batch, tokens, heads,
+/// dim]` in memory (copied into that order if it was given heads first in another).
+fn slice<'a>(x: &'a PyReadonlyArrayDyn<'_, f32>, heads_first: bool) -> PyResult<std::borrow::Cow<'a, [f32]>> {
+    arrays::host_steps(x, &[None; 4], "array", heads_first)
 }
 
 fn batch_tokens(inputs: &Inputs<'_>) -> (usize, usize) {
     match inputs {
-        Inputs::Host { k, .. } => (k.shape()[0], k.shape()[1]),
+        Inputs::Host { k, heads_first, .. } => (k.shape()[0], k.shape()[if *heads_first { 2 } else { 1 }]),
         Inputs::Cuda { k, .. } => (k.shape[0], k.shape[1]),
     }
 }
