@@ -21,7 +21,9 @@ against transformers' own caches on the same model and the same positions.
    veloq's attention function, which falls back to SDPA), VeloqCache (default vq-4; on the 8B config calibrated by `vt.calibrate` on random
    token ids, the runner's synthetic stand-in), QuantizedCache (HQQ backend, 4 bits, transformers'
    KIVI-style cache) and, on the 8B config, StaticCache + torch.compile(mode="reduce-overhead")
-   (the anchor `scripts/device/hf_decode.py` measures). KV bytes are what each cache holds
+   (the anchor `scripts/device/hf_decode.py` measures). `veloq-compiled`: VeloqCache with the
+   model's forward under `torch.compile` (default mode; veloq's native calls are graph breaks),
+   the first step's time — the compilation — reported apart. KV bytes are what each cache holds
    (`vt.kv_bytes`); peak memory is torch's allocator peak above the model plus what veloq holds.
 
 Usage: hf_cache.py --gguf smollm2.gguf --text persuasion.txt --json OUT [--contexts 8192,32768,131072]
@@ -185,14 +187,19 @@ def fill(cache, g, ctx, gen):
                 cache.update(k, v, layer)
 
 
-def time_steps(model, cache, steps, warmup, step_fn=None, ctx=None):
+def time_steps(model, cache, steps, warmup, step_fn=None, ctx=None, call=None, first=None):
+    """Times of `steps` decode steps after `warmup` (the first's time, compilation included, into
+    `first["s"]` if given); `step_fn`: a compiled StaticCache step, `call`: the model's forward
+    compiled as it is."""
     ids = torch.ones(1, 1, dtype=torch.long, device="cuda")
     times = []
     with torch.no_grad():
         for i in range(warmup + steps):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            if step_fn is None:
+            if call is not None:
+                out = call(input_ids=ids, use_cache=True, **{vt._cache_kwarg(model): cache})
+            elif step_fn is None:
                 out = forward(model, ids, cache)
             else:
                 pos = torch.tensor([ctx + i], device="cuda")
@@ -202,6 +209,8 @@ def time_steps(model, cache, steps, warmup, step_fn=None, ctx=None):
             del out
             times.append(time.perf_counter() - t)
             ids = torch.tensor([[nxt]], device="cuda")
+    if first is not None:
+        first["s"] = times[0]
     return times[warmup:]
 
 
@@ -210,6 +219,7 @@ def speed(a, res, name, model, cal, contexts):
     base = torch.cuda.memory_allocated()
     rows = []
     compiled = None
+    compiled_forward = None  # the model's forward under torch.compile (veloq-compiled), compiled once
     runs = 0
     for ctx in contexts:
         # Every cache of a context once, then again (--passes), each run at lengths of its own.
@@ -237,7 +247,7 @@ def speed(a, res, name, model, cal, contexts):
                     cache = DynamicCache(config=model.config)
                     if kind == "dynamic-flash":
                         backend = sdpa_kernel(SDPBackend.FLASH_ATTENTION)
-                elif kind == "veloq":
+                elif kind in ("veloq", "veloq-compiled"):
                     cache = vt.VeloqCache(model, cal, max_context=positions + a.steps + a.warmup + 8)
                 elif kind == "hqq":
                     from transformers.cache_utils import QuantizedCache
@@ -264,8 +274,14 @@ def speed(a, res, name, model, cal, contexts):
                     fill(cache, g, positions, gen)
                     torch.cuda.synchronize()
                     row["fill_s"] = time.time() - t
+                    call, first = None, {}
+                    if kind == "veloq-compiled":
+                        compiled_forward = compiled_forward or torch.compile(model.forward)
+                        call = compiled_forward
                     with backend:
-                        times = time_steps(model, cache, a.steps, a.warmup)
+                        times = time_steps(model, cache, a.steps, a.warmup, call=call, first=first)
+                    if call is not None:
+                        row["first_step_s"] = first["s"]
                     set_attn(model, "veloq")
                 med = statistics.median(times)
                 veloq_bytes = cache.resident_bytes if isinstance(cache, vt.VeloqCache) else 0
@@ -275,7 +291,8 @@ def speed(a, res, name, model, cal, contexts):
                     "peak_bytes": torch.cuda.max_memory_allocated() - base + veloq_bytes,
                 })
                 log(f"{name} ctx {ctx:>6} {kind:>12} pass {p + 1}: {med * 1e3:8.2f} ms/step (min {min(times) * 1e3:.2f}) "
-                    f"KV {row['kv_bytes'] / 2**30:7.3f} GiB, peak {row['peak_bytes'] / 2**30:7.3f} GiB")
+                    f"KV {row['kv_bytes'] / 2**30:7.3f} GiB, peak {row['peak_bytes'] / 2**30:7.3f} GiB"
+                    + (f", first step {row['first_step_s']:.1f} s" if "first_step_s" in row else ""))
             except torch.cuda.OutOfMemoryError as e:
                 row["error"] = "out of memory"
                 log(f"{name} ctx {ctx} {kind}: out of memory")
