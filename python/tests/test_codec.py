@@ -201,6 +201,29 @@ def test_heads_first_arrays_attend_as_tokens_first_ones(cal, rng):
         caches[1].append(5, k, k, heads_first=True)  # tokens first, read as heads first
 
 
+def test_skip_leaves_left_padding_out(cal, rng):
+    """`append(skip=...)` holds each sequence without its first `skip` tokens (a left-padded
+    batch): the next decode step attends as caches fed the unpadded sequences one by one."""
+    width, skip = 50, [7, 0, 50]
+    k, v = (np.stack([keys_like(rng, cal, width) for _ in range(3)]) for _ in range(2))
+    batch = veloq.KvCache("vq-4", q_heads=9, calibration=cal, max_context=256, batch=3)
+    batch.append(4, k, v, skip=skip)
+    assert [batch.length(4, s) for s in range(3)] == [43, 50, 0]
+    q = rng.standard_normal((3, 1, 9, 64)).astype(np.float32)
+    k1, v1 = (np.stack([keys_like(rng, cal, 1) for _ in range(3)]) for _ in range(2))
+    got = batch.attend(4, q, k1, v1, 0.125)
+    for s in range(3):
+        alone = veloq.KvCache("vq-4", q_heads=9, calibration=cal, max_context=256)
+        if skip[s] < width:
+            alone.append(4, k[s : s + 1, skip[s] :], v[s : s + 1, skip[s] :])
+        want = alone.attend(4, q[s : s + 1], k1[s : s + 1], v1[s : s + 1], 0.125)
+        assert np.abs(got[s] - want[0]).max() <= 1e-5 * np.abs(want).max()
+    for bad in ([1, 2], [0, 0, 51]):
+        with pytest.raises(veloq.ShapeError, match="skip"):
+            batch.append(4, k, v, skip=bad)
+    assert [batch.length(4, s) for s in range(3)] == [44, 51, 1], "a refused step changes nothing"
+
+
 class FakeCudaArray:
     """Publishes a CUDA array interface without any memory behind it: only what is checked before
     a device is touched may be exercised with it."""

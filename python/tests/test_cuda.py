@@ -191,6 +191,70 @@ def test_heads_first_tensors_are_read_in_place(calibration_path, gen, dtype):
     assert a.length(6) == b.length(6) == c.length(6) == 132
 
 
+@pytest.mark.parametrize("method", ["fp16", "vq-4"])
+def test_skip_leaves_left_padding_out_on_cuda(calibration_path, gen, method):
+    """A left-padded batch appended with `skip` (f16 tensors heads first, as transformers hands
+    them) holds each sequence as caches fed the unpadded sequences one by one: the next step's
+    attention agrees within f32 summation order (a ragged batch against single sequences)."""
+    cal = veloq.Calibration.load(calibration_path) if method != "fp16" else None
+    spec = dict(q_heads=9, calibration=cal, max_context=1024, device="cuda")
+    if cal is None:
+        spec.update(layers=30, kv_heads=3, head_dim=64)
+    width, skip = 300, [37, 0, 299]
+    k, v = (torch.randn(3, width, 3, 64, device="cuda", generator=gen).half() * 2 for _ in range(2))
+    batch = veloq.KvCache(method, batch=3, **spec)
+    batch.append(2, k.transpose(1, 2), v.transpose(1, 2), heads_first=True, skip=skip)
+    assert [batch.length(2, s) for s in range(3)] == [263, 300, 1]
+    q, k1, v1 = (torch.randn(3, 1, h, 64, device="cuda", generator=gen).half() for h in (9, 3, 3))
+    got = torch.empty_like(q)
+    batch.attend(2, q, k1, v1, out=got)
+    for s in range(3):
+        alone = veloq.KvCache(method, **spec)
+        alone.append(2, k[s : s + 1, skip[s] :].contiguous(), v[s : s + 1, skip[s] :].contiguous())
+        want = torch.empty_like(q[s : s + 1])
+        alone.attend(2, q[s : s + 1], k1[s : s + 1], v1[s : s + 1], out=want)
+        assert (got[s].float() - want[0].float()).abs().max() <= 2e-3 * want.float().abs().max()
+
+
+def test_a_left_padded_batch_through_transformers_on_cuda():
+    """A random two-layer Llama in f16 on the GPU, a left-padded batch of three prompts (5, 0 and
+    31 pads of 40), then three teacher-forced steps: VeloqCache fp16 gives DynamicCache's logits
+    within f16 rounding; attending the pads instead moves them by O(1) of their scale."""
+    transformers = pytest.importorskip("transformers")
+    import veloq.transformers as vt
+
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).cuda().half().eval()
+    model.set_attn_implementation("veloq")
+    ids = torch.randint(3, 1000, (3, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    mask[2, :31] = 0
+    ids[mask == 0] = 0
+    ids, mask = ids.cuda(), mask.cuda()
+
+    def run(cache, m):
+        logits, x = [], ids
+        with torch.no_grad():
+            for step in range(4):
+                out = model(input_ids=x, attention_mask=m, use_cache=True, **{vt._cache_kwarg(model): cache})
+                logits.append(out.logits[:, -1].float())
+                x = torch.full((3, 1), 7 + step, device="cuda")
+                m = torch.cat([m, torch.ones(3, 1, dtype=m.dtype, device="cuda")], dim=1)
+        return torch.stack(logits)
+
+    ref = run(transformers.DynamicCache(config=cfg), mask)
+    cache = vt.VeloqCache(model, method="fp16", max_context=128)
+    got = run(cache, mask)
+    wrong = run(transformers.DynamicCache(config=cfg), torch.ones_like(mask))
+    scale = ref.abs().max()
+    assert (got - ref).abs().max() <= 1e-2 * scale
+    assert (wrong - ref).abs().max() > 0.2 * scale
+    assert [cache.native.length(1, s) for s in range(3)] == [38, 43, 12]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="one GPU")
 def test_tensors_on_another_gpu_are_refused(gen):
     cache = veloq.KvCache("fp16", q_heads=2, layers=1, kv_heads=1, head_dim=64, max_context=8, device="cuda:0")

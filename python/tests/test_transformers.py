@@ -56,6 +56,30 @@ def test_fp16_through_veloq_equals_dynamic_cache(hf):
         assert torch.equal(ref, got)
 
 
+def test_a_left_padded_batch_generates_as_dynamic_cache_does(hf, hf_cal):
+    """Prompts of different lengths in one batch, left-padded: veloq holds no pad (each sequence
+    from its own length on, decoded as a ragged batch) and gives DynamicCache's tokens with fp16
+    rows; with vq-4 each sequence keeps its own length in codes and the output stays on topic."""
+    model, tok = hf
+    tok.pad_token = tok.pad_token or tok.eos_token
+    tok.padding_side = "left"
+    chats = [[{"role": "user", "content": c}] for c in ("What is the capital of France?", "Name three colours of the rainbow, please.", "Hi")]
+    batch = tok.apply_chat_template(chats, add_generation_prompt=True, return_tensors="pt", return_dict=True, padding=True)
+    pads = (batch["attention_mask"] == 0).sum(-1).tolist()
+    assert len(set(pads)) == 3, "three different lengths"
+    ref = model.generate(**batch, max_new_tokens=12, do_sample=False, cache=transformers.DynamicCache())
+    cache = vt.VeloqCache(model, method="fp16")
+    got = model.generate(**batch, max_new_tokens=12, do_sample=False, cache=cache)
+    assert torch.equal(ref, got)
+    width = batch["input_ids"].shape[1]
+    held = [cache.native.length(0, s) for s in range(3)]
+    assert held == [width + 11 - p for p in pads], "no pad held, each sequence at its own length"
+    coded = vt.VeloqCache(model, hf_cal)
+    out = model.generate(**batch, max_new_tokens=12, do_sample=False, cache=coded)
+    assert [coded.native.length(0, s) for s in range(3)] == held
+    assert "Paris" in tok.decode(out[0, width:])
+
+
 def test_vq4_tracks_dynamic_cache_in_less_memory(hf, hf_cal):
     model, tok = hf
     text = TEXT.read_text()[200_000:206_000]
@@ -148,9 +172,11 @@ def test_misuse_is_refused(hf, hf_cal):
     with pytest.raises(veloq.CalibrationError, match="head_dim"):
         vt.VeloqCache(model, veloq.Calibration.train(small, small, method="vq-4"))
     tok.pad_token = tok.pad_token or tok.eos_token
+    tok.padding_side = "right"
     ids = tok(["a b c", "a"], return_tensors="pt", padding=True)
-    with pytest.raises(NotImplementedError, match="padded"):
+    with pytest.raises(NotImplementedError, match="left-padded"):
         model(**ids, cache=vt.VeloqCache(model, method="fp16"))
+    tok.padding_side = "left"
     # Without a VeloqCache the veloq attention runs SDPA: the same logits as a plain model.
     x = tok("Hello there", return_tensors="pt").input_ids
     with torch.no_grad():

@@ -92,7 +92,8 @@ class VeloqLayer(CacheLayerMixin):
         return key_states, value_states
 
     def get_seq_length(self) -> int:
-        return self.owner.native.length(self.index) if self.owner.native is not None else 0
+        # Positions in transformers' sense: a left-padded sequence's pads count (veloq holds none).
+        return self.owner.native.length(self.index) + self.owner._pads[0] if self.owner.native is not None else 0
 
     def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -164,6 +165,8 @@ class VeloqCache(Cache):
         self.native: Optional[KvCache] = KvCache(**self._spec)
         self._batch = 1
         self._fresh = True
+        self._pads = [0]  # left padding of each sequence: positions transformers counts, veloq never holds
+        self._masks: dict = {}  # id(mask) → (mask, what it says): read once per forward pass
         super().__init__(layers=[VeloqLayer(self, i) for i in range(g["layers"])])
 
     def _ensure(self, key_states: torch.Tensor) -> None:
@@ -175,10 +178,12 @@ class VeloqCache(Cache):
                 raise ConfigError(f"the cache holds {self._batch} sequences; a step of {batch} cannot continue it")
             self.native = KvCache(**self._spec, batch=batch)
             self._batch = batch
+            self._pads = [0] * batch
         self._fresh = False
 
     def reset(self) -> None:
         self.native.truncate(0)
+        self._pads = [0] * self._batch
 
     @property
     def resident_bytes(self) -> int:
@@ -252,11 +257,29 @@ def _cuda_call(fn, *args, tensors, **kwargs):
         return fn(*args, *map(_cuda_rows, tensors), **kwargs)
 
 
-def _last_query_sees_all(mask: torch.Tensor) -> bool:
-    """Whether a full-attention layer's mask lets every sequence's last query see every position:
-    true of a causal mask, false where padding hides positions."""
-    last = mask[..., -1, :]
-    return bool(last.all()) if last.dtype == torch.bool else bool((last == 0).all())
+def _mask_says(owner: "VeloqCache", mask: torch.Tensor, first_chunk: bool) -> list:
+    """What a layer's mask says of each sequence, read from the device once per forward pass
+    (transformers hands the layers of a kind the same mask): on a prompt's first chunk, its left
+    padding (the positions no query sees, which must come first); later, how many positions its
+    last query sees. Right padding (pads after a sequence's tokens) is refused."""
+    said = owner._masks.get(id(mask))
+    if said is not None and said[0] is mask:
+        return said[1]
+    seen = mask if mask.dtype == torch.bool else mask == 0
+    seen = seen[:, 0]  # [batch, queries, positions]
+    if first_chunk:
+        hidden = ~seen.any(dim=1)  # [batch, positions]
+        # Left padding: the hidden positions are a prefix (their count equals the leading run's).
+        lead = hidden.to(torch.int32).cumprod(dim=-1).sum(dim=-1)
+        counts, lead = torch.stack([hidden.sum(dim=-1), lead]).tolist()
+        if counts != lead:
+            raise NotImplementedError("veloq attention takes left-padded batches only (tokenizer padding_side='left')")
+    else:
+        counts = seen[:, -1].sum(dim=-1).tolist()
+    if len(owner._masks) > 4:
+        owner._masks.clear()
+    owner._masks[id(mask)] = (mask, counts)
+    return counts
 
 
 def veloq_attention(
@@ -279,21 +302,34 @@ def veloq_attention(
         raise NotImplementedError("veloq attention has no logit soft-capping (Gemma 2); use Gemma 3 or another family")
     if dropout and module.training:
         raise NotImplementedError("veloq attention is for inference (no dropout)")
-    if attention_mask is not None and not layer.is_sliding and not _last_query_sees_all(attention_mask):
-        raise NotImplementedError("veloq attention does not take padded batches; run sequences one at a time")
     if scaling is None:
         scaling = 1.0 / math.sqrt(query.shape[-1])
-    native = layer.owner.native
+    owner = layer.owner
+    native = owner.native
     cuda = query.device.type == "cuda"
     stream = {"stream": _stream(query.device)} if cuda else {}
-    if query.shape[2] > 1 and native.length(layer.index) == 0:
-        # A first chunk sees only its own positions, exact in the cache too: SDPA attends, veloq stores.
+    t = query.shape[2]
+    if t > 1 and native.length(layer.index) == 0:
+        # A first chunk sees only its own positions, exact in the cache too: SDPA attends, veloq
+        # stores all but the left padding (masked out here, and never attended after).
+        skip = None
+        if attention_mask is not None:
+            skip = _mask_says(owner, attention_mask, first_chunk=True)
+            owner._pads = skip
         out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         if cuda:
-            _cuda_call(native.append, layer.index, tensors=(key, value), **stream)
+            _cuda_call(native.append, layer.index, tensors=(key, value), skip=skip, **stream)
         else:
-            native.append(layer.index, _np_heads_first(key), _np_heads_first(value), heads_first=True)
+            native.append(layer.index, _np_heads_first(key), _np_heads_first(value), heads_first=True, skip=skip)
         return out, None
+    if attention_mask is not None and not layer.is_sliding:
+        # Every sequence's last query must see what veloq holds of it and the step's tokens.
+        seen = _mask_says(owner, attention_mask, first_chunk=False)
+        if any(n != native.length(layer.index, s) + t for s, n in enumerate(seen)):
+            raise NotImplementedError(
+                "the mask hides positions veloq holds (padding added after the prompt's first chunk); "
+                "start a new VeloqCache for a new batch"
+            )
     if cuda:
         b, h, t, d = query.shape
         out = torch.empty((b, t, h, d), dtype=query.dtype, device=query.device)

@@ -214,7 +214,7 @@ impl KvCache {
                         self.on_pool(t, || -> veloq_candle::Result<Vec<f32>> {
                             let (kt, vt) = (self.kv_tensor(ks, b * t, &dev)?, self.kv_tensor(vs, b * t, &dev)?);
                             let qt = Tensor::from_slice(qs, (b * t, hq, d), &dev)?;
-                            let y = step(&mut self.lock(), layer, b, t, &kt, &vt, Some((&qt, scale, None)))?;
+                            let y = step(&mut self.lock(), layer, b, t, &kt, &vt, Some((&qt, scale, None)), None)?;
                             Ok(y.expect("attend returns attention").flatten_all()?.to_vec1::<f32>()?)
                         })
                     })
@@ -231,7 +231,7 @@ impl KvCache {
                     .ok_or_else(|| ShapeError::new_err("out: expected a CUDA array like k"))?;
                 self.same_device(&o, "out")?;
                 let stream = stream.or(k.stream).unwrap_or(0);
-                py.detach(|| self.device_step(layer, b, t, q.as_ref().map(|q| (q, &o, scale)), &k, &v, stream))?;
+                py.detach(|| self.device_step(layer, b, t, q.as_ref().map(|q| (q, &o, scale)), &k, &v, None, stream))?;
                 Ok(out.clone())
             }
         }
@@ -241,7 +241,12 @@ impl KvCache {
     /// whose attention the caller computed itself (the first chunk of a prompt attends only to
     /// itself, exactly, whatever the cache stores). Positions leaving the recent window become
     /// codes as in `attend`. NumPy or (on a CUDA cache) CUDA arrays, ordered on `stream` as there.
-    #[pyo3(signature = (layer, k, v, *, stream = None, heads_first = false))]
+    ///
+    /// `skip`: for each sequence, how many of its first tokens to leave out — the left padding of
+    /// a batch of prompts of different lengths, which attention masks out and the cache then never
+    /// holds (each sequence continues from its own length; a sequence may skip all its tokens).
+    #[pyo3(signature = (layer, k, v, *, stream = None, heads_first = false, skip = None))]
+    #[allow(clippy::too_many_arguments)]
     fn append(
         &self,
         py: Python<'_>,
@@ -250,9 +255,18 @@ impl KvCache {
         v: &Bound<'_, PyAny>,
         stream: Option<u64>,
         heads_first: bool,
+        skip: Option<Vec<usize>>,
     ) -> PyResult<()> {
         let inputs = self.inputs(None, k, v, heads_first)?;
         let (b, t) = batch_tokens(&inputs);
+        if let Some(skip) = &skip {
+            if skip.len() != b || skip.iter().any(|&s| s > t) {
+                return Err(ShapeError::new_err(format!(
+                    "skip: one count a sequence, each at most its {t} tokens, for {b} sequences; got {skip:?}"
+                )));
+            }
+        }
+        let skip = skip.as_deref();
         match inputs {
             Inputs::Host { k, v, heads_first, .. } => {
                 let (ks, vs) = (slice(&k, heads_first)?, slice(&v, heads_first)?);
@@ -261,14 +275,14 @@ impl KvCache {
                 py.detach(|| {
                     self.on_pool(t, || -> veloq_candle::Result<()> {
                         let (kt, vt) = (self.kv_tensor(ks, b * t, &dev)?, self.kv_tensor(vs, b * t, &dev)?);
-                        step(&mut self.lock(), layer, b, t, &kt, &vt, None).map(drop)
+                        step(&mut self.lock(), layer, b, t, &kt, &vt, None, skip).map(drop)
                     })
                 })
                 .py()
             }
             Inputs::Cuda { k, v, .. } => {
                 let stream = stream.or(k.stream).unwrap_or(0);
-                py.detach(|| self.device_step(layer, b, t, None, &k, &v, stream))
+                py.detach(|| self.device_step(layer, b, t, None, &k, &v, skip, stream))
             }
         }
     }
@@ -404,6 +418,7 @@ impl KvCache {
         q: Option<(&CudaArray, &CudaArray, f32)>,
         k: &CudaArray,
         v: &CudaArray,
+        skip: Option<&[usize]>,
         stream: u64,
     ) -> PyResult<()> {
         use veloq_candle::interop::{ForeignBuffer, ForeignStream};
@@ -424,10 +439,10 @@ impl KvCache {
             let read = unsafe { stage.read(&srcs)? };
             let (kt, vt) = (&read[0], &read[1]);
             let Some((_, out, scale)) = q else {
-                return step(&mut self.lock(), layer, b, t, kt, vt, None).map(drop);
+                return step(&mut self.lock(), layer, b, t, kt, vt, None, skip).map(drop);
             };
             let y = stage.output(&qs)?;
-            step(&mut self.lock(), layer, b, t, kt, vt, Some((&read[2], scale, Some(&y))))?;
+            step(&mut self.lock(), layer, b, t, kt, vt, Some((&read[2], scale, Some(&y))), None)?;
             // SAFETY: as above; `out` was checked writable and of the output's shape.
             unsafe { stage.write(&y, buf(out)) }
         };
@@ -448,6 +463,7 @@ impl KvCache {
         _q: Option<(&CudaArray, &CudaArray, f32)>,
         _k: &CudaArray,
         _v: &CudaArray,
+        _skip: Option<&[usize]>,
         _stream: u64,
     ) -> PyResult<()> {
         Err(DeviceError::new_err("this veloq was built without CUDA (pip install with the cuda feature)"))
@@ -468,9 +484,11 @@ fn batch_tokens(inputs: &Inputs<'_>) -> (usize, usize) {
 }
 
 /// Appends `k`, `v` (`[batch × tokens, kv heads, head_dim]`, every sequence `tokens` long,
-/// continuing where it ends) to `layer`, attends `q` (queries, scale and, if given, the tensor
-/// the attention is written into — then nothing is returned) if given, and settles the step; a
-/// step that fails leaves every sequence as it was.
+/// continuing where it ends; without the first `skip[s]` tokens of sequence `s` if given) to
+/// `layer`, attends `q` (queries, scale and, if given, the tensor the attention is written into —
+/// then nothing is returned) if given, and settles the step; a step that fails leaves every
+/// sequence as it was.
+#[allow(clippy::too_many_arguments)]
 fn step(
     caches: &mut ModelCache,
     layer: usize,
@@ -479,6 +497,7 @@ fn step(
     k: &Tensor,
     v: &Tensor,
     q: Option<(&Tensor, f32, Option<&Tensor>)>,
+    skip: Option<&[usize]>,
 ) -> veloq_candle::Result<Option<Tensor>> {
     use veloq_candle::Error;
     let n_layers = caches.layers().len();
@@ -493,8 +512,24 @@ fn step(
     }
     let l = &mut caches.layers_mut()[layer];
     let starts: Vec<_> = (0..b).map(|s| l.len(s)).collect();
-    let step = Step::new(starts.iter().enumerate().map(|(slot, &start)| SeqStep { slot, start, len: t }).collect())?;
-    l.append(k, v, &step)?;
+    let skipped = |s: usize| skip.map_or(0, |k| k[s]);
+    let seqs: Vec<_> = (0..b)
+        .filter(|&s| skipped(s) < t)
+        .map(|slot| SeqStep { slot, start: starts[slot], len: t - skipped(slot) })
+        .collect();
+    if seqs.is_empty() && q.is_none() {
+        return Ok(None); // every sequence skipped all its tokens
+    }
+    let step = Step::new(seqs)?;
+    // The rows kept, packed: sequence s's last t - skip[s] tokens.
+    let (k, v) = if (0..b).any(|s| skipped(s) > 0) {
+        let rows: Vec<u32> = (0..b).flat_map(|s| (s * t + skipped(s)..(s + 1) * t).map(|r| r as u32)).collect();
+        let rows = Tensor::from_vec(rows, step.tokens(), k.device())?;
+        (k.index_select(&rows, 0)?, v.index_select(&rows, 0)?)
+    } else {
+        (k.clone(), v.clone())
+    };
+    l.append(&k, &v, &step)?;
     let y = match q {
         Some((q, scale, Some(out))) => l.attend_into(q, &step, scale, out).map(|()| None),
         Some((q, scale, None)) => l.attend(q, &step, scale).map(Some),
