@@ -219,3 +219,17 @@ def test_gemma3_sliding_windows_head_dim_256_and_gqa(gemma):
     kl = float((p.exp() * (p - q)).sum())
     assert kl < 0.1, kl
     assert coded.get_seq_length() == 900 and fp16.resident_bytes > coded.resident_bytes
+    # A left-padded batch: 600 positions (past the window) beside 100 behind 500 pads, which the
+    # sliding layers' windows span in transformers' positions. veloq holds no pad; the next step's
+    # logits are DynamicCache's within f16 rounding for both.
+    ids = torch.cat([ids[:, :600], torch.cat([torch.zeros(1, 500, dtype=ids.dtype), ids[:, 700:800]], 1)])
+    mask = torch.ones_like(ids)
+    mask[1, :500] = 0
+    step = {"input_ids": ids[:, -1:] * 0 + 2, "attention_mask": torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)}
+    with torch.no_grad():
+        dyn, fp16 = transformers.DynamicCache(), vt.VeloqCache(model, method="fp16", max_context=1024)
+        for cache in (dyn, fp16):
+            model(input_ids=ids, attention_mask=mask, cache=cache)
+        ref, got = (model(**step, cache=c).logits[:, -1] for c in (dyn, fp16))
+    assert (ref - got).abs().max() < 0.1, float((ref - got).abs().max())
+    assert [fp16.native.length(0, s) for s in (0, 1)] == [601, 101] and fp16.get_seq_length() == 601
