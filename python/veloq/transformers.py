@@ -27,6 +27,7 @@ import inspect
 import math
 import os
 import threading
+import weakref
 from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
@@ -166,7 +167,9 @@ class VeloqCache(Cache):
         self._batch = 1
         self._fresh = True
         self._pads = [0]  # left padding of each sequence: positions transformers counts, veloq never holds
-        self._masks: dict = {}  # id(mask) → (mask, what it says): read once per forward pass
+        # id(mask) → (a weak reference to it, what it says): read once per forward pass, never keeping
+        # a prompt's mask (batch × tokens² booleans) alive after its pass.
+        self._masks: dict = {}
         super().__init__(layers=[VeloqLayer(self, i) for i in range(g["layers"])])
 
     def _ensure(self, key_states: torch.Tensor) -> None:
@@ -263,7 +266,7 @@ def _mask_says(owner: "VeloqCache", mask: torch.Tensor, first_chunk: bool) -> li
     padding (the positions no query sees, which must come first); later, how many positions its
     last query sees. Right padding (pads after a sequence's tokens) is refused."""
     said = owner._masks.get(id(mask))
-    if said is not None and said[0] is mask:
+    if said is not None and said[0]() is mask:
         return said[1]
     seen = mask if mask.dtype == torch.bool else mask == 0
     seen = seen[:, 0]  # [batch, queries, positions]
@@ -278,7 +281,7 @@ def _mask_says(owner: "VeloqCache", mask: torch.Tensor, first_chunk: bool) -> li
         counts = seen[:, -1].sum(dim=-1).tolist()
     if len(owner._masks) > 4:
         owner._masks.clear()
-    owner._masks[id(mask)] = (mask, counts)
+    owner._masks[id(mask)] = (weakref.ref(mask), counts)
     return counts
 
 
