@@ -80,6 +80,36 @@ def test_a_left_padded_batch_generates_as_dynamic_cache_does(hf, hf_cal):
     assert "Paris" in tok.decode(out[0, width:])
 
 
+def test_crop_takes_positions_back_and_assisted_decoding_runs(hf, hf_cal):
+    """`crop` (speculative decoding's rollback) takes a cache back to where it was: steps fed again
+    give the same logits (exactly with fp16 rows; with vq-4, within the codec's error, the codes
+    cut back into the recent window decoded); and transformers' assisted generation, which crops
+    after every verification, writes the target's own greedy tokens."""
+    model, tok = hf
+    # Past the recent window: with vq-4 the cut reaches positions already coded.
+    ids = prompt_ids(tok, TEXT.read_text()[20_000:22_500] + "\n\nWrite two sentences about the sea.")
+    assert ids.shape[1] > 400
+    steps = torch.tensor([[tok.encode(w)[0]] for w in (" The", " sea", " is", " wide", " and", " blue")])
+    for cache, exact in ((vt.VeloqCache(model, method="fp16"), True), (vt.VeloqCache(model, hf_cal), False)):
+        with torch.no_grad():
+            model(ids, cache=cache)
+            first = [model(x[None], cache=cache).logits[0, -1] for x in steps]
+            assert cache.get_seq_length() == ids.shape[1] + 6
+            cache.crop(-4)
+            assert cache.get_seq_length() == ids.shape[1] + 2
+            again = [model(x[None], cache=cache).logits[0, -1] for x in steps[2:]]
+        for a, b in zip(first[2:], again):
+            if exact:
+                assert torch.equal(a, b)
+            else:
+                p, q = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
+                assert float((p.exp() * (p - q)).sum()) < 0.05
+    ids = prompt_ids(tok, "Write two sentences about the sea.")
+    ref = model.generate(ids, max_new_tokens=24, do_sample=False, cache=transformers.DynamicCache())
+    got = model.generate(ids, max_new_tokens=24, do_sample=False, cache=vt.VeloqCache(model, method="fp16"), assistant_model=model)
+    assert torch.equal(ref, got)
+
+
 def test_vq4_tracks_dynamic_cache_in_less_memory(hf, hf_cal):
     model, tok = hf
     text = TEXT.read_text()[200_000:206_000]

@@ -72,13 +72,15 @@ class VeloqLayer(CacheLayerMixin):
     transformers' cache API talks to."""
 
     is_compileable = False
-    is_croppable = False
     supports_early_init = False
 
     def __init__(self, owner: "VeloqCache", index: int):
         super().__init__()
         self.owner, self.index = owner, index
         self.is_sliding = owner.windows[index] is not None
+        # A full-attention layer holds every position (rows or codes) and a cut leaves it as growth
+        # to that length would; a sliding layer has forgotten what left its window.
+        self.is_croppable = not self.is_sliding
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -110,6 +112,20 @@ class VeloqLayer(CacheLayerMixin):
 
     def prefetch(self):
         pass
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Takes back each sequence's last ``-tokens_to_remove`` positions (speculative decoding's
+        rejected drafts); a positive argument, as older transformers releases pass it, is the
+        length to keep."""
+        if tokens_to_remove == 0 or self.owner.native is None:
+            return
+        if self.is_sliding:
+            raise NotImplementedError("a sliding-window layer cannot take positions back: they have left its window")
+        native, pads = self.owner.native, self.owner._pads
+        for s in range(self.owner._batch):
+            held = native.length(self.index, s)
+            keep = held + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove - pads[s]
+            native.truncate(max(keep, 0), layer=self.index, seq=s)
 
     def reorder_cache(self, beam_idx):
         raise NotImplementedError("VeloqCache does not reorder sequences (beam search); use greedy or sampling")

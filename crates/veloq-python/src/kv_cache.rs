@@ -298,13 +298,32 @@ impl KvCache {
         Ok(l.len(seq))
     }
 
-    /// Keeps the first `length` positions of every sequence in every layer (0 empties the cache).
-    #[pyo3(signature = (length = 0))]
-    fn truncate(&self, length: usize) -> PyResult<()> {
+    /// Keeps the first `length` positions of every sequence in every layer (0 empties the cache);
+    /// `layer` and `seq` narrow the cut to one layer or one sequence (a rollback: speculative
+    /// decoding takes back the draft tokens its model rejected).
+    #[pyo3(signature = (length = 0, *, layer = None, seq = None))]
+    fn truncate(&self, length: usize, layer: Option<usize>, seq: Option<usize>) -> PyResult<()> {
         let mut c = self.lock();
-        for slot in 0..c.slots() {
-            let n = c.len(slot).min(length);
-            c.truncate(slot, n).py()?;
+        let slots = c.slots();
+        if let Some(s) = seq.filter(|&s| s >= slots) {
+            return Err(ConfigError::new_err(format!("sequence {s}: the cache holds {slots}")));
+        }
+        let seqs = seq.map_or(0..slots, |s| s..s + 1);
+        match layer {
+            None => {
+                for slot in seqs {
+                    let n = c.len(slot).min(length);
+                    c.truncate(slot, n).py()?;
+                }
+            }
+            Some(i) => {
+                let l =
+                    c.layers_mut().get_mut(i).ok_or_else(|| ConfigError::new_err(format!("layer {i} out of range")))?;
+                for slot in seqs {
+                    let n = l.len(slot).min(length);
+                    l.truncate(slot, n).py()?;
+                }
+            }
         }
         Ok(())
     }
