@@ -224,6 +224,32 @@ def test_skip_leaves_left_padding_out(cal, rng):
     assert [batch.length(4, s) for s in range(3)] == [44, 51, 1], "a refused step changes nothing"
 
 
+@pytest.mark.parametrize("method", ["fp16", "vq-4"])
+def test_a_rollback_of_one_layer_and_sequence(cal, rng, method):
+    """`truncate(length, layer=, seq=)` takes one sequence of one layer back; fed its positions
+    again (`skip` for the other), the next step attends as a cache that never went back: exactly
+    with f16 rows, within the codec's error where codes were decoded back into the window."""
+    spec = dict(q_heads=9, max_context=512, batch=2)
+    spec.update(calibration=cal) if method != "fp16" else spec.update(layers=30, kv_heads=3, head_dim=64)
+    k, v = (np.stack([keys_like(rng, cal, 300) for _ in range(2)]) for _ in range(2))
+    kept, cut = veloq.KvCache(method, **spec), veloq.KvCache(method, **spec)
+    for c in (kept, cut):
+        c.append(4, k, v)
+        c.append(5, k, v)
+    cut.truncate(250, layer=5, seq=1)
+    assert [cut.length(5, s) for s in (0, 1)] == [300, 250] and cut.length(4, 1) == 300
+    cut.append(5, np.ascontiguousarray(k[:, 250:]), np.ascontiguousarray(v[:, 250:]), skip=[50, 0])
+    q = rng.standard_normal((2, 1, 9, 64)).astype(np.float32)
+    k1, v1 = keys_like(rng, cal, 2)[:, None], keys_like(rng, cal, 2)[:, None]
+    want, got = kept.attend(5, q, k1, v1, 0.125), cut.attend(5, q, k1, v1, 0.125)
+    if method == "fp16":
+        assert np.array_equal(got, want)
+    else:
+        assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+    with pytest.raises(veloq.ConfigError, match="layer 30"):
+        cut.truncate(10, layer=30)
+
+
 class FakeCudaArray:
     """Publishes a CUDA array interface without any memory behind it: only what is checked before
     a device is touched may be exercised with it."""

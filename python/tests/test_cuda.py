@@ -216,6 +216,36 @@ def test_skip_leaves_left_padding_out_on_cuda(calibration_path, gen, method):
         assert (got[s].float() - want[0].float()).abs().max() <= 2e-3 * want.float().abs().max()
 
 
+@pytest.mark.parametrize("method", ["fp16", "vq-4"])
+def test_a_rollback_of_one_layer_and_sequence_on_cuda(calibration_path, gen, method):
+    """`truncate(length, layer=, seq=)` (speculative decoding's rollback) takes one sequence of one
+    layer back; fed its positions again (`skip` for the other), the next step attends as a cache
+    that never went back: exactly with fp16 rows, within the codec's error with codes restored."""
+    cal = veloq.Calibration.load(calibration_path) if method != "fp16" else None
+    spec = dict(q_heads=9, calibration=cal, max_context=1024, device="cuda", batch=2)
+    if cal is None:
+        spec.update(layers=30, kv_heads=3, head_dim=64)
+    k, v = (torch.randn(2, 300, 3, 64, device="cuda", generator=gen) * 2 for _ in range(2))
+    kept, cut = veloq.KvCache(method, **spec), veloq.KvCache(method, **spec)
+    for c in (kept, cut):
+        c.append(4, k, v)
+        c.append(5, k, v)
+    cut.truncate(250, layer=5, seq=1)
+    assert [cut.length(5, s) for s in (0, 1)] == [300, 250] and cut.length(4, 1) == 300
+    cut.append(5, k[:, 250:].contiguous(), v[:, 250:].contiguous(), skip=[50, 0])
+    assert [cut.length(5, s) for s in (0, 1)] == [300, 300]
+    q, k1, v1 = (torch.randn(2, 1, h, 64, device="cuda", generator=gen) for h in (9, 3, 3))
+    want, got = torch.empty_like(q), torch.empty_like(q)
+    kept.attend(5, q, k1, v1, out=want)
+    cut.attend(5, q, k1, v1, out=got)
+    if method == "fp16":
+        assert torch.equal(got, want)
+    else:
+        assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    with pytest.raises(veloq.ConfigError, match="sequence 2"):
+        cut.truncate(10, layer=5, seq=2)
+
+
 def test_a_left_padded_batch_through_transformers_on_cuda():
     """A random two-layer Llama in f16 on the GPU, a left-padded batch of three prompts (5, 0 and
     31 pads of 40), then three teacher-forced steps: VeloqCache fp16 gives DynamicCache's logits
