@@ -33,8 +33,7 @@ pub fn host_steps<'a>(
     if !heads_first {
         return host(x, shape, what).map(Cow::Borrowed);
     }
-    let dims = steps_dims(x.shape().to_vec(), true);
-    check_shape(&dims, shape, what)?;
+    check_host_steps(x, shape, what, true)?;
     let view = x.as_array().permuted_axes(IxDyn(&[0, 2, 1, 3]));
     Ok(match view.to_slice() {
         Some(s) => Cow::Borrowed(s),

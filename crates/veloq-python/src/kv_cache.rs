@@ -304,25 +304,18 @@ impl KvCache {
     #[pyo3(signature = (length = 0, *, layer = None, seq = None))]
     fn truncate(&self, length: usize, layer: Option<usize>, seq: Option<usize>) -> PyResult<()> {
         let mut c = self.lock();
-        let slots = c.slots();
+        let (slots, layers) = (c.slots(), c.layers().len());
         if let Some(s) = seq.filter(|&s| s >= slots) {
             return Err(ConfigError::new_err(format!("sequence {s}: the cache holds {slots}")));
         }
+        if let Some(i) = layer.filter(|&i| i >= layers) {
+            return Err(ConfigError::new_err(format!("layer {i} out of range")));
+        }
         let seqs = seq.map_or(0..slots, |s| s..s + 1);
-        match layer {
-            None => {
-                for slot in seqs {
-                    let n = c.len(slot).min(length);
-                    c.truncate(slot, n).py()?;
-                }
-            }
-            Some(i) => {
-                let l =
-                    c.layers_mut().get_mut(i).ok_or_else(|| ConfigError::new_err(format!("layer {i} out of range")))?;
-                for slot in seqs {
-                    let n = l.len(slot).min(length);
-                    l.truncate(slot, n).py()?;
-                }
+        for l in &mut c.layers_mut()[layer.map_or(0..layers, |i| i..i + 1)] {
+            for slot in seqs.clone() {
+                let n = l.len(slot).min(length);
+                l.truncate(slot, n).py()?;
             }
         }
         Ok(())
