@@ -217,7 +217,13 @@ def test_skip_leaves_left_padding_out(cal, rng):
         if skip[s] < width:
             alone.append(4, k[s : s + 1, skip[s] :], v[s : s + 1, skip[s] :])
         want = alone.attend(4, q[s : s + 1], k1[s : s + 1], v1[s : s + 1], 0.125)
-        assert np.abs(got[s] - want[0]).max() <= 1e-5 * np.abs(want).max()
+        # The same codes and rows summed in another order (a ragged batch against one sequence
+        # split into position shares): softmax-weighted averages of n values differ in f32 by at
+        # most about 2·n·ε·max|v| (ε f32's epsilon; the codes' reconstructions kept within twice
+        # the values' range), whatever the CPU's vector width.
+        n = width + 1
+        bound = 2 * (n + 2) * np.finfo(np.float32).eps * 2 * max(np.abs(v).max(), np.abs(v1).max())
+        assert np.abs(got[s] - want[0]).max() <= bound
     for bad in ([1, 2], [0, 0, 51]):
         with pytest.raises(veloq.ShapeError, match="skip"):
             batch.append(4, k, v, skip=bad)
