@@ -122,11 +122,28 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, ROW_BLOCKS)
     const int p_begin = lo > p_split ? p_split + (lo - p_split) / TP * TP : p_split;
 
     // Row r: query q0 + r / G of query head h·G + r % G; rows past the block's queries are zero.
-    for (int i = tid; i < ROWS * D; i += blockDim.x) {
-        const int r = i / D, e = i % D, qi = q0 + r / G;
-        float x = 0.f;
-        if (r < QPB * G && qi < t) x = q[((size_t)qi * hq_total + h * G + r % G) * D + e] * qscale;
-        Qs[r * QS + e] = f2h(x);
+    // Every load of a batch is requested before the first store (a loop of load → store waited
+    // one global round trip per element: 64 of them, most of a short run's time).
+    {
+        constexpr int V4 = ROWS * D / 4, PER = (V4 + THREADS - 1) / THREADS, BATCH = PER < 8 ? PER : 8;
+#pragma unroll
+        for (int b0 = 0; b0 < PER; b0 += BATCH) {
+            float4 x[BATCH];
+#pragma unroll
+            for (int k = 0; k < BATCH; k++) {
+                const int c = tid + (b0 + k) * THREADS, r = c / (D / 4), qi = q0 + r / G;
+                x[k] = b0 + k < PER && (V4 % THREADS == 0 || c < V4) && r < QPB * G && qi < t
+                           ? *(const float4*)(q + ((size_t)qi * hq_total + h * G + r % G) * D + c % (D / 4) * 4)
+                           : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int k = 0; k < BATCH; k++) {
+                const int c = tid + (b0 + k) * THREADS, r = c / (D / 4);
+                if (b0 + k >= PER || (V4 % THREADS != 0 && c >= V4)) continue;
+                *(uint2*)(Qs + r * QS + c % (D / 4) * 4) =
+                    make_uint2(pack_h2(x[k].x * qscale, x[k].y * qscale), pack_h2(x[k].z * qscale, x[k].w * qscale));
+            }
+        }
     }
 
     float o[D / 8][4];
@@ -275,26 +292,47 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, ROW_BLOCKS)
 
 // Codes of positions p0..p0 + n of a sequence into f16 code-space rows (centroids, not rotated
 // back): keys and values [HKV][n][D] (stream h's row p at (h·n + p)·D), from codes [HKV][stride][M]
-// (position p of stream h at (h·stride + p)·M) and per-layer books f16 [256][SD]. A thread per
-// code byte (grid-stride), keys then values; each writes its centroid's SD halves.
+// (position p of stream h at (h·stride + p)·M) and per-layer books f16 [256][SD]. A thread per U
+// code bytes of a row (4 where M allows: one load, the centroids stored as 16-byte vectors),
+// grid-stride, keys then values (32-bit counters: the host keeps HKV·stride < 2^31).
+template <int SD>
+__device__ __forceinline__ void decode_plane(const unsigned char* __restrict__ codes, int heads, int stride, int p0,
+                                             int n, const unsigned short* __restrict__ book,
+                                             unsigned short* __restrict__ out) {
+    constexpr int M = D / SD, U = M % 4 == 0 ? 4 : M % 2 == 0 ? 2 : 1, W = SD / 2;  // W: words per centroid
+    const unsigned total = (unsigned)heads * n * (M / U), step = gridDim.x * blockDim.x;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += step) {
+        const unsigned j = i % (M / U), row = i / (M / U), p = row % n, h = row / n;
+        const unsigned char* src = codes + (size_t)(h * stride + p0 + p) * M + j * U;
+        unsigned c;
+        if constexpr (U == 4) c = *(const unsigned*)src;
+        else if constexpr (U == 2) c = *(const unsigned short*)src;
+        else c = *src;
+        unsigned w[U * W];
+#pragma unroll
+        for (int b = 0; b < U; b++) {
+            const unsigned* e = (const unsigned*)(book + ((c >> (8 * b)) & 255u) * SD);
+#pragma unroll
+            for (int k = 0; k < W; k++) w[b * W + k] = e[k];
+        }
+        unsigned* dst = (unsigned*)(out + (size_t)row * D + j * U * SD);
+        if constexpr (U * W % 4 == 0) {
+#pragma unroll
+            for (int k = 0; k < U * W / 4; k++) ((uint4*)dst)[k] = make_uint4(w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]);
+        } else {
+#pragma unroll
+            for (int k = 0; k < U * W; k++) dst[k] = w[k];
+        }
+    }
+}
+
 extern "C" __global__ void vq_decode_codes(const unsigned char* __restrict__ kc, const unsigned char* __restrict__ vc,
                                            int heads, int stride, int p0, int n,
                                            const unsigned short* __restrict__ kbook,
                                            const unsigned short* __restrict__ vbook, unsigned short* __restrict__ ko,
                                            unsigned short* __restrict__ vo) {
-    const int MK = D / SDK, MV = D / SDV;
-    const size_t step = (size_t)gridDim.x * blockDim.x;
-    const size_t nk = (size_t)heads * n * MK, nv = (size_t)heads * n * MV;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < nk + nv; i += step) {
-        const bool key = i < nk;
-        const size_t c = key ? i : i - nk;
-        const int m = key ? MK : MV, sd = key ? SDK : SDV;
-        const int j = c % m, p = (c / m) % n, h = c / ((size_t)m * n);
-        const unsigned char code = (key ? kc : vc)[((size_t)h * stride + p0 + p) * m + j];
-        const unsigned* src = (const unsigned*)((key ? kbook : vbook) + code * sd);
-        unsigned* dst = (unsigned*)((key ? ko : vo) + ((size_t)h * n + p) * D + j * sd);
-        for (int e = 0; e < sd / 2; e++) dst[e] = src[e];
-    }
+    decode_plane<SDK>(kc, heads, stride, p0, n, kbook, ko);
+    decode_plane<SDV>(vc, heads, stride, p0, n, vbook, vo);
 }
 
 // Queries of a tile into the keys' code space, a warp per (query, query head): out = H·(s_k ⊙ q·qscale)

@@ -334,7 +334,8 @@ impl GpuPrefillCodes {
             && codes.values.len() >= kv * codes.stride * values.subspaces()
             && out_keys.len() >= kv * n * d
             && out_values.len() >= kv * n * d
-            && kv * codes.stride < 1 << 31;
+            && kv * codes.stride < 1 << 31
+            && kv * n * keys.subspaces().max(values.subspaces()) < 1 << 31;
         if !ok {
             return Err(Error::Shape(format!(
                 "prefill decode: positions {p0}..{} of {} coded do not fit the codes or the buffers",
@@ -343,9 +344,10 @@ impl GpuPrefillCodes {
             )));
         }
         let (heads, stride, p0_i, n_i) = (kv as i32, codes.stride as i32, p0 as i32, n as i32);
-        let bytes = kv * n * (keys.subspaces() + values.subspaces());
+        // A thread per 4 code bytes (fewer where a row's bytes are not a multiple of 4).
+        let words = kv * n * (keys.subspaces() + values.subspaces()).div_ceil(4);
         let cfg = LaunchConfig {
-            grid_dim: (bytes.div_ceil(256).min(4 * gpu.multiprocessors() as usize) as u32, 1, 1),
+            grid_dim: (words.div_ceil(256).min(4 * gpu.multiprocessors() as usize) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
