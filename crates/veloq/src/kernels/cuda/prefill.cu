@@ -126,20 +126,23 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, ROW_BLOCKS)
     // one global round trip per element: 64 of them, most of a short run's time).
     {
         constexpr int V4 = ROWS * D / 4, PER = (V4 + THREADS - 1) / THREADS, BATCH = PER < 8 ? PER : 8;
+        // Float4 c (the k-th of batch b0) is in the tile; the bound on c is needed only where the
+        // tile is not whole float4s per thread (written so that it compiles away elsewhere).
+        const auto in_tile = [&](int b0, int k, int c) { return b0 + k < PER && (V4 % THREADS == 0 || c < V4); };
 #pragma unroll
         for (int b0 = 0; b0 < PER; b0 += BATCH) {
             float4 x[BATCH];
 #pragma unroll
             for (int k = 0; k < BATCH; k++) {
                 const int c = tid + (b0 + k) * THREADS, r = c / (D / 4), qi = q0 + r / G;
-                x[k] = b0 + k < PER && (V4 % THREADS == 0 || c < V4) && r < QPB * G && qi < t
+                x[k] = in_tile(b0, k, c) && r < QPB * G && qi < t
                            ? *(const float4*)(q + ((size_t)qi * hq_total + h * G + r % G) * D + c % (D / 4) * 4)
                            : make_float4(0.f, 0.f, 0.f, 0.f);
             }
 #pragma unroll
             for (int k = 0; k < BATCH; k++) {
                 const int c = tid + (b0 + k) * THREADS, r = c / (D / 4);
-                if (b0 + k >= PER || (V4 % THREADS != 0 && c >= V4)) continue;
+                if (!in_tile(b0, k, c)) continue;
                 *(uint2*)(Qs + r * QS + c % (D / 4) * 4) =
                     make_uint2(pack_h2(x[k].x * qscale, x[k].y * qscale), pack_h2(x[k].z * qscale, x[k].w * qscale));
             }
@@ -294,7 +297,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, ROW_BLOCKS)
 // back): keys and values [HKV][n][D] (stream h's row p at (h·n + p)·D), from codes [HKV][stride][M]
 // (position p of stream h at (h·stride + p)·M) and per-layer books f16 [256][SD]. A thread per U
 // code bytes of a row (4 where M allows: one load, the centroids stored as 16-byte vectors),
-// grid-stride, keys then values (32-bit counters: the host keeps HKV·stride < 2^31).
+// grid-stride, keys then values (32-bit counters: the host keeps HKV·stride and HKV·n·M < 2^31).
 template <int SD>
 __device__ __forceinline__ void decode_plane(const unsigned char* __restrict__ codes, int heads, int stride, int p0,
                                              int n, const unsigned short* __restrict__ book,
