@@ -2,8 +2,9 @@
 //! weights, random 2-bit codebooks): per method and prompt length, the chunked prefill's tok/s and
 //! the allocator's peak above what was in use before it; then one chunk's attention at the end of
 //! the prompt (one layer: append + attend of `chunk` queries over everything before them) timed
-//! alone, next to PyTorch's SDPA (flash) on the same shapes from `scripts/device/sdpa_prefill.py`,
-//! which the same device call runs first (`--sdpa` its JSON).
+//! alone, on the host's clock and on the GPU's (launches queued, as the anchor is timed), next to
+//! PyTorch's SDPA (flash) on the same shapes from `scripts/device/sdpa_prefill.py`, which the same
+//! device call runs first (`--sdpa` its JSON).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -66,9 +67,18 @@ fn random(n: usize, heads: usize, d: usize, dev: &Device) -> Result<Tensor> {
     Ok(Tensor::randn(0f32, 1f32, (n, heads, d), dev)?)
 }
 
-/// Median seconds of one layer's append + attend of `chunk` queries after the `len` positions
-/// the cache holds (the step is committed and cut off again after each rep, untimed).
-fn chunk_attention(caches: &mut ModelCache, model: &Model, chunk: usize, reps: usize) -> Result<f64> {
+/// One chunk's timings: median seconds of the host's clock around each rep (launches included,
+/// each rep waited for) and of the GPU's events around it with the rep queued behind a 2 GiB
+/// memset (the host's launches hidden, as the SDPA anchor's `do_bench` times).
+struct ChunkTimes {
+    host: f64,
+    gpu: f64,
+}
+
+/// One layer's append + attend of `chunk` queries after the `len` positions the cache holds (the
+/// step is committed and cut off again after each rep, untimed), timed both ways.
+fn chunk_attention(caches: &mut ModelCache, model: &Model, gpu: &Gpu, chunk: usize, reps: usize) -> Result<ChunkTimes> {
+    use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
     let dev = model.device().clone();
     let (hq, kv, d) = (model.info.n_heads, model.info.identity.n_kv_heads, model.info.identity.head_dim);
     let len = caches.len(0);
@@ -76,20 +86,39 @@ fn chunk_attention(caches: &mut ModelCache, model: &Model, chunk: usize, reps: u
     let step = Step::single(0, len, chunk)?;
     let layer = &mut caches.layers_mut()[0];
     let scale = 1.0 / (d as f32).sqrt();
-    let mut times = Vec::new();
-    for _ in 0..reps.max(1) + 1 {
+    let stream = gpu.stream();
+    let mut queue = stream.alloc_zeros::<u8>(2 << 30)?;
+    let (mut host, mut events) = (Vec::new(), Vec::new());
+    for rep in 0..2 * (reps.max(1) + 1) {
+        let queued = rep % 2 == 1;
         sync(&dev)?;
         let t0 = Instant::now();
+        let start = if queued {
+            stream.memset_zeros(&mut queue)?;
+            Some(stream.record_event(Some(CU_EVENT_DEFAULT))?)
+        } else {
+            None
+        };
         layer.append(&k, &v, &step)?;
         layer.attend(&q, &step, scale)?;
-        sync(&dev)?;
-        times.push(t0.elapsed().as_secs_f64());
+        match start {
+            Some(a) => events.push((a, stream.record_event(Some(CU_EVENT_DEFAULT))?)),
+            None => {
+                sync(&dev)?;
+                host.push(t0.elapsed().as_secs_f64());
+            }
+        }
         layer.commit()?;
         layer.truncate(0, len)?;
     }
-    times.remove(0); // the first compiles and allocates
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
+    sync(&dev)?;
+    let mut gpu_s = events.iter().map(|(a, b)| Ok(a.elapsed_ms(b)? as f64 / 1e3)).collect::<Result<Vec<_>>>()?;
+    let median = |t: &mut Vec<f64>| {
+        t.remove(0); // the first compiles and allocates
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    };
+    Ok(ChunkTimes { host: median(&mut host), gpu: median(&mut gpu_s) })
 }
 
 /// SDPA's milliseconds for one chunk at `len` positions of context, from the script's JSON.
@@ -122,8 +151,8 @@ pub fn run(a: Args) -> Result<()> {
         a.chunk
     );
     println!(
-        "{:>9} {:>22} | {:>9} {:>9} {:>11} {:>11} | {:>11} {:>11} {:>7}",
-        "prompt", "method", "tok/s", "secs", "peak alloc", "KV", "chunk attn", "SDPA", "vs SDPA"
+        "{:>9} {:>22} | {:>9} {:>9} {:>11} {:>11} | {:>11} {:>11} {:>11} {:>7} {:>7}",
+        "prompt", "method", "tok/s", "secs", "peak alloc", "KV", "chunk attn", "GPU time", "SDPA", "vs SDPA", "GPU vs"
     );
     let vocab = model.info.vocab;
     let mut rows = Vec::new();
@@ -150,29 +179,31 @@ pub fn run(a: Args) -> Result<()> {
             let secs = t0.elapsed().as_secs_f64();
             let peak = gpu.pool_memory()?.peak.saturating_sub(used0);
             let kv = caches.resident_bytes();
-            let attn = chunk_attention(&mut caches, &model, a.chunk, a.reps)?;
+            let ChunkTimes { host: attn, gpu: attn_gpu } = chunk_attention(&mut caches, &model, &gpu, a.chunk, a.reps)?;
             let base = sdpa_ms(&sdpa, len, a.chunk);
             let tok_s = full.then(|| len as f64 / secs);
             println!(
-                "{len:>9} {:>22} | {:>9} {:>9} {:>11} {:>11} | {:>9.3}ms {:>11} {:>7}",
+                "{len:>9} {:>22} | {:>9} {:>9} {:>11} {:>11} | {:>9.3}ms {:>9.3}ms {:>11} {:>7} {:>7}",
                 cfg.name(),
                 tok_s.map_or("n/a".into(), |t| format!("{t:.0}")),
                 if full { format!("{secs:.1}") } else { "n/a".into() },
                 if full { human(peak) } else { "n/a".into() },
                 human(kv),
                 attn * 1e3,
+                attn_gpu * 1e3,
                 base.as_ref().map_or("n/a".into(), |(ms, _)| format!("{ms:.3}ms")),
-                base.as_ref().map_or("n/a".into(), |(ms, _)| format!("{:.2}×", ms / (attn * 1e3)))
+                base.as_ref().map_or("n/a".into(), |(ms, _)| format!("{:.2}×", ms / (attn * 1e3))),
+                base.as_ref().map_or("n/a".into(), |(ms, _)| format!("{:.2}×", ms / (attn_gpu * 1e3)))
             );
             rows.push(json!({
                 "method": cfg.name(), "prompt": len, "chunk": a.chunk, "full_prefill": full,
                 "tok_s": tok_s, "secs": full.then_some(secs), "peak_bytes_above_start": full.then_some(peak),
-                "kv_bytes": kv, "chunk_attention_ms": attn * 1e3,
+                "kv_bytes": kv, "chunk_attention_ms": attn * 1e3, "chunk_attention_gpu_ms": attn_gpu * 1e3,
                 "sdpa_ms": base.as_ref().map(|b| b.0), "sdpa_backend": base.as_ref().map(|b| b.1.clone()),
             }));
         }
     }
-    println!("chunk attn: one layer's append + attend of {} queries after the prompt (median of {}); SDPA: the same queries over the same positions in f16, {} query heads, causal (lower right), flash where it runs; vs SDPA > 1 means veloq is faster", a.chunk, a.reps, model.info.n_heads);
+    println!("chunk attn: one layer's append + attend of {} queries after the prompt (median of {}, host clock, each rep waited for); GPU time: the same between events, queued behind a 2 GiB memset (launches hidden, as SDPA's do_bench); SDPA: the same queries over the same positions in f16, {} query heads, causal (lower right), flash where it runs; vs SDPA > 1 means veloq is faster", a.chunk, a.reps, model.info.n_heads);
     write_json(
         &a.json,
         &json!({"device": gpu.name(), "model": "llama-3.1-8b-geometry-random", "chunk": a.chunk, "rows": rows, "sdpa": sdpa}),
