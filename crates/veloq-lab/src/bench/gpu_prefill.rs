@@ -114,7 +114,7 @@ fn chunk_attention(caches: &mut ModelCache, model: &Model, gpu: &Gpu, chunk: usi
     sync(&dev)?;
     let mut gpu_s = events.iter().map(|(a, b)| Ok(a.elapsed_ms(b)? as f64 / 1e3)).collect::<Result<Vec<_>>>()?;
     let median = |t: &mut Vec<f64>| {
-        t.remove(0); // the first compiles and allocates
+        t.remove(0); // the first of each: the host's first rep compiles and allocates
         t.sort_by(f64::total_cmp);
         t[t.len() / 2]
     };
