@@ -42,13 +42,16 @@ def bench(fn):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--attention-only", action="store_true",
+                    help="only SDPA and the copy rate (what `bench cuda --skip-quantize` compares against)")
     a = ap.parse_args()
     dev = "cuda"
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__, "search": [], "sdpa": []}
     print(f"{res['gpu']}, torch {torch.__version__}, triton {triton.__version__}")
     print("\n| search S,D,H,sd | naive ms / MiB | GEMM ms / MiB | Triton ms / MiB | Triton agrees |")
     print("|---|---|---|---|---|")
-    for (S, D, H, sd) in [(2048, 128, 8, 8), (8192, 128, 8, 8), (131072, 128, 8, 8), (4096, 256, 4, 4), (131072, 128, 8, 4)]:
+    searches = [] if a.attention_only else [(2048, 128, 8, 8), (8192, 128, 8, 8), (131072, 128, 8, 8), (4096, 256, 4, 4), (131072, 128, 8, 4)]
+    for (S, D, H, sd) in searches:
         N = S * H * D // sd
         x = torch.randn(N, sd, device=dev)
         c = torch.randn(256, sd, device=dev)

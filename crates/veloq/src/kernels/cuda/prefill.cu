@@ -56,8 +56,6 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 // registers capped to fit.
 #define ROW_BLOCKS (D <= 64 ? 3 : D <= 128 ? 2 : 1)
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-
 // One tile of f16 rows (positions p0.., n of them) into K and V buffers [position][dim]: 16-byte
 // cp.async copies (zero-filled past n) when the rows are 16-byte aligned, else 4-byte copies.
 // The caller commits the group (cp.async) and waits for it before the buffers are read.
@@ -77,7 +75,7 @@ __device__ __forceinline__ void load_rows(unsigned short* Kb, unsigned short* Vb
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(Vb + pos * KS + w * 8)),
                          "l"(vrs + at), "r"(bytes));
         }
-        asm volatile("cp.async.commit_group;");
+        cp_async_commit();
         return;
     }
     for (int i = tid; i < TP * D / 2; i += THREADS) {
@@ -86,11 +84,6 @@ __device__ __forceinline__ void load_rows(unsigned short* Kb, unsigned short* Vb
         ((unsigned*)(Kb + pos * KS))[w] = in ? ((const unsigned*)(krs + (size_t)(p0 + pos) * rs))[w] : 0u;
         ((unsigned*)(Vb + pos * KS))[w] = in ? ((const unsigned*)(vrs + (size_t)(p0 + pos) * rs))[w] : 0u;
     }
-}
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
 
 // Four 8×8 f16 matrices transposed out of shared memory: this lane's address is row lane % 8 of
