@@ -1013,54 +1013,34 @@ pub(super) fn example_defines() -> Vec<Vec<(&'static str, i64)>> {
 /// sub_dims, for the NVRTC compile check.
 pub(super) fn example_mma_defines() -> Vec<Vec<(&'static str, i64)>> {
     let base = Plan::example(SplitKernel::TensorCores);
+    let (vq4, smollm2) =
+        (Plan { sd_k: 2, sd_v: 2, ..base }, Plan { d: 64, q_heads: 9, kv_heads: 3, sd_k: 2, sd_v: 2, ..base });
+    let columns = MmaPipeline { columns: true, ..MmaPipeline::default() };
     [
         base,
         Plan { d: 64, q_heads: 9, kv_heads: 3, ..base },
         Plan { d: 256, q_heads: 8, kv_heads: 1, center: (false, false), smooth: (false, false), rotate: false, ..base },
         Plan { q_heads: 4, kv_heads: 4, ..base },
-        Plan { sd_k: 2, sd_v: 2, ..base },
-        Plan { d: 64, q_heads: 9, kv_heads: 3, sd_k: 2, sd_v: 2, ..base },
-        Plan { d: 256, q_heads: 8, kv_heads: 1, sd_k: 2, sd_v: 2, ..base },
+        vq4,
+        smollm2,
+        Plan { d: 256, q_heads: 8, kv_heads: 1, ..vq4 },
         Plan { sd_k: 2, sd_v: 4, ..base },
         Plan { d: 256, q_heads: 8, kv_heads: 1, sd_k: 4, sd_v: 2, ..base },
         // Variants (`MmaPipeline`): (head, element) columns; codes staged by cp.async with 8
         // warps and with 16 (one block per multiprocessor), with and without the columns.
-        Plan { sd_k: 2, sd_v: 2, pipeline: MmaPipeline { warps: 8, stages: 0, columns: true }, ..base },
-        Plan {
-            d: 64,
-            q_heads: 9,
-            kv_heads: 3,
-            sd_k: 2,
-            sd_v: 2,
-            pipeline: MmaPipeline { warps: 8, stages: 0, columns: true },
-            ..base
-        },
-        Plan {
-            q_heads: 16,
-            kv_heads: 2,
-            sd_k: 4,
-            sd_v: 2,
-            pipeline: MmaPipeline { warps: 8, stages: 0, columns: true },
-            ..base
-        },
-        Plan { pipeline: MmaPipeline { warps: 8, stages: 2, columns: false }, ..base },
-        Plan { sd_k: 2, sd_v: 2, pipeline: MmaPipeline { warps: 16, stages: 4, columns: true }, ..base },
-        Plan {
-            d: 64,
-            q_heads: 9,
-            kv_heads: 3,
-            sd_k: 2,
-            sd_v: 2,
-            pipeline: MmaPipeline { warps: 16, stages: 4, columns: false },
-            ..base
-        },
+        Plan { pipeline: columns, ..vq4 },
+        Plan { pipeline: columns, ..smollm2 },
+        Plan { q_heads: 16, kv_heads: 2, sd_k: 4, sd_v: 2, pipeline: columns, ..base },
+        Plan { pipeline: MmaPipeline { stages: 2, ..MmaPipeline::default() }, ..base },
+        Plan { pipeline: MmaPipeline { warps: 16, stages: 4, columns: true }, ..vq4 },
+        Plan { pipeline: MmaPipeline { warps: 16, stages: 4, columns: false }, ..smollm2 },
         Plan {
             d: 256,
             q_heads: 8,
             kv_heads: 1,
             sd_k: 2,
             sd_v: 4,
-            pipeline: MmaPipeline { warps: 8, stages: 2, columns: true },
+            pipeline: MmaPipeline { stages: 2, ..columns },
             ..base
         },
     ]
