@@ -775,6 +775,14 @@ pub fn all(gpu: &Gpu, rng: &mut Rng, variants: &[Variant]) -> Result<Vec<serde_j
     }
     checks.extend(check_gemv(gpu, rng)?);
     checks.push(json!({"check": "convert", "elements": check_convert(gpu, rng)?, "exact": true}));
+    checks.extend(attention(gpu, rng, variants)?);
+    Ok(checks)
+}
+
+/// The attention checks alone: every shape for each variant (the tensor-core kernel only where a
+/// kv head's group and the variant's pipeline fit it), then the ragged batches.
+pub fn attention(gpu: &Gpu, rng: &mut Rng, variants: &[Variant]) -> Result<Vec<serde_json::Value>> {
+    let mut checks = Vec::new();
     for &c in &ATTENTION_CHECKS {
         for &v in variants {
             if v.kernel == SplitKernel::TensorCores && c.hq / c.hkv > 8 {

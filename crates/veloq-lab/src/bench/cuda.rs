@@ -42,6 +42,10 @@ pub struct Args {
     /// Skip the correctness checks (timing only; for comparing variants already checked).
     #[arg(long)]
     skip_checks: bool,
+    /// Run only the attention checks (every shape for each variant, and the ragged batches), not
+    /// the quantize, GEMV and conversion checks before them: for device calls about attention.
+    #[arg(long)]
+    attention_checks_only: bool,
     /// Skip the quantize timing.
     #[arg(long)]
     skip_quantize: bool,
@@ -683,7 +687,13 @@ pub fn run(a: Args) -> Result<()> {
         }
         _ => bail!("--profile takes B,S"),
     }
-    let checks = if a.skip_checks { Vec::new() } else { cuda_checks::all(&gpu, &mut rng, &variants)? };
+    let checks = if a.skip_checks {
+        Vec::new()
+    } else if a.attention_checks_only {
+        cuda_checks::attention(&gpu, &mut rng, &variants)?
+    } else {
+        cuda_checks::all(&gpu, &mut rng, &variants)?
+    };
     if a.check_only {
         return write_json(&a.json, &json!({"gpu": gpu.name(), "checks": checks}));
     }
