@@ -631,21 +631,15 @@ pub fn run(a: Args) -> Result<()> {
                         o => bail!("--merge takes fused or separate, not {o}"),
                     };
                     for p in &a.pipelines {
-                        if p == "default" {
-                            variants.push(Variant {
-                                kernel: SplitKernel::TensorCores,
-                                threads: a.threads[0],
-                                half: false,
-                                fused,
-                                pipeline: None,
-                            });
-                            continue;
-                        }
-                        let (spec, columns) = p.strip_suffix('c').map_or((p.as_str(), false), |s| (s, true));
-                        let Some((w, st)) = spec.split_once('x') else {
-                            bail!("--pipelines takes default or WARPSxSTAGES[c], not {p}")
+                        let pipeline = if p == "default" {
+                            None
+                        } else {
+                            let (spec, columns) = p.strip_suffix('c').map_or((p.as_str(), false), |s| (s, true));
+                            let Some((w, st)) = spec.split_once('x') else {
+                                bail!("--pipelines takes default or WARPSxSTAGES[c], not {p}")
+                            };
+                            Some(MmaPipeline { warps: w.parse()?, stages: st.parse()?, columns })
                         };
-                        let pipeline = Some(MmaPipeline { warps: w.parse()?, stages: st.parse()?, columns });
                         variants.push(Variant {
                             kernel: SplitKernel::TensorCores,
                             threads: a.threads[0],

@@ -53,9 +53,6 @@ impl Default for MmaPipeline {
     }
 }
 
-/// The pipelines a geometry gets, best first (the first it can take; the last takes every one).
-const PREFERRED_PIPELINES: [MmaPipeline; 1] = [MmaPipeline { warps: 8, stages: 0, columns: false }];
-
 impl MmaPipeline {
     /// Threads per block.
     fn threads(self) -> u32 {
@@ -250,14 +247,7 @@ impl GpuAttention {
             fuse_merge: true,
             pipeline: MmaPipeline::default(),
             prepared: OnceLock::new(),
-        }
-        .with_preferred_pipeline())
-    }
-
-    /// The first of [`PREFERRED_PIPELINES`] this geometry takes.
-    fn with_preferred_pipeline(mut self) -> Self {
-        self.pipeline = PREFERRED_PIPELINES.into_iter().find(|&p| self.takes(p).is_ok()).unwrap_or_default();
-        self
+        })
     }
 
     /// How the tensor-core kernel pipelines its codes (for comparisons; the default is the

@@ -68,12 +68,9 @@ __device__ __forceinline__ void load_rows(unsigned short* Kb, unsigned short* Vb
             const int c = tid + i * THREADS;
             if (c >= CH) break;
             const int pos = c / (D / 8), w = c % (D / 8);
-            const int bytes = pos < n ? 16 : 0;
             const size_t at = pos < n ? (size_t)(p0 + pos) * rs + w * 8 : 0;
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(Kb + pos * KS + w * 8)),
-                         "l"(krs + at), "r"(bytes));
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(Vb + pos * KS + w * 8)),
-                         "l"(vrs + at), "r"(bytes));
+            cp_async16(Kb + pos * KS + w * 8, krs + at, pos < n);
+            cp_async16(Vb + pos * KS + w * 8, vrs + at, pos < n);
         }
         cp_async_commit();
         return;
