@@ -12,8 +12,8 @@ use veloq::codec::pack::unpack;
 use veloq::codec::vecinfer::VecInferCodec;
 use veloq::kernels::cuda::{
     gemv_f16, gemv_f16_many, gemv_many_fits, quantize_jobs, ragged_entry, AttentionScratch, Coded, Convert,
-    ConvertPart, Elem, GemvEpilogue, GemvFused, GemvTune, Gpu, GpuAttention, GpuCodec, MmaPipeline, QuantizeJob,
-    Ragged, RowMap, SplitKernel, Window, WindowMap, GEMV_MAX_ROWS,
+    ConvertPart, Elem, GemvEpilogue, GemvFused, GemvTune, Gpu, GpuAttention, GpuCodec, QuantizeJob, Ragged, RowMap,
+    SplitKernel, Window, WindowMap, GEMV_MAX_ROWS,
 };
 use veloq::kernels::GemvShapes;
 
@@ -156,8 +156,6 @@ pub struct Variant {
     pub half: bool,
     /// The tensor-core kernel merges its splits in its last block.
     pub fused: bool,
-    /// The tensor-core kernel's warps and staged steps (`None`: the product's choice).
-    pub pipeline: Option<MmaPipeline>,
 }
 
 impl Variant {
@@ -165,11 +163,7 @@ impl Variant {
     pub fn build(self, gpu: &Gpu, kc: &VecInferCodec, vc: &VecInferCodec, hq: usize) -> Result<GpuAttention> {
         let att = GpuAttention::new(GpuCodec::upload(gpu, kc)?, GpuCodec::upload(gpu, vc)?, hq)?
             .with_split_kernel(self.kernel)?;
-        let att = att.with_threads(self.threads)?.with_half_values(self.half)?.with_fused_merge(self.fused);
-        Ok(match self.pipeline {
-            Some(p) if self.kernel == SplitKernel::TensorCores => att.with_pipeline(p)?,
-            _ => att,
-        })
+        Ok(att.with_threads(self.threads)?.with_half_values(self.half)?.with_fused_merge(self.fused))
     }
 
     /// Label and the relative error it must stay within against the f64 reference: f16 operands
@@ -177,10 +171,7 @@ impl Variant {
     pub fn label(self) -> (String, f64) {
         match self.kernel {
             SplitKernel::TensorCores => {
-                let staged = self.pipeline.map_or(String::new(), |p| {
-                    format!(" {}w{}s{}", p.warps, p.stages, if p.columns { "c" } else { "" })
-                });
-                (format!("{}{}{staged}", self.kernel.name(), if self.fused { "" } else { " +merge" }), 1e-2)
+                (format!("{}{}", self.kernel.name(), if self.fused { "" } else { " +merge" }), 1e-2)
             }
             SplitKernel::Tables => {
                 (format!("{} {} {}", self.kernel.name(), self.threads, if self.half { "f16" } else { "f32" }), 1e-3)
@@ -780,19 +771,13 @@ pub fn all(gpu: &Gpu, rng: &mut Rng, variants: &[Variant]) -> Result<Vec<serde_j
 }
 
 /// The attention checks alone: every shape for each variant (the tensor-core kernel only where a
-/// kv head's group and the variant's pipeline fit it), then the ragged batches.
+/// kv head's group fits it), then the ragged batches.
 pub fn attention(gpu: &Gpu, rng: &mut Rng, variants: &[Variant]) -> Result<Vec<serde_json::Value>> {
     let mut checks = Vec::new();
     for &c in &ATTENTION_CHECKS {
         for &v in variants {
             if v.kernel == SplitKernel::TensorCores && c.hq / c.hkv > 8 {
                 continue;
-            }
-            // A pipeline the geometry cannot take (16 warps at head_dim 256) is refused, not run.
-            if let (SplitKernel::TensorCores, Some(p)) = (v.kernel, v.pipeline) {
-                if p.takes(c.d, c.hq, c.hkv, c.sd).is_err() {
-                    continue;
-                }
             }
             checks.push(check_attention(gpu, rng, c, v)?);
         }
@@ -808,9 +793,9 @@ pub fn attention(gpu: &Gpu, rng: &mut Rng, variants: &[Variant]) -> Result<Vec<s
 pub fn default_variants() -> Vec<Variant> {
     let t = veloq::kernels::cuda::DEFAULT_THREADS;
     vec![
-        Variant { kernel: SplitKernel::TensorCores, threads: t, half: false, fused: true, pipeline: None },
-        Variant { kernel: SplitKernel::TensorCores, threads: t, half: false, fused: false, pipeline: None },
-        Variant { kernel: SplitKernel::Tables, threads: t, half: false, fused: false, pipeline: None },
-        Variant { kernel: SplitKernel::Tables, threads: t, half: true, fused: false, pipeline: None },
+        Variant { kernel: SplitKernel::TensorCores, threads: t, half: false, fused: true },
+        Variant { kernel: SplitKernel::TensorCores, threads: t, half: false, fused: false },
+        Variant { kernel: SplitKernel::Tables, threads: t, half: false, fused: false },
+        Variant { kernel: SplitKernel::Tables, threads: t, half: true, fused: false },
     ]
 }

@@ -14,7 +14,7 @@ use cudarc::driver::{CudaFunction, CudaSlice};
 use veloq::codec::codebook::Granularity;
 use veloq::kernels::cuda::{
     gemv_f16, gemv_f16_many, quantize_jobs, AttentionScratch, GemvEpilogue, GemvFused, GemvTune, Gpu, GpuCodec,
-    MmaPipeline, QuantizeJob, RowMap, SplitKernel, GEMV_MAX_ROWS,
+    QuantizeJob, RowMap, SplitKernel, GEMV_MAX_ROWS,
 };
 use veloq::kernels::{GemvShapes, KernelOptions};
 
@@ -75,12 +75,6 @@ pub struct Args {
     /// stream, one launch) and/or separate (a second launch). Each is checked and timed.
     #[arg(long, value_delimiter = ',', default_value = "fused")]
     merge: Vec<String>,
-    /// Variants of the tensor-core kernel, comma separated: `default` (the product's choice for
-    /// the geometry) or `WARPSxSTAGES`, warps per block (8 or 16) and steps each warp stages in
-    /// shared memory by cp.async (0 = registers only, or 2 to 4), with a trailing `c` for the
-    /// (head, element) value columns (`MmaPipeline`). Each is checked and timed.
-    #[arg(long, value_delimiter = ',', default_value = "default")]
-    pipelines: Vec<String>,
     /// Threads per block of the table kernel, comma separated: times it at each.
     #[arg(long, value_delimiter = ',', default_values_t = [veloq::kernels::cuda::DEFAULT_THREADS])]
     threads: Vec<u32>,
@@ -630,36 +624,18 @@ pub fn run(a: Args) -> Result<()> {
                         "separate" => false,
                         o => bail!("--merge takes fused or separate, not {o}"),
                     };
-                    for p in &a.pipelines {
-                        let pipeline = if p == "default" {
-                            None
-                        } else {
-                            let (spec, columns) = p.strip_suffix('c').map_or((p.as_str(), false), |s| (s, true));
-                            let Some((w, st)) = spec.split_once('x') else {
-                                bail!("--pipelines takes default or WARPSxSTAGES[c], not {p}")
-                            };
-                            Some(MmaPipeline { warps: w.parse()?, stages: st.parse()?, columns })
-                        };
-                        variants.push(Variant {
-                            kernel: SplitKernel::TensorCores,
-                            threads: a.threads[0],
-                            half: false,
-                            fused,
-                            pipeline,
-                        });
-                    }
+                    variants.push(Variant {
+                        kernel: SplitKernel::TensorCores,
+                        threads: a.threads[0],
+                        half: false,
+                        fused,
+                    });
                 }
             }
             "tables" => {
                 for &threads in &a.threads {
                     for &h in &half {
-                        variants.push(Variant {
-                            kernel: SplitKernel::Tables,
-                            threads,
-                            half: h,
-                            fused: false,
-                            pipeline: None,
-                        });
+                        variants.push(Variant { kernel: SplitKernel::Tables, threads, half: h, fused: false });
                     }
                 }
             }

@@ -27,95 +27,21 @@ const MAX_SPLIT: usize = 4096;
 const MIN_CHUNK: usize = 256;
 /// Most f16 window rows the merge kernel takes.
 pub const MAX_WINDOW: usize = 64;
-/// Shared memory of a Hopper multiprocessor (each resident block also takes 1 KiB).
-const SMEM_PER_SM: usize = 228 * 1024;
 
-/// Variants of the tensor-core split kernel (`attention_mma.cu`'s WARPS, STAGES and COLUMNS):
-/// warps per block, the steps of 16 positions each warp stages in shared memory, and the value
-/// pass at sub-vectors of 2 with (head, element) columns. The default (8 warps, codes in
-/// registers, the columns) is what NOTES.md measured fastest; the others are `bench cuda
-/// --pipelines` options, kept for the record.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MmaPipeline {
-    /// Warps per block: 8, or 16 (one block per multiprocessor sharing one copy of the books).
-    pub warps: u32,
-    /// Steps each warp copies ahead into its ring in shared memory by `cp.async`: 0 (codes in
-    /// registers only: keys one step ahead, values two) or 2 to 4.
-    pub stages: u32,
-    /// Value sub-vectors of 2 with at most 4 heads per kv head: the value mma's columns are (head,
-    /// element) pairs (no byte permutes, no padded columns), key lookups by byte offset.
-    pub columns: bool,
-}
+/// Threads per tensor-core split block (its warp partials must fit over the two 32 KiB codebooks).
+const MMA_THREADS: u32 = 256;
 
-impl Default for MmaPipeline {
-    fn default() -> Self {
-        MmaPipeline { warps: 8, stages: 0, columns: true }
+/// Tensor-core blocks resident per multiprocessor at `head_dim`: the kernel's `MIN_BLOCKS` (which
+/// caps its registers) and the split count's waves, from one place. Two; one at head_dim 256 (its
+/// registers). Three cap the registers at 80, which spills (NOTES.md has the timings).
+fn mma_blocks(head_dim: usize) -> usize {
+    if head_dim == 256 {
+        1
+    } else {
+        2
     }
 }
 
-impl MmaPipeline {
-    /// Threads per block.
-    fn threads(self) -> u32 {
-        self.warps * 32
-    }
-
-    /// Blocks resident per multiprocessor at `head_dim`: the kernel's `MIN_BLOCKS` (which caps its
-    /// registers at 128) and the split count's waves, from one place. Two blocks of 8 warps; one at
-    /// head_dim 256 (its registers) or of 16 warps. Three cap the registers at 80, which spills
-    /// (NOTES.md has the timings).
-    fn blocks(self, head_dim: usize) -> usize {
-        if head_dim == 256 || self.warps > 8 {
-            1
-        } else {
-            2
-        }
-    }
-
-    /// Why the tensor-core kernel cannot run this way for `head_dim`, `q_heads` over `kv_heads`
-    /// and key / value `sub_dims`, if it cannot (no GPU needed).
-    pub fn takes(
-        self,
-        head_dim: usize,
-        q_heads: usize,
-        kv_heads: usize,
-        sub_dims: (usize, usize),
-    ) -> std::result::Result<(), String> {
-        self.check(head_dim, q_heads / kv_heads)?;
-        let (sd_k, sd_v) = sub_dims;
-        let plan = Plan {
-            d: head_dim,
-            sd_k,
-            sd_v,
-            q_heads,
-            kv_heads,
-            pipeline: self,
-            ..Plan::example(SplitKernel::TensorCores)
-        };
-        let (blocks, smem) = (self.blocks(head_dim), plan.split_smem());
-        if blocks * (smem + 1024) > SMEM_PER_SM {
-            return Err(format!(
-                "{} staged steps of {} warps need {smem} B of shared memory a block: {blocks} blocks do not fit a multiprocessor",
-                self.stages, self.warps
-            ));
-        }
-        Ok(())
-    }
-
-    /// Why the kernel cannot run this way for `head_dim` and `group` query heads per kv head.
-    fn check(self, head_dim: usize, group: usize) -> std::result::Result<(), String> {
-        if self.warps != 8 && self.warps != 16 {
-            return Err(format!("{} warps per tensor-core block: 8 or 16", self.warps));
-        }
-        if self.stages == 1 || self.stages > 4 {
-            return Err(format!("{} staged steps: 0, or 2 to 4", self.stages));
-        }
-        // The fold writes the warps' partials over the books; 16 warps at head_dim 256 spill.
-        if self.warps > 8 && (head_dim > 128 || self.threads() as usize / 32 * group * head_dim * 4 > Plan::MMA_BOOKS) {
-            return Err(format!("16 warps per tensor-core block take head_dim ≤ 128 and partials over the books (head_dim {head_dim}, {group} heads per kv head)"));
-        }
-        Ok(())
-    }
-}
 /// Most positions per tensor-core split (nothing in shared memory grows with it; more splits only
 /// fill the GPU).
 const MMA_MAX_SPLIT: usize = 16384;
@@ -153,8 +79,6 @@ pub struct GpuAttention {
     half_values: bool,
     kernel: SplitKernel,
     fuse_merge: bool,
-    /// The tensor-core kernel's warps and staged steps.
-    pipeline: MmaPipeline,
     /// The plan and its compiled split and merge kernels, found once (a decode step should not
     /// rebuild define lists and cache keys per layer).
     prepared: OnceLock<(Plan, CudaFunction, CudaFunction)>,
@@ -245,24 +169,8 @@ impl GpuAttention {
             half_values: false,
             kernel,
             fuse_merge: true,
-            pipeline: MmaPipeline::default(),
             prepared: OnceLock::new(),
         })
-    }
-
-    /// How the tensor-core kernel pipelines its codes (for comparisons; the default is the
-    /// measured best). A pipeline the geometry cannot take → [`Error::Device`].
-    pub fn with_pipeline(mut self, pipeline: MmaPipeline) -> Result<Self> {
-        self.takes(pipeline).map_err(Error::Device)?;
-        self.pipeline = pipeline;
-        self.prepared = OnceLock::new();
-        Ok(self)
-    }
-
-    /// Why the tensor-core kernel cannot run this geometry with `pipeline`, if it cannot.
-    fn takes(&self, pipeline: MmaPipeline) -> std::result::Result<(), String> {
-        let (k, v) = (&self.keys, &self.values);
-        pipeline.takes(k.head_dim, self.q_heads, k.heads, (k.sub_dim, v.sub_dim))
     }
 
     /// Chooses the split kernel (for comparisons: the default is the tensor-core kernel wherever it
@@ -342,7 +250,6 @@ impl GpuAttention {
             threads: self.threads,
             half_values: self.half_values,
             kernel: self.kernel,
-            pipeline: self.pipeline,
         }
     }
 
@@ -388,9 +295,7 @@ impl GpuAttention {
         let sms = gpu.multiprocessors() as usize;
         let (blocks, most, per_sm) = match self.kernel {
             // As many per SM as the kernel's registers allow (`MIN_BLOCKS` in the kernel).
-            SplitKernel::TensorCores => {
-                (batch * self.keys.heads, MMA_MAX_SPLIT, self.pipeline.blocks(self.keys.head_dim))
-            }
+            SplitKernel::TensorCores => (batch * self.keys.heads, MMA_MAX_SPLIT, mma_blocks(self.keys.head_dim)),
             SplitKernel::Tables => (batch * self.keys.heads * (self.group() / gb), MAX_SPLIT, 1),
         };
         let slots = sms * per_sm;
@@ -398,7 +303,7 @@ impl GpuAttention {
         let waves = (blocks * fewest).div_ceil(slots);
         let n = (waves * slots / blocks).clamp(fewest, s.div_ceil(256).max(fewest));
         match self.kernel {
-            SplitKernel::TensorCores => fewest_with_steps(s, n, fewest, self.pipeline.warps as usize),
+            SplitKernel::TensorCores => fewest_with_steps(s, n, fewest),
             SplitKernel::Tables => n,
         }
     }
@@ -602,7 +507,7 @@ impl GpuAttention {
             let cfg = match plan.kernel {
                 SplitKernel::TensorCores => LaunchConfig {
                     grid_dim: (nsplit as u32, streams as u32, 1),
-                    block_dim: (plan.pipeline.threads(), 1, 1),
+                    block_dim: (MMA_THREADS, 1, 1),
                     shared_mem_bytes: smem,
                 },
                 SplitKernel::Tables => {
@@ -689,15 +594,15 @@ impl GpuAttention {
 
 /// Steps of 16 positions the busiest warp of a tensor-core block takes when `s` positions are
 /// split `n` ways (runs of whole steps per warp, as the kernel assigns them).
-fn mma_steps(s: usize, n: usize, warps: usize) -> usize {
-    s.div_ceil(n).div_ceil(warps).div_ceil(16)
+fn mma_steps(s: usize, n: usize) -> usize {
+    s.div_ceil(n).div_ceil(MMA_THREADS as usize / 32).div_ceil(16)
 }
 
 /// The fewest splits (≥ `fewest`) whose busiest warp takes no more steps than with `n`: the same
 /// time, fewer partials for the merge to read.
-fn fewest_with_steps(s: usize, n: usize, fewest: usize, warps: usize) -> usize {
-    let steps = mma_steps(s, n, warps);
-    (fewest..=n).find(|&m| mma_steps(s, m, warps) <= steps).unwrap_or(n)
+fn fewest_with_steps(s: usize, n: usize, fewest: usize) -> usize {
+    let steps = mma_steps(s, n);
+    (fewest..=n).find(|&m| mma_steps(s, m) <= steps).unwrap_or(n)
 }
 
 /// A cache's codes: `[streams, stride, subspaces]` bytes each (stream = sequence × kv head), the
@@ -800,7 +705,6 @@ pub(super) struct Plan {
     /// Value pass in packed f16 (`VALUES_F16`).
     half_values: bool,
     kernel: SplitKernel,
-    pipeline: MmaPipeline,
 }
 
 impl Plan {
@@ -824,7 +728,6 @@ impl Plan {
             threads: DEFAULT_THREADS,
             half_values: false,
             kernel,
-            pipeline: MmaPipeline::default(),
         }
     }
 
@@ -889,9 +792,7 @@ impl Plan {
         whole_words(match self.kernel {
             // Two f16 codebooks × 16 replicas, the queries, offsets, warp maxima and sums.
             SplitKernel::TensorCores => {
-                let warps = self.pipeline.warps as usize;
-                let ring = warps * self.pipeline.stages as usize * 16 * (self.m_k() + self.m_v());
-                Self::MMA_BOOKS + (self.group() * self.d + 8 + warps * 16) * 4 + ring
+                Self::MMA_BOOKS + (self.group() * self.d + 8 + (MMA_THREADS as usize / 32) * 16) * 4
             }
             SplitKernel::Tables => self.smem(),
         })
@@ -936,10 +837,8 @@ impl Plan {
             ("SDV", self.sd_v as i64),
             ("CENTER_K", b(self.center.0)),
             ("SMOOTH_K", b(self.smooth.0)),
-            ("WARPS", self.pipeline.warps as i64),
-            ("STAGES", self.pipeline.stages as i64),
-            ("COLUMNS", self.pipeline.columns as i64),
-            ("MIN_BLOCKS", self.pipeline.blocks(self.d) as i64),
+            ("WARPS", (MMA_THREADS / 32) as i64),
+            ("MIN_BLOCKS", mma_blocks(self.d) as i64),
         ]);
         d
     }
@@ -1005,8 +904,6 @@ pub(super) fn example_mma_defines() -> Vec<Vec<(&'static str, i64)>> {
     let base = Plan::example(SplitKernel::TensorCores);
     let (vq4, smollm2) =
         (Plan { sd_k: 2, sd_v: 2, ..base }, Plan { d: 64, q_heads: 9, kv_heads: 3, sd_k: 2, sd_v: 2, ..base });
-    let columns = MmaPipeline::default();
-    let padded = MmaPipeline { columns: false, ..columns };
     [
         base,
         Plan { d: 64, q_heads: 9, kv_heads: 3, ..base },
@@ -1017,24 +914,8 @@ pub(super) fn example_mma_defines() -> Vec<Vec<(&'static str, i64)>> {
         Plan { d: 256, q_heads: 8, kv_heads: 1, ..vq4 },
         Plan { sd_k: 2, sd_v: 4, ..base },
         Plan { d: 256, q_heads: 8, kv_heads: 1, sd_k: 4, sd_v: 2, ..base },
-        // Variants (`MmaPipeline`): value columns padded heads (the default before the (head,
-        // element) columns); codes staged by cp.async with 8 warps and with 16 (one block per
-        // multiprocessor), with and without the columns.
-        Plan { pipeline: padded, ..vq4 },
-        Plan { pipeline: padded, ..smollm2 },
         Plan { q_heads: 16, kv_heads: 2, sd_k: 4, sd_v: 2, ..base },
-        Plan { pipeline: MmaPipeline { stages: 2, ..MmaPipeline::default() }, ..base },
-        Plan { pipeline: MmaPipeline { warps: 16, stages: 4, columns: true }, ..vq4 },
-        Plan { pipeline: MmaPipeline { warps: 16, stages: 4, columns: false }, ..smollm2 },
-        Plan {
-            d: 256,
-            q_heads: 8,
-            kv_heads: 1,
-            sd_k: 2,
-            sd_v: 4,
-            pipeline: MmaPipeline { stages: 2, ..columns },
-            ..base
-        },
+        Plan { d: 256, q_heads: 8, kv_heads: 1, sd_k: 2, sd_v: 4, ..base },
     ]
     .iter()
     .map(Plan::mma_defines)
@@ -1061,13 +942,13 @@ mod tests {
     /// (3,972 each: runs of 512 positions, 32 steps) need only 32 splits; 31 would take 34 steps.
     #[test]
     fn splits_trim_to_the_same_steps() {
-        assert_eq!(mma_steps(131072, 33, 8), 32);
-        assert_eq!(fewest_with_steps(131072, 33, 8, 8), 32);
-        assert_eq!(mma_steps(131072, 31, 8), 34);
+        assert_eq!(mma_steps(131072, 33), 32);
+        assert_eq!(fewest_with_steps(131072, 33, 8), 32);
+        assert_eq!(mma_steps(131072, 31), 34);
         for (s, n, fewest) in [(65536, 4, 4), (1024, 4, 1), (20011, 33, 2), (5, 1, 1), (131071, 66, 8)] {
-            let m = fewest_with_steps(s, n, fewest, 8);
-            assert!((fewest..=n).contains(&m) && mma_steps(s, m, 8) == mma_steps(s, n, 8), "{s} over {n}: {m}");
-            assert!(m == fewest || mma_steps(s, m - 1, 8) > mma_steps(s, n, 8), "{s} over {n}: {m} is not the fewest");
+            let m = fewest_with_steps(s, n, fewest);
+            assert!((fewest..=n).contains(&m) && mma_steps(s, m) == mma_steps(s, n), "{s} over {n}: {m}");
+            assert!(m == fewest || mma_steps(s, m - 1) > mma_steps(s, n), "{s} over {n}: {m} is not the fewest");
         }
     }
 
@@ -1094,24 +975,8 @@ mod tests {
         for (d, hq, hkv) in [(64, 9, 3), (128, 32, 8), (128, 8, 8), (256, 8, 1)] {
             let p = Plan { d, q_heads: hq, kv_heads: hkv, ..Plan::example(SplitKernel::TensorCores) };
             assert!(2 * p.split_smem() <= 227 * 1024, "D {d}: {} B", p.split_smem());
-            let partials = MmaPipeline::default().warps as usize * (hq / hkv) * d * 4;
+            let partials = (MMA_THREADS as usize / 32) * (hq / hkv) * d * 4;
             assert!(partials <= Plan::MMA_BOOKS, "D {d}, group {}: {partials} B of partials", hq / hkv);
-            // Every pipeline the checks accept fits its blocks per multiprocessor, partials over the books.
-            for (sd_k, sd_v) in [(2, 2), (4, 4), (2, 4), (4, 2)] {
-                for warps in [8, 16] {
-                    for stages in 0..=4 {
-                        let pipeline = MmaPipeline { warps, stages, columns: true };
-                        if pipeline.check(d, hq / hkv).is_err() {
-                            continue;
-                        }
-                        let p = Plan { sd_k, sd_v, pipeline, ..p };
-                        let partials = warps as usize * (hq / hkv) * d * 4;
-                        assert!(partials <= Plan::MMA_BOOKS, "{pipeline:?}, D {d}: {partials} B of partials");
-                        let fits = pipeline.blocks(d) * (p.split_smem() + 1024) <= SMEM_PER_SM;
-                        assert!(fits || stages > 0, "{pipeline:?}, D {d}: registers-only plans always fit");
-                    }
-                }
-            }
         }
     }
 }

@@ -29,7 +29,7 @@
 // heads); the A fragment pairs two positions' elements of one sub-space (two centroid loads and
 // byte permutes per register pair). Lane group g takes sub-spaces g·VP + u. With value
 // sub-vectors of 2, a tile's 16 dims are the two elements of 8 sub-spaces g·VB + u, one m-tile per
-// u. With COLUMNS and value sub-vectors of 2 and at most 4 heads (VH), O^T's columns are (head,
+// u. With value sub-vectors of 2 and at most 4 heads (VH), O^T's columns are (head,
 // element): rows are 16 sub-spaces, k 8 positions × 2 elements, so a register of the A fragment
 // is one centroid and a step is two k-chunks; the weights reach the B fragments by shuffles.
 // The value codes of a
@@ -44,8 +44,7 @@
 // one byte permute of the code word.
 //
 // Defines: D (64, 128 or 256), SDK and SDV (key and value sub_dim, 2 or 4), HQ, HKV, G (= HQ / HKV
-// ≤ 8), CENTER_K, SMOOTH_K, CENTER_V, SMOOTH_V, ROTATE, WARPS, MIN_BLOCKS; optional COLUMNS and
-// STAGES (host: `MmaPipeline`; 0 and 0 are the kernel as measured in NOTES.md's tables).
+// ≤ 8), CENTER_K, SMOOTH_K, CENTER_V, SMOOTH_V, ROTATE, WARPS, MIN_BLOCKS.
 // Layouts: q [B][HQ][D] f32; codes [B·HKV][stride][D/SD] u8; books [256][SD] f16; partials as
 // vq_attend_split: part_o [B][HQ][nsplit][D], part_ml [B][HQ][nsplit][2] (natural-log max, sum);
 // done [B·HKV] blocks finished per stream (zero between launches).
@@ -59,28 +58,11 @@
 #define VB (D / (8 * SDV))    // a lane's value code bytes per position
 #define KW ((KB + 3) / 4)     // words of them
 #define VW ((VB + 3) / 4)
-// COLUMNS: with value sub-vectors of 2 and at most 4 heads (VH) the value mma's columns are
-// (head, element) pairs, so each A register is one centroid as the book holds it (no byte
-// permutes) and no column is padding (half the accumulators); lane group g takes sub-spaces
-// g·VB + j. Key lookups at sub-vectors of 2 then read by byte offset (an index costs a mask per
-// lookup: the compiler cannot see that the offsets are multiples of 4).
-#ifndef COLUMNS
-#define COLUMNS 0
-#endif
-#define VH (COLUMNS && SDV == 2 && G <= 4)
+// VH: with value sub-vectors of 2 and at most 4 heads the value mma's columns are (head,
+// element) pairs, so each A register is one centroid as the book holds it (no byte permutes) and
+// no column is padding (half the accumulators); lane group g takes sub-spaces g·VB + j.
+#define VH (SDV == 2 && G <= 4)
 #define OT (VH ? D / 32 : MT)  // value accumulator tiles
-// STAGES ≥ 2: each warp copies whole steps (16 positions' key codes, then their value codes,
-// each contiguous in memory) by cp.async into its own ring of STAGES slots in shared memory after
-// the block's other arrays, and the codes of the next step come from there instead of global
-// memory: more bytes in flight than registers hold. 0: registers only.
-#ifndef STAGES
-#define STAGES 0
-#endif
-#if STAGES == 1
-#error "STAGES is 0 or at least 2 (the next step's slot is read while the ring holds the rest)"
-#endif
-#define STAGE_BYTES (16 * (M_K + M_V))
-#define RING_OFF (256 * 256 + (G * D + 8 + WARPS * 16) * 4)
 #define LOG2E 1.4426950408889634f
 
 #if G > 8 || G > WARPS || (D != 64 && D != 128 && D != 256) || (SDK != 2 && SDK != 4) || (SDV != 2 && SDV != 4)
@@ -137,29 +119,6 @@ __device__ __forceinline__ void ld_code(unsigned (&w)[2], const uint2* p) {
 }
 __device__ __forceinline__ void ld_code(unsigned (&w)[4], const uint4* p) {
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
-}
-
-// N code bytes of one position from shared memory (a staged slot).
-template <int N>
-__device__ __forceinline__ void lds_bytes(unsigned (&w)[(N + 3) / 4], const unsigned char* p) {
-    if constexpr (N == 2) {
-        w[0] = *(const unsigned short*)p;
-    } else if constexpr (N == 4) {
-        w[0] = *(const unsigned*)p;
-    } else if constexpr (N == 8) {
-        const uint2 v = *(const uint2*)p;
-        w[0] = v.x;
-        w[1] = v.y;
-    } else {
-#pragma unroll
-        for (int k = 0; k < N / 16; k++) {
-            const uint4 v = ((const uint4*)p)[k];
-            w[4 * k] = v.x;
-            w[4 * k + 1] = v.y;
-            w[4 * k + 2] = v.z;
-            w[4 * k + 3] = v.w;
-        }
-    }
 }
 
 // N code bytes of one position (a lane's share): one load, two for 32 bytes.
@@ -252,44 +211,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
 #endif
     // Value positions of a lane relative to 2qd (VH: qd): i < 4 → +{0, 1, 8, 9} (VH: +4i).
     auto vrow = [&](int i) { return VH ? 4 * i : (i & 1) + 8 * (i >> 1); };
-#if STAGES
-    // This warp's ring; step j of its run goes to slot j mod STAGES. Chunks past the run are
-    // zero-filled (code 0, weight 0); a chunk never spans two positions (M ≥ 16, a multiple of 16).
-    unsigned char* ring = smem_raw + RING_OFF + warp * (STAGES * STAGE_BYTES);
-    const int nsteps = w0 < w1 ? (w1 - w0 + 15) / 16 : 0;
-    auto issue = [&](int j) {
-        if (j < nsteps) {
-            const int st = w0 + 16 * j;
-            unsigned char* d = ring + (j % STAGES) * STAGE_BYTES;
-#pragma unroll
-            for (int i = 0; i < (M_K + 31) / 32; i++) {
-                const int c = lane + 32 * i;
-                const bool ok = c < M_K && st + 16 * c / M_K < w1;
-                if (c < M_K) cp_async16(d + 16 * c, ok ? kc + (size_t)st * M_K + 16 * c : kc, ok);
-            }
-#pragma unroll
-            for (int i = 0; i < (M_V + 31) / 32; i++) {
-                const int c = lane + 32 * i;
-                const bool ok = c < M_V && st + 16 * c / M_V < w1;
-                if (c < M_V) cp_async16(d + 16 * M_K + 16 * c, ok ? vc + (size_t)st * M_V + 16 * c : vc, ok);
-            }
-        }
-        cp_async_commit();  // empty past the run: every step waits on the same group count
-    };
-    // The slot of the step at st (the caller has waited for its group).
-    auto slot_of = [&](int st) { return (const unsigned char*)ring + ((st - w0) / 16 % STAGES) * STAGE_BYTES; };
-    int next = STAGES;  // the next step to issue
-#endif
     // The codes of the step at st: at fixed offsets from p where the step is `whole` (16 positions
     // of the run), else clamped to the run's last position.
     auto load_keys = [&](unsigned (&kw)[2][KW], int st, const unsigned char* p, bool whole) {
-#if STAGES
-        // From the step's slot (its group has landed: see `step`); p and whole unused.
-        const unsigned char* sl = slot_of(st);
-#pragma unroll
-        for (int nt = 0; nt < 2; nt++) lds_bytes<KB>(kw[nt], sl + (g + 8 * nt) * M_K + qd * KB);
-        return;
-#endif
         if (whole) {
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) load_bytes<KB>(kw[nt], p + nt * 8 * M_K);
@@ -299,12 +223,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
         }
     };
     auto load_values = [&](unsigned (&vw)[4][VW], int st, const unsigned char* p, bool whole) {
-#if STAGES
-        const unsigned char* sl = slot_of(st) + 16 * M_K;
-#pragma unroll
-        for (int i = 0; i < 4; i++) lds_bytes<VB>(vw[i], sl + ((VH ? qd : 2 * qd) + vrow(i)) * M_V + g * VB);
-        return;
-#endif
         if (whole) {
 #pragma unroll
             for (int i = 0; i < 4; i++) load_bytes<VB>(vw[i], p + vrow(i) * M_V);
@@ -321,15 +239,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
     for (int i = 0; i < 4; i++)
 #pragma unroll
         for (int k = 0; k < VW; k++) vw[i][k] = 0u;  // centroid 0 with zero weights before the first step
-#if STAGES
-#pragma unroll
-    for (int j = 0; j < STAGES; j++) issue(j);  // the first steps, while the books fill
-#else
     if (w0 < w1) {
         load_keys(kw, w0, kp - 16 * M_K, w0 + 16 <= w1);
         load_values(vcur, w0, vp - 16 * M_V, w0 + 16 <= w1);
     }
-#endif
 
     // Everything global that the prologue needs is requested at once: this warp's query head (warps
     // < G) with its centering and smoothing, and the books (each thread 16 centroids per book;
@@ -381,14 +294,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
         if (lane == 0) off[warp] = o;
     }
     __syncthreads();
-#if STAGES
-    if (w0 < w1) {
-        cp_async_wait<STAGES - 1>();  // step 0's group
-        __syncwarp();                 // … and the other lanes' copies of it
-        load_keys(kw, w0, kp, true);
-        load_values(vcur, w0, vp, true);
-    }
-#endif
     // This lane's replica in the key / value book.
     const unsigned kl8 = SDK == 4 ? rl * 8 : lane * 4, vl8 = 128 + (SDV == 4 ? rl * 8 : lane * 4);
 
@@ -484,17 +389,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
     auto step = [&](const unsigned (&kw)[2][KW], const unsigned (&vw)[4][VW], unsigned (&kn)[2][KW], unsigned (&vn)[4][VW], int st, bool inner) {
         if (inner || st + 16 < w1) {
             const bool whole = inner || st + 32 <= w1;
-#if STAGES
-            // The next step's group (and every older one) has landed, the other lanes' copies
-            // too; every lane has read the slot the previous step used, which is refilled below.
-            cp_async_wait<STAGES - 2>();
-            __syncwarp();
-#endif
             load_keys(kn, st + 16, kp, whole);
             load_values(vn, st + 16, vp, whole);
-#if STAGES
-            issue(next++);
-#endif
         }
         kp += 16 * M_K;
         vp += 16 * M_V;
@@ -506,16 +402,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
             const uint2 c = *(const uint2*)(smem_raw + entry(kw[1], kt, kl8));
             mma_16816(s, a.x, c.x, a.y, c.y, qf[kt][0], qf[kt][1]);
 #else
-            // Sub-spaces 2kt and 2kt + 1 of the lane's: columns (2q, 2q+1) and (2q+8, 2q+9).
-#if COLUMNS
+            // Sub-spaces 2kt and 2kt + 1 of the lane's: columns (2q, 2q+1) and (2q+8, 2q+9), read
+            // by byte offset (an index costs a mask per lookup: the compiler cannot see that the
+            // offsets are multiples of 4).
             auto cent = [&](const unsigned (&w)[KW], int j) { return *(const unsigned*)(smem_raw + entry(w, j, kl8)); };
             const unsigned a0 = cent(kw[0], 2 * kt), a1 = cent(kw[0], 2 * kt + 1);
             const unsigned c0 = cent(kw[1], 2 * kt), c1 = cent(kw[1], 2 * kt + 1);
-#else
-            const unsigned* sm = (const unsigned*)smem_raw;
-            const unsigned a0 = sm[entry(kw[0], 2 * kt, kl8) / 4], a1 = sm[entry(kw[0], 2 * kt + 1, kl8) / 4];
-            const unsigned c0 = sm[entry(kw[1], 2 * kt, kl8) / 4], c1 = sm[entry(kw[1], 2 * kt + 1, kl8) / 4];
-#endif
             mma_16816(s, a0, c0, a1, c1, qf[kt][0], qf[kt][1]);
 #endif
         }

@@ -14,8 +14,8 @@ mod quantize;
 mod window;
 
 pub use attention::{
-    ragged_entry, AttentionScratch, Coded, GpuAttention, MmaPipeline, Ragged, SplitKernel, Window, WindowMap,
-    DEFAULT_THREADS, MAX_WINDOW, RAGGED_INTS,
+    ragged_entry, AttentionScratch, Coded, GpuAttention, Ragged, SplitKernel, Window, WindowMap, DEFAULT_THREADS,
+    MAX_WINDOW, RAGGED_INTS,
 };
 pub use convert::{Convert, ConvertPart, Elem, MAX_CONVERT_PARTS};
 pub use dense::GpuDenseAttention;
