@@ -234,7 +234,8 @@ enum Res {
 /// kernels at every row count (their default shapes and one odd shape each): the largest error
 /// relative to the outputs' rms must stay at f32 rounding. The tensor-core kernel rounds the
 /// activations to f16 by contract, so its reference takes them rounded; where it normalises them
-/// first, each output may also move by what a one-ulp flip of those roundings allows.
+/// first, each output may also move by what a one-ulp flip of those roundings allows, and a gated
+/// output by what its two products' own allowed errors become through the product.
 pub fn check_gemv(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<serde_json::Value>> {
     let st = gpu.stream();
     let tunes = [
@@ -369,19 +370,31 @@ pub fn check_gemv(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<serde_json::Value>> {
                             })
                         })
                         .unzip(),
-                    _ => (0..b * rows[0])
-                        .map(|i| {
-                            let (bi, ni) = (i / rows[0], i % rows[0]);
-                            let (g, u) = (dot(&ws[0], bi, ni), dot(&ws[1], bi, ni));
-                            let (sg, su) = (ulp_sum(&ws[0], bi, ni), ulp_sum(&ws[1], bi, ni));
-                            let act = if epilogue == GemvEpilogue::Silu {
-                                g / (1.0 + (-g).exp())
-                            } else {
-                                0.5 * g * (1.0 + (0.797_884_560_8 * (g + 0.044715 * g * g * g)).tanh())
-                            };
-                            (act * u, 1.13 * sg * (u.abs() + su) + (g.abs() + sg) * su)
-                        })
-                        .unzip(),
+                    // A gated output multiplies two products, each of which may be off by what
+                    // the plain products above are allowed (the tolerance times its rms): that
+                    // error, carried through the product, is slack too.
+                    _ => {
+                        let gu: Vec<(f64, f64)> = (0..b * rows[0])
+                            .map(|i| (dot(&ws[0], i / rows[0], i % rows[0]), dot(&ws[1], i / rows[0], i % rows[0])))
+                            .collect();
+                        let rms = |f: fn(&(f64, f64)) -> f64| {
+                            (gu.iter().map(|p| f(p).powi(2)).sum::<f64>() / gu.len() as f64).sqrt()
+                        };
+                        let (eg, eu) = (tolerance(tune) * rms(|p| p.0), tolerance(tune) * rms(|p| p.1));
+                        gu.iter()
+                            .enumerate()
+                            .map(|(i, &(g, u))| {
+                                let (bi, ni) = (i / rows[0], i % rows[0]);
+                                let (sg, su) = (ulp_sum(&ws[0], bi, ni) + eg, ulp_sum(&ws[1], bi, ni) + eu);
+                                let act = if epilogue == GemvEpilogue::Silu {
+                                    g / (1.0 + (-g).exp())
+                                } else {
+                                    0.5 * g * (1.0 + (0.797_884_560_8 * (g + 0.044715 * g * g * g)).tanh())
+                                };
+                                (act * u, 1.13 * sg * (u.abs() + su) + (g.abs() + sg) * su)
+                            })
+                            .unzip()
+                    }
                 };
                 if *res != Res::No {
                     want.iter_mut().zip(&residual).for_each(|(w, r)| *w += *r as f64);
