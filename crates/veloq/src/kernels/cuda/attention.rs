@@ -179,7 +179,7 @@ impl GpuAttention {
         if kernel == SplitKernel::TensorCores
             && !mma_geometry(&Geometry::of(&self.keys), &Geometry::of(&self.values), self.q_heads)
         {
-            return Err(Error::Device("the tensor-core attention kernel takes sub-vectors of 4, head_dim 64/128/256 and at most 8 query heads per kv head".into()));
+            return Err(Error::Device("the tensor-core attention kernel takes sub-vectors of 2 or 4, head_dim 64/128/256 and at most 8 query heads per kv head".into()));
         }
         self.kernel = kernel;
         self.prepared = OnceLock::new();
