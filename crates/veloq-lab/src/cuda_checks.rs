@@ -216,10 +216,14 @@ fn max_err_over_rms(y: &[f32], want: &[f64]) -> f64 {
 /// [`max_err_over_rms`] after each output's own `slack` (an error the maths allows that the
 /// outputs' rms does not measure).
 fn max_excess_over_rms(y: &[f32], want: &[f64], slack: &[f64]) -> f64 {
-    let rms = (want.iter().map(|v| v * v).sum::<f64>() / want.len() as f64).sqrt();
     let excess = y.iter().zip(want).zip(slack).map(|((a, b), s)| ((*a as f64 - b).abs() - s).max(0.0));
     let worst = excess.fold(0.0f64, |m, e| if e.is_nan() || m.is_nan() { f64::NAN } else { m.max(e) });
-    worst / rms
+    worst / rms(want)
+}
+
+/// Root mean square of `x`.
+fn rms(x: &[f64]) -> f64 {
+    (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64).sqrt()
 }
 
 /// How a GEMV check adds a residual stream.
@@ -374,16 +378,14 @@ pub fn check_gemv(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<serde_json::Value>> {
                     // the plain products above are allowed (the tolerance times its rms): that
                     // error, carried through the product, is slack too.
                     _ => {
-                        let gu: Vec<(f64, f64)> = (0..b * rows[0])
+                        let (gs, us): (Vec<f64>, Vec<f64>) = (0..b * rows[0])
                             .map(|i| (dot(&ws[0], i / rows[0], i % rows[0]), dot(&ws[1], i / rows[0], i % rows[0])))
-                            .collect();
-                        let rms = |f: fn(&(f64, f64)) -> f64| {
-                            (gu.iter().map(|p| f(p).powi(2)).sum::<f64>() / gu.len() as f64).sqrt()
-                        };
-                        let (eg, eu) = (tolerance(tune) * rms(|p| p.0), tolerance(tune) * rms(|p| p.1));
-                        gu.iter()
+                            .unzip();
+                        let (eg, eu) = (tolerance(tune) * rms(&gs), tolerance(tune) * rms(&us));
+                        gs.iter()
+                            .zip(&us)
                             .enumerate()
-                            .map(|(i, &(g, u))| {
+                            .map(|(i, (&g, &u))| {
                                 let (bi, ni) = (i / rows[0], i % rows[0]);
                                 let (sg, su) = (ulp_sum(&ws[0], bi, ni) + eg, ulp_sum(&ws[1], bi, ni) + eu);
                                 let act = if epilogue == GemvEpilogue::Silu {
