@@ -39,11 +39,11 @@ use veloq::codec::vecinfer::VecInferCodec;
 use veloq::kernels::cuda::{
     quantize_jobs, ragged_entry, AttentionScratch, Coded, Gpu, GpuAttention, GpuCodec, GpuDenseAttention, GpuPrefill,
     GpuPrefillCodes, PrefillOut, PrefillParts, PutMap, PutRows, QuantizeJob, Ragged, RowMap, Rows, Split, Window,
-    WindowMap, MAX_WINDOW,
+    WindowMap, MAX_WINDOW, PREFILL_MAX_RUNS,
 };
 
 use super::backend::{compose, Backend, Heads};
-use super::residency::{Put, Quantize, Restore, RowRun, RowSource, SeqView};
+use super::residency::{Put, Quantize, Restore, RowRun, RowSource, RowSpan, SeqView};
 use super::tensor::{TensorBackend, TensorInput, TensorPartial};
 use crate::cuda_options::CudaOptions;
 use crate::error::{Error, Result};
@@ -184,6 +184,17 @@ fn with_view<T: CudaDType, R>(t: &Tensor, f: impl FnOnce(CudaView<T>) -> Result<
         return Err(Error::Shape("expected a contiguous tensor".into()));
     };
     f(cuda.as_cuda_slice::<T>()?.slice(start..end))
+}
+
+/// `f` with views of a step's staged key and value rows, where it has them.
+fn with_staged<R>(
+    staged: Option<&(Tensor, Tensor)>,
+    f: impl FnOnce(Option<(CudaView<f16>, CudaView<f16>)>) -> Result<R>,
+) -> Result<R> {
+    match staged {
+        Some((k, v)) => with_view::<f16, _>(k, |k| with_view::<f16, _>(v, |v| f(Some((k, v))))),
+        None => f(None),
+    }
 }
 
 /// An f16 buffer as the raw 16-bit words veloq's kernels take.
@@ -628,34 +639,28 @@ impl CudaBackend {
                 qoff = Some(off);
                 launches += 1;
             }
-            let mut at = code_splits;
-            for (span, split) in spans.iter().zip(&row_splits) {
-                let out = PrefillOut {
-                    o: &mut o.slice_mut(at * part..(at + split.count) * part),
-                    ml: &mut ml.slice_mut(at * two..(at + split.count) * two),
-                    accumulate: false,
-                };
+            if !spans.is_empty() {
+                // The runs of rows in one launch (a view has at most four), their splits after the codes'.
                 let qpos0 = v.query_pos(i0);
-                match span.from {
-                    RowSource::Stored(first) => with_view::<f16, _>(&self.base.rows, |all| {
-                        let off = (v.slot * kv * rows + first) * d;
-                        let run = Rows {
-                            keys: bits(&all.slice(off..plane)),
-                            values: bits(&all.slice(plane + off..)),
-                            len: span.n,
-                            head_stride: rows * d,
-                            row_stride: d,
-                            pos0: span.pos0,
-                            qpos0,
-                            window: v.window,
-                        };
-                        Ok(prefill.launch(gpu, &q, n, scale, run, *split, out)?)
-                    })?,
-                    RowSource::Input(src) => {
-                        let (k16, v16) = staged.expect("made for views with input rows");
-                        with_view::<f16, _>(k16, |k| {
-                            with_view::<f16, _>(v16, |vv| {
-                                let run = Rows {
+                with_view::<f16, _>(&self.base.rows, |all| {
+                    with_staged(staged, |input| {
+                        let run = |span: &RowSpan| match span.from {
+                            RowSource::Stored(first) => {
+                                let off = (v.slot * kv * rows + first) * d;
+                                Rows {
+                                    keys: bits(&all.slice(off..plane)),
+                                    values: bits(&all.slice(plane + off..)),
+                                    len: span.n,
+                                    head_stride: rows * d,
+                                    row_stride: d,
+                                    pos0: span.pos0,
+                                    qpos0,
+                                    window: v.window,
+                                }
+                            }
+                            RowSource::Input(src) => {
+                                let (k, vv) = input.as_ref().expect("made for views with input rows");
+                                Rows {
                                     keys: bits(&k.slice(src * kv * d..)),
                                     values: bits(&vv.slice(src * kv * d..)),
                                     len: span.n,
@@ -664,14 +669,25 @@ impl CudaBackend {
                                     pos0: span.pos0,
                                     qpos0,
                                     window: v.window,
-                                };
-                                Ok(prefill.launch(gpu, &q, n, scale, run, *split, out)?)
-                            })
-                        })?
-                    }
-                }
-                at += split.count;
-                launches += 1;
+                                }
+                            }
+                        };
+                        let runs: Vec<(Rows, Split)> = spans.iter().map(run).zip(row_splits.iter().copied()).collect();
+                        let mut at = code_splits;
+                        for chunk in runs.chunks(PREFILL_MAX_RUNS) {
+                            let c: usize = chunk.iter().map(|(_, s)| s.count).sum();
+                            let out = PrefillOut {
+                                o: &mut o.slice_mut(at * part..(at + c) * part),
+                                ml: &mut ml.slice_mut(at * two..(at + c) * two),
+                                accumulate: false,
+                            };
+                            prefill.launch_runs(gpu, &q, n, scale, chunk, out)?;
+                            at += c;
+                            launches += 1;
+                        }
+                        Ok(())
+                    })
+                })?;
             }
             let qoff = qoff.as_ref().map(|q| q.as_view());
             let parts =

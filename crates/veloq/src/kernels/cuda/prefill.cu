@@ -14,7 +14,7 @@
 // splits of every launch of a tile into the output (mapping coded sums back to value space).
 //
 // q: [t][Hq][D] f32 (the step's packed queries from the tile's first; codes: in code space,
-// prefill_code_queries), times qscale. kr/vr at the run's first row of stream 0, stream h's row p
+// prefill_code_queries), times qscale. A run's k/v at its first row of stream 0, stream h's row p
 // at h·hs + p·rs (stored rows are head-major, a step's input rows token-major); row p holds
 // position pos0 + p, query i position qpos0 + i, and a query sees positions ≤ its own (and, with a
 // sliding window w > 0, the last w of them, itself included).
@@ -91,17 +91,46 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const unsign
                  : "r"(smem_addr(p)));
 }
 
+// Up to RUNS runs of rows in one launch (a sequence's sink, the two parts of its ring and the
+// step's own rows): run r is split into splits[r] splits of per[r] positions, its partials at
+// splits [Σ splits of the runs before r, + splits[r]) of the output. The grid's z is every
+// split of every run.
+#define RUNS 4
+struct RowRuns {
+    const unsigned short* k[RUNS];
+    const unsigned short* v[RUNS];
+    int len[RUNS], hs[RUNS], rs[RUNS], pos0[RUNS], per[RUNS], splits[RUNS];
+    int n;
+};
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32, ROW_BLOCKS)
-    f16_prefill_rows(const float* __restrict__ q, float qscale, int t, const unsigned short* __restrict__ kr,
-                     const unsigned short* __restrict__ vr, int len, int hs, int rs, int pos0, int qpos0, int window,
-                     int per_split, int accumulate, float* __restrict__ out_o, float* __restrict__ out_ml) {
+    f16_prefill_rows(const float* __restrict__ q, float qscale, int t, const RowRuns runs, int qpos0, int window,
+                     int accumulate, float* __restrict__ out_o, float* __restrict__ out_ml) {
     extern __shared__ unsigned short smem[];
     unsigned short* Qs = smem;            // [ROWS][QS]
     unsigned short* Ks = Qs + ROWS * QS;  // [4][TP][KS]: two buffers of keys, then two of values
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane >> 2, tq = lane & 3;
-    const int h = blockIdx.y, split = blockIdx.z, hq_total = gridDim.y * G;
+    const int h = blockIdx.y, part = blockIdx.z, hq_total = gridDim.y * G;
+    // This block's run: selected field by field with constant indices (a dynamic index into the
+    // parameter would copy it to local memory).
+    const unsigned short *kr = runs.k[0], *vr = runs.v[0];
+    int len = runs.len[0], hs = runs.hs[0], rs = runs.rs[0], pos0 = runs.pos0[0], per_split = runs.per[0];
+    int split = part;
+#pragma unroll
+    for (int r = 1, first = runs.splits[0]; r < RUNS; first += runs.splits[r], r++) {
+        if (r < runs.n && part >= first) {
+            kr = runs.k[r];
+            vr = runs.v[r];
+            len = runs.len[r];
+            hs = runs.hs[r];
+            rs = runs.rs[r];
+            pos0 = runs.pos0[r];
+            per_split = runs.per[r];
+            split = part - first;
+        }
+    }
     const int q0 = blockIdx.x * QPB;
     // Rows after the block's last query are masked for all its queries: stop before them; with a
     // sliding window, whole tiles before the first query's window are skipped (tiles stay aligned
@@ -251,7 +280,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, ROW_BLOCKS)
     for (int half = 0; half < 2; half++) {
         const int r = warp * 16 + g + 8 * half, qi = q0 + r / G;
         if (!accumulate || r >= QPB * G || qi >= t) continue;
-        const size_t row = ((size_t)split * hq_total + h * G + r % G) * t + qi;
+        const size_t row = ((size_t)part * hq_total + h * G + r % G) * t + qi;
         om[half] = out_ml[row * 2];
         ol[half] = out_ml[row * 2 + 1];
     }
@@ -260,7 +289,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, ROW_BLOCKS)
     for (int half = 0; half < 2; half++) {
         const int r = warp * 16 + g + 8 * half, qi = q0 + r / G;
         if (r >= QPB * G || qi >= t) continue;
-        const size_t row = ((size_t)split * hq_total + h * G + r % G) * t + qi;
+        const size_t row = ((size_t)part * hq_total + h * G + r % G) * t + qi;
         float* dst = out_o + row * D;
         float mm = half ? m1 : m0, ll = half ? l1 : l0, a = 0.f, b = 1.f;
         if (accumulate) {

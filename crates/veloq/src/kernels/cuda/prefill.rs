@@ -1,10 +1,10 @@
 //! Host side of `prefill.cu`: attention of a tile of queries over a sequence's f16 rows as
-//! softmax partials per split of the positions (a launch per run of rows: the sink, the ring, the
-//! step's own rows, and a VecInfer cache's codes decoded a block at a time), then one fold of
+//! softmax partials per split of the positions (one launch over its runs of rows: the sink, the
+//! ring, the step's own rows; one per block of a VecInfer cache's codes, decoded a block at a time), then one fold of
 //! every split into the output, mapping coded sums back to value space. What chunked prefill and
 //! follow-up turns run on CUDA: a handful of launches per tile, no tensor ops between them.
 
-use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::attention::Coded;
 use super::quantize::GpuCodec;
@@ -62,6 +62,28 @@ pub struct Rows<'b> {
     /// A sliding window: positions a query sees, itself included.
     pub window: Option<usize>,
 }
+
+/// Runs of rows one launch takes (the kernel's `RUNS`): the sink, the ring's two parts and the
+/// step's own rows.
+pub const MAX_RUNS: usize = 4;
+
+/// The kernel's `RowRuns`: each run's rows, strides, first position and splits.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct RowRuns {
+    k: [u64; MAX_RUNS],
+    v: [u64; MAX_RUNS],
+    len: [i32; MAX_RUNS],
+    hs: [i32; MAX_RUNS],
+    rs: [i32; MAX_RUNS],
+    pos0: [i32; MAX_RUNS],
+    per: [i32; MAX_RUNS],
+    splits: [i32; MAX_RUNS],
+    n: i32,
+}
+
+// SAFETY: plain old data with the C layout the kernel declares (device addresses as u64).
+unsafe impl DeviceRepr for RowRuns {}
 
 /// The positions of each split (whole tiles) and how many splits that makes: the partials are
 /// `count` deep.
@@ -179,45 +201,86 @@ impl GpuPrefill {
         split: Split,
         out: PrefillOut,
     ) -> Result<()> {
+        self.launch_runs(gpu, q, queries, scale, &[(rows, split)], out)
+    }
+
+    /// [`launch`](Self::launch) over up to [`MAX_RUNS`] runs of one sequence's rows in one launch
+    /// (each split as planned for its own length; run r's partials follow the splits of the runs
+    /// before it in `out`). The runs share the queries' positions and window. A launch per run
+    /// costs the host a launch and the GPU a drain each, and a short run's blocks (a sink of a
+    /// few rows) leave most of the device idle on their own.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_runs(
+        &self,
+        gpu: &Gpu,
+        q: &CudaView<f32>,
+        queries: usize,
+        scale: f32,
+        runs: &[(Rows, Split)],
+        out: PrefillOut,
+    ) -> Result<()> {
         let (d, kv, hq) = (self.head_dim, self.heads, self.q_heads());
-        let Rows { keys, values, len, head_stride, row_stride, pos0, qpos0, window } = rows;
-        let span = (kv - 1) * head_stride + len.saturating_sub(1) * row_stride + d;
-        let ok = row_stride >= d
-            && keys.len() >= span
-            && values.len() >= span
-            && span < 1 << 31
+        let total: usize = runs.iter().map(|(_, s)| s.count).sum();
+        let (qpos0, window) = runs.first().map_or((0, None), |(r, _)| (r.qpos0, r.window));
+        let fits = |r: &Rows, split: &Split| {
+            let span = (kv - 1) * r.head_stride + r.len.saturating_sub(1) * r.row_stride + d;
+            r.row_stride >= d
+                && r.keys.len() >= span
+                && r.values.len() >= span
+                && span < 1 << 31
+                && r.pos0 + r.len < 1 << 30
+                && (r.qpos0, r.window) == (qpos0, window)
+                && r.len > 0
+                && split.per.is_multiple_of(TILE)
+                && r.len.div_ceil(split.per) == split.count
+        };
+        let ok = (1..=MAX_RUNS).contains(&runs.len())
+            && runs.iter().all(|(r, s)| fits(r, s))
             && qpos0 + queries < 1 << 30
-            && pos0 + len < 1 << 30
             && window.is_none_or(|w| (1..1 << 30).contains(&w))
             && queries > 0
-            && len > 0
-            && split.per.is_multiple_of(TILE)
-            && len.div_ceil(split.per) == split.count
+            && total < 1 << 16
             && q.len() >= hq * queries * d
-            && out.o.len() >= split.count * hq * queries * d
-            && out.ml.len() >= split.count * hq * queries * 2;
+            && out.o.len() >= total * hq * queries * d
+            && out.ml.len() >= total * hq * queries * 2;
         if !ok {
+            let lens: Vec<usize> = runs.iter().map(|(r, _)| r.len).collect();
             return Err(Error::Shape(format!(
-                "prefill attention: {queries} queries × {hq} heads × {d}, {len} rows, {} splits do not fit the kernel or the buffers",
-                split.count
+                "prefill attention: {queries} queries × {hq} heads × {d}, runs of {lens:?} rows, {total} splits do not fit the kernel or the buffers"
             )));
         }
+        let stream = gpu.stream();
+        let mut arg = RowRuns::default();
+        let mut guards = Vec::with_capacity(2 * runs.len());
+        for (i, (r, split)) in runs.iter().enumerate() {
+            let (k, gk) = r.keys.device_ptr(stream);
+            let (v, gv) = r.values.device_ptr(stream);
+            guards.extend([gk, gv]);
+            arg.k[i] = k;
+            arg.v[i] = v;
+            arg.len[i] = r.len as i32;
+            arg.hs[i] = r.head_stride as i32;
+            arg.rs[i] = r.row_stride as i32;
+            arg.pos0[i] = r.pos0 as i32;
+            arg.per[i] = split.per as i32;
+            arg.splits[i] = split.count as i32;
+        }
+        arg.n = runs.len() as i32;
         let cfg = LaunchConfig {
-            grid_dim: (queries.div_ceil(self.queries_per_block()) as u32, kv as u32, split.count as u32),
+            grid_dim: (queries.div_ceil(self.queries_per_block()) as u32, kv as u32, total as u32),
             block_dim: ((WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: Self::smem(d) as u32,
         };
-        let (t, len_i, per_i) = (queries as i32, len as i32, split.per as i32);
-        let (hs_i, rs_i, pos0_i, qpos0_i) = (head_stride as i32, row_stride as i32, pos0 as i32, qpos0 as i32);
-        let window_i = window.unwrap_or(0) as i32;
-        let accumulate = out.accumulate as i32;
-        let mut l = gpu.stream().launch_builder(&self.function);
-        l.arg(q).arg(&scale).arg(&t).arg(&keys).arg(&values).arg(&len_i).arg(&hs_i).arg(&rs_i);
-        l.arg(&pos0_i).arg(&qpos0_i).arg(&window_i).arg(&per_i).arg(&accumulate).arg(out.o).arg(out.ml);
-        // SAFETY: the arguments follow `f16_prefill_rows`'s signature; the checks above keep every
-        // query row, row read (streams `kv`, `len` rows, by the strides) and output row of the
-        // grid (splits · q heads · queries) inside the buffers.
+        let (t, qpos0_i, window_i, accumulate) =
+            (queries as i32, qpos0 as i32, window.unwrap_or(0) as i32, out.accumulate as i32);
+        let mut l = stream.launch_builder(&self.function);
+        l.arg(q).arg(&scale).arg(&t).arg(&arg).arg(&qpos0_i).arg(&window_i).arg(&accumulate).arg(out.o).arg(out.ml);
+        // SAFETY: the arguments follow `f16_prefill_rows`'s signature (`RowRuns` by value, its C
+        // layout); the checks above keep every query row, every row read of every run (streams
+        // `kv`, `len` rows, by its strides) and every output row of the grid (all runs' splits ·
+        // q heads · queries) inside the buffers, which `guards` keep ordered until the launch.
         unsafe { l.launch(cfg) }.map_err(dev_err)?;
+        drop(guards);
         Ok(())
     }
 
