@@ -1,8 +1,9 @@
 //! Host side of `prefill.cu`: attention of a tile of queries over a sequence's f16 rows as
 //! softmax partials per split of the positions (one launch over its runs of rows: the sink, the
-//! ring, the step's own rows; one per block of a VecInfer cache's codes, decoded a block at a time), then one fold of
-//! every split into the output, mapping coded sums back to value space. What chunked prefill and
-//! follow-up turns run on CUDA: a handful of launches per tile, no tensor ops between them.
+//! ring, the step's own rows; one per block of a VecInfer cache's codes, decoded a block at a
+//! time), then one fold of every split into the output, mapping coded sums back to value space.
+//! What chunked prefill and follow-up turns run on CUDA: a handful of launches per tile, no
+//! tensor ops between them.
 
 use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 
