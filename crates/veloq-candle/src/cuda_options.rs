@@ -13,6 +13,9 @@ pub struct CudaOptions {
     pub gemv: bool,
     /// Cache flushes on a second stream, off the step's path.
     pub flush_stream: bool,
+    /// Device memory freed by a step kept in the allocator's pool for the next one (off: given
+    /// back to the driver whenever the host waits on the GPU, and mapped again by the next step).
+    pub keep_freed_memory: bool,
     /// Overlapped launches, the kernel cache, GEMV shapes.
     pub kernels: KernelOptions,
 }
@@ -20,6 +23,12 @@ pub struct CudaOptions {
 impl Default for CudaOptions {
     /// Every fast path on; compiled kernels kept under `~/.cache/veloq/kernels`.
     fn default() -> Self {
-        Self { graphs: true, gemv: true, flush_stream: true, kernels: KernelOptions::default() }
+        Self {
+            graphs: true,
+            gemv: true,
+            flush_stream: true,
+            keep_freed_memory: true,
+            kernels: KernelOptions::default(),
+        }
     }
 }

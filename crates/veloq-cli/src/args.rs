@@ -60,6 +60,10 @@ pub struct CudaFlags {
     /// Cache flushes on a second stream.
     #[arg(long, env = "VELOQ_FLUSH_STREAM", default_value = "on", action = clap::ArgAction::Set, value_parser = BoolishValueParser::new(), value_name = "on|off")]
     pub flush_stream: bool,
+    /// Device memory a step frees kept for the next step (off: given back to the driver at every
+    /// synchronisation, the driver's default).
+    #[arg(long, env = "VELOQ_KEEP_FREED_MEMORY", default_value = "on", action = clap::ArgAction::Set, value_parser = BoolishValueParser::new(), value_name = "on|off")]
+    pub keep_freed_memory: bool,
     /// GEMV launch shape R,U,T for one activation row (`veloq-lab bench cuda --gemv-sweep`).
     #[arg(long, env = "VELOQ_GEMV", value_name = "R,U,T")]
     pub gemv_shape: Option<GemvShape>,
@@ -84,6 +88,7 @@ impl CudaFlags {
             graphs: self.cuda_graphs,
             gemv: self.cuda_gemv,
             flush_stream: self.flush_stream,
+            keep_freed_memory: self.keep_freed_memory,
             kernels: KernelOptions {
                 overlapped_launches: self.overlapped_launches,
                 kernel_cache,

@@ -90,13 +90,14 @@ impl CudaRuntime {
         let mut all = RUNTIMES.lock().expect("runtime registry lock");
         if let Some(rt) = all.iter().find(|rt| rt.device.same_device(cuda)) {
             if let Some(o) = options {
-                rt.set_options(o);
+                rt.set_options(o)?;
             }
             return Ok(rt.clone());
         }
         let defaults = CudaOptions::default();
         let options = options.unwrap_or(&defaults);
         let gpu = Gpu::from_stream(cuda.cuda_stream(), options.kernels.clone())?;
+        gpu.keep_freed_memory(options.keep_freed_memory)?;
         let ctx = gpu.context();
         let flush = match ctx.is_event_tracking() {
             false => Some(Gpu::from_stream(ctx.new_stream().map_err(veloq::Error::from)?, options.kernels.clone())?),
@@ -122,13 +123,14 @@ impl CudaRuntime {
 
     /// Options for what runs from now on (kernels compiled so far stay; CUDA graphs replay what
     /// they captured, and are keyed by the options they depend on).
-    pub fn set_options(&self, options: &CudaOptions) {
+    pub fn set_options(&self, options: &CudaOptions) -> Result<()> {
         self.gpu.set_options(options.kernels.clone());
         if let Some(f) = &self.flush {
             f.set_options(options.kernels.clone());
         }
         self.aside.store(options.flush_stream, Ordering::Relaxed);
         self.gemv.store(options.gemv, Ordering::Relaxed);
+        Ok(self.gpu.keep_freed_memory(options.keep_freed_memory)?)
     }
 
     /// Whether f16 weights of decode steps take veloq's GEMV ([`CudaOptions::gemv`]).

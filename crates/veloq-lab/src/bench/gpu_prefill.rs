@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 
 use veloq::kernels::cuda::Gpu;
 use veloq::kernels::KernelOptions;
-use veloq_candle::cache::{ModelCache, Step};
+use veloq_candle::cache::{CudaRuntime, ModelCache, Step};
 use veloq_candle::config::CacheConfig;
 use veloq_candle::model::Model;
 use veloq_candle::prefill::prefill;
@@ -53,6 +53,10 @@ pub struct Args {
     /// SDPA timings from scripts/device/sdpa_prefill.py, run in the same call.
     #[arg(long)]
     sdpa: Option<PathBuf>,
+    /// Whether device memory freed by one chunk stays in the allocator's pool for the next (off:
+    /// given back to the driver at every synchronisation); several to time them side by side.
+    #[arg(long, value_delimiter = ',', default_value = "on", value_parser = clap::builder::BoolishValueParser::new(), value_name = "on|off")]
+    keep_freed_memory: Vec<bool>,
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -68,10 +72,12 @@ fn random(n: usize, heads: usize, d: usize, dev: &Device) -> Result<Tensor> {
 }
 
 /// One chunk's timings: median seconds of the host's clock around each rep (launches included,
-/// each rep waited for) and of the GPU's events around it with the rep queued behind a 2 GiB
-/// memset (the host's launches hidden, as the SDPA anchor's `do_bench` times).
+/// each rep waited for), of the host's clock until its last launch was issued (before the wait),
+/// and of the GPU's events around it with the rep queued behind a 2 GiB memset (the host's
+/// launches hidden, as the SDPA anchor's `do_bench` times).
 struct ChunkTimes {
     host: f64,
+    enqueue: f64,
     gpu: f64,
 }
 
@@ -88,7 +94,7 @@ fn chunk_attention(caches: &mut ModelCache, model: &Model, gpu: &Gpu, chunk: usi
     let scale = 1.0 / (d as f32).sqrt();
     let stream = gpu.stream();
     let mut queue = stream.alloc_zeros::<u8>(2 << 30)?;
-    let (mut host, mut events) = (Vec::new(), Vec::new());
+    let (mut host, mut enqueue, mut events) = (Vec::new(), Vec::new(), Vec::new());
     for rep in 0..2 * (reps.max(1) + 1) {
         let queued = rep % 2 == 1;
         sync(&dev)?;
@@ -104,6 +110,7 @@ fn chunk_attention(caches: &mut ModelCache, model: &Model, gpu: &Gpu, chunk: usi
         match start {
             Some(a) => events.push((a, stream.record_event(Some(CU_EVENT_DEFAULT))?)),
             None => {
+                enqueue.push(t0.elapsed().as_secs_f64());
                 sync(&dev)?;
                 host.push(t0.elapsed().as_secs_f64());
             }
@@ -118,7 +125,7 @@ fn chunk_attention(caches: &mut ModelCache, model: &Model, gpu: &Gpu, chunk: usi
         t.sort_by(f64::total_cmp);
         t[t.len() / 2]
     };
-    Ok(ChunkTimes { host: median(&mut host), gpu: median(&mut gpu_s) })
+    Ok(ChunkTimes { host: median(&mut host), enqueue: median(&mut enqueue), gpu: median(&mut gpu_s) })
 }
 
 /// SDPA's milliseconds for one chunk at `len` positions of context, from the script's JSON.
@@ -151,17 +158,32 @@ pub fn run(a: Args) -> Result<()> {
         a.chunk
     );
     println!(
-        "{:>9} {:>22} | {:>9} {:>9} {:>11} {:>11} | {:>11} {:>11} {:>11} {:>7} {:>7}",
-        "prompt", "method", "tok/s", "secs", "peak alloc", "KV", "chunk attn", "GPU time", "SDPA", "vs SDPA", "GPU vs"
+        "{:>9} {:>22} {:>7} | {:>9} {:>9} {:>11} {:>11} | {:>11} {:>11} {:>11} {:>11} {:>7} {:>7}",
+        "prompt",
+        "method",
+        "freed",
+        "tok/s",
+        "secs",
+        "peak alloc",
+        "KV",
+        "chunk attn",
+        "enqueued",
+        "GPU time",
+        "SDPA",
+        "vs SDPA",
+        "GPU vs"
     );
     let vocab = model.info.vocab;
     let mut rows = Vec::new();
-    for name in &a.methods {
+    let cases = a.methods.iter().flat_map(|m| a.keep_freed_memory.iter().map(move |&k| (m, k)));
+    for (name, keep) in cases {
         let cfg = match name.as_str() {
             "fp16" => CacheConfig::fp16(),
             "vecinfer" => CacheConfig::vecinfer(cal.clone()),
             other => anyhow::bail!("unknown method {other:?} (fp16, vecinfer)"),
         };
+        CudaRuntime::configure(&dev, &CudaOptions { keep_freed_memory: keep, ..CudaOptions::default() })?;
+        let freed = if keep { "kept" } else { "given" };
         for &len in &a.lengths {
             let mut caches = cfg.build(&model)?;
             let ids: Vec<u32> = (0..len).map(|_| (rng.uniform() * vocab as f64) as u32 % vocab as u32).collect();
@@ -179,31 +201,34 @@ pub fn run(a: Args) -> Result<()> {
             let secs = t0.elapsed().as_secs_f64();
             let peak = gpu.pool_memory()?.peak.saturating_sub(used0);
             let kv = caches.resident_bytes();
-            let ChunkTimes { host: attn, gpu: attn_gpu } = chunk_attention(&mut caches, &model, &gpu, a.chunk, a.reps)?;
+            let ChunkTimes { host: attn, enqueue, gpu: attn_gpu } =
+                chunk_attention(&mut caches, &model, &gpu, a.chunk, a.reps)?;
             let base = sdpa_ms(&sdpa, len, a.chunk);
             let tok_s = full.then(|| len as f64 / secs);
             println!(
-                "{len:>9} {:>22} | {:>9} {:>9} {:>11} {:>11} | {:>9.3}ms {:>9.3}ms {:>11} {:>7} {:>7}",
+                "{len:>9} {:>22} {freed:>7} | {:>9} {:>9} {:>11} {:>11} | {:>9.3}ms {:>9.3}ms {:>9.3}ms {:>11} {:>7} {:>7}",
                 cfg.name(),
                 tok_s.map_or("n/a".into(), |t| format!("{t:.0}")),
                 if full { format!("{secs:.1}") } else { "n/a".into() },
                 if full { human(peak) } else { "n/a".into() },
                 human(kv),
                 attn * 1e3,
+                enqueue * 1e3,
                 attn_gpu * 1e3,
                 base.as_ref().map_or("n/a".into(), |(ms, _)| format!("{ms:.3}ms")),
                 base.as_ref().map_or("n/a".into(), |(ms, _)| format!("{:.2}×", ms / (attn * 1e3))),
                 base.as_ref().map_or("n/a".into(), |(ms, _)| format!("{:.2}×", ms / (attn_gpu * 1e3)))
             );
             rows.push(json!({
-                "method": cfg.name(), "prompt": len, "chunk": a.chunk, "full_prefill": full,
+                "method": cfg.name(), "keep_freed_memory": keep, "prompt": len, "chunk": a.chunk, "full_prefill": full,
                 "tok_s": tok_s, "secs": full.then_some(secs), "peak_bytes_above_start": full.then_some(peak),
-                "kv_bytes": kv, "chunk_attention_ms": attn * 1e3, "chunk_attention_gpu_ms": attn_gpu * 1e3,
+                "kv_bytes": kv, "chunk_attention_ms": attn * 1e3, "chunk_enqueued_ms": enqueue * 1e3,
+                "chunk_attention_gpu_ms": attn_gpu * 1e3,
                 "sdpa_ms": base.as_ref().map(|b| b.0), "sdpa_backend": base.as_ref().map(|b| b.1.clone()),
             }));
         }
     }
-    println!("chunk attn: one layer's append + attend of {} queries after the prompt (median of {}, host clock, each rep waited for); GPU time: the same between events, queued behind a 2 GiB memset (launches hidden, as SDPA's do_bench); SDPA: the same queries over the same positions in f16, {} query heads, causal (lower right), flash where it runs; vs SDPA > 1 means veloq is faster", a.chunk, a.reps, model.info.n_heads);
+    println!("freed: device memory freed by a chunk kept in the allocator's pool or given back to the driver at each synchronisation; chunk attn: one layer's append + attend of {} queries after the prompt (median of {}, host clock, each rep waited for); enqueued: the same until its last launch was issued; GPU time: the same between events, queued behind a 2 GiB memset (launches hidden, as SDPA's do_bench); SDPA: the same queries over the same positions in f16, {} query heads, causal (lower right), flash where it runs; vs SDPA > 1 means veloq is faster", a.chunk, a.reps, model.info.n_heads);
     write_json(
         &a.json,
         &json!({"device": gpu.name(), "model": "llama-3.1-8b-geometry-random", "chunk": a.chunk, "rows": rows, "sdpa": sdpa}),

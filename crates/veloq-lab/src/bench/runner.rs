@@ -64,7 +64,8 @@ pub struct Args {
     /// operation issued one by one, cuBLAS, flushes on the main stream: the path before all of
     /// it), `graphs-cublas`, `eager-gemv`, `graphs-flush-inline` (graphs with the flushes on the
     /// main stream, between the layers' work), `graphs-serial` (graphs with every kernel launched
-    /// after the last has finished: no programmatic dependent launch).
+    /// after the last has finished: no programmatic dependent launch), `eager-release` (eager with
+    /// the memory a step frees given back to the driver at each synchronisation).
     #[arg(long, value_delimiter = ',', default_value = "eager,graphs")]
     paths: Vec<String>,
     /// The VecInfer method timed beside fp16, the default's by default (SmolLM2 reads its
@@ -328,7 +329,7 @@ fn batch_agreement(
     let overlap = rt.gpu().options().overlapped_launches;
     let run = |fast: bool, flush_aside: bool, overlapped: bool, n: usize| -> Result<Run> {
         gpu.set_cuda_graphs(fast);
-        set_cuda(rt, fast, flush_aside, overlapped);
+        set_cuda(rt, fast, flush_aside, overlapped, true)?;
         // Sized to the run, not the model's context (8 sequences of an 8B at 128k do not fit).
         let sized = CacheConfig { capacity: Some(prompt.len() + n + 16), ..cfg.clone() };
         let mut caches = sized.build_batch(gpu.model(), batch)?;
@@ -355,7 +356,7 @@ fn batch_agreement(
     let (inline, inline_logits) = run(true, false, overlap, m)?;
     let (serial, serial_logits) = run(true, aside, !overlap, m)?;
     gpu.set_cuda_graphs(true);
-    set_cuda(rt, true, aside, overlap);
+    set_cuda(rt, true, aside, overlap, true)?;
     let stream_same = inline == fast && inline_logits == fast_logits;
     let launch_same = serial == fast && serial_logits == fast_logits;
     fast.truncate(n);
@@ -437,8 +438,8 @@ const WARMUP: usize = 4;
 const PHASE_STEPS: usize = 16;
 
 /// A decode path: whether the step replays CUDA graphs, whether f16 weights take veloq's GEMV,
-/// whether flushes run on their own stream and whether kernels start before their predecessor
-/// ends (programmatic dependent launch).
+/// whether flushes run on their own stream, whether kernels start before their predecessor ends
+/// (programmatic dependent launch) and whether freed device memory stays in the pool.
 #[derive(Clone)]
 struct Path {
     name: String,
@@ -446,38 +447,42 @@ struct Path {
     gemv: bool,
     flush_aside: bool,
     overlap: bool,
+    keep_freed: bool,
 }
 
 impl Path {
-    fn set(&self, model: &Runner, rt: &CudaRuntime) {
+    fn set(&self, model: &Runner, rt: &CudaRuntime) -> Result<()> {
         model.set_cuda_graphs(self.graphs);
-        set_cuda(rt, self.gemv, self.flush_aside, self.overlap);
+        set_cuda(rt, self.gemv, self.flush_aside, self.overlap, self.keep_freed)
     }
 }
 
-/// The runtime's GEMV, flush-stream and overlapped-launch switches, the rest of its options kept.
-fn set_cuda(rt: &CudaRuntime, gemv: bool, flush_stream: bool, overlapped: bool) {
+/// The runtime's GEMV, flush-stream, overlapped-launch and pool switches, the rest of its options
+/// kept.
+fn set_cuda(rt: &CudaRuntime, gemv: bool, flush_stream: bool, overlapped: bool, keep_freed: bool) -> Result<()> {
     let mut kernels = rt.gpu().options();
     kernels.overlapped_launches = overlapped;
-    rt.set_options(&CudaOptions { graphs: true, gemv, flush_stream, kernels });
+    rt.set_options(&CudaOptions { graphs: true, gemv, flush_stream, keep_freed_memory: keep_freed, kernels })?;
+    Ok(())
 }
 
 fn parse_paths(names: &[String]) -> Result<Vec<Path>> {
     names
         .iter()
         .map(|p| {
-            let (graphs, gemv, flush_aside, overlap) = match p.as_str() {
-                "eager" => (false, false, false, false),
-                "eager-gemv" => (false, true, true, true),
-                "graphs-cublas" => (true, false, true, true),
-                "graphs" => (true, true, true, true),
-                "graphs-flush-inline" => (true, true, false, true),
-                "graphs-serial" => (true, true, true, false),
+            let (graphs, gemv, flush_aside, overlap, keep_freed) = match p.as_str() {
+                "eager" => (false, false, false, false, true),
+                "eager-release" => (false, false, false, false, false),
+                "eager-gemv" => (false, true, true, true, true),
+                "graphs-cublas" => (true, false, true, true, true),
+                "graphs" => (true, true, true, true, true),
+                "graphs-flush-inline" => (true, true, false, true, true),
+                "graphs-serial" => (true, true, true, false, true),
                 other => anyhow::bail!(
-                    "unknown decode path {other:?} (eager, eager-gemv, graphs-cublas, graphs, graphs-flush-inline, graphs-serial)"
+                    "unknown decode path {other:?} (eager, eager-release, eager-gemv, graphs-cublas, graphs, graphs-flush-inline, graphs-serial)"
                 ),
             };
-            Ok(Path { name: p.clone(), graphs, gemv, flush_aside, overlap })
+            Ok(Path { name: p.clone(), graphs, gemv, flush_aside, overlap, keep_freed })
         })
         .collect()
 }
@@ -512,7 +517,7 @@ fn cases(
         Ok(caches)
     };
     if let Some(p) = paths.last() {
-        p.set(runner, rt);
+        p.set(runner, rt)?;
     }
     // Memory, one method at a time.
     let mut mem = Vec::new();
@@ -544,7 +549,7 @@ fn cases(
     let mut tokens = vec![vec![1u32; batch]; pairs.len()];
     let mut run = |k: usize, tokens: &mut Vec<u32>| -> Result<()> {
         let (m, p) = pairs[k];
-        paths[p].set(runner, rt);
+        paths[p].set(runner, rt)?;
         step(runner, &mut caches[m], tokens)
     };
     for _ in 0..WARMUP {

@@ -165,6 +165,20 @@ impl Gpu {
             .map_err(dev_err)
     }
 
+    /// Whether memory freed into the default pool stays there for the next allocation (`true`) or
+    /// goes back to the driver at every synchronisation (`false`, the driver's own default, a
+    /// release threshold of 0): kept, the buffers a step allocates after the host waited on the
+    /// GPU are reused instead of mapped again, as PyTorch's caching allocator reuses its blocks.
+    pub fn keep_freed_memory(&self, keep: bool) -> Result<()> {
+        let pool = self.default_pool()?;
+        let mut threshold: u64 = if keep { u64::MAX } else { 0 };
+        let attr = cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+        // SAFETY: a valid pool, and the release threshold takes a 64-bit value.
+        unsafe { cudarc::driver::sys::cuMemPoolSetAttribute(pool, attr, &mut threshold as *mut u64 as *mut _) }
+            .result()
+            .map_err(dev_err)
+    }
+
     fn default_pool(&self) -> Result<cudarc::driver::sys::CUmemoryPool> {
         self.ctx.bind_to_thread().map_err(dev_err)?;
         let mut pool = std::ptr::null_mut();
