@@ -12,8 +12,8 @@ use veloq::codec::pack::unpack;
 use veloq::codec::vecinfer::VecInferCodec;
 use veloq::kernels::cuda::{
     gemv_f16, gemv_f16_many, gemv_many_fits, quantize_jobs, ragged_entry, AttentionScratch, Coded, Convert,
-    ConvertPart, Elem, GemvEpilogue, GemvFused, GemvTune, Gpu, GpuAttention, GpuCodec, QuantizeJob, Ragged, RowMap,
-    SplitKernel, Window, WindowMap, GEMV_MAX_ROWS,
+    ConvertPart, Elem, GemvEpilogue, GemvFused, GemvTune, Gpu, GpuAttention, GpuCodec, QuantizeJob, QuantizeLaunch,
+    Ragged, RowMap, SplitKernel, Window, WindowMap, GEMV_MAX_ROWS,
 };
 use veloq::kernels::GemvShapes;
 
@@ -477,7 +477,7 @@ pub fn check_quantize(
         let mut views: Vec<_> = outs.iter_mut().map(|o| o.as_view_mut()).collect();
         let mut jobs: Vec<_> =
             gcs.iter().zip(&mut views).map(|(codec, out)| QuantizeJob { codec, x: &x, out }).collect();
-        quantize_jobs(gpu, &mut jobs, h, RowMap::tokens(s, h), None)?
+        quantize_jobs(gpu, &mut jobs, h, RowMap::tokens(s, h), QuantizeLaunch::default())?
     };
     let m = s * h * d / sd;
     let xf: Vec<f32> = xh.iter().map(|v| v.to_f32()).collect();

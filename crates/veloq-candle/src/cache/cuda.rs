@@ -38,8 +38,8 @@ use half::f16;
 use veloq::codec::vecinfer::VecInferCodec;
 use veloq::kernels::cuda::{
     quantize_jobs, ragged_entry, AttentionScratch, Coded, Gpu, GpuAttention, GpuCodec, GpuDenseAttention, GpuPrefill,
-    GpuPrefillCodes, PrefillOut, PrefillParts, PutMap, PutRows, QuantizeJob, Ragged, RowMap, Rows, Split, Window,
-    WindowMap, MAX_WINDOW, PREFILL_MAX_RUNS,
+    GpuPrefillCodes, PrefillOut, PrefillParts, PutMap, PutRows, QuantizeJob, QuantizeLaunch, Ragged, RowMap, Rows,
+    Split, Window, WindowMap, MAX_WINDOW, PREFILL_MAX_RUNS,
 };
 
 use super::backend::{compose, Backend, Heads};
@@ -397,7 +397,7 @@ impl CudaBackend {
                 QuantizeJob { codec: &attn.keys, x: xk, out: &mut ko },
                 QuantizeJob { codec: &attn.values, x: xv, out: &mut vo },
             ];
-            n.set(quantize_jobs(gpu, &mut jobs, streams, map, None)?);
+            n.set(quantize_jobs(gpu, &mut jobs, streams, map, QuantizeLaunch::default())?);
             Ok(())
         })?;
         Ok(n.get())

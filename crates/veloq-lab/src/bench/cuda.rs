@@ -14,7 +14,7 @@ use cudarc::driver::{CudaFunction, CudaSlice};
 use veloq::codec::codebook::Granularity;
 use veloq::kernels::cuda::{
     gemv_f16, gemv_f16_many, quantize_jobs, AttentionScratch, GemvEpilogue, GemvFused, GemvTune, Gpu, GpuCodec,
-    QuantizeJob, RowMap, SplitKernel, GEMV_MAX_ROWS,
+    QuantizeJob, QuantizeLaunch, RowMap, SplitKernel, GEMV_MAX_ROWS,
 };
 use veloq::kernels::{GemvShapes, KernelOptions};
 
@@ -573,6 +573,7 @@ fn time_flush(
     let mut vo = dev!(st.alloc_zeros::<u8>(vg.code_bytes(t * h)));
     let map = RowMap::tokens(t, h);
     let mut run = |fused: bool, slices: Option<u32>| -> Result<f64> {
+        let slices = QuantizeLaunch { slices, ..QuantizeLaunch::default() };
         time_ms(gpu, clear, reps, || {
             let (x, mut k, mut v) = (xd.as_view(), ko.as_view_mut(), vo.as_view_mut());
             if fused {
@@ -591,6 +592,43 @@ fn time_flush(
     Ok(
         json!({"t": t, "heads": h, "D": d, "two_launches_one_thread_ms": before, "two_launches_spread_ms": spread, "one_launch_ms": one}),
     )
+}
+
+/// A prompt chunk's codes (`t` vectors of `h` kv heads, keys and values in one launch, sub_dim
+/// `sd`, 256 centroids) with its rows tiled for each of `per_sm` blocks per multiprocessor, timed
+/// back to back in this call.
+fn time_chunk_quantize(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    clear: &mut Clear,
+    reps: usize,
+    (t, h, d, sd): (usize, usize, usize, usize),
+    per_sm: &[usize],
+) -> Result<serde_json::Value> {
+    let (kc, vc) = (
+        codec_of(rng, h, d, (sd, 8), Granularity::PerLayer, true)?,
+        codec_of(rng, h, d, (sd, 8), Granularity::PerLayer, false)?,
+    );
+    let (kg, vg) = (GpuCodec::upload(gpu, &kc)?, GpuCodec::upload(gpu, &vc)?);
+    let st = gpu.stream();
+    let xd = dev!(st.clone_htod(&f16_bits(&rng.rows(t * h, d))));
+    let mut ko = dev!(st.alloc_zeros::<u8>(kg.code_bytes(t * h)));
+    let mut vo = dev!(st.alloc_zeros::<u8>(vg.code_bytes(t * h)));
+    let map = RowMap::tokens(t, h);
+    let mut ms = Vec::new();
+    for &n in per_sm {
+        let launch = QuantizeLaunch { blocks_per_sm: Some(n), ..QuantizeLaunch::default() };
+        ms.push(time_ms(gpu, clear, reps, || {
+            let (x, mut k, mut v) = (xd.as_view(), ko.as_view_mut(), vo.as_view_mut());
+            let mut jobs =
+                [QuantizeJob { codec: &kg, x: &x, out: &mut k }, QuantizeJob { codec: &vg, x: &x, out: &mut v }];
+            quantize_jobs(gpu, &mut jobs, h, map, launch)?;
+            Ok(())
+        })?);
+    }
+    let cells: Vec<String> = ms.iter().map(|m| format!("{m:.4}")).collect();
+    println!("| {t}×{h}, D {d}, sd {sd} | {} |", cells.join(" | "));
+    Ok(json!({"t": t, "heads": h, "D": d, "sub_dim": sd, "blocks_per_sm": per_sm, "ms": ms}))
 }
 
 /// Quantize timing: the anchors' shapes (S, D, H, sub_dim), 256 centroids.
@@ -703,6 +741,16 @@ pub fn run(a: Args) -> Result<()> {
             flushes.push(time_flush(&gpu, &mut rng, &mut clear, a.reps, shape)?);
         }
     }
+    let mut chunks = Vec::new();
+    if !a.skip_quantize {
+        let per_sm = [1, 2, 4, 8];
+        let head: Vec<String> = per_sm.iter().map(|n| format!("{n} block(s)/SM ms")).collect();
+        println!("\n| a chunk's codes t×kv heads (keys + values, one launch) | {} |", head.join(" | "));
+        println!("|---|{}", "---|".repeat(per_sm.len()));
+        for shape in [(512, 8, 128, 2), (2048, 8, 128, 2), (512, 8, 128, 4), (64, 8, 128, 2), (512, 3, 64, 2)] {
+            chunks.push(time_chunk_quantize(&gpu, &mut rng, &mut clear, a.reps, shape, &per_sm)?);
+        }
+    }
     // Decode attention timing: Llama-3.1-8B geometry, each code format (256 centroids).
     println!("\n| attention B,S (Hq 32, Hkv 8, D 128) | kernel | ms | code MiB | GB/s | splits |");
     println!("|---|---|---|---|---|---|");
@@ -723,7 +771,7 @@ pub fn run(a: Args) -> Result<()> {
     let timing = a.timing.to_possible_value().map(|v| v.get_name().to_string());
     write_json(
         &a.json,
-        &json!({"gpu": gpu.name(), "seed": seed, "timing": timing, "checks": checks, "quantize": qt, "flushes": flushes, "attention": at}),
+        &json!({"gpu": gpu.name(), "seed": seed, "timing": timing, "checks": checks, "quantize": qt, "flushes": flushes, "chunk_quantize": chunks, "attention": at}),
     )
 }
 

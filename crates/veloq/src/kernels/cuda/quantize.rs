@@ -153,7 +153,8 @@ impl GpuCodec {
         map: RowMap,
         out: &mut CudaViewMut<u8>,
     ) -> Result<()> {
-        quantize_jobs(gpu, &mut [QuantizeJob { codec: self, x, out }], streams, map, None).map(|_| ())
+        quantize_jobs(gpu, &mut [QuantizeJob { codec: self, x, out }], streams, map, QuantizeLaunch::default())
+            .map(|_| ())
     }
 
     /// The centering and smoothing bits of the kernel's `flags` for job `job`.
@@ -214,16 +215,32 @@ fn slices(items: usize, centroids: usize) -> u32 {
 /// A device pointer that is never dereferenced.
 const NULL: u64 = 0;
 
+/// Blocks a multiprocessor gets, rows permitting (a block's tile is the rows it searches at
+/// once): two took a 512-token chunk's codes 7–8% faster than one (sub-vectors of 2 and 4), four
+/// faster at 2 but slower at 4, and 2,048-token chunks or flushes were level at any count
+/// (`veloq-lab bench cuda`, "a chunk's codes").
+const BLOCKS_PER_SM: usize = 2;
+
+/// How a quantize launch spreads its rows; the defaults are the product's choice, the fields
+/// override them (the lab times the alternatives side by side).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QuantizeLaunch {
+    /// Threads per nearest-centroid search (a power of two ≤ 32 and ≤ the centroids).
+    pub slices: Option<u32>,
+    /// Blocks per multiprocessor the rows are tiled for (at most [`ROWS`] rows a tile).
+    pub blocks_per_sm: Option<usize>,
+}
+
 /// Encodes the same rows (`map`, `streams` streams) for each of `jobs` (one or two: a layer's
 /// keys and values) in one launch when their codecs share a kernel (same geometry; centering and
-/// smoothing may differ), else one launch each. `slices` overrides the threads per search
-/// (default: [`slices`]). Returns the launches issued.
+/// smoothing may differ), else one launch each, spread as `launch` says. Returns the launches
+/// issued.
 pub fn quantize_jobs(
     gpu: &Gpu,
     jobs: &mut [QuantizeJob],
     streams: usize,
     map: RowMap,
-    slices: Option<u32>,
+    launch: QuantizeLaunch,
 ) -> Result<usize> {
     if jobs.is_empty() || jobs.len() > 2 {
         return Err(Error::Shape(format!("quantize: {} jobs in one launch (1 or 2)", jobs.len())));
@@ -237,15 +254,17 @@ pub fn quantize_jobs(
     }
     if jobs.len() == 2 && jobs[0].codec.defines() != jobs[1].codec.defines() {
         let (a, b) = jobs.split_at_mut(1);
-        return Ok(quantize_jobs(gpu, a, streams, map, slices)? + quantize_jobs(gpu, b, streams, map, slices)?);
+        return Ok(quantize_jobs(gpu, a, streams, map, launch)? + quantize_jobs(gpu, b, streams, map, launch)?);
     }
     let c = jobs[0].codec;
     let f = c.function(gpu)?;
-    // Few rows (a flush of the ring's oldest): smaller tiles, a block per multiprocessor, not
-    // one or two blocks searching every row alone, and each search spread over a group of threads.
-    let tile = rows.div_ceil(gpu.multiprocessors() as usize).clamp(1, ROWS);
+    // Few rows (a flush of the ring's oldest, a prompt chunk): smaller tiles, several blocks per
+    // multiprocessor, not one or two blocks searching every row alone, and each search spread
+    // over a group of threads.
+    let per_sm = launch.blocks_per_sm.unwrap_or(BLOCKS_PER_SM).max(1);
+    let tile = rows.div_ceil(gpu.multiprocessors() as usize * per_sm).clamp(1, ROWS);
     let blocks = (rows.div_ceil(tile) as u32).min(gpu.multiprocessors() * 8);
-    let slices = slices.unwrap_or_else(|| self::slices(tile * c.subspaces(), c.centroids()));
+    let slices = launch.slices.unwrap_or_else(|| self::slices(tile * c.subspaces(), c.centroids()));
     if !slices.is_power_of_two() || slices > 32 || slices as usize > c.centroids() {
         return Err(Error::Shape(format!(
             "quantize: {slices} threads per search (a power of two ≤ 32 and ≤ the centroids)"
@@ -264,9 +283,8 @@ pub fn quantize_jobs(
     // null output.
     let (ca, xa) = (a.codec, a.x);
     let (cb, xb) = second.first().map_or((ca, xa), |b| (b.codec, b.x));
-    let mut launch = gpu.stream().launch_builder(f);
-    launch
-        .arg(xa)
+    let mut l = gpu.stream().launch_builder(f);
+    l.arg(xa)
         .arg(xb)
         .arg(&ca.mean)
         .arg(&cb.mean)
@@ -278,16 +296,16 @@ pub fn quantize_jobs(
         .arg(&cb.norms)
         .arg(&mut *a.out);
     match second.first_mut() {
-        Some(b) => launch.arg(&mut *b.out),
-        None => launch.arg(&NULL),
+        Some(b) => l.arg(&mut *b.out),
+        None => l.arg(&NULL),
     };
-    launch.arg(&flags).arg(&n).arg(&tile).arg(&slices).arg(&map);
+    l.arg(&flags).arg(&n).arg(&tile).arg(&slices).arg(&map);
     // SAFETY: arguments in vq_quantize's order (inputs, means, inverse scales, books, norms and
     // outputs of jobs 0 and 1, flags, n_rows, tile ≤ ROWS, slices a power of two ≤ min(32, K),
     // map); the jobs' codecs have the kernel's defines (checked above); `RowMap` is `repr(C)` as
     // the kernel declares it, and `check_rows` kept every job's last input and output row inside
     // its buffers.
-    unsafe { launch.launch(cfg) }.map_err(dev_err)?;
+    unsafe { l.launch(cfg) }.map_err(dev_err)?;
     Ok(1)
 }
 
