@@ -552,6 +552,52 @@ fn time_ms(gpu: &Gpu, clear: &mut Clear, reps: usize, mut f: impl FnMut() -> Res
     Ok(t[t.len() / 2])
 }
 
+/// Keys and values of `t` vectors of `h` kv heads on the device with their codecs (sub_dim `sd`,
+/// 256 centroids, keys centred), to time their quantize launches.
+struct KvCodes {
+    keys: GpuCodec,
+    values: GpuCodec,
+    x: CudaSlice<u16>,
+    key_codes: CudaSlice<u8>,
+    value_codes: CudaSlice<u8>,
+    heads: usize,
+    map: RowMap,
+}
+
+impl KvCodes {
+    fn new(gpu: &Gpu, rng: &mut Rng, (t, h, d, sd): (usize, usize, usize, usize)) -> Result<Self> {
+        let (kc, vc) = (
+            codec_of(rng, h, d, (sd, 8), Granularity::PerLayer, true)?,
+            codec_of(rng, h, d, (sd, 8), Granularity::PerLayer, false)?,
+        );
+        let (keys, values) = (GpuCodec::upload(gpu, &kc)?, GpuCodec::upload(gpu, &vc)?);
+        let st = gpu.stream();
+        let x = dev!(st.clone_htod(&f16_bits(&rng.rows(t * h, d))));
+        let key_codes = dev!(st.alloc_zeros::<u8>(keys.code_bytes(t * h)));
+        let value_codes = dev!(st.alloc_zeros::<u8>(values.code_bytes(t * h)));
+        Ok(Self { keys, values, x, key_codes, value_codes, heads: h, map: RowMap::tokens(t, h) })
+    }
+
+    /// Median ms of coding both: in one launch (`fused`) or one each, spread as `launch` says.
+    fn time(&mut self, gpu: &Gpu, clear: &mut Clear, reps: usize, fused: bool, launch: QuantizeLaunch) -> Result<f64> {
+        let Self { keys, values, x, key_codes, value_codes, heads, map } = self;
+        time_ms(gpu, clear, reps, || {
+            let (x, mut k, mut v) = (x.as_view(), key_codes.as_view_mut(), value_codes.as_view_mut());
+            if fused {
+                let mut jobs = [
+                    QuantizeJob { codec: keys, x: &x, out: &mut k },
+                    QuantizeJob { codec: values, x: &x, out: &mut v },
+                ];
+                quantize_jobs(gpu, &mut jobs, *heads, *map, launch)?;
+            } else {
+                quantize_jobs(gpu, &mut [QuantizeJob { codec: keys, x: &x, out: &mut k }], *heads, *map, launch)?;
+                quantize_jobs(gpu, &mut [QuantizeJob { codec: values, x: &x, out: &mut v }], *heads, *map, launch)?;
+            }
+            Ok(())
+        })
+    }
+}
+
 /// A flush of the ring's oldest rows (`t` vectors of `h` kv heads, keys and values): two launches
 /// with one thread per search (how flushes ran before), two with the searches spread, and one
 /// launch for both, timed back to back in this call.
@@ -562,32 +608,11 @@ fn time_flush(
     reps: usize,
     (t, h, d): (usize, usize, usize),
 ) -> Result<serde_json::Value> {
-    let (kc, vc) = (
-        codec_of(rng, h, d, (4, 8), Granularity::PerLayer, true)?,
-        codec_of(rng, h, d, (4, 8), Granularity::PerLayer, false)?,
-    );
-    let (kg, vg) = (GpuCodec::upload(gpu, &kc)?, GpuCodec::upload(gpu, &vc)?);
-    let st = gpu.stream();
-    let xd = dev!(st.clone_htod(&f16_bits(&rng.rows(t * h, d))));
-    let mut ko = dev!(st.alloc_zeros::<u8>(kg.code_bytes(t * h)));
-    let mut vo = dev!(st.alloc_zeros::<u8>(vg.code_bytes(t * h)));
-    let map = RowMap::tokens(t, h);
-    let mut run = |fused: bool, slices: Option<u32>| -> Result<f64> {
-        let slices = QuantizeLaunch { slices, ..QuantizeLaunch::default() };
-        time_ms(gpu, clear, reps, || {
-            let (x, mut k, mut v) = (xd.as_view(), ko.as_view_mut(), vo.as_view_mut());
-            if fused {
-                let mut jobs =
-                    [QuantizeJob { codec: &kg, x: &x, out: &mut k }, QuantizeJob { codec: &vg, x: &x, out: &mut v }];
-                quantize_jobs(gpu, &mut jobs, h, map, slices)?;
-            } else {
-                quantize_jobs(gpu, &mut [QuantizeJob { codec: &kg, x: &x, out: &mut k }], h, map, slices)?;
-                quantize_jobs(gpu, &mut [QuantizeJob { codec: &vg, x: &x, out: &mut v }], h, map, slices)?;
-            }
-            Ok(())
-        })
-    };
-    let (before, spread, one) = (run(false, Some(1))?, run(false, None)?, run(true, None)?);
+    let mut codes = KvCodes::new(gpu, rng, (t, h, d, 4))?;
+    let one_thread = QuantizeLaunch { slices: Some(1), ..QuantizeLaunch::default() };
+    let before = codes.time(gpu, clear, reps, false, one_thread)?;
+    let spread = codes.time(gpu, clear, reps, false, QuantizeLaunch::default())?;
+    let one = codes.time(gpu, clear, reps, true, QuantizeLaunch::default())?;
     println!("| {t}×{h}, D {d} | {before:.4} | {spread:.4} | {one:.4} | {:.2}× |", before / one);
     Ok(
         json!({"t": t, "heads": h, "D": d, "two_launches_one_thread_ms": before, "two_launches_spread_ms": spread, "one_launch_ms": one}),
@@ -605,27 +630,14 @@ fn time_chunk_quantize(
     (t, h, d, sd): (usize, usize, usize, usize),
     per_sm: &[usize],
 ) -> Result<serde_json::Value> {
-    let (kc, vc) = (
-        codec_of(rng, h, d, (sd, 8), Granularity::PerLayer, true)?,
-        codec_of(rng, h, d, (sd, 8), Granularity::PerLayer, false)?,
-    );
-    let (kg, vg) = (GpuCodec::upload(gpu, &kc)?, GpuCodec::upload(gpu, &vc)?);
-    let st = gpu.stream();
-    let xd = dev!(st.clone_htod(&f16_bits(&rng.rows(t * h, d))));
-    let mut ko = dev!(st.alloc_zeros::<u8>(kg.code_bytes(t * h)));
-    let mut vo = dev!(st.alloc_zeros::<u8>(vg.code_bytes(t * h)));
-    let map = RowMap::tokens(t, h);
-    let mut ms = Vec::new();
-    for &n in per_sm {
-        let launch = QuantizeLaunch { blocks_per_sm: Some(n), ..QuantizeLaunch::default() };
-        ms.push(time_ms(gpu, clear, reps, || {
-            let (x, mut k, mut v) = (xd.as_view(), ko.as_view_mut(), vo.as_view_mut());
-            let mut jobs =
-                [QuantizeJob { codec: &kg, x: &x, out: &mut k }, QuantizeJob { codec: &vg, x: &x, out: &mut v }];
-            quantize_jobs(gpu, &mut jobs, h, map, launch)?;
-            Ok(())
-        })?);
-    }
+    let mut codes = KvCodes::new(gpu, rng, (t, h, d, sd))?;
+    let ms = per_sm
+        .iter()
+        .map(|&n| {
+            let launch = QuantizeLaunch { blocks_per_sm: Some(n), ..QuantizeLaunch::default() };
+            codes.time(gpu, clear, reps, true, launch)
+        })
+        .collect::<Result<Vec<_>>>()?;
     let cells: Vec<String> = ms.iter().map(|m| format!("{m:.4}")).collect();
     println!("| {t}×{h}, D {d}, sd {sd} | {} |", cells.join(" | "));
     Ok(json!({"t": t, "heads": h, "D": d, "sub_dim": sd, "blocks_per_sm": per_sm, "ms": ms}))
