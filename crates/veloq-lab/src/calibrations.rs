@@ -186,7 +186,22 @@ pub fn simulations(
                     ScoreResidual::train(x, coded, q, heads, s.rank, s.bits).map_err(anyhow::Error::msg)
                 };
                 if s.side.keys() {
-                    ks.push(train(&a.keys, &coded_keys[l], &a.queries)?);
+                    let qrow = heads.q * hd;
+                    let late: Vec<f32>;
+                    let queries = match s.late {
+                        false => &a.queries,
+                        true => {
+                            late = a
+                                .queries
+                                .chunks_exact(qrow)
+                                .enumerate()
+                                .filter(|(r, _)| s.trains_on(*r, window))
+                                .flat_map(|(_, q)| q.iter().copied())
+                                .collect();
+                            &late
+                        }
+                    };
+                    ks.push(train(&a.keys, &coded_keys[l], queries)?);
                 }
                 if s.side.values() {
                     vs.push(train(&a.values, &coded_values[l], &projections[l])?);
@@ -203,10 +218,11 @@ pub fn simulations(
             out.push(Candidate {
                 label: format!("sim:{m}+{s}"),
                 description: format!(
-                    "{} + {what} second stage: {} coefficients of {} bits per position and kv head (+{extra:.3} bits per element of each)",
+                    "{} + {what} second stage: {} coefficients of {} bits per position and kv head (+{extra:.3} bits per element of each){}",
                     m.describe(hd),
                     s.rank,
-                    if s.bits == 0 { 32 } else { s.bits }
+                    if s.bits == 0 { 32 } else { s.bits },
+                    if s.late { ", keys weighed by the last quarter of each calibration window's queries" } else { "" }
                 ),
                 simulation: Simulation::new(cal, Sides::Both, (!ks.is_empty()).then_some(ks), (!vs.is_empty()).then_some(vs))?,
             });

@@ -40,7 +40,9 @@ impl StageSide {
 }
 
 /// A stage's shape as the command line names it: `r8b4` (keys: rank 8, 4-bit coefficients),
-/// `v:r8b4` (values), `kv:r8b4` (both), `r8f32` (unquantized: the ceiling).
+/// `v:r8b4` (values), `kv:r8b4` (both), `r8f32` (unquantized: the ceiling); `-late` after it
+/// (`r16b4-late`) trains the key stage on the queries of the last quarter of each calibration
+/// window only, where a long prompt's question sits, instead of on every query.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StageSpec {
     /// Which side.
@@ -49,6 +51,16 @@ pub struct StageSpec {
     pub rank: usize,
     /// Bits per coefficient, 1–8; 0 for f32.
     pub bits: u32,
+    /// Keys weighed by late queries only.
+    pub late: bool,
+}
+
+impl StageSpec {
+    /// Whether the query row at `row` of rows recorded in windows of `window` positions trains
+    /// this stage's keys.
+    pub fn trains_on(&self, row: usize, window: usize) -> bool {
+        !self.late || 4 * (row % window.max(1)) >= 3 * window
+    }
 }
 
 impl StageSpec {
@@ -61,7 +73,13 @@ impl StageSpec {
 impl std::str::FromStr for StageSpec {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let bad = || format!("{s:?} is not a second stage: [k:|v:|kv:]r<rank>b<bits> (r8b4, v:r8b4) or r<rank>f32");
+        let bad = || {
+            format!("{s:?} is not a second stage: [k:|v:|kv:]r<rank>b<bits>[-late] (r8b4, v:r8b4, r16b4-late) or r<rank>f32")
+        };
+        let (s, late) = match s.strip_suffix("-late") {
+            Some(x) => (x, true),
+            None => (s, false),
+        };
         let (side, shape) = match s.split_once(':') {
             None => (StageSide::Keys, s),
             Some(("k", x)) => (StageSide::Keys, x),
@@ -75,10 +93,10 @@ impl std::str::FromStr for StageSpec {
             None => (rest.strip_suffix("f32").ok_or_else(bad)?, 0),
         };
         let rank: usize = rank.parse().map_err(|_| bad())?;
-        if rank == 0 || bits > 8 || (bits == 0 && !rest.ends_with("f32")) {
+        if rank == 0 || bits > 8 || (bits == 0 && !rest.ends_with("f32")) || (late && !side.keys()) {
             return Err(bad());
         }
-        Ok(Self { side, rank, bits })
+        Ok(Self { side, rank, bits, late })
     }
 }
 
@@ -90,9 +108,13 @@ impl std::fmt::Display for StageSpec {
             StageSide::Both => write!(f, "kv:")?,
         }
         match self.bits {
-            0 => write!(f, "r{}f32", self.rank),
-            b => write!(f, "r{}b{b}", self.rank),
+            0 => write!(f, "r{}f32", self.rank)?,
+            b => write!(f, "r{}b{b}", self.rank)?,
         }
+        if self.late {
+            write!(f, "-late")?;
+        }
+        Ok(())
     }
 }
 
@@ -402,18 +424,25 @@ mod tests {
 
     #[test]
     fn stage_names_round_trip() {
-        for (name, side, rank, bits) in [
-            ("r8b4", StageSide::Keys, 8, 4),
-            ("v:r2b8", StageSide::Values, 2, 8),
-            ("kv:r16f32", StageSide::Both, 16, 0),
+        for (name, side, rank, bits, late) in [
+            ("r8b4", StageSide::Keys, 8, 4, false),
+            ("v:r2b8", StageSide::Values, 2, 8, false),
+            ("kv:r16f32", StageSide::Both, 16, 0, false),
+            ("r16b4-late", StageSide::Keys, 16, 4, true),
+            ("kv:r8b4-late", StageSide::Both, 8, 4, true),
         ] {
             let s: StageSpec = name.parse().unwrap();
-            assert_eq!((s.side, s.rank, s.bits, s.to_string()), (side, rank, bits, name.to_string()));
+            assert_eq!((s.side, s.rank, s.bits, s.late, s.to_string()), (side, rank, bits, late, name.to_string()));
         }
         assert_eq!("k:r8b4".parse::<StageSpec>().unwrap().to_string(), "r8b4");
         assert_eq!("r16b4".parse::<StageSpec>().unwrap().bits_per_element(64), 1.0);
-        for bad in ["8b4", "r0b4", "r8b9", "r8", "r8b", "rxb4", "r8b0", "q:r8b4", "v:"] {
+        for bad in ["8b4", "r0b4", "r8b9", "r8", "r8b", "rxb4", "r8b0", "q:r8b4", "v:", "v:r8b4-late", "r8b4-early"] {
             assert!(bad.parse::<StageSpec>().is_err(), "{bad} parsed");
         }
+        // The last quarter of each window trains a late stage; every row trains the others.
+        let (late, all): (StageSpec, StageSpec) = ("r4b4-late".parse().unwrap(), "r4b4".parse().unwrap());
+        let rows: Vec<usize> = (0..20).filter(|&r| late.trains_on(r, 8)).collect();
+        assert_eq!(rows, [6, 7, 14, 15]);
+        assert!((0..20).all(|r| all.trains_on(r, 8)));
     }
 }
