@@ -216,9 +216,8 @@ fn slices(items: usize, centroids: usize) -> u32 {
 const NULL: u64 = 0;
 
 /// Blocks a multiprocessor gets, rows permitting (a block's tile is the rows it searches at
-/// once): two took a 512-token chunk's codes 7–8% faster than one (sub-vectors of 2 and 4), four
-/// faster at 2 but slower at 4, and 2,048-token chunks or flushes were level at any count
-/// (`veloq-lab bench cuda`, "a chunk's codes").
+/// once): one left a prompt chunk's rows on a few warps of each, more than two cost more in split
+/// searches than they gained (`veloq-lab bench cuda`, "a chunk's codes"; results/README.md).
 const BLOCKS_PER_SM: usize = 2;
 
 /// How a quantize launch spreads its rows; the defaults are the product's choice, the fields
