@@ -140,29 +140,17 @@ impl Gpu {
     /// veloq's come from): bytes in use now and the most in use since the last
     /// [`reset_peak_memory`](Self::reset_peak_memory), as the driver counts them.
     pub fn pool_memory(&self) -> Result<PoolMemory> {
-        let pool = self.default_pool()?;
-        let get = |attr| -> Result<usize> {
-            let mut v: u64 = 0;
-            // SAFETY: `pool` is the device's default pool (checked by the call that returned it)
-            // and the memory attributes read here are 64-bit, written into `v`.
-            unsafe { cudarc::driver::sys::cuMemPoolGetAttribute(pool, attr, &mut v as *mut u64 as *mut _) }
-                .result()
-                .map_err(dev_err)?;
-            Ok(v as usize)
-        };
         use cudarc::driver::sys::CUmemPool_attribute::*;
-        Ok(PoolMemory { used: get(CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?, peak: get(CU_MEMPOOL_ATTR_USED_MEM_HIGH)? })
+        let (used, peak) = (
+            self.pool_attribute(CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+            self.pool_attribute(CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+        );
+        Ok(PoolMemory { used: used as usize, peak: peak as usize })
     }
 
     /// Restarts the pool's high-water mark from what is in use now.
     pub fn reset_peak_memory(&self) -> Result<()> {
-        let pool = self.default_pool()?;
-        let mut zero: u64 = 0;
-        let attr = cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
-        // SAFETY: a valid pool, and the high-water attribute takes a 64-bit value (0 resets it).
-        unsafe { cudarc::driver::sys::cuMemPoolSetAttribute(pool, attr, &mut zero as *mut u64 as *mut _) }
-            .result()
-            .map_err(dev_err)
+        self.set_pool_attribute(cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)
     }
 
     /// Whether memory freed into the default pool stays there for the next allocation (`true`) or
@@ -170,11 +158,28 @@ impl Gpu {
     /// release threshold of 0): kept, the buffers a step allocates after the host waited on the
     /// GPU are reused instead of mapped again, as PyTorch's caching allocator reuses its blocks.
     pub fn keep_freed_memory(&self, keep: bool) -> Result<()> {
-        let pool = self.default_pool()?;
-        let mut threshold: u64 = if keep { u64::MAX } else { 0 };
         let attr = cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
-        // SAFETY: a valid pool, and the release threshold takes a 64-bit value.
-        unsafe { cudarc::driver::sys::cuMemPoolSetAttribute(pool, attr, &mut threshold as *mut u64 as *mut _) }
+        self.set_pool_attribute(attr, if keep { u64::MAX } else { 0 })
+    }
+
+    /// A 64-bit attribute of the default pool (memory in use, high-water mark, release threshold).
+    fn pool_attribute(&self, attr: cudarc::driver::sys::CUmemPool_attribute) -> Result<u64> {
+        let pool = self.default_pool()?;
+        let mut v: u64 = 0;
+        // SAFETY: `pool` is the device's default pool (checked by the call that returned it) and
+        // the attributes read through here are 64-bit, written into `v`.
+        unsafe { cudarc::driver::sys::cuMemPoolGetAttribute(pool, attr, &mut v as *mut u64 as *mut _) }
+            .result()
+            .map_err(dev_err)?;
+        Ok(v)
+    }
+
+    /// Sets a 64-bit attribute of the default pool.
+    fn set_pool_attribute(&self, attr: cudarc::driver::sys::CUmemPool_attribute, mut value: u64) -> Result<()> {
+        let pool = self.default_pool()?;
+        // SAFETY: a valid pool, and the attributes set through here (high-water mark, release
+        // threshold) take a 64-bit value.
+        unsafe { cudarc::driver::sys::cuMemPoolSetAttribute(pool, attr, &mut value as *mut u64 as *mut _) }
             .result()
             .map_err(dev_err)
     }
