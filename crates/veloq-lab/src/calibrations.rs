@@ -186,22 +186,7 @@ pub fn simulations(
                     ScoreResidual::train(x, coded, q, heads, s.rank, s.bits).map_err(anyhow::Error::msg)
                 };
                 if s.side.keys() {
-                    let qrow = heads.q * hd;
-                    let late: Vec<f32>;
-                    let queries = match s.late {
-                        false => &a.queries,
-                        true => {
-                            late = a
-                                .queries
-                                .chunks_exact(qrow)
-                                .enumerate()
-                                .filter(|(r, _)| s.trains_on(*r, window))
-                                .flat_map(|(_, q)| q.iter().copied())
-                                .collect();
-                            &late
-                        }
-                    };
-                    ks.push(train(&a.keys, &coded_keys[l], queries)?);
+                    ks.push(train(&a.keys, &coded_keys[l], &s.key_queries(&a.queries, heads.q * hd, window))?);
                 }
                 if s.side.values() {
                     vs.push(train(&a.values, &coded_values[l], &projections[l])?);

@@ -7,6 +7,8 @@
 //! tables unchanged. c is stored as b-bit uniform codes with a calibrated step per (kv head,
 //! component): r·b/head_dim more bits per key element.
 
+use std::borrow::Cow;
+
 use veloq_candle::cache::Heads;
 
 use crate::linalg::{jacobi, spectral};
@@ -61,9 +63,17 @@ impl StageSpec {
     pub fn trains_on(&self, row: usize, window: usize) -> bool {
         !self.late || 4 * (row % window.max(1)) >= 3 * window
     }
-}
 
-impl StageSpec {
+    /// The queries (rows of `row_len`, recorded in windows of `window` positions) that weigh this
+    /// stage's keys: all of them, or a late stage's rows ([`trains_on`](Self::trains_on)).
+    pub fn key_queries<'a>(&self, queries: &'a [f32], row_len: usize, window: usize) -> Cow<'a, [f32]> {
+        if !self.late {
+            return Cow::Borrowed(queries);
+        }
+        let rows = queries.chunks_exact(row_len.max(1)).enumerate();
+        Cow::Owned(rows.filter(|(r, _)| self.trains_on(*r, window)).flat_map(|(_, q)| q.iter().copied()).collect())
+    }
+
     /// Bits the stage adds per element of each side it corrects.
     pub fn bits_per_element(&self, head_dim: usize) -> f64 {
         (self.rank as u32 * if self.bits == 0 { 32 } else { self.bits }) as f64 / head_dim as f64
@@ -444,5 +454,9 @@ mod tests {
         let rows: Vec<usize> = (0..20).filter(|&r| late.trains_on(r, 8)).collect();
         assert_eq!(rows, [6, 7, 14, 15]);
         assert!((0..20).all(|r| all.trains_on(r, 8)));
+        // Rows of two values each, tagged with their row: a late stage keeps rows 6, 7, 14, 15.
+        let queries: Vec<f32> = (0..20).flat_map(|r| [r as f32, r as f32]).collect();
+        assert_eq!(*late.key_queries(&queries, 2, 8), [6.0, 6.0, 7.0, 7.0, 14.0, 14.0, 15.0, 15.0]);
+        assert_eq!(*all.key_queries(&queries, 2, 8), *queries);
     }
 }
