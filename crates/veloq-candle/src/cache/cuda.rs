@@ -32,14 +32,14 @@ use candle_core::backend::BackendDevice;
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Device, Layout, Storage, Tensor};
-use cudarc::driver::{CudaEvent, CudaView, CudaViewMut};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaView, CudaViewMut};
 use half::f16;
 
 use veloq::codec::vecinfer::VecInferCodec;
 use veloq::kernels::cuda::{
     quantize_jobs, ragged_entry, AttentionScratch, Coded, Gpu, GpuAttention, GpuCodec, GpuDenseAttention, GpuPrefill,
     GpuPrefillCodes, PrefillOut, PrefillParts, PutMap, PutRows, QuantizeJob, QuantizeLaunch, Ragged, RowMap, Rows,
-    Split, Window, WindowMap, MAX_WINDOW, PREFILL_MAX_RUNS,
+    RowsAround, Split, Window, WindowMap, MAX_WINDOW, PREFILL_MAX_RUNS,
 };
 
 use super::backend::{compose, Backend, Heads};
@@ -196,6 +196,27 @@ fn with_staged<R>(
     match staged {
         Some((k, v)) => with_view::<f16, _>(k, |k| with_view::<f16, _>(v, |v| f(Some((k, v))))),
         None => f(None),
+    }
+}
+
+/// A scratch of decoded codes (`[kv heads, n, head_dim]` keys and values) as a run of its `n`
+/// rows, holding positions `pos0..`.
+fn decoded_run<'a>(
+    (k, v): &'a (CudaSlice<u16>, CudaSlice<u16>),
+    (kv, d): (usize, usize),
+    (pos0, n): (usize, usize),
+    qpos0: usize,
+    window: Option<usize>,
+) -> Rows<'a> {
+    Rows {
+        keys: k.slice(..kv * n * d),
+        values: v.slice(..kv * n * d),
+        len: n,
+        head_stride: n * d,
+        row_stride: d,
+        pos0,
+        qpos0,
+        window,
     }
 }
 
@@ -555,11 +576,13 @@ impl CudaBackend {
     }
 
     /// Attention of a view's queries over everything it sees, through the prefill kernels, into
-    /// `out` rows `[tokens, q heads, D]` (the view's rows). Per tile of queries: the codes, decoded
-    /// a block at a time into a scratch that every query of the tile reads (the blocks merge into
-    /// one set of splits), with the queries moved into code space first; each run of f16 rows
-    /// (the sink, the ring, the step's own rows read token-major from `staged`) into splits of its
-    /// own; then one fold turns every split into the output. No tensor ops.
+    /// `out` rows `[tokens, q heads, D]` (the view's rows). A VecInfer cache's codes are decoded
+    /// into f16 rows of the cache's own space, so that the rows' kernel, queries and fold serve
+    /// them: where they fit one block (most prompts) they are decoded once, with the sink and the
+    /// ring copied around them, and that one run shares a launch with the step's own rows (read
+    /// token-major from `staged`); longer, a block at a time, each block a launch merged into one
+    /// set of splits, beside the runs of f16 rows. Then one fold of every split into the output.
+    /// No tensor ops.
     fn attend_block(
         &self,
         qf: &CudaView<f32>,
@@ -578,26 +601,77 @@ impl CudaBackend {
             // writes every row of it; the fold writes every output row).
             Ok(unsafe { stream.alloc::<f32>(n) }.map_err(veloq::Error::from)?)
         };
-        let spans: Vec<_> = v.row_spans().into_iter().filter(|s| s.n > 0).collect();
         let (prefill, coded) = match &self.attention {
             Attention::Coded(attn, codes) => (codes.rows(), Some((attn, codes)).filter(|_| v.coded > 0)),
             Attention::Dense(_, rows) => (rows, None),
         };
-        // Scratch for one block of decoded codes, shared by the tiles.
+        // Codes that fit one block are decoded once, with the sink and the ring copied around
+        // them: one run of rows (positions 0.. in order) beside the step's own.
+        let joined = coded.is_some() && v.coded <= self.decode_block && v.ring_pos0 == v.n_sink + v.coded;
+        let spans: Vec<_> = v
+            .row_spans()
+            .into_iter()
+            .filter(|s| s.n > 0 && !(joined && matches!(s.from, RowSource::Stored(_))))
+            .collect();
+        // Scratch for one block of decoded codes (and the rows around them), shared by the tiles.
         let block = v.coded.min(self.decode_block);
+        let around_rows = if joined { v.n_sink + v.ring_len } else { 0 };
         let mut decoded = match coded {
             Some(_) => {
                 // SAFETY: each block's rows are written by the decode before the attention reads them.
-                let scratch = || unsafe { stream.alloc::<u16>(kv * block * d) }.map_err(veloq::Error::from);
+                let scratch =
+                    || unsafe { stream.alloc::<u16>(kv * (block + around_rows) * d) }.map_err(veloq::Error::from);
                 Some((scratch()?, scratch()?))
             }
             None => None,
         };
+        // Positions p0..p0 + nb of the codes (with `around`'s rows) into the scratch.
+        let decode = |p0: usize,
+                      nb: usize,
+                      around: Option<&RowsAround>,
+                      (dk, dv): &mut (CudaSlice<u16>, CudaSlice<u16>)|
+         -> Result<()> {
+            let (attn, codes) = coded.expect("decoded only for coded views");
+            let c = self.base.vecinfer_codes()?;
+            let (mk, mv) = (c.keys.subspaces(), c.values.subspaces());
+            let elems = kv * (nb + around.map_or(0, RowsAround::rows)) * d;
+            with_view::<u8, _>(&c.key_codes, |kc| {
+                with_view::<u8, _>(&c.value_codes, |vc| {
+                    let all = Coded {
+                        keys: kc.slice(v.slot * kv * self.capacity * mk..),
+                        values: vc.slice(v.slot * kv * self.capacity * mv..),
+                        len: v.coded,
+                        stride: self.capacity,
+                    };
+                    let (mut ko, mut vo) = (dk.slice_mut(..elems), dv.slice_mut(..elems));
+                    let books = (&attn.keys, &attn.values);
+                    Ok(codes.decode(gpu, &all, (p0, nb), books, around, &mut ko, &mut vo)?)
+                })
+            })
+        };
+        if let (true, Some(scratch)) = (joined, decoded.as_mut()) {
+            with_view::<f16, _>(&self.base.rows, |all| {
+                let off = v.slot * kv * rows * d;
+                let mut parts = v.ring.parts(v.ring_len);
+                let around = RowsAround {
+                    keys: bits(&all.slice(off..plane)),
+                    values: bits(&all.slice(plane + off..)),
+                    head_stride: rows * d,
+                    sink: v.n_sink,
+                    ring: [parts.next().unwrap_or_default(), parts.next().unwrap_or_default()],
+                };
+                decode(0, v.coded, Some(&around), scratch)
+            })?;
+            self.rt.count(1);
+        }
         for i0 in (0..v.queries.len()).step_by(KERNEL_QUERY_TILE) {
             let n = KERNEL_QUERY_TILE.min(v.queries.len() - i0);
             let first = (v.queries.start + i0) * hq * d;
             let q = qf.slice(first..first + n * hq * d);
-            let code_split = coded.map(|_| prefill.split(gpu, n, block));
+            let qpos0 = v.query_pos(i0);
+            // Each run split for its own length (blocks of codes longer than one launch share
+            // one set of splits).
+            let code_split = coded.map(|_| prefill.split(gpu, n, block + around_rows));
             let row_splits: Vec<Split> = spans.iter().map(|sp| prefill.split(gpu, n, sp.n)).collect();
             let code_splits = code_split.map_or(0, |s| s.count);
             let total = code_splits + row_splits.iter().map(|s| s.count).sum::<usize>();
@@ -606,99 +680,80 @@ impl CudaBackend {
             }
             let (part, two) = (hq * n * d, hq * n * 2);
             let (mut o, mut ml) = (alloc(total * part)?, alloc(total * two)?);
-            let mut qoff = None;
             let mut launches = 0;
-            if let (Some((attn, codes)), Some(split), Some((dk, dv))) = (coded, code_split, decoded.as_mut()) {
-                let c = self.base.vecinfer_codes()?;
-                let (mk, mv) = (c.keys.subspaces(), c.values.subspaces());
-                let (mut qc, mut off) = (alloc(n * hq * d)?, alloc(n * hq)?);
-                codes.queries(gpu, &q, n, scale, &attn.keys, &mut qc.as_view_mut(), &mut off.as_view_mut())?;
-                with_view::<u8, _>(&c.key_codes, |kc| {
-                    with_view::<u8, _>(&c.value_codes, |vc| {
-                        let all = Coded {
-                            keys: kc.slice(v.slot * kv * self.capacity * mk..),
-                            values: vc.slice(v.slot * kv * self.capacity * mv..),
-                            len: v.coded,
-                            stride: self.capacity,
-                        };
-                        for p0 in (0..v.coded).step_by(block) {
-                            let nb = block.min(v.coded - p0);
-                            let (mut ko, mut vo) = (dk.slice_mut(..kv * nb * d), dv.slice_mut(..kv * nb * d));
-                            codes.decode(gpu, &all, p0, nb, &attn.keys, &attn.values, &mut ko, &mut vo)?;
-                            let fit = split.fit(nb);
-                            let out = PrefillOut {
-                                o: &mut o.slice_mut(..fit.count * part),
-                                ml: &mut ml.slice_mut(..fit.count * two),
-                                accumulate: p0 > 0,
-                            };
-                            let (ko, vo) = (dk.slice(..kv * nb * d), dv.slice(..kv * nb * d));
-                            codes.attend_decoded(gpu, &qc.as_view(), n, ko, vo, nb, fit, out)?;
-                            launches += 2;
-                        }
-                        Ok(())
-                    })
-                })?;
-                qoff = Some(off);
-                launches += 1;
+            if let (false, Some(split), Some(scratch)) = (joined, code_split, decoded.as_mut()) {
+                for p0 in (0..v.coded).step_by(block) {
+                    let nb = block.min(v.coded - p0);
+                    decode(p0, nb, None, scratch)?;
+                    let fit = split.fit(nb);
+                    let out = PrefillOut {
+                        o: &mut o.slice_mut(..fit.count * part),
+                        ml: &mut ml.slice_mut(..fit.count * two),
+                        accumulate: p0 > 0,
+                    };
+                    let run = decoded_run(scratch, (kv, d), (v.n_sink + p0, nb), qpos0, v.window);
+                    prefill.launch_runs(gpu, &q, n, scale, &[(run, fit)], out)?;
+                    launches += 2;
+                }
             }
-            if !spans.is_empty() {
-                // The runs of rows in one launch (a view has at most four), their splits after the codes'.
-                let qpos0 = v.query_pos(i0);
-                with_view::<f16, _>(&self.base.rows, |all| {
-                    with_staged(staged, |input| {
-                        let run = |span: &RowSpan| match span.from {
-                            RowSource::Stored(first) => {
-                                let off = (v.slot * kv * rows + first) * d;
-                                Rows {
-                                    keys: bits(&all.slice(off..plane)),
-                                    values: bits(&all.slice(plane + off..)),
-                                    len: span.n,
-                                    head_stride: rows * d,
-                                    row_stride: d,
-                                    pos0: span.pos0,
-                                    qpos0,
-                                    window: v.window,
-                                }
+            // The runs of rows (the decoded codes first where they fit one block), their splits
+            // after the codes'.
+            with_view::<f16, _>(&self.base.rows, |all| {
+                with_staged(staged, |input| {
+                    let run = |span: &RowSpan| match span.from {
+                        RowSource::Stored(first) => {
+                            let off = (v.slot * kv * rows + first) * d;
+                            Rows {
+                                keys: bits(&all.slice(off..plane)),
+                                values: bits(&all.slice(plane + off..)),
+                                len: span.n,
+                                head_stride: rows * d,
+                                row_stride: d,
+                                pos0: span.pos0,
+                                qpos0,
+                                window: v.window,
                             }
-                            RowSource::Input(src) => {
-                                let (k, vv) = input.as_ref().expect("made for views with input rows");
-                                Rows {
-                                    keys: bits(&k.slice(src * kv * d..)),
-                                    values: bits(&vv.slice(src * kv * d..)),
-                                    len: span.n,
-                                    head_stride: d,
-                                    row_stride: kv * d,
-                                    pos0: span.pos0,
-                                    qpos0,
-                                    window: v.window,
-                                }
-                            }
-                        };
-                        let runs: Vec<(Rows, Split)> = spans.iter().map(run).zip(row_splits.iter().copied()).collect();
-                        let mut at = code_splits;
-                        for chunk in runs.chunks(PREFILL_MAX_RUNS) {
-                            let c: usize = chunk.iter().map(|(_, s)| s.count).sum();
-                            let out = PrefillOut {
-                                o: &mut o.slice_mut(at * part..(at + c) * part),
-                                ml: &mut ml.slice_mut(at * two..(at + c) * two),
-                                accumulate: false,
-                            };
-                            prefill.launch_runs(gpu, &q, n, scale, chunk, out)?;
-                            at += c;
-                            launches += 1;
                         }
-                        Ok(())
-                    })
-                })?;
-            }
-            let qoff = qoff.as_ref().map(|q| q.as_view());
-            let parts =
-                PrefillParts { o: &o.as_view(), ml: &ml.as_view(), splits: total, code_splits, qoff: qoff.as_ref() };
-            let mut dst = out.slice_mut(first..first + n * hq * d);
-            match &self.attention {
-                Attention::Coded(attn, codes) => codes.fold(gpu, parts, n, &attn.values, &mut dst)?,
-                Attention::Dense(_, rows) => rows.fold(gpu, parts, n, &mut dst)?,
-            }
+                        RowSource::Input(src) => {
+                            let (k, vv) = input.as_ref().expect("made for views with input rows");
+                            Rows {
+                                keys: bits(&k.slice(src * kv * d..)),
+                                values: bits(&vv.slice(src * kv * d..)),
+                                len: span.n,
+                                head_stride: d,
+                                row_stride: kv * d,
+                                pos0: span.pos0,
+                                qpos0,
+                                window: v.window,
+                            }
+                        }
+                    };
+                    let codes_run = match (joined, decoded.as_ref(), code_split) {
+                        (true, Some(scratch), Some(split)) => {
+                            let n = v.coded + around_rows;
+                            Some((decoded_run(scratch, (kv, d), (0, n), qpos0, v.window), split))
+                        }
+                        _ => None,
+                    };
+                    let mut at = if codes_run.is_some() { 0 } else { code_splits };
+                    let runs: Vec<(Rows, Split)> =
+                        codes_run.into_iter().chain(spans.iter().map(run).zip(row_splits.iter().copied())).collect();
+                    for chunk in runs.chunks(PREFILL_MAX_RUNS) {
+                        let c: usize = chunk.iter().map(|(_, s)| s.count).sum();
+                        let out = PrefillOut {
+                            o: &mut o.slice_mut(at * part..(at + c) * part),
+                            ml: &mut ml.slice_mut(at * two..(at + c) * two),
+                            accumulate: false,
+                        };
+                        prefill.launch_runs(gpu, &q, n, scale, chunk, out)?;
+                        at += c;
+                        launches += 1;
+                    }
+                    Ok(())
+                })
+            })?;
+            let parts = PrefillParts { o: &o.as_view(), ml: &ml.as_view(), splits: total };
+            prefill.fold(gpu, parts, n, &mut out.slice_mut(first..first + n * hq * d))?;
             self.rt.count(launches + 1);
         }
         Ok(())

@@ -20,7 +20,9 @@ pub use attention::{
 pub use convert::{Convert, ConvertPart, Elem, MAX_CONVERT_PARTS};
 pub use dense::GpuDenseAttention;
 pub use gemv::{gemv_f16, gemv_f16_many, gemv_many_fits, GemvEpilogue, GemvFused, GemvTune, MAX_ROWS as GEMV_MAX_ROWS};
-pub use prefill::{GpuPrefill, GpuPrefillCodes, PrefillOut, PrefillParts, Rows, Split, MAX_RUNS as PREFILL_MAX_RUNS};
+pub use prefill::{
+    GpuPrefill, GpuPrefillCodes, PrefillOut, PrefillParts, Rows, RowsAround, Split, MAX_RUNS as PREFILL_MAX_RUNS,
+};
 pub use quantize::{quantize_jobs, GpuCodec, QuantizeJob, QuantizeLaunch, RowMap};
 pub use window::{PutMap, PutRows};
 

@@ -1,26 +1,26 @@
 // Attention of a tile of queries over one sequence's stored positions (chunked prefill, follow-up
 // turns), flash-style on tensor cores, over f16 rows: any cache's sink, ring and the step's own
 // rows (causal mask), and a VecInfer cache's codes decoded a block of positions at a time into f16
-// centroids (vq_decode_codes, code space: once per block for every query, not once per block of
-// queries as a kernel decoding its own tiles would). A block takes one kv head, QPB queries × its
-// G query heads (ROWS = 16 per warp) and one split of the positions; per tile of TP positions,
-// keys and values [position][dim] land in shared memory by cp.async into a second buffer while
-// the current tile is multiplied (no warp waits on global memory inside the loop); each warp
-// computes S = Q·Kᵀ for its 16 rows (mma), folds S into its online softmax in registers, and
-// accumulates O += P·V (mma; P reused from S's accumulators as the A fragments, V's B fragments
-// read transposed by ldmatrix). Output per split, row (head, query): the unnormalised O, the
-// maximum score and the sum of weights (or, with `accumulate`, those merged into what the split
-// already holds: blocks of decoded codes share one set of partials); prefill_fold turns the
-// splits of every launch of a tile into the output (mapping coded sums back to value space).
+// rows of the cache's own space (vq_decode_rows: once per block for every query, not once per
+// block of queries as a kernel decoding its own tiles would). A block takes one kv head, QPB
+// queries × its G query heads (ROWS = 16 per warp) and one split of the positions; per tile of TP
+// positions, keys and values [position][dim] land in shared memory by cp.async into a second
+// buffer while the current tile is multiplied (no warp waits on global memory inside the loop);
+// each warp computes S = Q·Kᵀ for its 16 rows (mma), folds S into its online softmax in
+// registers, and accumulates O += P·V (mma; P reused from S's accumulators as the A fragments,
+// V's B fragments read transposed by ldmatrix). Output per split, row (head, query): the
+// unnormalised O, the maximum score and the sum of weights (or, with `accumulate`, those merged
+// into what the split already holds: blocks of decoded codes share one set of partials);
+// prefill_fold turns the splits of every launch of a tile into the output.
 //
-// q: [t][Hq][D] f32 (the step's packed queries from the tile's first; codes: in code space,
-// prefill_code_queries), times qscale. A run's k/v at its first row of stream 0, stream h's row p
-// at h·hs + p·rs (stored rows are head-major, a step's input rows token-major); row p holds
-// position pos0 + p, query i position qpos0 + i, and a query sees positions ≤ its own (and, with a
-// sliding window w > 0, the last w of them, itself included).
+// q: [t][Hq][D] f32 (the step's packed queries from the tile's first), times qscale. A run's k/v
+// at its first row of stream 0, stream h's row p at h·hs + p·rs (stored rows are head-major, a
+// step's input rows token-major); row p holds position pos0 + p, query i position qpos0 + i, and a
+// query sees positions ≤ its own (and, with a sliding window w > 0, the last w of them, itself
+// included).
 //
-// Defines: D, G, SDK, SDV, WARPS, TP; for the codes' decode, query transform and fold, CENTER_K,
-// SMOOTH_K, ROTATE_K, CENTER_V, SMOOTH_V, ROTATE_V (0 where absent: rows only).
+// Defines: D, G, SDK, SDV, WARPS, TP; for the codes' decode, CENTER_K, SMOOTH_K, ROTATE_K,
+// CENTER_V, SMOOTH_V, ROTATE_V (0 where absent: rows only).
 #ifndef CENTER_K
 #define CENTER_K 0
 #endif
@@ -312,132 +312,165 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, ROW_BLOCKS)
     }
 }
 
-// Codes of positions p0..p0 + n of a sequence into f16 code-space rows (centroids, not rotated
-// back): keys and values [HKV][n][D] (stream h's row p at (h·n + p)·D), from codes [HKV][stride][M]
-// (position p of stream h at (h·stride + p)·M) and per-layer books f16 [256][SD]. A thread per U
-// code bytes of a row (4 where M allows: one load, the centroids stored as 16-byte vectors),
-// grid-stride, keys then values (32-bit counters: the host keeps HKV·stride and HKV·n·M < 2^31).
-template <int SD>
-__device__ __forceinline__ void decode_plane(const unsigned char* __restrict__ codes, int heads, int stride, int p0,
-                                             int n, const unsigned short* __restrict__ book,
-                                             unsigned short* __restrict__ out) {
-    constexpr int M = D / SD, U = M % 4 == 0 ? 4 : M % 2 == 0 ? 2 : 1, W = SD / 2;  // W: words per centroid
-    const unsigned total = (unsigned)heads * n * (M / U), step = gridDim.x * blockDim.x;
-    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += step) {
-        const unsigned j = i % (M / U), row = i / (M / U), p = row % n, h = row / n;
-        const unsigned char* src = codes + (size_t)(h * stride + p0 + p) * M + j * U;
-        unsigned c;
-        if constexpr (U == 4) c = *(const unsigned*)src;
-        else if constexpr (U == 2) c = *(const unsigned short*)src;
-        else c = *src;
-        unsigned w[U * W];
+// Codes of positions p0..p0 + n of a sequence into f16 rows of the cache's own space — what an f16
+// row of the position would hold, up to the code's error: x = μ + s ⊙ H·c for the row's centroids
+// c, as the CPU decoder maps them back — so that the codes are one more run of rows for
+// f16_prefill_rows (the queries, the launch and the fold are the rows'). Each lane holds 8
+// consecutive elements of a row (one load of its code bytes, one 16-byte store), D / 8 lanes a
+// row and 32 / (D / 8) rows a warp; the rotation is three stages in registers and the rest by
+// shuffles among the row's lanes. Books staged in shared memory; codes [HKV][stride][M] (position
+// p of stream h at (h·stride + p)·M), books f16 [256][SD], mean and scale [HKV][D] (read where
+// the codec has them). With `Around`, the sequence's f16 rows of the positions just before and
+// after the codes (its sink, its ring's one or two parts) are copied around them, so that the
+// sink, the codes and the ring are one run of consecutive positions: out [HKV][T][D] (stream h's
+// row r at (h·T + r)·D), T = sink + n + ring rows; row r < sink is sink row r, the next n the
+// codes, the rest the ring parts in order. The host keeps HKV·T < 2^31.
+#define DL (D / 8)
+#define RPW (32 / DL)
+struct Around {
+    const unsigned short* k;  // the slot's stored key rows, stream h's row r at h·hs + r·D
+    const unsigned short* v;
+    int hs, sink, r0, n0, r1, n1;
+};
+
+template <int SD, bool CENTER, bool SMOOTH, bool ROTATE>
+__device__ __forceinline__ void decode_rows(const unsigned char* __restrict__ codes, int heads, int stride, int p0,
+                                            int n, const unsigned short* book, const float* __restrict__ mean,
+                                            const float* __restrict__ scale, const unsigned short* __restrict__ rows_in,
+                                            const Around& ar, unsigned short* __restrict__ out) {
+    constexpr int M = D / SD;
+    const int lane = threadIdx.x % 32, sub = lane % DL, slot = lane / DL, e0 = sub * 8;
+    const int total = ar.sink + n + ar.n0 + ar.n1;
+    const int warps = blockDim.x / 32, rows = heads * total, groups = (rows + RPW - 1) / RPW;
+    for (int grp = blockIdx.x * warps + threadIdx.x / 32; grp < groups; grp += gridDim.x * warps) {
+        // Lanes past the last row (or past RPW·DL), and lanes copying a row, decode a row they
+        // do not store: every lane of the warp takes part in the shuffles.
+        const int row = min(grp * RPW + slot, rows - 1), r = row % total, h = row / total;
+        const bool store = slot < RPW && grp * RPW + slot < rows;
+        const int p = min(max(r - ar.sink, 0), n - 1);
+        const unsigned char* code = codes + ((size_t)h * stride + p0 + p) * M;
+        float v[8];
+        if constexpr (SD >= 8) {
+            const uint4 w = *(const uint4*)(book + code[e0 / SD] * SD + e0 % SD);
+            const unsigned ws[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-        for (int b = 0; b < U; b++) {
-            const unsigned* e = (const unsigned*)(book + ((c >> (8 * b)) & 255u) * SD);
-#pragma unroll
-            for (int k = 0; k < W; k++) w[b * W + k] = e[k];
-        }
-        unsigned* dst = (unsigned*)(out + (size_t)row * D + j * U * SD);
-        if constexpr (U * W % 4 == 0) {
-#pragma unroll
-            for (int k = 0; k < U * W / 4; k++) ((uint4*)dst)[k] = make_uint4(w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]);
+            for (int k = 0; k < 4; k++) {
+                const float2 f = unpack_h2(ws[k]);
+                v[2 * k] = f.x;
+                v[2 * k + 1] = f.y;
+            }
         } else {
+            constexpr int C = 8 / SD;  // codes a lane reads
+            unsigned c4;
+            if constexpr (C == 4) c4 = *(const unsigned*)(code + e0 / SD);
+            else if constexpr (C == 2) c4 = *(const unsigned short*)(code + e0 / SD);
+            else c4 = code[e0 / SD];
 #pragma unroll
-            for (int k = 0; k < U * W; k++) dst[k] = w[k];
+            for (int j = 0; j < C; j++) {
+                const unsigned short* cen = book + ((c4 >> (8 * j)) & 255u) * SD;
+#pragma unroll
+                for (int k = 0; k < SD / 2; k++) {
+                    const float2 f = unpack_h2(((const unsigned*)cen)[k]);
+                    v[j * SD + 2 * k] = f.x;
+                    v[j * SD + 2 * k + 1] = f.y;
+                }
+            }
         }
+        if constexpr (ROTATE) {
+#pragma unroll
+            for (int hb = 1; hb < 8; hb <<= 1) {
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    if ((i & hb) == 0) {
+                        const float a = v[i], b = v[i | hb];
+                        v[i] = a + b;
+                        v[i | hb] = a - b;
+                    }
+                }
+            }
+#pragma unroll
+            for (int m = 1; m < DL; m <<= 1) {
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    const float o = __shfl_xor_sync(FULL_MASK, v[i], m);
+                    v[i] = (sub & m) ? (o - v[i]) : (v[i] + o);
+                }
+            }
+            const float norm = rsqrtf((float)D);
+#pragma unroll
+            for (int i = 0; i < 8; i++) v[i] *= norm;
+        }
+        if (!store) continue;
+        if (r < ar.sink || r >= ar.sink + n) {
+            const int j = r - ar.sink - n, from = r < ar.sink ? r : j < ar.n0 ? ar.r0 + j : ar.r1 + j - ar.n0;
+            const unsigned short* src = rows_in + (size_t)h * ar.hs + (size_t)from * D + e0;
+            *(uint4*)(out + (size_t)row * D + e0) = *(const uint4*)src;
+            continue;
+        }
+        const float* sc = scale + h * D + e0;
+        const float* mu = mean + h * D + e0;
+        unsigned w[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            float a = v[2 * k], b = v[2 * k + 1];
+            if constexpr (SMOOTH) {
+                a *= sc[2 * k];
+                b *= sc[2 * k + 1];
+            }
+            if constexpr (CENTER) {
+                a += mu[2 * k];
+                b += mu[2 * k + 1];
+            }
+            w[k] = pack_h2(a, b);
+        }
+        *(uint4*)(out + (size_t)row * D + e0) = make_uint4(w[0], w[1], w[2], w[3]);
     }
 }
 
-extern "C" __global__ void vq_decode_codes(const unsigned char* __restrict__ kc, const unsigned char* __restrict__ vc,
-                                           int heads, int stride, int p0, int n,
-                                           const unsigned short* __restrict__ kbook,
-                                           const unsigned short* __restrict__ vbook, unsigned short* __restrict__ ko,
-                                           unsigned short* __restrict__ vo) {
-    decode_plane<SDK>(kc, heads, stride, p0, n, kbook, ko);
-    decode_plane<SDV>(vc, heads, stride, p0, n, vbook, vo);
+extern "C" __global__ void vq_decode_rows(const unsigned char* __restrict__ kc, const unsigned char* __restrict__ vc,
+                                          int heads, int stride, int p0, int n,
+                                          const unsigned short* __restrict__ kbook,
+                                          const unsigned short* __restrict__ vbook, const float* __restrict__ kmean,
+                                          const float* __restrict__ kscale, const float* __restrict__ vmean,
+                                          const float* __restrict__ vscale, const Around around,
+                                          unsigned short* __restrict__ ko, unsigned short* __restrict__ vo) {
+    __shared__ __align__(16) unsigned short books[256 * (SDK + SDV)];
+    for (int i = threadIdx.x; i < 256 * SDK; i += blockDim.x) books[i] = kbook[i];
+    for (int i = threadIdx.x; i < 256 * SDV; i += blockDim.x) books[256 * SDK + i] = vbook[i];
+    __syncthreads();
+    decode_rows<SDK, CENTER_K, SMOOTH_K, ROTATE_K>(kc, heads, stride, p0, n, books, kmean, kscale, around.k, around,
+                                                   ko);
+    decode_rows<SDV, CENTER_V, SMOOTH_V, ROTATE_V>(vc, heads, stride, p0, n, books + 256 * SDK, vmean, vscale,
+                                                   around.v, around, vo);
 }
 
-// Queries of a tile into the keys' code space, a warp per (query, query head): out = H·(s_k ⊙ q·qscale)
-// (rotated and smoothed as the codes were), qoff = qscale·q·μ_k (the score every coded key shares
-// through its mean). q, out: [t][HQ][D]; qoff: [t][HQ]; kmean, kscale: [HKV][D]. Lane l holds
-// elements k·32 + l (a codec's D is a power of two ≥ 32; rows-only builds compile it unused).
 #define DR ((D + 31) / 32)
-extern "C" __global__ void prefill_code_queries(const float* __restrict__ q, float qscale, int t, int hq_total,
-                                                const float* __restrict__ kmean, const float* __restrict__ kscale,
-                                                float* __restrict__ out, float* __restrict__ qoff) {
-    const int row = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
-    if (row >= t * hq_total) return;
-    const int h = row % hq_total / G;
-    float v[DR];
-    float off = 0.f;
-#pragma unroll
-    for (int k = 0; k < DR; k++) {
-        const int e = k * 32 + lane;
-        v[k] = e < D ? q[(size_t)row * D + e] * qscale : 0.f;
-        if (CENTER_K && e < D) off = fmaf(v[k], kmean[h * D + e], off);
-        if (SMOOTH_K && e < D) v[k] *= kscale[h * D + e];
-    }
-#if ROTATE_K && D % 32 == 0
-    warp_fwht<D>(v, lane);
-#endif
-    off = warp_sum(off);
-#pragma unroll
-    for (int k = 0; k < DR; k++)
-        if (k * 32 + lane < D) out[(size_t)row * D + k * 32 + lane] = v[k];
-    if (lane == 0) qoff[row] = off;
-}
-
-// The splits of a tile's launches into its output, a warp per (query, query head): splits
-// [0, code_splits) are over codes (code space, maxima short of qoff), the rest over f16 rows; one
-// softmax over all, the coded sum rotated back, scaled and shifted by μ_v times its mass, plus the
-// rows' sum, normalised (0 where nothing was seen). o: [S][HQ][t][D], ml: [S][HQ][t][2]; qoff:
-// [t][HQ] (read where code_splits > 0 and CENTER_K); vmean, vscale: [HKV][D]; out: [t][HQ][D].
-extern "C" __global__ void prefill_fold(const float* __restrict__ o, const float* __restrict__ ml,
-                                        const float* __restrict__ qoff, const float* __restrict__ vmean,
-                                        const float* __restrict__ vscale, int splits, int code_splits, int t,
+// The splits of a tile's launches into its output, a warp per (query, query head): one softmax
+// over all, normalised (0 where nothing was seen). o: [S][HQ][t][D], ml: [S][HQ][t][2]; out:
+// [t][HQ][D].
+extern "C" __global__ void prefill_fold(const float* __restrict__ o, const float* __restrict__ ml, int splits, int t,
                                         int hq_total, float* __restrict__ out) {
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
     if (warp >= t * hq_total) return;
-    const int i = warp / hq_total, hq = warp % hq_total, h = hq / G;
+    const int i = warp / hq_total, hq = warp % hq_total;
     const size_t plane = (size_t)hq_total * t, row = (size_t)hq * t + i;
-    const float off = CENTER_K && code_splits > 0 ? qoff[warp] : 0.f;
     float m = -1e30f;
-    for (int s = lane; s < splits; s += 32) m = fmaxf(m, ml[(s * plane + row) * 2] + (s < code_splits ? off : 0.f));
+    for (int s = lane; s < splits; s += 32) m = fmaxf(m, ml[(s * plane + row) * 2]);
     m = warp_max(m);
-    float vc[DR], vr[DR], lc = 0.f, lr = 0.f;
+    float acc[DR], l = 0.f;
 #pragma unroll
-    for (int k = 0; k < DR; k++) vc[k] = vr[k] = 0.f;
+    for (int k = 0; k < DR; k++) acc[k] = 0.f;
     for (int s = 0; s < splits; s++) {
         const float* x = ml + (s * plane + row) * 2;
-        const bool coded = s < code_splits;
-        const float w = __expf(x[0] + (coded ? off : 0.f) - m);
+        const float w = __expf(x[0] - m);
         const float* src = o + (s * plane + row) * D;
-        if (coded) {
-            lc = fmaf(w, x[1], lc);
+        l = fmaf(w, x[1], l);
 #pragma unroll
-            for (int k = 0; k < DR; k++)
-                if (k * 32 + lane < D) vc[k] = fmaf(w, src[k * 32 + lane], vc[k]);
-        } else {
-            lr = fmaf(w, x[1], lr);
-#pragma unroll
-            for (int k = 0; k < DR; k++)
-                if (k * 32 + lane < D) vr[k] = fmaf(w, src[k * 32 + lane], vr[k]);
-        }
+        for (int k = 0; k < DR; k++)
+            if (k * 32 + lane < D) acc[k] = fmaf(w, src[k * 32 + lane], acc[k]);
     }
-    if (code_splits > 0) {
-#if ROTATE_V && D % 32 == 0
-        warp_fwht<D>(vc, lane);
-#endif
-#pragma unroll
-        for (int k = 0; k < DR; k++) {
-            const int e = k * 32 + lane;
-            if (e >= D) continue;
-            const float sc = SMOOTH_V ? vscale[h * D + e] : 1.f, mu = CENTER_V ? vmean[h * D + e] : 0.f;
-            vr[k] += fmaf(lc, mu, vc[k] * sc);
-        }
-    }
-    const float l = lc + lr, inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
     for (int k = 0; k < DR; k++)
-        if (k * 32 + lane < D) out[(size_t)warp * D + k * 32 + lane] = vr[k] * inv;
+        if (k * 32 + lane < D) out[(size_t)warp * D + k * 32 + lane] = acc[k] * inv;
 }

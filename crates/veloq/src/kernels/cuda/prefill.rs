@@ -1,7 +1,7 @@
 //! Host side of `prefill.cu`: attention of a tile of queries over a sequence's f16 rows as
 //! softmax partials per split of the positions (one launch over its runs of rows: the sink, the
-//! ring, the step's own rows; one per block of a VecInfer cache's codes, decoded a block at a
-//! time), then one fold of every split into the output, mapping coded sums back to value space.
+//! ring, the step's own rows, and a VecInfer cache's codes decoded a block at a time into rows of
+//! the cache's own space), then one fold of every split into the output.
 //! What chunked prefill and follow-up turns run on CUDA: a handful of launches per tile, no
 //! tensor ops between them.
 
@@ -16,13 +16,11 @@ pub(super) const SOURCES: &[&str] = &[include_str!("prefill.cu")];
 const WARPS: usize = 4;
 /// Positions per tile: S for 16 rows × 64 positions is 32 accumulators per lane.
 const TILE: usize = 64;
-/// Warps per block of the query transform and the fold (a warp per query head and query).
+/// Warps per block of the fold (a warp per query head and query) and of the decode.
 const ROW_WARPS: usize = 8;
 
 /// A `#define` the kernels are compiled with.
 type Define = (&'static str, i64);
-/// A query position past every coded one: codes are older than every query (no mask).
-const AFTER_CODES: usize = 1 << 29;
 
 /// The multi-query attention over f16 rows for one geometry, and the fold of its partials.
 pub struct GpuPrefill {
@@ -33,13 +31,13 @@ pub struct GpuPrefill {
     fold: CudaFunction,
 }
 
-/// A VecInfer layer's side of the prefill: its codes decoded to f16 code-space rows a block at
-/// a time (for [`GpuPrefill`]'s kernel), the queries moved into the keys' code space, and the
-/// fold that maps coded sums back to value space. 8-bit per-layer books.
+/// A VecInfer layer's side of the prefill: its codes decoded a block at a time to f16 rows of the
+/// cache's own space (centroids rotated, scaled and shifted back), which [`GpuPrefill`]'s kernel
+/// attends as one more run of rows — so the queries, the launch and the fold are the rows'.
+/// 8-bit per-layer books.
 pub struct GpuPrefillCodes {
     rows: GpuPrefill,
     decode: CudaFunction,
-    queries: CudaFunction,
 }
 
 /// A run of f16 rows: `keys`/`values` at its first row of stream 0, stream h's row p at
@@ -64,8 +62,8 @@ pub struct Rows<'b> {
     pub window: Option<usize>,
 }
 
-/// Runs of rows one launch takes (the kernel's `RUNS`): the sink, the ring's two parts and the
-/// step's own rows.
+/// Runs of rows one launch takes (the kernel's `RUNS`): of the decoded codes, the sink, the ring's
+/// parts and the step's own rows, as many as fit.
 pub const MAX_RUNS: usize = 4;
 
 /// The kernel's `RowRuns`: each run's rows, strides, first position and splits.
@@ -103,9 +101,9 @@ impl Split {
     }
 }
 
-/// Where a launch writes: `o` `[splits, q heads, queries, head_dim]` (unnormalised; code space
-/// for codes) and `ml` `[splits, q heads, queries, 2]` (maximum score, sum of weights); with
-/// `accumulate`, merged into the partials already there (blocks of decoded codes share one set).
+/// Where a launch writes: `o` `[splits, q heads, queries, head_dim]` (unnormalised) and `ml`
+/// `[splits, q heads, queries, 2]` (maximum score, sum of weights); with `accumulate`, merged
+/// into the partials already there (blocks of decoded codes share one set).
 pub struct PrefillOut<'a, 'b> {
     /// Unnormalised outputs.
     pub o: &'a mut CudaViewMut<'b, f32>,
@@ -115,7 +113,7 @@ pub struct PrefillOut<'a, 'b> {
     pub accumulate: bool,
 }
 
-/// A tile's partials for the fold: `splits` deep, the first `code_splits` over codes.
+/// A tile's partials for the fold: `splits` deep.
 pub struct PrefillParts<'a, 'b> {
     /// `[splits, q heads, queries, head_dim]`.
     pub o: &'a CudaView<'b, f32>,
@@ -123,10 +121,6 @@ pub struct PrefillParts<'a, 'b> {
     pub ml: &'a CudaView<'b, f32>,
     /// Splits in all.
     pub splits: usize,
-    /// Leading splits over codes (0 without codes).
-    pub code_splits: usize,
-    /// `[queries, q heads]` score offsets of the coded keys ([`GpuPrefillCodes::queries`]).
-    pub qoff: Option<&'a CudaView<'b, f32>>,
 }
 
 impl GpuPrefill {
@@ -286,55 +280,26 @@ impl GpuPrefill {
     }
 
     /// Every split of a tile (`parts`) into `out` (`[queries, q heads, head_dim]` f32, the step's
-    /// rows of the tile): one softmax over all, normalised. Rows only (no coded splits); a
-    /// VecInfer layer folds with [`GpuPrefillCodes::fold`]. One launch.
+    /// rows of the tile): one softmax over all, normalised. One launch.
     pub fn fold(&self, gpu: &Gpu, parts: PrefillParts, queries: usize, out: &mut CudaViewMut<f32>) -> Result<()> {
-        if parts.code_splits > 0 {
-            return Err(Error::Shape("coded splits fold with the codec's kernels".into()));
-        }
-        self.fold_with(gpu, parts, queries, None, out)
-    }
-
-    fn fold_with(
-        &self,
-        gpu: &Gpu,
-        parts: PrefillParts,
-        queries: usize,
-        values: Option<&GpuCodec>,
-        out: &mut CudaViewMut<f32>,
-    ) -> Result<()> {
         let (d, hq) = (self.head_dim, self.q_heads());
         let rows = queries * hq;
-        let coded = parts.code_splits > 0;
-        let ok = values.is_none_or(|v| (v.heads, v.head_dim) == (self.heads, d))
-            && queries > 0
-            && parts.code_splits <= parts.splits
+        let ok = queries > 0
+            && parts.splits > 0
             && parts.o.len() >= parts.splits * rows * d
             && parts.ml.len() >= parts.splits * rows * 2
-            && (!coded || (values.is_some() && parts.qoff.is_some_and(|q| q.len() >= rows)))
             && out.len() >= rows * d;
         if !ok {
             return Err(Error::Shape(format!(
-                "prefill fold: {queries} queries × {hq} heads × {d}, {} splits ({} coded) do not fit the buffers",
-                parts.splits, parts.code_splits
+                "prefill fold: {queries} queries × {hq} heads × {d}, {} splits do not fit the buffers",
+                parts.splits
             )));
         }
-        let (splits, code_splits, t, hq_i) = (parts.splits as i32, parts.code_splits as i32, queries as i32, hq as i32);
+        let (splits, t, hq_i) = (parts.splits as i32, queries as i32, hq as i32);
         let mut l = gpu.stream().launch_builder(&self.fold);
-        l.arg(parts.o).arg(parts.ml);
-        // Pointers the kernel does not read (no codes) still need arguments: the partials stand in.
-        match parts.qoff {
-            Some(q) => l.arg(q),
-            None => l.arg(parts.ml),
-        };
-        match values {
-            Some(v) => l.arg(&v.mean).arg(&v.scale),
-            None => l.arg(parts.ml).arg(parts.ml),
-        };
-        l.arg(&splits).arg(&code_splits).arg(&t).arg(&hq_i).arg(out);
+        l.arg(parts.o).arg(parts.ml).arg(&splits).arg(&t).arg(&hq_i).arg(out);
         // SAFETY: the signature of `prefill_fold`; every (query, head) row of every split read and
-        // every output row written is inside the buffers checked above; qoff, mean and scale are
-        // read only where splits are coded and the codec's defines say it has them.
+        // every output row written is inside the buffers checked above.
         unsafe { l.launch(self.row_grid(queries)) }.map_err(dev_err)?;
         Ok(())
     }
@@ -365,9 +330,8 @@ impl GpuPrefillCodes {
             ("ROTATE_V", b(values.rotate)),
         ];
         let (rows, all) = GpuPrefill::build(gpu, keys.heads, keys.head_dim, q_heads, &defines)?;
-        let decode = gpu.kernel(SOURCES, "vq_decode_codes", &all, 0)?;
-        let queries = gpu.kernel(SOURCES, "prefill_code_queries", &all, 0)?;
-        Ok(Self { rows, decode, queries })
+        let decode = gpu.kernel(SOURCES, "vq_decode_rows", &all, 0)?;
+        Ok(Self { rows, decode })
     }
 
     /// The attention over the decoded rows (and its splits).
@@ -375,31 +339,39 @@ impl GpuPrefillCodes {
         &self.rows
     }
 
-    /// Positions `p0..p0 + n` of `codes` decoded into f16 code-space rows `keys`/`values`
-    /// (`[kv heads, n, head_dim]` each): the run [`attend_decoded`](Self::attend_decoded) reads.
+    /// Positions `p0..p0 + n` of `codes` decoded into f16 rows of the cache's own space
+    /// `out_keys`/`out_values` (`[kv heads, T, head_dim]` each: a run of [`Rows`] with head stride
+    /// `T · head_dim`), with `around`'s rows copied before and after them (T = its rows + `n`;
+    /// without it, T = `n`).
     #[allow(clippy::too_many_arguments)]
     pub fn decode(
         &self,
         gpu: &Gpu,
         codes: &Coded,
-        p0: usize,
-        n: usize,
-        keys: &GpuCodec,
-        values: &GpuCodec,
+        (p0, n): (usize, usize),
+        (keys, values): (&GpuCodec, &GpuCodec),
+        around: Option<&RowsAround>,
         out_keys: &mut CudaViewMut<u16>,
         out_values: &mut CudaViewMut<u16>,
     ) -> Result<()> {
         let (kv, d) = (self.rows.heads, self.rows.head_dim);
+        let total = n + around.map_or(0, RowsAround::rows);
+        let around_fits = |a: &RowsAround| {
+            let last = a.ring.iter().filter(|p| p.1 > 0).map(|p| p.0 + p.1).chain([a.sink]).max().unwrap_or(0);
+            let span = (kv - 1) * a.head_stride + last * d;
+            a.head_stride >= last * d && a.keys.len() >= span && a.values.len() >= span && span < 1 << 31
+        };
         let ok = (keys.heads, keys.head_dim, values.heads, values.head_dim) == (kv, d, kv, d)
             && n > 0
             && p0 + n <= codes.len
             && codes.len <= codes.stride
             && codes.keys.len() >= kv * codes.stride * keys.subspaces()
             && codes.values.len() >= kv * codes.stride * values.subspaces()
-            && out_keys.len() >= kv * n * d
-            && out_values.len() >= kv * n * d
+            && out_keys.len() >= kv * total * d
+            && out_values.len() >= kv * total * d
             && kv * codes.stride < 1 << 31
-            && kv * n * keys.subspaces().max(values.subspaces()) < 1 << 31;
+            && kv * total < 1 << 31
+            && around.is_none_or(around_fits);
         if !ok {
             return Err(Error::Shape(format!(
                 "prefill decode: positions {p0}..{} of {} coded do not fit the codes or the buffers",
@@ -407,93 +379,92 @@ impl GpuPrefillCodes {
                 codes.len
             )));
         }
+        let stream = gpu.stream();
+        let mut arg = AroundArg::default();
+        let mut guards = Vec::with_capacity(2);
+        if let Some(a) = around {
+            let (k, gk) = a.keys.device_ptr(stream);
+            let (v, gv) = a.values.device_ptr(stream);
+            guards.extend([gk, gv]);
+            let [(r0, n0), (r1, n1)] = a.ring;
+            arg = AroundArg {
+                k,
+                v,
+                hs: a.head_stride as i32,
+                sink: a.sink as i32,
+                r0: r0 as i32,
+                n0: n0 as i32,
+                r1: r1 as i32,
+                n1: n1 as i32,
+            };
+        }
         let (heads, stride, p0_i, n_i) = (kv as i32, codes.stride as i32, p0 as i32, n as i32);
-        // A thread per 4 code bytes (fewer where a row's bytes are not a multiple of 4).
-        let words = kv * n * (keys.subspaces() + values.subspaces()).div_ceil(4);
+        // head_dim / 8 lanes a row (8 elements each), grid-stride over the warps' groups of rows.
+        let warps = (kv * total).div_ceil(32 / (d / 8));
         let cfg = LaunchConfig {
-            grid_dim: (words.div_ceil(256).min(4 * gpu.multiprocessors() as usize) as u32, 1, 1),
-            block_dim: (256, 1, 1),
+            grid_dim: (warps.div_ceil(ROW_WARPS).min(8 * gpu.multiprocessors() as usize) as u32, 1, 1),
+            block_dim: ((ROW_WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut l = gpu.stream().launch_builder(&self.decode);
+        let mut l = stream.launch_builder(&self.decode);
         l.arg(&codes.keys).arg(&codes.values).arg(&heads).arg(&stride).arg(&p0_i).arg(&n_i);
-        l.arg(&keys.centroids_f16).arg(&values.centroids_f16).arg(out_keys).arg(out_values);
-        // SAFETY: the signature of `vq_decode_codes` (compiled for these sub_dims); the codes read
-        // (streams `kv` of `stride`, positions p0..p0 + n) and the rows written (`kv × n × D`)
-        // are inside the buffers checked above; the books are 256 × sub_dim f16.
+        l.arg(&keys.centroids_f16).arg(&values.centroids_f16);
+        l.arg(&keys.mean).arg(&keys.scale).arg(&values.mean).arg(&values.scale).arg(&arg).arg(out_keys).arg(out_values);
+        // SAFETY: the signature of `vq_decode_rows` (compiled for these sub_dims and the codecs'
+        // flags; `Around` by value, its C layout); the codes read (streams `kv` of `stride`,
+        // positions p0..p0 + n), the rows copied (streams `kv` by `head_stride`, rows below the
+        // sink's and the ring parts' ends) and the rows written (`kv × T × D`) are inside the
+        // buffers checked above, which `guards` keep ordered until the launch; the books are
+        // 256 × sub_dim f16; mean and scale are [kv heads][head_dim] where the codec has them (the
+        // kernel reads them only then).
         unsafe { l.launch(cfg) }.map_err(dev_err)?;
+        drop(guards);
         Ok(())
-    }
-
-    /// Partials of code-space queries `q` (from [`queries`](Self::queries)) over `n` decoded
-    /// rows (`[kv heads, n, head_dim]`, [`decode`](Self::decode)): older than every query.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attend_decoded(
-        &self,
-        gpu: &Gpu,
-        q: &CudaView<f32>,
-        queries: usize,
-        keys: CudaView<u16>,
-        values: CudaView<u16>,
-        n: usize,
-        split: Split,
-        out: PrefillOut,
-    ) -> Result<()> {
-        let d = self.rows.head_dim;
-        let rows =
-            Rows { keys, values, len: n, head_stride: n * d, row_stride: d, pos0: 0, qpos0: AFTER_CODES, window: None };
-        self.rows.launch(gpu, q, queries, 1.0, rows, split, out)
-    }
-
-    /// Queries `q` (`[queries, q heads, head_dim]` f32) times `scale` into the keys' code space
-    /// (`out`, same shape) and their score offsets (`qoff`, `[queries, q heads]`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn queries(
-        &self,
-        gpu: &Gpu,
-        q: &CudaView<f32>,
-        queries: usize,
-        scale: f32,
-        keys: &GpuCodec,
-        out: &mut CudaViewMut<f32>,
-        qoff: &mut CudaViewMut<f32>,
-    ) -> Result<()> {
-        let (d, rows) = (self.rows.head_dim, queries * self.rows.q_heads());
-        if q.len() < rows * d
-            || out.len() < rows * d
-            || qoff.len() < rows
-            || (keys.heads, keys.head_dim) != (self.rows.heads, d)
-        {
-            return Err(Error::Shape(format!(
-                "prefill queries: {queries} × {} heads × {d} do not fit the buffers",
-                self.rows.q_heads()
-            )));
-        }
-        let (t, hq) = (queries as i32, self.rows.q_heads() as i32);
-        let mut l = gpu.stream().launch_builder(&self.queries);
-        l.arg(q).arg(&scale).arg(&t).arg(&hq).arg(&keys.mean).arg(&keys.scale).arg(out).arg(qoff);
-        // SAFETY: the signature of `prefill_code_queries`; every (query, head) row read and
-        // written is inside the buffers checked above; mean and scale are [kv heads][head_dim]
-        // where the codec has them (the kernel reads them only then).
-        unsafe { l.launch(self.rows.row_grid(queries)) }.map_err(dev_err)?;
-        Ok(())
-    }
-
-    /// Every split of a tile into `out`, the coded ones mapped back to value space with `values`.
-    pub fn fold(
-        &self,
-        gpu: &Gpu,
-        parts: PrefillParts,
-        queries: usize,
-        values: &GpuCodec,
-        out: &mut CudaViewMut<f32>,
-    ) -> Result<()> {
-        self.rows.fold_with(gpu, parts, queries, Some(values), out)
     }
 }
 
+/// The f16 rows [`GpuPrefillCodes::decode`] copies around the codes: a sequence's sink before
+/// them and its ring's parts after, so that sink, codes and ring are one run of consecutive
+/// positions (one split plan, where three short runs would each write and fold whole partials).
+pub struct RowsAround<'b> {
+    /// The sequence's stored key rows from its row 0 (stream h's row r at `h·head_stride + r·head_dim`).
+    pub keys: CudaView<'b, u16>,
+    /// Its value rows, laid out alike.
+    pub values: CudaView<'b, u16>,
+    /// Elements from one stream's rows to the next's.
+    pub head_stride: usize,
+    /// Sink rows (rows 0..sink), the positions before the codes.
+    pub sink: usize,
+    /// The ring's parts after the codes, in position order: (first row, rows).
+    pub ring: [(usize, usize); 2],
+}
+
+impl RowsAround<'_> {
+    /// Rows copied.
+    pub fn rows(&self) -> usize {
+        self.sink + self.ring[0].1 + self.ring[1].1
+    }
+}
+
+/// The kernel's `Around`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct AroundArg {
+    k: u64,
+    v: u64,
+    hs: i32,
+    sink: i32,
+    r0: i32,
+    n0: i32,
+    r1: i32,
+    n1: i32,
+}
+
+// SAFETY: plain old data with the C layout the kernel declares (device addresses as u64).
+unsafe impl DeviceRepr for AroundArg {}
+
 /// Defines the compile check builds the kernels with (each compile holds every kernel of the
-/// source: the decode, the query transform and the fold too).
+/// source: the decode and the fold too).
 pub(super) fn example_defines() -> Vec<Vec<(&'static str, i64)>> {
     [(64, 3, 2, 2, 1), (80, 2, 2, 2, 0), (128, 4, 2, 4, 1), (128, 8, 8, 4, 0), (256, 4, 4, 4, 1)]
         .into_iter()
