@@ -11,6 +11,10 @@ pub struct CudaOptions {
     pub graphs: bool,
     /// f16 weights of decode steps through veloq's GEMV (off: candle's matmul, cuBLAS).
     pub gemv: bool,
+    /// f16 weights of many-row steps (prompt chunks, batches past the GEMV's rows) multiplied as
+    /// f16 activations, with veloq's row kernels between the products (off: candle's f32 path,
+    /// a cast on each side of every product).
+    pub f16_rows: bool,
     /// Cache flushes on a second stream, off the step's path.
     pub flush_stream: bool,
     /// Device memory freed by a step kept in the allocator's pool for the next one (off: given
@@ -26,6 +30,7 @@ impl Default for CudaOptions {
         Self {
             graphs: true,
             gemv: true,
+            f16_rows: true,
             flush_stream: true,
             keep_freed_memory: true,
             kernels: KernelOptions::default(),

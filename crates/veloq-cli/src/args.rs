@@ -54,6 +54,10 @@ pub struct CudaFlags {
     /// f16 weights of decode steps through veloq's GEMV (off: cuBLAS).
     #[arg(long, env = "VELOQ_CUDA_GEMV", default_value = "on", action = clap::ArgAction::Set, value_parser = BoolishValueParser::new(), value_name = "on|off")]
     pub cuda_gemv: bool,
+    /// f16 weights of prompt chunks multiplied as f16 activations, veloq's row kernels between
+    /// the products (off: candle's f32 path, casts around every product).
+    #[arg(long, env = "VELOQ_CUDA_F16_ROWS", default_value = "on", action = clap::ArgAction::Set, value_parser = BoolishValueParser::new(), value_name = "on|off")]
+    pub cuda_f16_rows: bool,
     /// Kernels overlap their predecessor's tail (programmatic dependent launch, sm_90+).
     #[arg(long, env = "VELOQ_PDL", default_value = "on", action = clap::ArgAction::Set, value_parser = BoolishValueParser::new(), value_name = "on|off")]
     pub overlapped_launches: bool,
@@ -87,6 +91,7 @@ impl CudaFlags {
         CudaOptions {
             graphs: self.cuda_graphs,
             gemv: self.cuda_gemv,
+            f16_rows: self.cuda_f16_rows,
             flush_stream: self.flush_stream,
             keep_freed_memory: self.keep_freed_memory,
             kernels: KernelOptions {

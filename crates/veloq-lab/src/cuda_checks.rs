@@ -11,9 +11,9 @@ use veloq::codec::codebook::Granularity;
 use veloq::codec::pack::unpack;
 use veloq::codec::vecinfer::VecInferCodec;
 use veloq::kernels::cuda::{
-    gemv_f16, gemv_f16_many, gemv_many_fits, quantize_jobs, ragged_entry, AttentionScratch, Coded, Convert,
-    ConvertPart, Elem, GemvEpilogue, GemvFused, GemvTune, Gpu, GpuAttention, GpuCodec, QuantizeJob, QuantizeLaunch,
-    Ragged, RowMap, SplitKernel, Window, WindowMap, GEMV_MAX_ROWS,
+    gemv_f16, gemv_f16_many, gemv_many_fits, quantize_jobs, ragged_entry, rows_add_f16, rows_gated_f16, rows_norm_f16,
+    AttentionScratch, Coded, Convert, ConvertPart, Elem, GatedActivation, GemvEpilogue, GemvFused, GemvTune, Gpu,
+    GpuAttention, GpuCodec, QuantizeJob, QuantizeLaunch, Ragged, RowMap, SplitKernel, Window, WindowMap, GEMV_MAX_ROWS,
 };
 use veloq::kernels::GemvShapes;
 
@@ -23,6 +23,80 @@ macro_rules! dev {
     ($e:expr) => {
         $e.map_err(|e| anyhow::anyhow!("{e:?}"))?
     };
+}
+
+/// Shapes `[rows, k]` of the row kernels' check: one row, an odd count of a model's width, a
+/// chunk of SmolLM2's, and a chunk of the 8B's MLP width (longer than one pass of the grid).
+const ROWS_SHAPES: [(usize, usize); 4] = [(1, 576), (37, 4096), (513, 576), (517, 14336)];
+
+/// The row kernels of many-row steps (`rows.cu`) against f64 references on fresh random inputs,
+/// outputs poisoned first: the norm to f16 and the gated activations within f16's rounding of
+/// the exact value plus the f32 formula's error; the f16 added into f32 exactly as the host adds.
+/// Returns the elements checked.
+pub fn check_rows(gpu: &Gpu, rng: &mut Rng) -> Result<usize> {
+    let st = gpu.stream();
+    let mut checked = 0;
+    // Half an f16 ulp of the value, the f32 arithmetic's error `rel` of `scale`, and f16's
+    // subnormal spacing.
+    let f16_bound = |want: f64, scale: f64, rel: f64| 2f64.powi(-11) * want.abs() * (1.0 + rel) + rel * scale + 6e-8;
+    let eps32 = 2f64.powi(-24);
+    for (rows, k) in ROWS_SHAPES {
+        let n = rows * k;
+        let x: Vec<f32> = (0..n).map(|_| rng.normal() * 3.0).collect();
+        let w: Vec<f32> = (0..k).map(|_| 0.5 + rng.uniform() as f32).collect();
+        let xd = dev!(st.clone_htod(&x));
+        let wd = dev!(st.clone_htod(&w));
+        let mut out = dev!(st.clone_htod(&vec![0x7e00u16; n]));
+        rows_norm_f16(gpu, &xd.as_view(), &wd.as_view(), &mut out.as_view_mut(), rows, k, 1e-5)?;
+        let got: Vec<u16> = dev!(st.clone_dtoh(&out));
+        // The sum of squares: k / 256 terms a thread, then a tree of 256; the scale and two products.
+        let rel = (k as f64 / 256.0 + 16.0) * eps32;
+        for r in 0..rows {
+            let xr = &x[r * k..(r + 1) * k];
+            let scale = 1.0 / (xr.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / k as f64 + 1e-5).sqrt();
+            for c in 0..k {
+                let want = xr[c] as f64 * scale * w[c] as f64;
+                let have = f16::from_bits(got[r * k + c]).to_f64();
+                if have.is_nan() || (have - want).abs() > f16_bound(want, want.abs(), rel) {
+                    bail!("rows_norm_f16 [{rows}, {k}] row {r} col {c}: {have} against {want}");
+                }
+            }
+        }
+        for act in [GatedActivation::Silu, GatedActivation::GeluTanh] {
+            let g = f16_bits(&(0..n).map(|_| rng.normal() * 4.0).collect::<Vec<_>>());
+            let u = f16_bits(&(0..n).map(|_| rng.normal() * 2.0).collect::<Vec<_>>());
+            let (gd, ud) = (dev!(st.clone_htod(&g)), dev!(st.clone_htod(&u)));
+            let mut out = dev!(st.clone_htod(&vec![0x7e00u16; n]));
+            rows_gated_f16(gpu, &gd.as_view(), &ud.as_view(), &mut out.as_view_mut(), n, act)?;
+            let got: Vec<u16> = dev!(st.clone_dtoh(&out));
+            for i in 0..n {
+                let (gv, uv) = (f16::from_bits(g[i]).to_f64(), f16::from_bits(u[i]).to_f64());
+                let a = match act {
+                    GatedActivation::Silu => gv / (1.0 + (-gv).exp()),
+                    GatedActivation::GeluTanh => {
+                        0.5 * gv * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (gv + 0.044715 * gv.powi(3))).tanh())
+                    }
+                };
+                let want = a * uv;
+                let have = f16::from_bits(got[i]).to_f64();
+                // expf / tanhf and the division: a few f32 ulps of act(g) · up, at most |g · up|.
+                if have.is_nan() || (have - want).abs() > f16_bound(want, (gv * uv).abs(), 16.0 * eps32) {
+                    bail!("rows_gated_f16 {act:?} element {i}: act({gv}) · {uv} = {have} against {want}");
+                }
+            }
+        }
+        let y = f16_bits(&(0..n).map(|_| rng.normal() * 2.0).collect::<Vec<_>>());
+        let yd = dev!(st.clone_htod(&y));
+        let mut xs = dev!(st.clone_htod(&x));
+        rows_add_f16(gpu, &mut xs.as_view_mut(), &yd.as_view(), n)?;
+        let got: Vec<f32> = dev!(st.clone_dtoh(&xs));
+        if let Some(i) = (0..n).find(|&i| got[i].to_bits() != (x[i] + f16::from_bits(y[i]).to_f32()).to_bits()) {
+            bail!("rows_add_f16 element {i}: {} against {} + {}", got[i], x[i], f16::from_bits(y[i]));
+        }
+        checked += 4 * n;
+    }
+    println!("row kernels: {checked} elements (norm, silu, GELU, add) within their bounds");
+    Ok(checked)
 }
 
 /// Part lengths of the conversion check: empty, one element, not a multiple of a block, and

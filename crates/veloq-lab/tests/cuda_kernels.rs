@@ -1,5 +1,6 @@
 //! The CUDA kernels against the CPU path (`veloq_lab::cuda_checks`), as tests: quantize (single
-//! codecs and key/value pairs in one launch), the f32/f16/bf16 conversions, the f16 GEMV in every fused form, decode attention
+//! codecs and key/value pairs in one launch), the f32/f16/bf16 conversions, the row kernels of
+//! prompt chunks, the f16 GEMV in every fused form, decode attention
 //! over codes for every kernel variant. Built with `--features cuda`; a machine without a GPU
 //! fails them unless `VELOQ_SKIP_CUDA_TESTS=1` says to skip (CI has no GPU and builds without the
 //! feature; `scripts/device/smoke.sh` runs them on the H200).
@@ -45,6 +46,13 @@ fn cuda_conversions_round_as_the_host_does() {
     let Some(gpu) = gpu() else { return };
     let checked = cuda_checks::check_convert(&gpu, &mut rng()).unwrap();
     assert!(checked > 6_000_000, "{checked} conversions checked");
+}
+
+#[test]
+fn cuda_row_kernels_match_the_f64_reference() {
+    let Some(gpu) = gpu() else { return };
+    let checked = cuda_checks::check_rows(&gpu, &mut rng()).unwrap();
+    assert!(checked > 30_000_000, "{checked} row-kernel elements checked");
 }
 
 #[test]

@@ -64,6 +64,8 @@ pub struct CudaRuntime {
     aside: AtomicBool,
     /// [`CudaOptions::gemv`]: f16 weights of a decode step take veloq's GEMV.
     gemv: AtomicBool,
+    /// [`CudaOptions::f16_rows`].
+    f16_rows: AtomicBool,
     device: CudaDevice,
     scratch: Mutex<Option<AttentionScratch>>,
     launches: AtomicUsize,
@@ -108,6 +110,7 @@ impl CudaRuntime {
             flush,
             aside: AtomicBool::new(options.flush_stream),
             gemv: AtomicBool::new(options.gemv),
+            f16_rows: AtomicBool::new(options.f16_rows),
             device: cuda.clone(),
             scratch: Mutex::new(None),
             launches: AtomicUsize::new(0),
@@ -130,12 +133,18 @@ impl CudaRuntime {
         }
         self.aside.store(options.flush_stream, Ordering::Relaxed);
         self.gemv.store(options.gemv, Ordering::Relaxed);
+        self.f16_rows.store(options.f16_rows, Ordering::Relaxed);
         Ok(self.gpu.keep_freed_memory(options.keep_freed_memory)?)
     }
 
     /// Whether f16 weights of decode steps take veloq's GEMV ([`CudaOptions::gemv`]).
     pub fn gemv(&self) -> bool {
         self.gemv.load(Ordering::Relaxed)
+    }
+
+    /// Whether many-row steps over f16 weights take the f16 row path ([`CudaOptions::f16_rows`]).
+    pub fn f16_rows(&self) -> bool {
+        self.f16_rows.load(Ordering::Relaxed)
     }
 
     /// Whether flushes run on their own stream.

@@ -489,14 +489,24 @@ impl Model {
                 });
             }
         }
-        let h = layer.attn_norm.forward(x)?;
-        let (mut q, mut k, mut v) = match &layer.qkv {
-            Qkv3::Separate { q, k, v } => (q.forward(&h)?, k.forward(&h)?, v.forward(&h)?),
-            Qkv3::Fused(w) => {
-                let all = w.forward(&h)?;
+        let ws = match &layer.qkv {
+            Qkv3::Separate { q, k, v } => vec![q, k, v],
+            Qkv3::Fused(w) => vec![w],
+        };
+        let products = match normed_f16(x, &layer.attn_norm, &ws)? {
+            Some(p) => p.iter().map(|t| t.to_dtype(DType::F32)).collect::<candle_core::Result<Vec<_>>>()?,
+            None => {
+                let h = layer.attn_norm.forward(x)?;
+                ws.iter().map(|w| w.forward(&h)).collect::<candle_core::Result<Vec<_>>>()?
+            }
+        };
+        let (mut q, mut k, mut v) = match &products[..] {
+            [q, k, v] => (q.clone(), k.clone(), v.clone()),
+            [all] => {
                 let (qn, kn) = (nh * hd, nkv * hd);
                 (all.narrow(1, 0, qn)?, all.narrow(1, qn, kn)?, all.narrow(1, qn + kn, kn)?)
             }
+            _ => unreachable!("one or three q/k/v products"),
         };
         if let Some((bq, bk, bv)) = &layer.bias {
             q = q.broadcast_add(bq)?;
@@ -526,6 +536,7 @@ impl Model {
         };
         let x = match into(&layer.wo, &a, x)? {
             Some(x) => x,
+            None if plain && add_product_f16(x, &a, &layer.wo)?.is_some() => x.clone(),
             None => {
                 let mut o = layer.wo.forward(&a)?;
                 if let Some((post_attn, _)) = &layer.post_norms {
@@ -535,6 +546,11 @@ impl Model {
             }
         };
         let act = self.info.arch.activation;
+        if plain {
+            if let Some(x) = mlp_f16(layer, &x, act)? {
+                return Ok(x);
+            }
+        }
         let gated = self.gated(layer, &x, act)?;
         if let Some(x) = into(&layer.down, &gated, &x)? {
             return Ok(x);
@@ -586,6 +602,60 @@ impl Model {
         let x = self.norm.forward(x)?;
         Ok(self.output.forward(&x)?.to_dtype(DType::F32)?)
     }
+}
+
+/// The f16 products `norm(x) · wᵀ` of every matrix of `ws` where the stream and every matrix
+/// take the f16 row path on CUDA (`f16_rows`: no casts beside the products); `None` elsewhere.
+fn normed_f16(x: &Tensor, norm: &RmsNorm, ws: &[&Linear]) -> candle_core::Result<Option<Vec<Tensor>>> {
+    #[cfg(feature = "cuda")]
+    if let (true, Some(ws)) = (super::f16_rows::applies(x), super::f16_rows::weights(ws)) {
+        if let Some(h) = super::f16_rows::norm(x, norm)? {
+            return ws.iter().map(|w| super::f16_rows::product(&h, w)).collect::<candle_core::Result<_>>().map(Some);
+        }
+    }
+    let _ = (x, norm, ws);
+    Ok(None)
+}
+
+/// `x += a · wᵀ` in place through an f16 product where `w` takes the f16 row path; `None`
+/// (nothing done) elsewhere.
+fn add_product_f16(x: &Tensor, a: &Tensor, w: &Linear) -> candle_core::Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if let (true, Some(w)) = (super::f16_rows::applies(x), w.f16_cuda()) {
+        let o = super::f16_rows::product(&a.to_dtype(DType::F16)?, w)?;
+        return super::f16_rows::add_into(x, &o).map(Some);
+    }
+    let _ = (x, a, w);
+    Ok(None)
+}
+
+/// The MLP added into `x` in place on the f16 row path (norm, gate and up products, the gated
+/// activation and the down product all in f16); `None` (nothing done) where a matrix or the norm
+/// does not take it.
+fn mlp_f16(layer: &Layer, x: &Tensor, act: Activation) -> candle_core::Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if let Some(down) = layer.down.f16_cuda() {
+        let ws = match &layer.gate_up {
+            GateUp::Separate { gate, up } => vec![gate, up],
+            GateUp::Fused(w) => vec![w],
+        };
+        let Some(p) = normed_f16(x, &layer.ffn_norm, &ws)? else {
+            return Ok(None);
+        };
+        let (gate, up) = match &p[..] {
+            [g, u] => (g.clone(), u.clone()),
+            [both] => {
+                let ffn = both.dim(D::Minus1)? / 2;
+                (both.narrow(D::Minus1, 0, ffn)?, both.narrow(D::Minus1, ffn, ffn)?)
+            }
+            _ => unreachable!("one or two gate/up products"),
+        };
+        let a = super::f16_rows::gated(&gate, &up, act)?;
+        let d = super::f16_rows::product(&a, down)?;
+        return super::f16_rows::add_into(x, &d).map(Some);
+    }
+    let _ = (layer, x, act);
+    Ok(None)
 }
 
 /// How long a step's helper spins with nothing to steal before it leaves the thread to sleep.

@@ -133,6 +133,15 @@ pub(crate) struct Products {
 }
 
 impl Linear {
+    /// The f16 matrix cuBLAS multiplies, for f16 weights on a CUDA device.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn f16_cuda(&self) -> Option<&Tensor> {
+        match self {
+            Linear::Candle(QMatMul::TensorF16(t)) if t.device().is_cuda() && t.rank() == 2 => Some(t),
+            _ => None,
+        }
+    }
+
     /// Several matrices applied to `x` in one launch with `along`'s operations, written as `how`
     /// says: veloq's GEMV when every one is f16 on CUDA and the decode step's rows fit it (a
     /// layer's products and the norms, adds and RoPE around them become four launches); `None`

@@ -5,6 +5,8 @@
 
 pub mod arch;
 mod decoder;
+#[cfg(feature = "cuda")]
+mod f16_rows;
 mod jinja;
 mod linear;
 pub mod source;

@@ -315,6 +315,48 @@ const FLUSH_CHECK_STEPS: usize = 40;
 /// its predecessor ended (no programmatic dependent launch): the same arithmetic, so the logits
 /// must be identical (a flush on its own stream, or a kernel started early, that raced the step
 /// would change them).
+/// Per decode step: every sequence's token, and the batch's logits end to end.
+type Run = (Vec<Vec<u32>>, Vec<Vec<f32>>);
+
+/// What [`batch_run`] saw: the prompts' last logits, one sequence after another, and the steps.
+struct BatchRun {
+    prompts: Vec<f32>,
+    steps: Run,
+}
+
+/// `batch` sequences, sequence s prefilled with the prompt less `stride · s` tokens (one chunk
+/// each), then `n` greedy decode steps of the whole batch, on `gpu` as its switches stand.
+fn batch_run(
+    gpu: &Runner,
+    cfg: &CacheConfig,
+    prompt: &[u32],
+    n: usize,
+    batch: usize,
+    stride: usize,
+) -> Result<BatchRun> {
+    // Sized to the run, not the model's context (8 sequences of an 8B at 128k do not fit).
+    let sized = CacheConfig { capacity: Some(prompt.len() + n + 16), ..cfg.clone() };
+    let mut caches = sized.build_batch(gpu.model(), batch)?;
+    let (mut tokens, mut prompts) = (Vec::with_capacity(batch), Vec::new());
+    for s in 0..batch {
+        let p = &prompt[..prompt.len().saturating_sub(stride * s).max(1)];
+        let l = gpu.forward_step(p, &Step::single(s, 0, p.len())?, &mut caches, Logits::Last)?;
+        let l = l.flatten_all()?.to_vec1::<f32>()?;
+        tokens.push(argmax(&l));
+        prompts.extend(l);
+    }
+    let (mut all_tokens, mut all_logits) = (Vec::new(), Vec::new());
+    for _ in 0..n {
+        let starts: Vec<usize> = (0..batch).map(|s| caches.len(s)).collect();
+        let l = gpu.forward_step(&tokens, &Step::decode(&starts)?, &mut caches, Logits::Last)?;
+        let rows = l.to_device(&Device::Cpu)?.to_vec2::<f32>()?;
+        tokens = rows.iter().map(|r| argmax(r)).collect();
+        all_tokens.push(tokens.clone());
+        all_logits.push(rows.concat());
+    }
+    Ok(BatchRun { prompts, steps: (all_tokens, all_logits) })
+}
+
 fn batch_agreement(
     gpu: &Runner,
     rt: &CudaRuntime,
@@ -323,32 +365,12 @@ fn batch_agreement(
     n: usize,
     batch: usize,
 ) -> Result<Value> {
-    // Per step: every sequence's token, and the batch's logits end to end.
-    type Run = (Vec<Vec<u32>>, Vec<Vec<f32>>);
     let aside = rt.flushes_aside();
     let overlap = rt.gpu().options().overlapped_launches;
     let run = |fast: bool, flush_aside: bool, overlapped: bool, n: usize| -> Result<Run> {
         gpu.set_cuda_graphs(fast);
         set_cuda(rt, fast, flush_aside, overlapped, true)?;
-        // Sized to the run, not the model's context (8 sequences of an 8B at 128k do not fit).
-        let sized = CacheConfig { capacity: Some(prompt.len() + n + 16), ..cfg.clone() };
-        let mut caches = sized.build_batch(gpu.model(), batch)?;
-        let mut tokens = Vec::with_capacity(batch);
-        for s in 0..batch {
-            let p = &prompt[..prompt.len().saturating_sub(s).max(1)];
-            let l = gpu.forward_step(p, &Step::single(s, 0, p.len())?, &mut caches, Logits::Last)?;
-            tokens.push(argmax(&l.flatten_all()?.to_vec1::<f32>()?));
-        }
-        let (mut all_tokens, mut all_logits) = (Vec::new(), Vec::new());
-        for _ in 0..n {
-            let starts: Vec<usize> = (0..batch).map(|s| caches.len(s)).collect();
-            let l = gpu.forward_step(&tokens, &Step::decode(&starts)?, &mut caches, Logits::Last)?;
-            let rows = l.to_device(&Device::Cpu)?.to_vec2::<f32>()?;
-            tokens = rows.iter().map(|r| argmax(r)).collect();
-            all_tokens.push(tokens.clone());
-            all_logits.push(rows.concat());
-        }
-        Ok((all_tokens, all_logits))
+        Ok(batch_run(gpu, cfg, prompt, n, batch, 1)?.steps)
     };
     let m = n + FLUSH_CHECK_STEPS;
     let (slow, slow_logits) = run(false, aside, overlap, n)?;
@@ -391,6 +413,53 @@ fn batch_agreement(
               "logit_rms": rms, "max_abs_logit_diff_while_equal": upto, "cublas_tokens": slow, "gemv_tokens": fast,
               "flushes_aside": aside, "flush_stream_identical": stream_same, "overlapped_launches": overlap,
               "launch_overlap_identical": launch_same}),
+    )
+}
+
+/// The f16 row path (prompt chunks and batches past the GEMV's rows multiplied as f16
+/// activations, veloq's row kernels between the products) against candle's f32 path with a cast
+/// on each side of every product: `batch` sequences prefilled (one chunk each), then `n` greedy
+/// decode steps of the whole batch, both paths in eager steps. The products and activations
+/// round alike; the norm sums in another order, and the f16 roundings that flips compound over
+/// the layers as any reordering does (cuBLAS against veloq's GEMV, the check above, differs by
+/// as much), so the logits must agree within the bound that check holds: 5% of their rms.
+fn rows_agreement(
+    gpu: &Runner,
+    rt: &CudaRuntime,
+    cfg: &CacheConfig,
+    prompt: &[u32],
+    n: usize,
+    batch: usize,
+) -> Result<Value> {
+    let (aside, overlap, was) = (rt.flushes_aside(), rt.gpu().options().overlapped_launches, rt.f16_rows());
+    let run = |rows: bool| -> Result<BatchRun> {
+        gpu.set_cuda_graphs(false);
+        set_cuda_rows(rt, true, rows, aside, overlap, true)?;
+        batch_run(gpu, cfg, prompt, n, batch, 3)
+    };
+    let (slow, fast) = (run(false)?, run(true)?);
+    gpu.set_cuda_graphs(true);
+    set_cuda_rows(rt, true, was, aside, overlap, true)?;
+    let ((f32_tokens, f32_logits), (f16_tokens, f16_logits)) = (&slow.steps, &fast.steps);
+    let same = f32_tokens.iter().zip(f16_tokens).position(|(a, b)| a != b).unwrap_or(n);
+    let diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    let rms = (slow.prompts.iter().map(|v| v * v).sum::<f32>() / slow.prompts.len() as f32).sqrt();
+    let prefill = diff(&slow.prompts, &fast.prompts);
+    let decode = diff(&f32_logits[0], &f16_logits[0]);
+    println!(
+        "  {:<22} f16 rows vs f32 path: {batch} prompts (≤ {} tokens) and {n} steps of {batch}: tokens equal for {same} of {n} \
+         steps; max |Δlogit| after the prompts {prefill:.4}, first batched step {decode:.4} (logits' rms {rms:.2})",
+        cfg.name(),
+        prompt.len(),
+    );
+    for (what, d) in [("prompts", prefill), ("batched step", decode)] {
+        if d.is_nan() || d > 0.05 * rms {
+            anyhow::bail!("{}: f16 rows and the f32 path differ by {d} (rms {rms}) after the {what}", cfg.name());
+        }
+    }
+    Ok(
+        json!({"method": cfg.name(), "batch": batch, "steps": n, "equal_steps": same, "prompt_max_abs_logit_diff": prefill,
+              "first_batched_step_max_abs_logit_diff": decode, "logit_rms": rms, "f32_tokens": f32_tokens, "f16_rows_tokens": f16_tokens}),
     )
 }
 
@@ -460,9 +529,28 @@ impl Path {
 /// The runtime's GEMV, flush-stream, overlapped-launch and pool switches, the rest of its options
 /// kept.
 fn set_cuda(rt: &CudaRuntime, gemv: bool, flush_stream: bool, overlapped: bool, keep_freed: bool) -> Result<()> {
+    set_cuda_rows(rt, gemv, rt.f16_rows(), flush_stream, overlapped, keep_freed)
+}
+
+/// [`set_cuda`] with the f16 row path's switch too.
+fn set_cuda_rows(
+    rt: &CudaRuntime,
+    gemv: bool,
+    f16_rows: bool,
+    flush_stream: bool,
+    overlapped: bool,
+    keep_freed: bool,
+) -> Result<()> {
     let mut kernels = rt.gpu().options();
     kernels.overlapped_launches = overlapped;
-    rt.set_options(&CudaOptions { graphs: true, gemv, flush_stream, keep_freed_memory: keep_freed, kernels })?;
+    rt.set_options(&CudaOptions {
+        graphs: true,
+        gemv,
+        f16_rows,
+        flush_stream,
+        keep_freed_memory: keep_freed,
+        kernels,
+    })?;
     Ok(())
 }
 
@@ -700,6 +788,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut agree = Vec::new();
     let mut graphs_agree = Vec::new();
     let mut batch_agree = Vec::new();
+    let mut rows_agree = Vec::new();
     let mut runs = Vec::new();
     let mut budget = Vec::new();
     for name in &a.models {
@@ -742,7 +831,9 @@ pub fn run(a: Args) -> Result<()> {
                 let model = g.model("llama-3.1-8b-geometry-random", max_ctx, &dev, 7)?;
                 let cal = synthetic_calibration(&model, &vq, &mut rng)?;
                 let model = Runner::new(model, &options);
-                println!("\n2. agreement, {LLAMA8B}: CUDA graphs vs eager (batch 1), cuBLAS vs veloq's GEMV (batch 8)");
+                println!(
+                    "\n2. agreement, {LLAMA8B}: CUDA graphs vs eager (batch 1), cuBLAS vs veloq's GEMV (batch 8), f16 rows vs the f32 path (batch 12)"
+                );
                 let vocab = model.model().info.vocab as u64;
                 let prompt: Vec<u32> = (0..64u64).map(|i| (i * 7919 % vocab) as u32).collect();
                 for cfg in [CacheConfig::fp16(), CacheConfig::vecinfer(cal.clone())] {
@@ -753,6 +844,10 @@ pub fn run(a: Args) -> Result<()> {
                     batch_agree.push(
                         batch_agreement(&model, &rt, &cfg, &prompt, a.agree_tokens.min(8), 8)
                             .with_context(|| format!("batch GEMV vs cuBLAS, {}", cfg.name()))?,
+                    );
+                    rows_agree.push(
+                        rows_agreement(&model, &rt, &cfg, &prompt, a.agree_tokens.min(8), 12)
+                            .with_context(|| format!("f16 rows vs f32 path, {}", cfg.name()))?,
                     );
                 }
                 (model, cal, format!("{LLAMA8B} ({:.1} B parameters)", g.parameters() as f64 / 1e9))
@@ -853,7 +948,7 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     let out = json!({"bench": "runner", "device": gpu.name(), "steps": a.steps, "copy_bandwidth_bytes_s": bw,
-                     "paths": a.paths, "agreement": agree, "graphs_vs_eager": graphs_agree, "batch_gemv_vs_cublas": batch_agree, "runs": runs, "budget": budget});
+                     "paths": a.paths, "agreement": agree, "graphs_vs_eager": graphs_agree, "batch_gemv_vs_cublas": batch_agree, "f16_rows_vs_f32": rows_agree, "runs": runs, "budget": budget});
     write_json(&a.json, &out)?;
     if let Some(p) = &a.plot {
         // The figure is a convenience: a missing font must not lose the measurements (--replot).

@@ -11,6 +11,7 @@ mod gemv;
 mod launch;
 mod prefill;
 mod quantize;
+mod rows;
 mod window;
 
 pub use attention::{
@@ -24,6 +25,7 @@ pub use prefill::{
     GpuPrefill, GpuPrefillCodes, PrefillOut, PrefillParts, Rows, RowsAround, Split, MAX_RUNS as PREFILL_MAX_RUNS,
 };
 pub use quantize::{quantize_jobs, GpuCodec, QuantizeJob, QuantizeLaunch, RowMap};
+pub use rows::{add_f16 as rows_add_f16, gated_f16 as rows_gated_f16, norm_f16 as rows_norm_f16, GatedActivation};
 pub use window::{PutMap, PutRows};
 
 use std::collections::HashMap;
@@ -292,6 +294,7 @@ pub fn compile_check(arch: &'static str) -> Result<()> {
     let quantize = std::iter::once(("vq_quantize", quantize::SOURCES, quantize::example_defines()));
     let gemv = gemv::example_defines().into_iter().map(|(name, d)| (name, gemv::SOURCES, d));
     let prefill = prefill::example_defines().into_iter().map(|d| ("f16_prefill_rows", prefill::SOURCES, d));
+    let rows = rows::KERNELS.into_iter().map(|name| (name, rows::SOURCES, vec![]));
     for (name, sources, defines) in quantize
         .chain(attention)
         .chain(merge)
@@ -301,6 +304,7 @@ pub fn compile_check(arch: &'static str) -> Result<()> {
         .chain(dense)
         .chain(prefill)
         .chain(gemv)
+        .chain(rows)
     {
         compile(arch, name, sources, &defines)?;
     }
