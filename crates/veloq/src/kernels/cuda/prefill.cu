@@ -342,7 +342,13 @@ __device__ __forceinline__ void decode_rows(const unsigned char* __restrict__ co
     const int lane = threadIdx.x % 32, sub = lane % DL, slot = lane / DL, e0 = sub * 8;
     const int total = ar.sink + n + ar.n0 + ar.n1;
     const int warps = blockDim.x / 32, rows = heads * total, groups = (rows + RPW - 1) / RPW;
-    for (int grp = blockIdx.x * warps + threadIdx.x / 32; grp < groups; grp += gridDim.x * warps) {
+    // A warp's groups of rows are consecutive, so that its rows share a head and the head's
+    // scale and mean stay in registers.
+    const int all = gridDim.x * warps, per = (groups + all - 1) / all;
+    const int g0 = (blockIdx.x * warps + threadIdx.x / 32) * per, g1 = min(groups, g0 + per);
+    int hc = -1;
+    float sc[8], mu[8];
+    for (int grp = g0; grp < g1; grp++) {
         // Lanes past the last row (or past RPW·DL), and lanes copying a row, decode a row they
         // do not store: every lane of the warp takes part in the shuffles.
         const int row = min(grp * RPW + slot, rows - 1), r = row % total, h = row / total;
@@ -407,8 +413,17 @@ __device__ __forceinline__ void decode_rows(const unsigned char* __restrict__ co
             *(uint4*)(out + (size_t)row * D + e0) = *(const uint4*)src;
             continue;
         }
-        const float* sc = scale + h * D + e0;
-        const float* mu = mean + h * D + e0;
+        if (h != hc) {
+            // Two 16-byte loads each (e0 is a multiple of 8 floats).
+            hc = h;
+#pragma unroll
+            for (int i = 0; i < 8; i += 4) {
+                const float4 s4 = SMOOTH ? *(const float4*)(scale + h * D + e0 + i) : make_float4(1.f, 1.f, 1.f, 1.f);
+                const float4 m4 = CENTER ? *(const float4*)(mean + h * D + e0 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+                sc[i] = s4.x, sc[i + 1] = s4.y, sc[i + 2] = s4.z, sc[i + 3] = s4.w;
+                mu[i] = m4.x, mu[i + 1] = m4.y, mu[i + 2] = m4.z, mu[i + 3] = m4.w;
+            }
+        }
         unsigned w[4];
 #pragma unroll
         for (int k = 0; k < 4; k++) {
