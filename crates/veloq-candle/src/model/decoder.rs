@@ -546,12 +546,18 @@ impl Model {
             }
         };
         let act = self.info.arch.activation;
-        if plain {
-            if let Some(x) = mlp_f16(layer, &x, act)? {
-                return Ok(x);
+        // veloq's GEMV first (a decode step's few rows), then the f16 row path, then candle's.
+        let gated = match gated_gemv(layer, &x, act)? {
+            Some(g) => g,
+            None => {
+                if plain {
+                    if let Some(x) = mlp_f16(layer, &x, act)? {
+                        return Ok(x);
+                    }
+                }
+                self.gated(layer, &x, act)?
             }
-        }
-        let gated = self.gated(layer, &x, act)?;
+        };
         if let Some(x) = into(&layer.down, &gated, &x)? {
             return Ok(x);
         }
@@ -562,8 +568,8 @@ impl Model {
         Ok((x + mlp)?)
     }
 
-    /// The MLP's gated activations `act(x·gateᵀ) ⊙ (x·upᵀ)` of the normed stream: one launch
-    /// where veloq's GEMV takes two separate matrices, else candle's products.
+    /// The MLP's gated activations `act(x·gateᵀ) ⊙ (x·upᵀ)` of the normed stream through
+    /// candle's products.
     fn gated(&self, layer: &Layer, x: &Tensor, act: Activation) -> Result<Tensor> {
         let apply = |gate: Tensor| -> Result<Tensor> {
             Ok(match act {
@@ -573,14 +579,6 @@ impl Model {
         };
         match &layer.gate_up {
             GateUp::Separate { gate, up } => {
-                let how = match act {
-                    Activation::Silu => Fused::GatedSilu,
-                    Activation::GeluTanh => Fused::GatedGeluTanh,
-                };
-                let along = Along { norm: Some(&layer.ffn_norm), ..Along::default() };
-                if let Some(mut g) = Linear::fused(&[gate, up], x, how, along)? {
-                    return Ok(g.parts.remove(0));
-                }
                 let h = layer.ffn_norm.forward(x)?;
                 Ok((apply(gate.forward(&h)?)? * up.forward(&h)?)?)
             }
@@ -602,6 +600,20 @@ impl Model {
         let x = self.norm.forward(x)?;
         Ok(self.output.forward(&x)?.to_dtype(DType::F32)?)
     }
+}
+
+/// The MLP's gated activations in one launch where veloq's GEMV takes the two separate matrices
+/// (a decode step's few rows); `None` elsewhere.
+fn gated_gemv(layer: &Layer, x: &Tensor, act: Activation) -> candle_core::Result<Option<Tensor>> {
+    let GateUp::Separate { gate, up } = &layer.gate_up else {
+        return Ok(None);
+    };
+    let how = match act {
+        Activation::Silu => Fused::GatedSilu,
+        Activation::GeluTanh => Fused::GatedGeluTanh,
+    };
+    let along = Along { norm: Some(&layer.ffn_norm), ..Along::default() };
+    Ok(Linear::fused(&[gate, up], x, how, along)?.map(|mut g| g.parts.remove(0)))
 }
 
 /// The f16 products `norm(x) · wᵀ` of every matrix of `ws` where the stream and every matrix

@@ -13,16 +13,21 @@ use candle_core::cuda_backend::CudaStorage;
 use candle_core::{CpuStorage, DType, Layout, Shape, Storage, Tensor};
 use candle_nn::RmsNorm;
 use half::f16;
-use veloq::kernels::cuda::{rows_add_f16, rows_gated_f16, rows_norm_f16, GatedActivation};
+use veloq::kernels::cuda::{rows_add_f16, rows_gated_f16, rows_norm_f16, GatedActivation, GEMV_MAX_ROWS};
 
 use super::arch::Activation;
 use super::linear::Linear;
 use crate::cache::CudaRuntime;
 
 /// Whether the residual stream `x` takes this path: `[rows, hidden]` f32 on a CUDA device whose
-/// runtime has it on ([`CudaOptions::f16_rows`](crate::runtime::CudaOptions::f16_rows)).
+/// runtime has it on ([`CudaOptions::f16_rows`](crate::runtime::CudaOptions::f16_rows)), more
+/// rows than veloq's GEMV takes (a decode step's few rows keep the GEMV, norms and activations
+/// fused into its launches) or the GEMV off.
 pub(crate) fn applies(x: &Tensor) -> bool {
-    x.dtype() == DType::F32 && x.rank() == 2 && CudaRuntime::new(x.device()).is_ok_and(|rt| rt.f16_rows())
+    x.dtype() == DType::F32
+        && x.rank() == 2
+        && CudaRuntime::new(x.device())
+            .is_ok_and(|rt| rt.f16_rows() && (x.dims()[0] > GEMV_MAX_ROWS || !rt.gemv()))
 }
 
 /// The f16 matrices of `ws`, when every one is an f16 weight on CUDA.
