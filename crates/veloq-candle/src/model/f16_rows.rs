@@ -26,8 +26,7 @@ use crate::cache::CudaRuntime;
 pub(crate) fn applies(x: &Tensor) -> bool {
     x.dtype() == DType::F32
         && x.rank() == 2
-        && CudaRuntime::new(x.device())
-            .is_ok_and(|rt| rt.f16_rows() && (x.dims()[0] > GEMV_MAX_ROWS || !rt.gemv()))
+        && CudaRuntime::new(x.device()).is_ok_and(|rt| rt.f16_rows() && (x.dims()[0] > GEMV_MAX_ROWS || !rt.gemv()))
 }
 
 /// The f16 matrices of `ws`, when every one is an f16 weight on CUDA.
