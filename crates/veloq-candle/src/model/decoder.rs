@@ -534,9 +534,12 @@ impl Model {
             let along = Along { residual: Some(x), in_place: true, ..Along::default() };
             Ok(if plain { Linear::fused(&[w], a, Fused::Each, along)?.map(|mut p| p.parts.remove(0)) } else { None })
         };
-        let x = match into(&layer.wo, &a, x)? {
+        let added = match into(&layer.wo, &a, x)? {
+            None if plain => add_product_f16(x, &a, &layer.wo)?,
+            done => done,
+        };
+        let x = match added {
             Some(x) => x,
-            None if plain && add_product_f16(x, &a, &layer.wo)?.is_some() => x.clone(),
             None => {
                 let mut o = layer.wo.forward(&a)?;
                 if let Some((post_attn, _)) = &layer.post_norms {

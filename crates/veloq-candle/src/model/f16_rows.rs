@@ -10,12 +10,13 @@ use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::CudaStorage;
-use candle_core::{CpuStorage, DType, Layout, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
 use candle_nn::RmsNorm;
 use half::f16;
 use veloq::kernels::cuda::{rows_add_f16, rows_gated_f16, rows_norm_f16, GatedActivation, GEMV_MAX_ROWS};
 
 use super::arch::Activation;
+use super::linear::gemv::{cuda_slice, cuda_view};
 use super::linear::Linear;
 use crate::cache::CudaRuntime;
 
@@ -73,17 +74,6 @@ fn not_on_cpu<T>() -> candle_core::Result<T> {
     candle_core::bail!("veloq's row kernels run on CUDA only")
 }
 
-/// A contiguous CUDA storage's elements of `T`, offset by its layout.
-fn view<'a, T: candle_core::cuda_backend::CudaDType>(
-    s: &'a CudaStorage,
-    l: &Layout,
-) -> candle_core::Result<cudarc::driver::CudaView<'a, T>> {
-    let Some((a, b)) = l.contiguous_offsets() else {
-        candle_core::bail!("veloq's row kernels take contiguous operands");
-    };
-    Ok(s.as_cuda_slice::<T>()?.slice(a..b))
-}
-
 /// f16 bits of an f16 view (the kernels read and write `unsigned short`).
 fn bits<'a>(v: &'a cudarc::driver::CudaView<'a, f16>) -> cudarc::driver::CudaView<'a, u16> {
     // SAFETY: f16 and u16 have the same size and alignment.
@@ -112,7 +102,6 @@ impl candle_core::CustomOp1 for Norm {
     fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
         let (rows, k) = xl.shape().dims2()?;
         let (ws, wl) = self.w.storage_and_layout();
-        let Storage::Cuda(ws) = &*ws else { candle_core::bail!("norm weights off the GPU") };
         let dev = x.device().clone();
         // SAFETY: the kernel writes every one of the rows·k outputs before anything reads them.
         let mut out = unsafe { dev.alloc::<f16>(rows * k) }?;
@@ -120,7 +109,7 @@ impl candle_core::CustomOp1 for Norm {
             let mut o = out.as_view_mut();
             // SAFETY: f16 and u16 have the same size and alignment.
             let mut o = unsafe { o.transmute_mut::<u16>(rows * k) }.expect("same size");
-            let (xv, wv) = (view::<f32>(x, xl)?, view::<f32>(ws, wl)?);
+            let (xv, wv) = (cuda_slice::<f32>(x, xl)?, cuda_view::<f32>(&ws, wl)?);
             rows_norm_f16(self.rt.gpu(), &xv, &wv, &mut o, rows, k, self.eps).map_err(veloq_err)?;
         }
         Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from((rows, k))))
@@ -165,7 +154,7 @@ impl candle_core::CustomOp2 for Gated {
             let mut o = out.as_view_mut();
             // SAFETY: f16 and u16 have the same size and alignment.
             let mut o = unsafe { o.transmute_mut::<u16>(n) }.expect("same size");
-            let (gv, uv) = (view::<f16>(g, gl)?, view::<f16>(u, ul)?);
+            let (gv, uv) = (cuda_slice::<f16>(g, gl)?, cuda_slice::<f16>(u, ul)?);
             rows_gated_f16(self.rt.gpu(), &bits(&gv), &bits(&uv), &mut o, n, self.act).map_err(veloq_err)?;
         }
         Ok((CudaStorage::wrap_cuda_slice(out, dev), gl.shape().clone()))
@@ -193,7 +182,7 @@ impl candle_core::InplaceOp2 for AddInto {
         let Some((a, b)) = xl.contiguous_offsets() else {
             candle_core::bail!("veloq's row kernels add into a contiguous stream");
         };
-        let yv = view::<f16>(y, yl)?;
+        let yv = cuda_slice::<f16>(y, yl)?;
         let mut xv = x.as_cuda_slice_mut::<f32>()?.slice_mut(a..b);
         rows_add_f16(self.rt.gpu(), &mut xv, &bits(&yv), n).map_err(veloq_err)
     }

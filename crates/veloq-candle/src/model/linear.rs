@@ -318,12 +318,23 @@ pub(crate) mod gemv {
     }
 
     /// A contiguous CUDA tensor's elements.
-    fn cuda_view<'a, T: candle_core::cuda_backend::CudaDType>(
+    pub(crate) fn cuda_view<'a, T: candle_core::cuda_backend::CudaDType>(
         st: &'a candle_core::Storage,
         l: &Layout,
     ) -> candle_core::Result<cudarc::driver::CudaView<'a, T>> {
-        let (candle_core::Storage::Cuda(cs), Some((a, b))) = (st, l.contiguous_offsets()) else {
-            candle_core::bail!("veloq's f16 GEMV takes contiguous CUDA operands");
+        let candle_core::Storage::Cuda(cs) = st else {
+            candle_core::bail!("veloq's CUDA kernels take CUDA operands");
+        };
+        cuda_slice(cs, l)
+    }
+
+    /// A contiguous CUDA storage's elements of `T`, offset by its layout.
+    pub(crate) fn cuda_slice<'a, T: candle_core::cuda_backend::CudaDType>(
+        cs: &'a CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<cudarc::driver::CudaView<'a, T>> {
+        let Some((a, b)) = l.contiguous_offsets() else {
+            candle_core::bail!("veloq's CUDA kernels take contiguous operands");
         };
         Ok(cs.as_cuda_slice::<T>()?.slice(a..b))
     }

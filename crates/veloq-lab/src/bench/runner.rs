@@ -305,16 +305,6 @@ fn graph_agreement(gpu: &Runner, cfg: &CacheConfig, prompt: &[u32], n: usize) ->
 /// window 16, flush block 8) a short prompt reaches its first flush within 28 positions.
 const FLUSH_CHECK_STEPS: usize = 40;
 
-/// Batch decoding on CUDA, cuBLAS and eager steps against veloq's GEMV (tensor cores from 2
-/// rows, fused q/k/v and gated MLP) replayed from graphs: sequence s of the batch is the prompt
-/// less its last s tokens. Both round activations to f16 before the weights; cuBLAS rounds its
-/// outputs to f16 as well, so tokens may part at a near-tie. Fails when the first batched step's
-/// logits differ by more than 5% of their rms (a wrong product, not rounding). The GEMV run goes
-/// on for [`FLUSH_CHECK_STEPS`] more steps (a few flushes of every layer, whatever the prompt) and
-/// is repeated with the caches' flushes on the main stream and with every kernel launched after
-/// its predecessor ended (no programmatic dependent launch): the same arithmetic, so the logits
-/// must be identical (a flush on its own stream, or a kernel started early, that raced the step
-/// would change them).
 /// Per decode step: every sequence's token, and the batch's logits end to end.
 type Run = (Vec<Vec<u32>>, Vec<Vec<f32>>);
 
@@ -357,6 +347,16 @@ fn batch_run(
     Ok(BatchRun { prompts, steps: (all_tokens, all_logits) })
 }
 
+/// Batch decoding on CUDA, cuBLAS and eager steps against veloq's GEMV (tensor cores from 2
+/// rows, fused q/k/v and gated MLP) replayed from graphs: sequence s of the batch is the prompt
+/// less its last s tokens. Both round activations to f16 before the weights; cuBLAS rounds its
+/// outputs to f16 as well, so tokens may part at a near-tie. Fails when the first batched step's
+/// logits differ by more than 5% of their rms (a wrong product, not rounding). The GEMV run goes
+/// on for [`FLUSH_CHECK_STEPS`] more steps (a few flushes of every layer, whatever the prompt) and
+/// is repeated with the caches' flushes on the main stream and with every kernel launched after
+/// its predecessor ended (no programmatic dependent launch): the same arithmetic, so the logits
+/// must be identical (a flush on its own stream, or a kernel started early, that raced the step
+/// would change them).
 fn batch_agreement(
     gpu: &Runner,
     rt: &CudaRuntime,
