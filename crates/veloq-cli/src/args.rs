@@ -58,6 +58,9 @@ pub struct CudaFlags {
     /// the products (off: candle's f32 path, casts around every product).
     #[arg(long, env = "VELOQ_CUDA_F16_ROWS", default_value = "on", action = clap::ArgAction::Set, value_parser = BoolishValueParser::new(), value_name = "on|off")]
     pub cuda_f16_rows: bool,
+    /// The quantize kernel scans a 2-D book's candidate lists, not every centroid (same codes).
+    #[arg(long, env = "VELOQ_CUDA_CANDIDATE_LISTS", default_value = "on", action = clap::ArgAction::Set, value_parser = BoolishValueParser::new(), value_name = "on|off")]
+    pub cuda_candidate_lists: bool,
     /// Kernels overlap their predecessor's tail (programmatic dependent launch, sm_90+).
     #[arg(long, env = "VELOQ_PDL", default_value = "on", action = clap::ArgAction::Set, value_parser = BoolishValueParser::new(), value_name = "on|off")]
     pub overlapped_launches: bool,
@@ -98,6 +101,7 @@ impl CudaFlags {
                 overlapped_launches: self.overlapped_launches,
                 kernel_cache,
                 gemv: GemvShapes { one_row: self.gemv_shape, many_rows: self.gemv_shape_batch },
+                candidate_lists: self.cuda_candidate_lists,
             },
         }
     }

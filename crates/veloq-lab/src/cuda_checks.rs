@@ -546,13 +546,28 @@ pub fn check_quantize(
         .iter()
         .map(|gc| Ok(dev!(st.clone_htod(&vec![0xABu8; gc.code_bytes(s * h)]))))
         .collect::<Result<Vec<_>>>()?;
-    let launches = {
+    let run = |outs: &mut [cudarc::driver::CudaSlice<u8>], launch: QuantizeLaunch| -> Result<usize> {
         let x = xd.as_view();
         let mut views: Vec<_> = outs.iter_mut().map(|o| o.as_view_mut()).collect();
         let mut jobs: Vec<_> =
             gcs.iter().zip(&mut views).map(|(codec, out)| QuantizeJob { codec, x: &x, out }).collect();
-        quantize_jobs(gpu, &mut jobs, h, RowMap::tokens(s, h), QuantizeLaunch::default())?
+        Ok(quantize_jobs(gpu, &mut jobs, h, RowMap::tokens(s, h), launch)?)
     };
+    let launches = run(&mut outs, QuantizeLaunch::default())?;
+    // With candidate lists (sub-vectors of 2), the full scan must give the same bytes.
+    let grid = gcs[0].has_grid();
+    if grid {
+        let mut full = gcs
+            .iter()
+            .map(|gc| Ok(dev!(st.clone_htod(&vec![0x5Au8; gc.code_bytes(s * h)]))))
+            .collect::<Result<Vec<_>>>()?;
+        run(&mut full, QuantizeLaunch { grid: Some(false), ..QuantizeLaunch::default() })?;
+        for (a, b) in outs.iter().zip(&full) {
+            if dev!(st.clone_dtoh(a)) != dev!(st.clone_dtoh(b)) {
+                bail!("quantize S={s} D={d} H={h} sd={sd}: codes through the grid's lists differ from the full scan's");
+            }
+        }
+    }
     let m = s * h * d / sd;
     let xf: Vec<f32> = xh.iter().map(|v| v.to_f32()).collect();
     let (mut differ, mut worst) = (0, 0.0f64);
@@ -573,6 +588,7 @@ pub fn check_quantize(
     }
     let ok = (differ as f64) <= 1e-3 * (m * codecs.len()) as f64 && worst <= 0.01;
     let what = if pair { format!("keys+values, {launches} launch") } else { "keys".into() };
+    let what = if grid { format!("{what}, grid = full scan") } else { what };
     let shown: Vec<String> = mse.iter().map(|(a, b)| format!("{a:.5}/{b:.5}")).collect();
     println!(
         "quantize S={s:<5} D={d:<3} H={h} sd={sd} {bits:>2}b {:<12} {what}: codes differing {differ}/{}, rel MSE cpu/gpu {} {}",
@@ -585,7 +601,7 @@ pub fn check_quantize(
         bail!("quantize mismatch beyond near-ties");
     }
     Ok(json!({"S": s, "D": d, "H": h, "sub_dim": sd, "bits": bits, "granularity": g.name(), "pair": pair,
-        "launches": launches, "codes": m * codecs.len(), "differing": differ, "rel_mse_cpu_gpu": mse}))
+        "launches": launches, "grid_equals_full_scan": grid, "codes": m * codecs.len(), "differing": differ, "rel_mse_cpu_gpu": mse}))
 }
 
 /// Codes `[B][S][H][M]` from the CPU encoder, reordered to the kernel's `[B][H][S][M]`.
@@ -603,10 +619,14 @@ fn head_major(codes: &[u8], b: usize, s: usize, h: usize, m: usize) -> Vec<u8> {
     out
 }
 
-/// Quantize checks: (S, D, H, sub_dim, bits, granularity).
 /// Quantize checks (S, D, H, sub_dim, bits, books): many rows (one thread per search) and few
-/// (a flush: searches spread over 8–32 threads), every bit width and both book granularities.
-pub const QUANTIZE_CHECKS: [(usize, usize, usize, usize, u32, Granularity); 10] = [
+/// (a flush: searches spread over 8–32 threads), every bit width and both book granularities;
+/// sub-vectors of 2 (the default's format) with candidate lists (one book) and without.
+pub const QUANTIZE_CHECKS: [(usize, usize, usize, usize, u32, Granularity); 14] = [
+    (1001, 128, 8, 2, 8, Granularity::PerLayer),
+    (3, 128, 8, 2, 8, Granularity::PerLayer),
+    (129, 64, 3, 2, 8, Granularity::PerLayer),
+    (257, 128, 2, 2, 8, Granularity::PerSubspace),
     (1001, 64, 4, 4, 8, Granularity::PerLayer),
     (777, 128, 8, 8, 8, Granularity::PerLayer),
     (513, 256, 4, 4, 8, Granularity::PerLayer),
@@ -620,8 +640,12 @@ pub const QUANTIZE_CHECKS: [(usize, usize, usize, usize, u32, Granularity); 10] 
 ];
 
 /// Keys and values in one launch: a flush, and many rows.
-pub const QUANTIZE_PAIR_CHECKS: [(usize, usize, usize, usize, u32, Granularity); 2] =
-    [(8, 128, 8, 4, 8, Granularity::PerLayer), (611, 64, 4, 4, 8, Granularity::PerLayer)];
+pub const QUANTIZE_PAIR_CHECKS: [(usize, usize, usize, usize, u32, Granularity); 4] = [
+    (8, 128, 8, 4, 8, Granularity::PerLayer),
+    (611, 64, 4, 4, 8, Granularity::PerLayer),
+    (8, 128, 8, 2, 8, Granularity::PerLayer),
+    (611, 128, 8, 2, 8, Granularity::PerLayer),
+];
 
 /// Attention checks: GQA 1–4 and 8, D 64/128/256, odd and empty code counts, windows 0–31.
 pub const ATTENTION_CHECKS: [AttnCase; 17] = [

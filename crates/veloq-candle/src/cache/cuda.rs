@@ -18,7 +18,7 @@
 //! Sequences decode together in one launch when their storage is laid out alike (consecutive
 //! slots, same sink, coded span and ring state), as a batch started together is; a coded layer's
 //! ragged batch (each sequence at its own position) takes one tensor-core launch reading a table
-//! per sequence (`CudaBackend::decode_ragged`), an fp16 one a launch per group, and a decode
+//! per sequence (`CudaBackend::decode_ragged`), an fp16 one flash-decoding's two, and a decode
 //! step's new rows go in with one launch either way. Sliding-window layers (decode and prefill)
 //! take the prefill kernels with the window in their mask; truncation into codes is the portable
 //! backend's candle ops.
@@ -37,9 +37,9 @@ use half::f16;
 
 use veloq::codec::vecinfer::VecInferCodec;
 use veloq::kernels::cuda::{
-    quantize_jobs, ragged_entry, AttentionScratch, Coded, Gpu, GpuAttention, GpuCodec, GpuDenseAttention, GpuPrefill,
-    GpuPrefillCodes, PrefillOut, PrefillParts, PutMap, PutRows, QuantizeJob, QuantizeLaunch, Ragged, RowMap, Rows,
-    RowsAround, Split, Window, WindowMap, MAX_WINDOW, PREFILL_MAX_RUNS,
+    dense_ragged_entry, quantize_jobs, ragged_entry, AttentionScratch, Coded, Gpu, GpuAttention, GpuCodec,
+    GpuDenseAttention, GpuPrefill, GpuPrefillCodes, PrefillOut, PrefillParts, PutMap, PutRows, QuantizeJob,
+    QuantizeLaunch, Ragged, RowMap, Rows, RowsAround, Split, Window, WindowMap, MAX_WINDOW, PREFILL_MAX_RUNS,
 };
 
 use super::backend::{compose, Backend, Heads};
@@ -542,24 +542,43 @@ impl CudaBackend {
         })
     }
 
-    /// Decode attention of sequences at different positions (`views`: decodable, of a coded layer)
-    /// in one launch: a table of each one's slot, query row, coded length and window map goes to
-    /// the device, and the tensor-core kernel reads its sequence's entry. Returns false (nothing
-    /// launched) where that kernel cannot take the batch: the caller launches per group.
+    /// Decode attention of sequences at different positions (`views`: decodable) in one launch
+    /// (two for fp16: split and merge): a table of each one's slot, query row and lengths (and,
+    /// for codes, window map) goes to the device, and the kernel reads its sequence's entry.
+    /// Returns false (nothing launched) where the coded layer's tensor-core kernel cannot take the
+    /// batch: the caller launches per group.
     fn decode_ragged(
         &self,
         q: &CudaView<f32>,
         views: &[SeqView],
         scale: f32,
         out: &mut CudaViewMut<f32>,
-    ) -> Result<bool> {
-        let Attention::Coded(attn, _) = &self.attention else { return Ok(false) };
+    ) -> Result<Option<usize>> {
         let Heads { q: hq, kv, dim: d } = self.base.heads;
         let (_, rows) = self.dims()?;
         let gpu = self.rt.gpu();
+        let attn = match &self.attention {
+            Attention::Dense(attn, _) => {
+                let host: Vec<i32> =
+                    views.iter().flat_map(|v| dense_ragged_entry(v.slot, v.queries.start, v.ring_len)).collect();
+                let table = gpu.stream().clone_htod(&host).map_err(veloq::Error::from)?;
+                let seqs = Ragged { table: table.as_view(), host: &host };
+                let (b, longest) = (views.len(), views.iter().map(|v| v.ring_len).max().unwrap_or(0));
+                let nsplit = attn.splits(gpu, b, longest);
+                with_view::<f16, _>(&self.base.rows, |all| {
+                    let plane = all.len() / 2;
+                    let (wk, wv) = (bits(&all.slice(..plane)), bits(&all.slice(plane..)));
+                    self.rt.with_scratch(b * hq * nsplit, b * kv, d, |scratch| {
+                        Ok(attn.attend_ragged(gpu, q, &wk, &wv, &seqs, rows, scale, scratch, out)?)
+                    })
+                })?;
+                return Ok(Some(2));
+            }
+            Attention::Coded(attn, _) => attn,
+        };
         let (b, longest) = (views.len(), views.iter().map(|v| v.coded).max().unwrap_or(0));
         if !attn.takes_ragged(gpu, b, longest, rows)? {
-            return Ok(false);
+            return Ok(None);
         }
         let host: Vec<i32> =
             views.iter().flat_map(|v| ragged_entry(v.slot, v.queries.start, v.coded, Self::window_map(v))).collect();
@@ -581,7 +600,7 @@ impl CudaBackend {
                 })
             })
         })?;
-        Ok(true)
+        Ok(Some(1))
     }
 
     /// Attention of a view's queries over everything it sees, through the prefill kernels, into
@@ -795,8 +814,10 @@ impl CudaBackend {
         };
         with_view::<f32, _>(&qf, |qv| {
             let alike = groups(&fast, Self::alike);
-            if alike.len() > 1 && self.decode_ragged(&qv, &fast, scale, out)? {
-                self.rt.count(1);
+            if let Some(launches) =
+                (alike.len() > 1).then(|| self.decode_ragged(&qv, &fast, scale, out)).transpose()?.flatten()
+            {
+                self.rt.count(launches);
             } else {
                 for g in alike {
                     let launches = self.decode_group(&qv, g, scale, std::mem::take(&mut after_put), out)?;

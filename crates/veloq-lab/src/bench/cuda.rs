@@ -643,6 +643,23 @@ fn time_chunk_quantize(
     Ok(json!({"t": t, "heads": h, "D": d, "sub_dim": sd, "blocks_per_sm": per_sm, "ms": ms}))
 }
 
+/// Codes of sub-vectors of 2 (the default's format; keys and values in one launch): every
+/// centroid scanned, then only the books' candidate lists, timed back to back in this call
+/// (the codes are the same: the checks compare them).
+fn time_grid_quantize(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    clear: &mut Clear,
+    reps: usize,
+    (t, h, d): (usize, usize, usize),
+) -> Result<serde_json::Value> {
+    let mut codes = KvCodes::new(gpu, rng, (t, h, d, 2))?;
+    let full = codes.time(gpu, clear, reps, true, QuantizeLaunch { grid: Some(false), ..QuantizeLaunch::default() })?;
+    let grid = codes.time(gpu, clear, reps, true, QuantizeLaunch::default())?;
+    println!("| {t}×{h}, D {d} | {full:.4} | {grid:.4} | {:.2}× |", full / grid);
+    Ok(json!({"t": t, "heads": h, "D": d, "full_scan_ms": full, "grid_ms": grid}))
+}
+
 /// Quantize timing: the anchors' shapes (S, D, H, sub_dim), 256 centroids.
 const QUANTIZE_SHAPES: [(usize, usize, usize, usize); 5] =
     [(2048, 128, 8, 8), (8192, 128, 8, 8), (131072, 128, 8, 8), (4096, 256, 4, 4), (131072, 128, 8, 4)];
@@ -763,6 +780,14 @@ pub fn run(a: Args) -> Result<()> {
             chunks.push(time_chunk_quantize(&gpu, &mut rng, &mut clear, a.reps, shape, &per_sm)?);
         }
     }
+    let mut grids = Vec::new();
+    if !a.skip_quantize {
+        println!("\n| sub-vectors of 2, t×kv heads (keys + values, one launch) | every centroid ms | candidate lists ms | speed-up |");
+        println!("|---|---|---|---|");
+        for shape in [(512, 8, 128), (2048, 8, 128), (64, 8, 128), (8, 8, 128), (8, 64, 128), (512, 3, 64)] {
+            grids.push(time_grid_quantize(&gpu, &mut rng, &mut clear, a.reps, shape)?);
+        }
+    }
     // Decode attention timing: Llama-3.1-8B geometry, each code format (256 centroids).
     println!("\n| attention B,S (Hq 32, Hkv 8, D 128) | kernel | ms | code MiB | GB/s | splits |");
     println!("|---|---|---|---|---|---|");
@@ -783,7 +808,7 @@ pub fn run(a: Args) -> Result<()> {
     let timing = a.timing.to_possible_value().map(|v| v.get_name().to_string());
     write_json(
         &a.json,
-        &json!({"gpu": gpu.name(), "seed": seed, "timing": timing, "checks": checks, "quantize": qt, "flushes": flushes, "chunk_quantize": chunks, "attention": at}),
+        &json!({"gpu": gpu.name(), "seed": seed, "timing": timing, "checks": checks, "quantize": qt, "flushes": flushes, "chunk_quantize": chunks, "grid_quantize": grids, "attention": at}),
     )
 }
 

@@ -18,16 +18,20 @@ pub struct KernelOptions {
     pub kernel_cache: Option<PathBuf>,
     /// Launch shapes of the f16 GEMV, when not the built-in ones.
     pub gemv: GemvShapes,
+    /// The quantize kernel searches a 2-D book's candidate lists (`codec::search::grid`) instead
+    /// of every centroid: the same codes, fewer distances.
+    pub candidate_lists: bool,
 }
 
 impl Default for KernelOptions {
     /// Overlapped launches on, compiled kernels under `~/.cache/veloq/kernels`, built-in GEMV
-    /// shapes.
+    /// shapes, candidate lists on.
     fn default() -> Self {
         Self {
             overlapped_launches: true,
             kernel_cache: Some(crate::paths::default_cache_dir().join("kernels")),
             gemv: GemvShapes::default(),
+            candidate_lists: true,
         }
     }
 }
@@ -84,6 +88,6 @@ mod tests {
         for bad in ["", "2,2", "0,1,256", "2,9,256", "2,2,250", "2,2,2048", "a,b,c"] {
             assert!(bad.parse::<GemvShape>().is_err(), "{bad}");
         }
-        assert!(KernelOptions::default().overlapped_launches);
+        assert!(KernelOptions::default().overlapped_launches && KernelOptions::default().candidate_lists);
     }
 }

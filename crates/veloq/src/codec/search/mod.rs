@@ -9,6 +9,7 @@
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+pub mod grid;
 mod lanes;
 pub mod reference;
 

@@ -629,9 +629,11 @@ pub fn ragged_entry(slot: usize, row: usize, coded: usize, map: WindowMap) -> [i
     [slot as i32, row as i32, coded as i32, n_sink, sink_cap, ring_head, ring_len, ring_cap]
 }
 
-/// A ragged batch for [`GpuAttention::attend_ragged`]: [`RAGGED_INTS`] ints per sequence, on the
-/// device (`table`, what the kernel reads) and on the host (`host`, the same values, checked
-/// before the launch).
+/// A ragged batch: a table of ints per sequence ([`RAGGED_INTS`] for
+/// [`GpuAttention::attend_ragged`], [`DENSE_RAGGED_INTS`](super::DENSE_RAGGED_INTS) for
+/// [`GpuDenseAttention::attend_ragged`](super::GpuDenseAttention::attend_ragged)), on the device
+/// (`table`, what the kernel reads) and on the host (`host`, the same values, checked before the
+/// launch).
 pub struct Ragged<'a> {
     /// The table on the device.
     pub table: CudaView<'a, i32>,

@@ -5,6 +5,10 @@
 // Defines: D, G (query heads per kv head), HKV, HQ, THREADS.
 // Layout: k, v [streams][stride][D] f16 (stream = b·HKV + kv head), q [B][HQ][D] f32; query head
 // h·G + g reads kv head h.
+//
+// A ragged batch (`seqs` not null: sequences at different positions, one launch): sequence b's
+// entry seqs[3b..3b+3] is its slot (streams slot·HKV + h), its query row (of q and out) and its
+// length, which replaces S; splits past a sequence's length write empty partials.
 
 constexpr int LPP = 8;          // lanes per key row in the score pass
 constexpr int EPL = D / LPP;    // elements per lane (a multiple of 8: whole 16-byte loads)
@@ -13,22 +17,26 @@ constexpr int NGRP = THREADS / VL;       // position groups in the value pass
 
 extern "C" __global__ void __launch_bounds__(THREADS) f16_attend_split(
     const float* __restrict__ q, const unsigned short* __restrict__ k, const unsigned short* __restrict__ v,
-    float* __restrict__ part_o, float* __restrict__ part_ml, int S, long long stride, int split, float scale, int fresh) {
+    float* __restrict__ part_o, float* __restrict__ part_ml, int S, long long stride, int split, float scale, int fresh,
+    const int* __restrict__ seqs) {
     extern __shared__ __align__(16) float sc[];  // [G][split] scores, then weights; then [NGRP][G][D]
     __shared__ float qs[G][D];
     __shared__ float red[G][THREADS / 32];
     __shared__ float stat[G][2];
-    const int sp = blockIdx.x, bh = blockIdx.y, b = bh / HKV, h = bh % HKV;
+    const int sp = blockIdx.x, b = blockIdx.y / HKV, h = blockIdx.y % HKV;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nsplit = gridDim.x;
+    const int qrow = seqs ? seqs[3 * b + 1] : b;
+    const size_t bh = seqs ? (size_t)seqs[3 * b] * HKV + h : blockIdx.y;
+    if (seqs) S = seqs[3 * b + 2];
     const int t0 = sp * split, n = max(0, min(S, t0 + split) - t0);
     // Overlapped launch (launch.rs): the kernel before may have written rows from `fresh` on
     // (0: anything), so only the blocks that read those wait for it.
     grid_launch_dependents();
     if (fresh == 0 || t0 + n > fresh) grid_wait();
-    for (int i = tid; i < G * D; i += THREADS) qs[i / D][i % D] = q[((size_t)b * HQ + h * G + i / D) * D + i % D] * scale;
+    for (int i = tid; i < G * D; i += THREADS) qs[i / D][i % D] = q[((size_t)qrow * HQ + h * G + i / D) * D + i % D] * scale;
     __syncthreads();
-    const unsigned short* kb = k + ((size_t)bh * stride + t0) * D;
+    const unsigned short* kb = k + (bh * stride + t0) * D;
     const int sub = tid % LPP;
     // Each lane's slice of the queries in registers (shared-memory reads here would conflict:
     // the 8 lanes of a row sit EPL floats apart).
@@ -114,7 +122,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) f16_attend_split(
     // Values: thread (grp, c) owns dims 8c .. 8c+7 over positions grp, grp + NGRP, … (16-byte
     // loads, four rows in flight per thread).
     const int c8 = tid % VL, grp = tid / VL;
-    const uint4* vb = (const uint4*)(v + ((size_t)bh * stride + t0) * D) + c8;
+    const uint4* vb = (const uint4*)(v + (bh * stride + t0) * D) + c8;
     float o[G][8];
 #pragma unroll
     for (int g = 0; g < G; g++)
@@ -155,9 +163,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) f16_attend_split(
     }
 }
 
-// out[b][qh] = Σ_s e^{m_s − M} o_s / Σ_s e^{m_s − M} l_s. Grid (HQ, B), 128 threads.
+// out[b][qh] = Σ_s e^{m_s − M} o_s / Σ_s e^{m_s − M} l_s (row seqs[3b + 1] of a ragged batch).
+// Grid (HQ, B), 128 threads.
 extern "C" __global__ void __launch_bounds__(128) f16_attend_merge(
-    const float* __restrict__ part_o, const float* __restrict__ part_ml, float* __restrict__ out, int nsplit) {
+    const float* __restrict__ part_o, const float* __restrict__ part_ml, float* __restrict__ out, int nsplit,
+    const int* __restrict__ seqs) {
     extern __shared__ float w[];  // [nsplit]
     __shared__ float red[4];
     const int qh = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -183,6 +193,6 @@ extern "C" __global__ void __launch_bounds__(128) f16_attend_merge(
     for (int d = tid; d < D; d += 128) {
         float acc = 0.f;
         for (int s = 0; s < nsplit; s++) acc = fmaf(w[s], part_o[(base + s) * D + d], acc);
-        out[((size_t)b * HQ + qh) * D + d] = acc * inv;
+        out[((size_t)(seqs ? seqs[3 * b + 1] : b) * HQ + qh) * D + d] = acc * inv;
     }
 }

@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig};
 
-use super::attention::AttentionScratch;
+use super::attention::{AttentionScratch, Ragged};
 use super::launch::Launch;
 use super::{whole_words, Gpu};
 use crate::error::{Error, Result};
@@ -95,29 +95,101 @@ impl GpuDenseAttention {
         scratch: &mut AttentionScratch,
         out: &mut CudaViewMut<f32>,
     ) -> Result<()> {
-        let (d, g) = (self.head_dim, self.group());
         let streams = batch * self.kv_heads;
         if s == 0 || stride < s {
             return Err(Error::Device(format!("f16 attention over {s} positions with stride {stride}")));
         }
+        let ok = q.len() >= batch * self.q_heads * self.head_dim
+            && out.len() >= batch * self.q_heads * self.head_dim
+            && k.len() >= streams * stride * self.head_dim
+            && v.len() >= streams * stride * self.head_dim;
+        if !ok {
+            return Err(Error::Shape("f16 attention: a buffer is smaller than the shapes say".into()));
+        }
+        // 0: every block waits for the launch before it (nothing vouched for).
+        let fresh = fresh.map_or(0, |f| f.min(s));
+        self.launch(gpu, q, k, v, batch, s, stride, scale, fresh, None, scratch, out)
+    }
+
+    /// Decode attention of a ragged batch in two launches: sequences at different positions of
+    /// the same storage, `seqs` ([`DENSE_RAGGED_INTS`] per sequence, [`dense_ragged_entry`]) giving
+    /// each one's slot (streams `slot·kv_heads..`), query row of `q` and `out`, and length; `k`/`v`
+    /// hold every slot (`[slots·kv_heads, stride, D]`). Splits are sized for the longest.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_ragged(
+        &self,
+        gpu: &Gpu,
+        q: &CudaView<f32>,
+        k: &CudaView<u16>,
+        v: &CudaView<u16>,
+        seqs: &Ragged,
+        stride: usize,
+        scale: f32,
+        scratch: &mut AttentionScratch,
+        out: &mut CudaViewMut<f32>,
+    ) -> Result<()> {
+        let d = self.head_dim;
+        let host = seqs.host;
+        if host.is_empty() || !host.len().is_multiple_of(DENSE_RAGGED_INTS) || seqs.table.len() < host.len() {
+            return Err(Error::Shape(format!(
+                "a ragged f16 table holds {DENSE_RAGGED_INTS} ints per sequence, on the device as on the host"
+            )));
+        }
+        let slots = k.len().min(v.len()) / (self.kv_heads * stride * d).max(1);
+        let (q_rows, out_rows) = (q.len() / (self.q_heads * d), out.len() / (self.q_heads * d));
+        let mut longest = 0;
+        for (i, e) in host.chunks_exact(DENSE_RAGGED_INTS).enumerate() {
+            let (slot, row, len) = (e[0], e[1], e[2]);
+            let fits = slot >= 0
+                && (slot as usize) < slots
+                && row >= 0
+                && (row as usize) < q_rows.min(out_rows)
+                && len > 0
+                && len as usize <= stride;
+            if !fits {
+                return Err(Error::Shape(format!(
+                    "ragged f16 batch, sequence {i}: slot {slot}, row {row}, length {len} outside {slots} slots, \
+                     {q_rows} query rows, {stride} positions"
+                )));
+            }
+            longest = longest.max(len as usize);
+        }
+        let batch = host.len() / DENSE_RAGGED_INTS;
+        self.launch(gpu, q, k, v, batch, longest, stride, scale, 0, Some(&seqs.table), scratch, out)
+    }
+
+    /// Both launches, the buffers checked by the caller: `batch` sequences of (at most, with
+    /// `seqs`) `s` positions.
+    #[allow(clippy::too_many_arguments)]
+    fn launch(
+        &self,
+        gpu: &Gpu,
+        q: &CudaView<f32>,
+        k: &CudaView<u16>,
+        v: &CudaView<u16>,
+        batch: usize,
+        s: usize,
+        stride: usize,
+        scale: f32,
+        fresh: usize,
+        seqs: Option<&CudaView<i32>>,
+        scratch: &mut AttentionScratch,
+        out: &mut CudaViewMut<f32>,
+    ) -> Result<()> {
+        let (d, g) = (self.head_dim, self.group());
+        let streams = batch * self.kv_heads;
         let nsplit = self.splits(gpu, batch, s);
         let split = s.div_ceil(nsplit);
         let parts = batch * self.q_heads * nsplit;
-        let ok = q.len() >= batch * self.q_heads * d
-            && k.len() >= streams * stride * d
-            && v.len() >= streams * stride * d
-            && out.len() >= batch * self.q_heads * d
-            && scratch.part_o.len() >= parts * d
-            && scratch.part_ml.len() >= parts * 2;
-        if !ok {
-            return Err(Error::Shape("f16 attention: a buffer is smaller than the shapes say".into()));
+        if scratch.part_o.len() < parts * d || scratch.part_ml.len() < parts * 2 {
+            return Err(Error::Shape("f16 attention: the scratch is smaller than the shapes say".into()));
         }
         let ngrp = THREADS as usize / (d / 8);
         let smem = whole_words((g * split).max(ngrp * g * d) * 4);
         let (split_fn, merge_fn) = self.kernels(gpu)?;
-        let (s_i, stride_i, split_i) = (s as i32, stride as i64, split as i32);
-        // 0: every block waits for the launch before it (nothing vouched for).
-        let fresh_i = fresh.map_or(0, |f| f.min(s)) as i32;
+        let (s_i, stride_i, split_i, fresh_i) = (s as i32, stride as i64, split as i32, fresh as i32);
+        // The table, or a null pointer (a uniform batch).
+        let null = 0u64;
         let cfg = LaunchConfig {
             grid_dim: (nsplit as u32, streams as u32, 1),
             block_dim: (THREADS, 1, 1),
@@ -134,9 +206,14 @@ impl GpuDenseAttention {
             .val(&split_i)
             .val(&scale)
             .val(&fresh_i);
+        match seqs {
+            Some(t) => l.buf(t),
+            None => l.val(&null),
+        };
         // SAFETY: arguments in f16_attend_split's order (q, k, v, part_o, part_ml, S, stride,
-        // split, scale, fresh); the checks above bound every stream's rows and every partial.
-        // Overlapped: a block whose rows reach `fresh` (every block when it is 0) waits first.
+        // split, scale, fresh, seqs); the callers' checks bound every stream's rows (every
+        // table entry's slot, row and length) and every partial. Overlapped: a block whose rows
+        // reach `fresh` (every block when it is 0) waits first.
         unsafe { l.run(cfg, gpu.overlaps()) }?;
         let cfg = LaunchConfig {
             grid_dim: (self.q_heads as u32, batch as u32, 1),
@@ -146,12 +223,24 @@ impl GpuDenseAttention {
         let nsplit_i = nsplit as i32;
         let mut l = Launch::new(gpu.stream(), merge_fn);
         l.buf(&scratch.part_o).buf(&scratch.part_ml).buf_mut(out).val(&nsplit_i);
-        // SAFETY: arguments in f16_attend_merge's order (part_o, part_ml, out, nsplit); one
-        // block per (query head, sequence) reads its `nsplit` partials and writes its output row,
-        // after waiting for the split kernel.
+        match seqs {
+            Some(t) => l.buf(t),
+            None => l.val(&null),
+        };
+        // SAFETY: arguments in f16_attend_merge's order (part_o, part_ml, out, nsplit, seqs); one
+        // block per (query head, sequence) reads its `nsplit` partials and writes its output row
+        // (a checked table's row), after waiting for the split kernel.
         unsafe { l.run(cfg, gpu.overlaps()) }?;
         Ok(())
     }
+}
+
+/// Ints per sequence of a ragged f16 table: slot, query row, length.
+pub const DENSE_RAGGED_INTS: usize = 3;
+
+/// One sequence's entry of a ragged f16 table, in the order `f16_attend_split` reads it.
+pub fn dense_ragged_entry(slot: usize, row: usize, len: usize) -> [i32; DENSE_RAGGED_INTS] {
+    [slot as i32, row as i32, len as i32]
 }
 
 /// Defines of a few geometries, for the NVRTC compile check.

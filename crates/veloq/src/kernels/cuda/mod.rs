@@ -19,7 +19,7 @@ pub use attention::{
     MAX_WINDOW, RAGGED_INTS,
 };
 pub use convert::{Convert, ConvertPart, Elem, MAX_CONVERT_PARTS};
-pub use dense::GpuDenseAttention;
+pub use dense::{dense_ragged_entry, GpuDenseAttention, DENSE_RAGGED_INTS};
 pub use gemv::{gemv_f16, gemv_f16_many, gemv_many_fits, GemvEpilogue, GemvFused, GemvTune, MAX_ROWS as GEMV_MAX_ROWS};
 pub use prefill::{
     GpuPrefill, GpuPrefillCodes, PrefillOut, PrefillParts, Rows, RowsAround, Split, MAX_RUNS as PREFILL_MAX_RUNS,
@@ -87,6 +87,8 @@ pub struct Gpu {
     kernels: Mutex<HashMap<String, CudaFunction>>,
     /// [`KernelOptions::overlapped_launches`], read at every launch.
     overlapped: AtomicBool,
+    /// [`KernelOptions::candidate_lists`], read at every quantize launch.
+    lists: AtomicBool,
     options: Mutex<KernelOptions>,
 }
 
@@ -119,6 +121,7 @@ impl Gpu {
             max_smem,
             kernels: Mutex::new(HashMap::new()),
             overlapped: AtomicBool::new(options.overlapped_launches),
+            lists: AtomicBool::new(options.candidate_lists),
             options: Mutex::new(options),
         })
     }
@@ -132,6 +135,7 @@ impl Gpu {
     /// what they captured).
     pub fn set_options(&self, options: KernelOptions) {
         self.overlapped.store(options.overlapped_launches, Ordering::Relaxed);
+        self.lists.store(options.candidate_lists, Ordering::Relaxed);
         *self.options.lock().expect("kernel options lock") = options;
     }
 
@@ -221,6 +225,10 @@ impl Gpu {
     pub fn overlaps(&self) -> bool {
         self.major >= 9 && self.overlapped.load(Ordering::Relaxed)
     }
+    /// Whether quantize launches scan candidate lists ([`KernelOptions::candidate_lists`]).
+    pub fn candidate_lists(&self) -> bool {
+        self.lists.load(Ordering::Relaxed)
+    }
     /// The device's name.
     pub fn name(&self) -> String {
         self.ctx.name().unwrap_or_else(|_| "unknown GPU".into())
@@ -291,7 +299,9 @@ pub fn compile_check(arch: &'static str) -> Result<()> {
     let window = std::iter::once(("vq_window_put", window::SOURCES, vec![("D", 128)]));
     let convert = std::iter::once(("vq_convert", convert::SOURCES, vec![]));
     let dense = dense::example_defines().into_iter().map(|d| ("f16_attend_split", dense::SOURCES, d));
-    let quantize = std::iter::once(("vq_quantize", quantize::SOURCES, quantize::example_defines()));
+    let quantize = [quantize::example_defines(), quantize::example_grid_defines()]
+        .into_iter()
+        .map(|d| ("vq_quantize", quantize::SOURCES, d));
     let gemv = gemv::example_defines().into_iter().map(|(name, d)| (name, gemv::SOURCES, d));
     let prefill = prefill::example_defines().into_iter().map(|d| ("f16_prefill_rows", prefill::SOURCES, d));
     let rows = rows::KERNELS.into_iter().map(|name| (name, rows::SOURCES, vec![]));

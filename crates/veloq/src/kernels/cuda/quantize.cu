@@ -3,7 +3,8 @@
 // the lowest index), packed codes. One launch, no intermediate in device memory.
 //
 // Defines: D, SD, K (centroids), BITS, M (= D/SD, a multiple of 8), BOOKS (1 or M), HEADS, ROWS
-// (rows per tile), ROTATE. Centering and smoothing are per job (bits of `flags`: 1 center, 2
+// (rows per tile), ROTATE, GRID (cells per axis of the books' candidate lists, 0 for none; only
+// SD = 2, one book, K ≤ 256). Centering and smoothing are per job (bits of `flags`: 1 center, 2
 // smooth for job 0; 4 and 8 for job 1), so a layer's key and value codecs of one geometry share
 // the kernel.
 //
@@ -19,6 +20,11 @@
 // winner as one thread scanning all K in order). With many rows `slices` is 1; with few it spreads
 // each search over a group so that every thread of the block has work. Phase C: groups of 8
 // codes are packed into BITS bytes each (8 codes always end on a byte boundary).
+//
+// Grid (GRID > 0 and `grid_on`): each job's book comes with candidate lists (codec/search/grid.rs):
+// a sub-vector's cell ⌊(x − lo)·inv⌋ lists, in ascending order, every centroid that can win the
+// full scan, so the search scans that list (a thread's share of it with `slices`), or every
+// centroid outside the grid; same distance formula, same winner.
 //
 // Rows: row r is vector t = r mod T of stream bh = r / T (kv head bh mod HEADS); it is read from
 // row bh·in_hs + (in_base + t)·in_ts of x and its codes go to row bh·out_hs + (out_base + t)·out_ts
@@ -86,12 +92,39 @@ __device__ __forceinline__ void search(const float (&xa)[SD], const float (&xb)[
     }
 }
 
+#if GRID
+// This thread's share (k = list[sl], list[sl + slices], …) of the scan for the nearest centroid
+// of x (book c, norms n): the list of x's cell, or every centroid outside the grid. `box`: lo₀,
+// lo₁, inv₀, inv₁.
+__device__ __forceinline__ void grid_search(const float (&x)[SD], const float* c, const float* n,
+                                            const unsigned short* off, const unsigned char* ent, float4 box, int sl,
+                                            int slices, float& best, int& bi) {
+    const float f0 = (x[0] - box.x) * box.z, f1 = (x[1] - box.y) * box.w;
+    const bool listed = f0 >= 0.f && f0 < (float)GRID && f1 >= 0.f && f1 < (float)GRID;
+    int a = 0, b = K;
+    if (listed) {
+        const int cell = (int)f0 * GRID + (int)f1;
+        a = __ldg(off + cell);
+        b = __ldg(off + cell + 1);
+    }
+    for (int i = a + sl; i < b; i += slices) {
+        const int k = listed ? __ldg(ent + i) : i;
+        float d = fmaf(x[0], c[k * 2], 0.f);
+        d = fmaf(x[1], c[k * 2 + 1], d);
+        d = fmaf(-2.f, d, n[k]);
+        if (d < best) { best = d; bi = k; }
+    }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(256) vq_quantize(
     const unsigned short* __restrict__ x0, const unsigned short* __restrict__ x1, const float* __restrict__ mean0,
     const float* __restrict__ mean1, const float* __restrict__ inv0, const float* __restrict__ inv1,
     const float* __restrict__ books0, const float* __restrict__ books1, const float* __restrict__ norms0,
     const float* __restrict__ norms1, unsigned char* __restrict__ out0, unsigned char* __restrict__ out1, int flags,
-    int n_rows, int tile_rows, int slices, RowMap map) {
+    int n_rows, int tile_rows, int slices, RowMap map, const float* __restrict__ gbox0,
+    const float* __restrict__ gbox1, const unsigned short* __restrict__ goff0, const unsigned short* __restrict__ goff1,
+    const unsigned char* __restrict__ gent0, const unsigned char* __restrict__ gent1, int grid_on) {
     extern __shared__ __align__(16) float smem[];
     const bool job = blockIdx.y;
     const unsigned short* x = job ? x1 : x0;
@@ -107,6 +140,13 @@ extern "C" __global__ void __launch_bounds__(256) vq_quantize(
     unsigned short* codes = (unsigned short*)(tile + ROWS * D);  // [ROWS * M]
     for (int i = threadIdx.x; i < BOOKS * K * SD; i += blockDim.x) cb[i] = books[i];
     for (int i = threadIdx.x; i < BOOKS * K; i += blockDim.x) nb[i] = norms[i];
+#if GRID
+    // The lists stay in global memory (read through the read-only cache: a search reads one
+    // cell's offsets and its few entries), so a launch of a few rows stages nothing more.
+    const unsigned short* goff = job ? goff1 : goff0;
+    const unsigned char* gent = job ? gent1 : gent0;
+    const float4 box = grid_on ? *(const float4*)(job ? gbox1 : gbox0) : make_float4(0.f, 0.f, 0.f, 0.f);
+#endif
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
     // This thread's search group (`slices` consecutive lanes) and its place in it.
@@ -154,6 +194,12 @@ extern "C" __global__ void __launch_bounds__(256) vq_quantize(
             // Alone, a thread scans the book in order (a loop the compiler unrolls with fixed
             // offsets); in a group, interleaved (k = sl, sl + slices, …): the group's lanes read
             // neighbouring centroids, whole 16-byte rows (two wavefronts a warp at 16 lanes).
+#if GRID
+            if (grid_on) {
+                grid_search(xa, c0, n0, goff, gent, box, sl, slices, best0, bi0);
+                grid_search(xb, c1, n1, goff, gent, box, sl, slices, best1, bi1);
+            } else
+#endif
             if (slices == 1) {
                 search<1>(xa, xb, c0, c1, n0, n1, 0, best0, bi0, best1, bi1);
             } else {

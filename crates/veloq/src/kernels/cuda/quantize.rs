@@ -6,6 +6,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaView, CudaViewMut, DeviceRepr,
 
 use super::{dev_err, whole_words, Gpu};
 use crate::codec::codebook::Granularity;
+use crate::codec::search::grid::{NearestGrid, CELLS};
 use crate::codec::vecinfer::VecInferCodec;
 use crate::error::{Error, Result};
 
@@ -30,8 +31,18 @@ pub struct GpuCodec {
     /// The centroids as f16 bits (the tensor-core attention stages these).
     pub(super) centroids_f16: CudaSlice<u16>,
     pub(super) norms: CudaSlice<f32>,
+    /// The book's candidate lists (sub-vectors of 2, one book of ≤ 256 centroids).
+    grid: Option<GridTables>,
     /// The compiled kernel, found once.
     function: OnceLock<CudaFunction>,
+}
+
+/// A [`NearestGrid`] on the GPU.
+struct GridTables {
+    /// lo₀, lo₁, inv₀, inv₁.
+    bbox: CudaSlice<f32>,
+    offsets: CudaSlice<u16>,
+    entries: CudaSlice<u8>,
 }
 
 impl GpuCodec {
@@ -47,12 +58,21 @@ impl GpuCodec {
         let inv: Vec<f32> = scale.iter().map(|s| 1.0 / s).collect();
         let centroids: Vec<f32> = codec.books().books().iter().flat_map(|b| b.centroids().iter().copied()).collect();
         let norms: Vec<f32> = codec.books().books().iter().flat_map(|b| b.norms().iter().copied()).collect();
+        let per_layer = codec.books().granularity() == Granularity::PerLayer;
+        let grid = match per_layer.then(|| NearestGrid::build(codec.books().book(0))).flatten() {
+            Some(g) => Some(GridTables {
+                bbox: up(&[g.lo[0], g.lo[1], g.inv[0], g.inv[1]])?,
+                offsets: s.clone_htod(&g.offsets).map_err(dev_err)?,
+                entries: s.clone_htod(&g.entries).map_err(dev_err)?,
+            }),
+            None => None,
+        };
         Ok(Self {
             heads: codec.n_heads(),
             head_dim: d,
             sub_dim: shape.sub_dim,
             bits: shape.bits,
-            books: if codec.books().granularity() == Granularity::PerLayer { 1 } else { d / shape.sub_dim },
+            books: if per_layer { 1 } else { d / shape.sub_dim },
             center: codec.mean().is_some(),
             smooth: codec.smooth().is_some(),
             rotate: codec.rotates(),
@@ -64,6 +84,7 @@ impl GpuCodec {
                 .map_err(dev_err)?,
             centroids: up(&centroids)?,
             norms: up(&norms)?,
+            grid,
             function: OnceLock::new(),
         })
     }
@@ -100,6 +121,7 @@ impl GpuCodec {
             ("HEADS", self.heads as i64),
             ("ROWS", ROWS as i64),
             ("ROTATE", self.rotate as i64),
+            ("GRID", if self.grid.is_some() { CELLS as i64 } else { 0 }),
         ]
     }
 
@@ -108,6 +130,11 @@ impl GpuCodec {
         whole_words(
             (self.books * k * self.sub_dim + self.books * k + ROWS * self.head_dim) * 4 + ROWS * self.subspaces() * 2,
         )
+    }
+
+    /// Whether this codec's searches scan candidate lists (sub-vectors of 2, one book).
+    pub fn has_grid(&self) -> bool {
+        self.grid.is_some()
     }
 
     /// Compiles the kernel now (it is otherwise compiled at the first call).
@@ -228,6 +255,10 @@ pub struct QuantizeLaunch {
     pub slices: Option<u32>,
     /// Blocks per multiprocessor the rows are tiled for (at most [`ROWS`] rows a tile).
     pub blocks_per_sm: Option<usize>,
+    /// Searches through the books' candidate lists where the codecs have them, or over every
+    /// centroid (`Some(false)`): the same codes either way. `None`: as
+    /// [`KernelOptions::candidate_lists`](crate::kernels::KernelOptions::candidate_lists) says.
+    pub grid: Option<bool>,
 }
 
 /// Encodes the same rows (`map`, `streams` streams) for each of `jobs` (one or two: a layer's
@@ -274,6 +305,7 @@ pub fn quantize_jobs(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: c.smem() as u32,
     };
+    let grid_on = (launch.grid.unwrap_or_else(|| gpu.candidate_lists()) && c.grid.is_some()) as i32;
     let flags = jobs.iter().enumerate().fold(0, |f, (i, j)| f | j.codec.flags(i));
     let (n, tile) = (rows as i32, tile as i32);
     let (first, second) = jobs.split_at_mut(1);
@@ -299,11 +331,21 @@ pub fn quantize_jobs(
         None => l.arg(&NULL),
     };
     l.arg(&flags).arg(&n).arg(&tile).arg(&slices).arg(&map);
+    // The grids of jobs 0 and 1 (job 0's again without a second job; null pointers, never read,
+    // without grids: the defines say GRID 0 or `grid_on` is 0).
+    match (&ca.grid, &cb.grid) {
+        (Some(ga), Some(gb)) => {
+            l.arg(&ga.bbox).arg(&gb.bbox).arg(&ga.offsets).arg(&gb.offsets).arg(&ga.entries).arg(&gb.entries)
+        }
+        _ => l.arg(&NULL).arg(&NULL).arg(&NULL).arg(&NULL).arg(&NULL).arg(&NULL),
+    };
+    l.arg(&grid_on);
     // SAFETY: arguments in vq_quantize's order (inputs, means, inverse scales, books, norms and
     // outputs of jobs 0 and 1, flags, n_rows, tile ≤ ROWS, slices a power of two ≤ min(32, K),
-    // map); the jobs' codecs have the kernel's defines (checked above); `RowMap` is `repr(C)` as
-    // the kernel declares it, and `check_rows` kept every job's last input and output row inside
-    // its buffers.
+    // map, the grids' boxes, offsets and entries of jobs 0 and 1, grid_on); the jobs' codecs
+    // have the kernel's defines (checked above: both have grids or neither), each grid's
+    // CELLS² + 1 offsets end at its entries' length, and the box is 4 floats; `RowMap` is `repr(C)` as the kernel declares it, and `check_rows` kept every job's
+    // last input and output row inside its buffers.
     unsafe { l.launch(cfg) }.map_err(dev_err)?;
     Ok(1)
 }
@@ -381,6 +423,24 @@ pub(super) fn example_defines() -> Vec<(&'static str, i64)> {
         ("HEADS", 8),
         ("ROWS", 32),
         ("ROTATE", 1),
+        ("GRID", 0),
+    ]
+    .to_vec()
+}
+
+/// Defines of the default's geometry with a grid, for the NVRTC compile check.
+pub(super) fn example_grid_defines() -> Vec<(&'static str, i64)> {
+    [
+        ("D", 128),
+        ("SD", 2),
+        ("K", 256),
+        ("BITS", 8),
+        ("M", 64),
+        ("BOOKS", 1),
+        ("HEADS", 8),
+        ("ROWS", 32),
+        ("ROTATE", 1),
+        ("GRID", CELLS as i64),
     ]
     .to_vec()
 }
