@@ -545,8 +545,8 @@ impl CudaBackend {
     /// Decode attention of sequences at different positions (`views`: decodable) in one launch
     /// (two for fp16: split and merge): a table of each one's slot, query row and lengths (and,
     /// for codes, window map) goes to the device, and the kernel reads its sequence's entry.
-    /// Returns false (nothing launched) where the coded layer's tensor-core kernel cannot take the
-    /// batch: the caller launches per group.
+    /// Returns the launches issued, or `None` (nothing launched) where the coded layer's
+    /// tensor-core kernel cannot take the batch: the caller launches per group.
     fn decode_ragged(
         &self,
         q: &CudaView<f32>,
