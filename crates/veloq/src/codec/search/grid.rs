@@ -96,7 +96,7 @@ impl NearestGrid {
         let reach = [0, 1].map(|a| edge(a, 0).abs().max(edge(a, CELLS).abs()) + width[a]);
         let xmax = reach[0].hypot(reach[1]);
         let cmax = c.iter().map(|p| p[0].hypot(p[1])).fold(0.0, f64::max);
-        let slack = 8.0 * U * (5.0 * cmax * cmax + 12.0 * xmax * cmax) + f64::MIN_POSITIVE;
+        let slack = 8.0 * U * (5.0 * cmax * cmax + 12.0 * xmax * cmax);
         let mut offsets = Vec::with_capacity(CELLS * CELLS + 1);
         let mut entries = Vec::new();
         offsets.push(0u16);

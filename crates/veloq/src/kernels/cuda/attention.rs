@@ -408,15 +408,7 @@ impl GpuAttention {
             .min(codes.values.len() / (hkv * codes.stride * v.subspaces()));
         let window_slots = (window.keys.len().min(window.values.len())) / (hkv * w * d).max(1);
         let bad = |i: usize, why: &str| Err(Error::Shape(format!("ragged batch, sequence {i}: {why}")));
-        if ragged.host.is_empty()
-            || !ragged.host.len().is_multiple_of(RAGGED_INTS)
-            || ragged.table.len() < ragged.host.len()
-        {
-            return Err(Error::Shape(format!(
-                "a ragged table holds {RAGGED_INTS} ints per sequence, on the device as on the host"
-            )));
-        }
-        for (i, r) in ragged.host.chunks_exact(RAGGED_INTS).enumerate() {
+        for (i, r) in ragged.sequences(RAGGED_INTS)?.enumerate() {
             if r.iter().any(|&x| x < 0) {
                 return bad(i, "negative entry");
             }
@@ -639,6 +631,19 @@ pub struct Ragged<'a> {
     pub table: CudaView<'a, i32>,
     /// The same table on the host.
     pub host: &'a [i32],
+}
+
+impl Ragged<'_> {
+    /// The host table's entries of `ints` ints each, once the table is checked whole (at least
+    /// one sequence, whole entries) and as long on the device.
+    pub(super) fn sequences(&self, ints: usize) -> Result<std::slice::ChunksExact<'_, i32>> {
+        if self.host.is_empty() || !self.host.len().is_multiple_of(ints) || self.table.len() < self.host.len() {
+            return Err(Error::Shape(format!(
+                "a ragged table holds {ints} ints per sequence, on the device as on the host"
+            )));
+        }
+        Ok(self.host.chunks_exact(ints))
+    }
 }
 
 /// A cache's f16 rows: `[streams, rows, head_dim]` each, `map` says which rows hold positions.

@@ -129,16 +129,10 @@ impl GpuDenseAttention {
         out: &mut CudaViewMut<f32>,
     ) -> Result<()> {
         let d = self.head_dim;
-        let host = seqs.host;
-        if host.is_empty() || !host.len().is_multiple_of(DENSE_RAGGED_INTS) || seqs.table.len() < host.len() {
-            return Err(Error::Shape(format!(
-                "a ragged f16 table holds {DENSE_RAGGED_INTS} ints per sequence, on the device as on the host"
-            )));
-        }
         let slots = k.len().min(v.len()) / (self.kv_heads * stride * d).max(1);
         let (q_rows, out_rows) = (q.len() / (self.q_heads * d), out.len() / (self.q_heads * d));
-        let mut longest = 0;
-        for (i, e) in host.chunks_exact(DENSE_RAGGED_INTS).enumerate() {
+        let (mut batch, mut longest) = (0, 0);
+        for (i, e) in seqs.sequences(DENSE_RAGGED_INTS)?.enumerate() {
             let (slot, row, len) = (e[0], e[1], e[2]);
             let fits = slot >= 0
                 && (slot as usize) < slots
@@ -153,8 +147,8 @@ impl GpuDenseAttention {
                 )));
             }
             longest = longest.max(len as usize);
+            batch += 1;
         }
-        let batch = host.len() / DENSE_RAGGED_INTS;
         self.launch(gpu, q, k, v, batch, longest, stride, scale, 0, Some(&seqs.table), scratch, out)
     }
 

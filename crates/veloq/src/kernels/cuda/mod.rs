@@ -299,9 +299,7 @@ pub fn compile_check(arch: &'static str) -> Result<()> {
     let window = std::iter::once(("vq_window_put", window::SOURCES, vec![("D", 128)]));
     let convert = std::iter::once(("vq_convert", convert::SOURCES, vec![]));
     let dense = dense::example_defines().into_iter().map(|d| ("f16_attend_split", dense::SOURCES, d));
-    let quantize = [quantize::example_defines(), quantize::example_grid_defines()]
-        .into_iter()
-        .map(|d| ("vq_quantize", quantize::SOURCES, d));
+    let quantize = quantize::example_defines().into_iter().map(|d| ("vq_quantize", quantize::SOURCES, d));
     let gemv = gemv::example_defines().into_iter().map(|(name, d)| (name, gemv::SOURCES, d));
     let prefill = prefill::example_defines().into_iter().map(|d| ("f16_prefill_rows", prefill::SOURCES, d));
     let rows = rows::KERNELS.into_iter().map(|name| (name, rows::SOURCES, vec![]));

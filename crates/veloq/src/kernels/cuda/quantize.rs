@@ -344,8 +344,9 @@ pub fn quantize_jobs(
     // outputs of jobs 0 and 1, flags, n_rows, tile ≤ ROWS, slices a power of two ≤ min(32, K),
     // map, the grids' boxes, offsets and entries of jobs 0 and 1, grid_on); the jobs' codecs
     // have the kernel's defines (checked above: both have grids or neither), each grid's
-    // CELLS² + 1 offsets end at its entries' length, and the box is 4 floats; `RowMap` is `repr(C)` as the kernel declares it, and `check_rows` kept every job's
-    // last input and output row inside its buffers.
+    // CELLS² + 1 offsets end at its entries' length, and the box is 4 floats; `RowMap` is
+    // `repr(C)` as the kernel declares it, and `check_rows` kept every job's last input and
+    // output row inside its buffers.
     unsafe { l.launch(cfg) }.map_err(dev_err)?;
     Ok(1)
 }
@@ -412,35 +413,22 @@ impl RowMap {
 // SAFETY: plain old data with the C layout the kernel declares.
 unsafe impl DeviceRepr for RowMap {}
 
-pub(super) fn example_defines() -> Vec<(&'static str, i64)> {
-    [
-        ("D", 128),
-        ("SD", 4),
-        ("K", 256),
-        ("BITS", 12),
-        ("M", 32),
-        ("BOOKS", 1),
-        ("HEADS", 8),
-        ("ROWS", 32),
-        ("ROTATE", 1),
-        ("GRID", 0),
-    ]
-    .to_vec()
-}
-
-/// Defines of the default's geometry with a grid, for the NVRTC compile check.
-pub(super) fn example_grid_defines() -> Vec<(&'static str, i64)> {
-    [
-        ("D", 128),
-        ("SD", 2),
-        ("K", 256),
-        ("BITS", 8),
-        ("M", 64),
-        ("BOOKS", 1),
-        ("HEADS", 8),
-        ("ROWS", 32),
-        ("ROTATE", 1),
-        ("GRID", CELLS as i64),
-    ]
-    .to_vec()
+/// Defines of the kernel's variants, for the NVRTC compile check.
+pub(super) fn example_defines() -> Vec<Vec<(&'static str, i64)>> {
+    let geometry = |sd: i64, bits: i64, grid: i64| {
+        vec![
+            ("D", 128),
+            ("SD", sd),
+            ("K", 256),
+            ("BITS", bits),
+            ("M", 128 / sd),
+            ("BOOKS", 1),
+            ("HEADS", 8),
+            ("ROWS", 32),
+            ("ROTATE", 1),
+            ("GRID", grid),
+        ]
+    };
+    // Sub-vectors of 4 without a grid; the default's sub-vectors of 2 with one.
+    vec![geometry(4, 12, 0), geometry(2, 8, CELLS as i64)]
 }
