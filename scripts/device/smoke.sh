@@ -90,8 +90,8 @@ else
   echo "(no compute-sanitizer: memory checks skipped)" | tee -a "$summary"
 fi
 echo "== kernel tests" | tee -a "$summary"
-# Three threads: the tests are independent, and the attention test alone takes ~210 s.
-if "$kernels" --test-threads 3 > "$out/kernel-tests.txt" 2>&1; then
+# A thread per test: they are independent, and the attention test alone sets the time.
+if "$kernels" --test-threads 6 > "$out/kernel-tests.txt" 2>&1; then
   grep -E "test result" "$out/kernel-tests.txt" | tee -a "$summary"
 else
   grep -E "FAILED|panicked|test result" "$out/kernel-tests.txt" | head -20 | tee -a "$summary"

@@ -235,6 +235,13 @@ fn bits<'a>(v: &CudaView<'a, f16>) -> CudaView<'a, u16> {
     unsafe { v.transmute::<u16>(v.len()).expect("same size") }
 }
 
+/// The key and value planes of a layer's f16 rows (every slot's keys, then every slot's values),
+/// each from element `from` of its plane on.
+fn planes<'a>(all: &CudaView<'a, f16>, from: usize) -> (CudaView<'a, u16>, CudaView<'a, u16>) {
+    let plane = all.len() / 2;
+    (bits(&all.slice(from..plane)), bits(&all.slice(plane + from..)))
+}
+
 /// Writes into a tensor's device memory with a kernel: candle hands storage out mutably only to
 /// in-place ops. `f` gets the whole contiguous buffer, from the tensor's first element.
 struct Write<'a, T, F: Fn(&mut CudaViewMut<T>) -> Result<()>> {
@@ -497,15 +504,13 @@ impl CudaBackend {
         out: &mut CudaViewMut<f32>,
     ) -> Result<usize> {
         let Heads { q: hq, kv, dim: d } = self.base.heads;
-        let (slots, rows) = self.dims()?;
+        let (_, rows) = self.dims()?;
         let (b, first, slot0) = (group.len(), &group[0], group[0].slot);
         let q = q.slice(first.queries.start * hq * d..(first.queries.start + b) * hq * d);
         let mut out = out.slice_mut(first.queries.start * hq * d..(first.queries.start + b) * hq * d);
         let gpu = self.rt.gpu();
-        let plane = slots * kv * rows * d;
-        let base = slot0 * kv * rows * d;
         with_view::<f16, _>(&self.base.rows, |all| {
-            let (wk, wv) = (bits(&all.slice(base..plane)), bits(&all.slice(plane + base..)));
+            let (wk, wv) = planes(&all, slot0 * kv * rows * d);
             match &self.attention {
                 Attention::Dense(attn, _) => {
                     let len = first.ring_len;
@@ -566,8 +571,7 @@ impl CudaBackend {
                 let (b, longest) = (views.len(), views.iter().map(|v| v.ring_len).max().unwrap_or(0));
                 let nsplit = attn.splits(gpu, b, longest);
                 with_view::<f16, _>(&self.base.rows, |all| {
-                    let plane = all.len() / 2;
-                    let (wk, wv) = (bits(&all.slice(..plane)), bits(&all.slice(plane..)));
+                    let (wk, wv) = planes(&all, 0);
                     self.rt.with_scratch(b * hq * nsplit, b * kv, d, |scratch| {
                         Ok(attn.attend_ragged(gpu, q, &wk, &wv, &seqs, rows, scale, scratch, out)?)
                     })
@@ -587,8 +591,7 @@ impl CudaBackend {
         let c = self.base.vecinfer_codes()?;
         let nsplit = attn.splits(gpu, b, longest);
         with_view::<f16, _>(&self.base.rows, |all| {
-            let plane = all.len() / 2;
-            let (wk, wv) = (bits(&all.slice(..plane)), bits(&all.slice(plane..)));
+            let (wk, wv) = planes(&all, 0);
             // The table's maps say which rows hold positions; this one is not read.
             let window = Window { keys: wk, values: wv, rows, map: WindowMap::all(rows), just_written: false };
             with_view::<u8, _>(&c.key_codes, |kc| {
@@ -620,8 +623,7 @@ impl CudaBackend {
         out: &mut CudaViewMut<f32>,
     ) -> Result<()> {
         let Heads { q: hq, kv, dim: d } = self.base.heads;
-        let (slots, rows) = self.dims()?;
-        let plane = slots * kv * rows * d;
+        let (_, rows) = self.dims()?;
         let gpu = self.rt.gpu();
         let stream = gpu.stream();
         let alloc = |n: usize| -> Result<cudarc::driver::CudaSlice<f32>> {
@@ -679,11 +681,11 @@ impl CudaBackend {
         };
         if let (true, Some(scratch)) = (joined, decoded.as_mut()) {
             with_view::<f16, _>(&self.base.rows, |all| {
-                let off = v.slot * kv * rows * d;
+                let (keys, values) = planes(&all, v.slot * kv * rows * d);
                 let mut parts = v.ring.parts(v.ring_len);
                 let around = RowsAround {
-                    keys: bits(&all.slice(off..plane)),
-                    values: bits(&all.slice(plane + off..)),
+                    keys,
+                    values,
                     head_stride: rows * d,
                     sink: v.n_sink,
                     ring: [parts.next().unwrap_or_default(), parts.next().unwrap_or_default()],
@@ -730,10 +732,10 @@ impl CudaBackend {
                 with_staged(staged, |input| {
                     let run = |span: &RowSpan| match span.from {
                         RowSource::Stored(first) => {
-                            let off = (v.slot * kv * rows + first) * d;
+                            let (keys, values) = planes(&all, (v.slot * kv * rows + first) * d);
                             Rows {
-                                keys: bits(&all.slice(off..plane)),
-                                values: bits(&all.slice(plane + off..)),
+                                keys,
+                                values,
                                 len: span.n,
                                 head_stride: rows * d,
                                 row_stride: d,
@@ -814,14 +816,17 @@ impl CudaBackend {
         };
         with_view::<f32, _>(&qf, |qv| {
             let alike = groups(&fast, Self::alike);
-            if let Some(launches) =
-                (alike.len() > 1).then(|| self.decode_ragged(&qv, &fast, scale, out)).transpose()?.flatten()
-            {
-                self.rt.count(launches);
-            } else {
-                for g in alike {
-                    let launches = self.decode_group(&qv, g, scale, std::mem::take(&mut after_put), out)?;
-                    self.rt.count(launches);
+            let ragged = match alike.len() {
+                0 | 1 => None,
+                _ => self.decode_ragged(&qv, &fast, scale, out)?,
+            };
+            match ragged {
+                Some(launches) => self.rt.count(launches),
+                None => {
+                    for g in alike {
+                        let launches = self.decode_group(&qv, g, scale, std::mem::take(&mut after_put), out)?;
+                        self.rt.count(launches);
+                    }
                 }
             }
             for v in &blocks {
@@ -938,9 +943,9 @@ impl Backend for CudaBackend {
         if !matches!(self.attention, Attention::Coded(..)) {
             return Err(Error::Config("a dense cache holds no codes".into()));
         }
-        let (slots, rows) = self.dims()?;
+        let (_, rows) = self.dims()?;
         let Heads { kv, dim: d, .. } = self.base.heads;
-        let (main, cap, plane) = (self.rt.gpu(), self.capacity, slots * kv * rows * d);
+        let (main, cap) = (self.rt.gpu(), self.capacity);
         for g in groups(spans, |a, b, k| {
             b.slot == a.slot + k && (b.at, b.ring) == (a.at, a.ring) && a.input.1 == 0 && b.input.1 == 0
         }) {
@@ -956,8 +961,8 @@ impl Backend for CudaBackend {
                 let aside = self.flush_begin()?;
                 let gpu = aside.unwrap_or(main);
                 let r = with_view::<f16, _>(&self.base.rows, |all| {
-                    let off = q.slot * kv * rows * d;
-                    self.code(gpu, &bits(&all.slice(off..)), &bits(&all.slice(plane + off..)), q.slot, streams, map)
+                    let (keys, values) = planes(&all, q.slot * kv * rows * d);
+                    self.code(gpu, &keys, &values, q.slot, streams, map)
                 });
                 if aside.is_some() {
                     self.flush_end()?;

@@ -5,8 +5,8 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod kernel_cache;
 pub mod options;
-pub mod ptx_cache;
 pub mod select;
 
 pub use options::{GemvShape, GemvShapes, KernelOptions};

@@ -1,6 +1,8 @@
 //! CUDA kernels (feature `cuda`): written in CUDA C (`*.cu` beside this file), compiled at first
-//! use by NVRTC for the device's own architecture with every size fixed by `#define`, and cached
-//! per process and on disk ([`ptx_cache`](crate::kernels::ptx_cache)). cudarc loads the driver
+//! use by NVRTC into machine code for the device's own architecture with every size fixed by
+//! `#define`, and cached per process and on disk ([`kernel_cache`](crate::kernels::kernel_cache)).
+//! Machine code (CUBIN), not PTX: the driver would translate PTX again in every process whose
+//! own cache of translations is cold (a fresh machine or container). cudarc loads the driver
 //! and NVRTC at run time, so building needs no CUDA and a machine without a GPU gets an error,
 //! not a crash.
 
@@ -34,11 +36,11 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use cudarc::nvrtc::Ptx;
 
 use crate::error::{Error, Result};
+use crate::kernels::kernel_cache;
 use crate::kernels::options::{GemvShapes, KernelOptions};
-use crate::kernels::ptx_cache;
 
 const COMMON: &str = include_str!("common.cuh");
 
@@ -256,20 +258,20 @@ impl Gpu {
         }
         let src = source(sources, defines);
         let dir = self.options.lock().expect("kernel options lock").kernel_cache.clone();
-        let disk_key = ptx_cache::key(&[self.arch, name, &src, &nvrtc_version()]);
-        let cached = dir.as_deref().and_then(|d| ptx_cache::load(d, &disk_key));
-        let module = match cached.map(|text| self.ctx.load_module(Ptx::from_src(text))) {
+        let disk_key = kernel_cache::key(&[self.arch, name, &src, &nvrtc_version()]);
+        let cached = dir.as_deref().and_then(|d| kernel_cache::load(d, &disk_key));
+        let module = match cached.map(|cubin| self.ctx.load_module(Ptx::from_binary(cubin))) {
             Some(Ok(m)) => m,
             stale => {
                 if let (Some(d), Some(Err(_))) = (&dir, stale) {
-                    ptx_cache::forget(d, &disk_key);
+                    kernel_cache::forget(d, &disk_key);
                 }
-                let ptx = compile_source(self.arch, name, &src)?;
+                let cubin = compile_source(self.arch, name, &src)?;
                 if let Some(d) = &dir {
                     // A cache that cannot be written costs the next process a compile, nothing else.
-                    let _ = ptx_cache::store(d, &disk_key, &ptx.to_src());
+                    let _ = kernel_cache::store(d, &disk_key, &cubin);
                 }
-                self.ctx.load_module(ptx).map_err(dev_err)?
+                self.ctx.load_module(Ptx::from_binary(cubin)).map_err(dev_err)?
             }
         };
         let f = module.load_function(name).map_err(dev_err)?;
@@ -325,20 +327,50 @@ fn source(sources: &[&str], defines: &[(&str, i64)]) -> String {
     format!("{header}{COMMON}\n{}", sources.join("\n"))
 }
 
-/// PTX of kernel `name` for `arch` from `sources` with `defines`, compiled by NVRTC (a missing
-/// libnvrtc is an error, not a panic).
-fn compile(arch: &'static str, name: &str, sources: &[&str], defines: &[(&str, i64)]) -> Result<Ptx> {
+/// Machine code of kernel `name` for `arch` from `sources` with `defines`, compiled by NVRTC (a
+/// missing libnvrtc is an error, not a panic).
+fn compile(arch: &'static str, name: &str, sources: &[&str], defines: &[(&str, i64)]) -> Result<Vec<u8>> {
     compile_source(arch, name, &source(sources, defines))
 }
 
-fn compile_source(arch: &'static str, name: &str, src: &str) -> Result<Ptx> {
-    let opts = CompileOptions { arch: Some(arch), options: vec!["--std=c++17".into()], ..Default::default() };
-    quietly(|| compile_ptx_with_opts(src, opts))
+/// CUBIN of `src` for `arch` (a real architecture, `sm_90`: NVRTC runs the assembler itself).
+fn compile_source(arch: &'static str, name: &str, src: &str) -> Result<Vec<u8>> {
+    use cudarc::nvrtc::{result, sys};
+    let src = std::ffi::CString::new(src).map_err(|_| Error::Device(format!("{name}: a NUL in the source")))?;
+    let options = [format!("--gpu-architecture={arch}"), "--std=c++17".into()];
+    let compiled = quietly(move || -> std::result::Result<Vec<u8>, String> {
+        let prog = result::create_program(&src, None).map_err(|e| format!("{e:?}"))?;
+        // SAFETY: `prog` is live until the destroy below; each size is asked before its buffer is
+        // filled, and NVRTC writes no more than it said.
+        let out = unsafe {
+            let built = match result::compile_program(prog, &options) {
+                Ok(()) => {
+                    let mut size = 0usize;
+                    sys::nvrtcGetCUBINSize(prog, &mut size)
+                        .result()
+                        .and_then(|_| {
+                            let mut cubin = vec![0u8; size];
+                            sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()).result().map(|_| cubin)
+                        })
+                        .map_err(|e| format!("{e:?}"))
+                }
+                Err(e) => {
+                    let log = result::get_program_log(prog).unwrap_or_default();
+                    let log = std::ffi::CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned();
+                    Err(format!("{e:?}: {log}"))
+                }
+            };
+            let _ = result::destroy_program(prog);
+            built
+        };
+        out
+    });
+    compiled
         .map_err(|_| Error::Device("libnvrtc could not be loaded".into()))?
-        .map_err(|e| Error::Device(format!("NVRTC compiling {name}: {e:?}")))
+        .map_err(|e| Error::Device(format!("NVRTC compiling {name}: {e}")))
 }
 
-/// NVRTC's version as "major.minor" (part of the disk cache's key: PTX from a newer compiler may
+/// NVRTC's version as "major.minor" (part of the disk cache's key: code from a newer compiler may
 /// not load on an older driver); "unknown" when libnvrtc cannot be asked.
 fn nvrtc_version() -> String {
     let (mut major, mut minor) = (0, 0);
@@ -358,5 +390,12 @@ mod tests {
     #[test]
     fn kernels_compile_with_nvrtc() {
         super::compile_check("sm_90").unwrap();
+    }
+
+    /// What the disk cache keeps and the driver loads is machine code, not PTX text.
+    #[test]
+    fn kernels_compile_to_machine_code() {
+        let code = super::compile("sm_90", "vq_convert", super::convert::SOURCES, &[]).unwrap();
+        assert_eq!(&code[..4], b"\x7fELF", "a CUBIN is an ELF image");
     }
 }

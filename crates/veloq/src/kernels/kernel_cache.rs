@@ -3,6 +3,7 @@
 //! file is named by a hash of everything its text depends on — the kernel's source with its
 //! `#define`s, its name, the architecture and the compiler's version — so a change anywhere
 //! compiles afresh, and a file that is unreadable or does not load is compiled again and replaced.
+//! Files hold machine code (`.cubin`), which loads without the driver's translation.
 //! Device-free (file and hash logic only), so it is tested without a GPU. The directory comes
 //! from [`KernelOptions::kernel_cache`](super::KernelOptions::kernel_cache).
 
@@ -24,26 +25,30 @@ pub fn key(parts: &[&str]) -> String {
     format!("{:016x}{:016x}", fnv(0xcbf2_9ce4_8422_2325), fnv(0x6c62_272e_07bb_0142))
 }
 
-/// The cached text for `key`, if a complete file is there.
-pub fn load(dir: &Path, key: &str) -> Option<String> {
-    let text = std::fs::read_to_string(dir.join(format!("{key}.ptx"))).ok()?;
-    // A file is written whole and renamed into place; an empty one is not a kernel.
-    (!text.trim().is_empty()).then_some(text)
+fn path(dir: &Path, key: &str) -> std::path::PathBuf {
+    dir.join(format!("{key}.cubin"))
 }
 
-/// Keeps `text` under `key`: written to a temporary file and renamed, so that concurrent
+/// The cached code for `key`, if a complete file is there.
+pub fn load(dir: &Path, key: &str) -> Option<Vec<u8>> {
+    let code = std::fs::read(path(dir, key)).ok()?;
+    // A file is written whole and renamed into place; an empty one is not a kernel.
+    (!code.is_empty()).then_some(code)
+}
+
+/// Keeps `code` under `key`: written to a temporary file and renamed, so that concurrent
 /// processes never read half a file. A cache that cannot be written only costs the next process
 /// a compile: errors are returned for the caller to ignore or report.
-pub fn store(dir: &Path, key: &str, text: &str) -> std::io::Result<()> {
+pub fn store(dir: &Path, key: &str, code: &[u8]) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!("{key}.ptx.{}.tmp", std::process::id()));
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, dir.join(format!("{key}.ptx")))
+    let tmp = dir.join(format!("{key}.cubin.{}.tmp", std::process::id()));
+    std::fs::write(&tmp, code)?;
+    std::fs::rename(&tmp, path(dir, key))
 }
 
 /// Drops the file for `key` (it did not load).
 pub fn forget(dir: &Path, key: &str) {
-    let _ = std::fs::remove_file(dir.join(format!("{key}.ptx")));
+    let _ = std::fs::remove_file(path(dir, key));
 }
 
 #[cfg(test)]
@@ -68,15 +73,16 @@ mod tests {
 
     #[test]
     fn stores_loads_and_forgets() {
-        let dir = std::env::temp_dir().join(format!("veloq-ptx-cache-test-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("veloq-kernel-cache-test-{}", std::process::id()));
         let k = key(&["a", "b"]);
         assert_eq!(load(&dir, &k), None, "nothing before a store");
-        store(&dir, &k, ".version 8.0\n.target sm_90\n").unwrap();
-        assert_eq!(load(&dir, &k).as_deref(), Some(".version 8.0\n.target sm_90\n"));
-        std::fs::write(dir.join(format!("{k}.ptx")), "  \n").unwrap();
+        let code = b"\x7fELF\x02\x01\x01\x33\0\0 machine code with a NUL";
+        store(&dir, &k, code).unwrap();
+        assert_eq!(load(&dir, &k).as_deref(), Some(&code[..]), "bytes come back whole, NULs included");
+        std::fs::write(path(&dir, &k), b"").unwrap();
         assert_eq!(load(&dir, &k), None, "an empty file is no kernel");
         forget(&dir, &k);
-        assert!(!dir.join(format!("{k}.ptx")).exists());
+        assert!(!path(&dir, &k).exists());
         let leftovers = std::fs::read_dir(&dir).unwrap().count();
         assert_eq!(leftovers, 0, "no temporary files left");
         std::fs::remove_dir_all(&dir).unwrap();
