@@ -342,7 +342,7 @@ fn compile_source(arch: &'static str, name: &str, src: &str) -> Result<Vec<u8>> 
         let prog = result::create_program(&src, None).map_err(|e| format!("{e:?}"))?;
         // SAFETY: `prog` is live until the destroy below; each size is asked before its buffer is
         // filled, and NVRTC writes no more than it said.
-        let out = unsafe {
+        unsafe {
             let built = match result::compile_program(prog, &options) {
                 Ok(()) => {
                     let mut size = 0usize;
@@ -355,15 +355,15 @@ fn compile_source(arch: &'static str, name: &str, src: &str) -> Result<Vec<u8>> 
                         .map_err(|e| format!("{e:?}"))
                 }
                 Err(e) => {
-                    let log = result::get_program_log(prog).unwrap_or_default();
-                    let log = std::ffi::CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned();
+                    let log: Vec<u8> =
+                        result::get_program_log(prog).unwrap_or_default().into_iter().map(|c| c as u8).collect();
+                    let log = String::from_utf8_lossy(log.split(|&b| b == 0).next().unwrap_or_default());
                     Err(format!("{e:?}: {log}"))
                 }
             };
             let _ = result::destroy_program(prog);
             built
-        };
-        out
+        }
     });
     compiled
         .map_err(|_| Error::Device("libnvrtc could not be loaded".into()))?
@@ -397,5 +397,13 @@ mod tests {
     fn kernels_compile_to_machine_code() {
         let code = super::compile("sm_90", "vq_convert", super::convert::SOURCES, &[]).unwrap();
         assert_eq!(&code[..4], b"\x7fELF", "a CUBIN is an ELF image");
+    }
+
+    /// A kernel that does not compile is an error carrying NVRTC's log, not a panic.
+    #[test]
+    fn a_compile_error_carries_the_log() {
+        let src = "extern \"C\" __global__ void broken() { undeclared_name = 1; }";
+        let msg = super::compile_source("sm_90", "broken", src).unwrap_err().to_string();
+        assert!(msg.contains("NVRTC compiling broken") && msg.contains("undeclared_name"), "{msg}");
     }
 }
