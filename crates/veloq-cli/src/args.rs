@@ -71,6 +71,10 @@ pub struct CudaFlags {
     /// synchronisation, the driver's default).
     #[arg(long, env = "VELOQ_KEEP_FREED_MEMORY", default_value = "on", action = clap::ArgAction::Set, value_parser = BoolishValueParser::new(), value_name = "on|off")]
     pub keep_freed_memory: bool,
+    /// Sequences at different positions decode in one batch's launches (off: a batch's launches
+    /// per group of sequences laid out alike).
+    #[arg(long, env = "VELOQ_CUDA_RAGGED_DECODE", default_value = "on", action = clap::ArgAction::Set, value_parser = BoolishValueParser::new(), value_name = "on|off")]
+    pub cuda_ragged_decode: bool,
     /// GEMV launch shape R,U,T for one activation row (`veloq-lab bench cuda --gemv-sweep`).
     #[arg(long, env = "VELOQ_GEMV", value_name = "R,U,T")]
     pub gemv_shape: Option<GemvShape>,
@@ -81,6 +85,21 @@ pub struct CudaFlags {
     /// <cache-dir>/kernels.
     #[arg(long, env = "VELOQ_KERNEL_CACHE")]
     pub kernel_cache: Option<PathBuf>,
+}
+
+/// Points the CUDA driver's cache of translated PTX under `cache_dir` (`<cache_dir>/nv`) unless
+/// `CUDA_CACHE_PATH` is set ([`veloq_candle::cuda_options::driver_cache_dir`]); in CUDA builds
+/// only. Call first thing in `main`, while the process has one thread.
+pub fn place_driver_cache(cache_dir: &std::path::Path) {
+    #[cfg(feature = "cuda")]
+    {
+        use veloq_candle::cuda_options::{driver_cache_dir, DRIVER_CACHE_VAR};
+        if let Some(dir) = driver_cache_dir(cache_dir, std::env::var_os(DRIVER_CACHE_VAR).as_deref()) {
+            std::env::set_var(DRIVER_CACHE_VAR, dir);
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = cache_dir;
 }
 
 impl CudaFlags {
@@ -97,6 +116,7 @@ impl CudaFlags {
             f16_rows: self.cuda_f16_rows,
             flush_stream: self.flush_stream,
             keep_freed_memory: self.keep_freed_memory,
+            ragged_decode: self.cuda_ragged_decode,
             kernels: KernelOptions {
                 overlapped_launches: self.overlapped_launches,
                 kernel_cache,

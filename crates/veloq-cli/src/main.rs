@@ -29,7 +29,18 @@ enum Command {
 }
 
 fn main() -> Result<()> {
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    let cache_dir = match &cli.command {
+        Command::Generate(a) => Some(&a.run.files.cache_dir),
+        Command::Chat(a) => Some(&a.run.files.cache_dir),
+        Command::Serve(a) => Some(&a.run.files.cache_dir),
+        Command::Calibrate(a) => Some(&a.files.cache_dir),
+        Command::Methods => None,
+    };
+    if let Some(dir) = cache_dir {
+        veloq_cli::args::place_driver_cache(dir);
+    }
+    match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Chat(a) => chat::run(a),
         Command::Calibrate(a) => calibrate::run(a),

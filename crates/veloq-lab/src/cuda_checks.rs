@@ -670,9 +670,10 @@ pub const ATTENTION_CHECKS: [AttnCase; 17] = [
 ];
 
 /// Ragged decode checks: (q heads, kv heads, head_dim, key/value sub_dims) — SmolLM2's and the 8B
-/// geometry's heads at the default's format, and 2-bit codes.
-pub const RAGGED_CHECKS: [(usize, usize, usize, (usize, usize)); 3] =
-    [(9, 3, 64, (2, 2)), (32, 8, 128, (2, 2)), (32, 8, 128, (4, 4))];
+/// geometry's heads at the default's format, 2-bit codes, and 1-bit codes with 12 query heads on
+/// one kv head (lookup tables only).
+pub const RAGGED_CHECKS: [(usize, usize, usize, (usize, usize)); 4] =
+    [(9, 3, 64, (2, 2)), (32, 8, 128, (2, 2)), (32, 8, 128, (4, 4)), (12, 1, 64, (8, 8))];
 
 #[derive(Clone, Copy)]
 /// One attention check's geometry.
@@ -779,10 +780,12 @@ pub fn check_attention(gpu: &Gpu, rng: &mut Rng, c: AttnCase, v: Variant) -> Res
     )
 }
 
-/// One ragged decode launch (`attend_ragged`) against one launch per sequence (`attend_cache`,
-/// checked against f64 above) on the same cache of 4 slots: three sequences at different coded
-/// lengths (one with nothing coded), sinks and ring states, their queries at shuffled rows. The
-/// two differ only by where the splits fall (rounding), so the bound is 1e-4 relative.
+/// A ragged decode (`attend_ragged`) against one call per sequence (`attend_cache`, checked
+/// against f64 above) with the same kernels, on the same cache of 4 slots: three sequences at
+/// different coded lengths (one with nothing coded; with `coded` false, none has codes: the merge
+/// alone), sinks and ring states, their queries at shuffled rows. The two differ only by where
+/// the splits fall (rounding), so the bound is 1e-4 relative.
+#[allow(clippy::too_many_arguments)]
 pub fn check_ragged(
     gpu: &Gpu,
     rng: &mut Rng,
@@ -790,20 +793,25 @@ pub fn check_ragged(
     hkv: usize,
     d: usize,
     sd: (usize, usize),
+    v: Variant,
+    coded: bool,
 ) -> Result<serde_json::Value> {
     let (slots, stride, w, sink_cap, ring_cap) = (4usize, 300usize, 24usize, 4usize, 20usize);
     let (kc, vc) = (
         codec_of(rng, hkv, d, (sd.0, 8), Granularity::PerLayer, true)?,
         codec_of(rng, hkv, d, (sd.1, 8), Granularity::PerLayer, false)?,
     );
-    let att = GpuAttention::new(GpuCodec::upload(gpu, &kc)?, GpuCodec::upload(gpu, &vc)?, hq)?;
+    let att = v.build(gpu, &kc, &vc, hq)?;
     let (mk, mv) = (d / sd.0, d / sd.1);
     let kcodes = head_major(&kc.encode_vec(&rng.rows(slots * stride * hkv, d))?, slots, stride, hkv, mk);
     let vcodes = head_major(&vc.encode_vec(&rng.rows(slots * stride * hkv, d))?, slots, stride, hkv, mv);
     let wk = f16_bits(&rng.rows(slots * hkv * w, d));
     let wv = f16_bits(&rng.rows(slots * hkv * w, d));
     // (slot, query row, coded, n_sink, ring head, ring len)
-    let seqs = [(2usize, 0usize, 300usize, 4usize, 5usize, 20usize), (0, 2, 37, 2, 0, 7), (3, 1, 0, 4, 19, 3)];
+    let mut seqs = [(2usize, 0usize, 300usize, 4usize, 5usize, 20usize), (0, 2, 37, 2, 0, 7), (3, 1, 0, 4, 19, 3)];
+    if !coded {
+        seqs.iter_mut().for_each(|s| s.2 = 0);
+    }
     let tokens = seqs.len();
     let q = rng.rows(tokens * hq, d);
     let scale = 1.0 / (d as f32).sqrt();
@@ -829,7 +837,8 @@ pub fn check_ragged(
     let window =
         Window { keys: wkd.as_view(), values: wvd.as_view(), rows: w, map: WindowMap::all(w), just_written: false };
     let ragged = Ragged { table: table.as_view(), host: &host };
-    att.attend_ragged(gpu, &qd.as_view(), &codes, &window, &ragged, scale, &mut scratch, &mut got.as_view_mut())?;
+    let launches =
+        att.attend_ragged(gpu, &qd.as_view(), &codes, &window, &ragged, scale, &mut scratch, &mut got.as_view_mut())?;
     let got: Vec<f32> = dev!(st.clone_dtoh(&got));
     let mut want = vec![f32::NAN; tokens * hq * d];
     for &(slot, row, len, n_sink, head, ring) in &seqs {
@@ -853,17 +862,25 @@ pub fn check_ragged(
         want[row * hq * d..(row + 1) * hq * d].copy_from_slice(&dev!(st.clone_dtoh(&one)));
     }
     let rel = rel_mse(&got, &want).sqrt();
-    let ok = rel.is_finite() && rel < 1e-4;
+    // One uniform batch's launches: the merge alone with nothing coded, else the split kernel
+    // and, unless it merges in its last block, the merge.
+    let fused = v.kernel == SplitKernel::TensorCores && v.fused;
+    let expected = if !coded || fused { 1 } else { 2 };
+    let ok = rel.is_finite() && rel < 1e-4 && launches == expected;
+    let (label, _) = v.label();
     println!(
-        "ragged decode Hq={hq} Hkv={hkv} D={d} sd {}/{}: 3 sequences in one launch vs one each, rel err {rel:.2e} (bound 1e-4) {}",
+        "ragged decode Hq={hq} Hkv={hkv} D={d} sd {}/{} {label}{}: 3 sequences in {launches} launch(es) (want {expected}) vs one call each, rel err {rel:.2e} (bound 1e-4) {}",
         sd.0,
         sd.1,
+        if coded { "" } else { ", nothing coded" },
         if ok { "ok" } else { "FAIL" }
     );
     if !ok {
         bail!("ragged decode mismatch");
     }
-    Ok(json!({"check": "ragged", "Hq": hq, "Hkv": hkv, "D": d, "sub_dims": [sd.0, sd.1], "rel_err": rel}))
+    Ok(
+        json!({"check": "ragged", "Hq": hq, "Hkv": hkv, "D": d, "sub_dims": [sd.0, sd.1], "kernel": label, "coded": coded, "launches": launches, "rel_err": rel}),
+    )
 }
 
 /// Every check: quantize (single codecs and key/value pairs), the GEMV forms, and attention for
@@ -883,20 +900,40 @@ pub fn all(gpu: &Gpu, rng: &mut Rng, variants: &[Variant]) -> Result<Vec<serde_j
     Ok(checks)
 }
 
-/// The attention checks alone: every shape for each variant (the tensor-core kernel only where a
-/// kv head's group fits it), then the ragged batches.
+/// The attention checks alone: every shape for each variant, then the ragged batches.
 pub fn attention(gpu: &Gpu, rng: &mut Rng, variants: &[Variant]) -> Result<Vec<serde_json::Value>> {
+    let mut checks = attention_shapes(gpu, rng, variants)?;
+    checks.extend(ragged_batches(gpu, rng, variants)?);
+    Ok(checks)
+}
+
+/// Whether a variant's split kernel takes a geometry: lookup tables every one the checks use,
+/// tensor cores sub-vectors of 2 or 4 and at most 8 query heads per kv head.
+fn takes(v: &Variant, hq: usize, hkv: usize, sd: (usize, usize)) -> bool {
+    v.kernel == SplitKernel::Tables || (hq / hkv <= 8 && [sd.0, sd.1].iter().all(|s| matches!(s, 2 | 4)))
+}
+
+/// Every shape of [`ATTENTION_CHECKS`] for each variant that takes it, against f64.
+pub fn attention_shapes(gpu: &Gpu, rng: &mut Rng, variants: &[Variant]) -> Result<Vec<serde_json::Value>> {
     let mut checks = Vec::new();
     for &c in &ATTENTION_CHECKS {
-        for &v in variants {
-            if v.kernel == SplitKernel::TensorCores && c.hq / c.hkv > 8 {
-                continue;
-            }
-            checks.push(check_attention(gpu, rng, c, v)?);
+        for v in variants.iter().filter(|v| takes(v, c.hq, c.hkv, c.sd)) {
+            checks.push(check_attention(gpu, rng, c, *v)?);
         }
     }
+    Ok(checks)
+}
+
+/// Every geometry of [`RAGGED_CHECKS`] for each variant that takes it, with and without codes.
+/// f16 value partials (an option, never the product's) round differently per split: not here.
+pub fn ragged_batches(gpu: &Gpu, rng: &mut Rng, variants: &[Variant]) -> Result<Vec<serde_json::Value>> {
+    let mut checks = Vec::new();
     for (hq, hkv, d, sd) in RAGGED_CHECKS {
-        checks.push(check_ragged(gpu, rng, hq, hkv, d, sd)?);
+        for v in variants.iter().filter(|v| !v.half && takes(v, hq, hkv, sd)) {
+            for coded in [true, false] {
+                checks.push(check_ragged(gpu, rng, hq, hkv, d, sd, *v, coded)?);
+            }
+        }
     }
     Ok(checks)
 }

@@ -41,6 +41,12 @@ enum Command {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    // The served model's cache directory, else the one every other command defaults to.
+    let cache_dir = match &cli.command {
+        Command::Serve(a) => a.run.files.cache_dir.clone(),
+        _ => std::env::var_os("VELOQ_CACHE").map(Into::into).unwrap_or_else(veloq::paths::default_cache_dir),
+    };
+    veloq_cli::args::place_driver_cache(&cache_dir);
     if let Some(f) = cli.font {
         veloq_lab::plot::use_font(f);
     }

@@ -16,9 +16,10 @@
 //!   queries, no tensor ops.
 //!
 //! Sequences decode together in one launch when their storage is laid out alike (consecutive
-//! slots, same sink, coded span and ring state), as a batch started together is; a coded layer's
-//! ragged batch (each sequence at its own position) takes one tensor-core launch reading a table
-//! per sequence (`CudaBackend::decode_ragged`), an fp16 one flash-decoding's two, and a decode
+//! slots, same sink, coded span and ring state), as a batch started together is; a ragged batch
+//! (each sequence at its own position) takes the launches of one such group, reading a table per
+//! sequence (`CudaBackend::decode_ragged`: one on tensor cores, two on lookup tables and for
+//! fp16's flash-decoding, the merge alone while nothing is coded), and a decode
 //! step's new rows go in with one launch either way. Sliding-window layers (decode and prefill)
 //! take the prefill kernels with the window in their mask; truncation into codes is the portable
 //! backend's candle ops.
@@ -66,6 +67,8 @@ pub struct CudaRuntime {
     gemv: AtomicBool,
     /// [`CudaOptions::f16_rows`].
     f16_rows: AtomicBool,
+    /// [`CudaOptions::ragged_decode`].
+    ragged: AtomicBool,
     device: CudaDevice,
     scratch: Mutex<Option<AttentionScratch>>,
     launches: AtomicUsize,
@@ -111,6 +114,7 @@ impl CudaRuntime {
             aside: AtomicBool::new(options.flush_stream),
             gemv: AtomicBool::new(options.gemv),
             f16_rows: AtomicBool::new(options.f16_rows),
+            ragged: AtomicBool::new(options.ragged_decode),
             device: cuda.clone(),
             scratch: Mutex::new(None),
             launches: AtomicUsize::new(0),
@@ -134,6 +138,7 @@ impl CudaRuntime {
         self.aside.store(options.flush_stream, Ordering::Relaxed);
         self.gemv.store(options.gemv, Ordering::Relaxed);
         self.f16_rows.store(options.f16_rows, Ordering::Relaxed);
+        self.ragged.store(options.ragged_decode, Ordering::Relaxed);
         Ok(self.gpu.keep_freed_memory(options.keep_freed_memory)?)
     }
 
@@ -145,6 +150,12 @@ impl CudaRuntime {
     /// Whether many-row steps over f16 weights take the f16 row path ([`CudaOptions::f16_rows`]).
     pub fn f16_rows(&self) -> bool {
         self.f16_rows.load(Ordering::Relaxed)
+    }
+
+    /// Whether sequences at different positions decode in one batch's launches
+    /// ([`CudaOptions::ragged_decode`]).
+    pub fn ragged_decode(&self) -> bool {
+        self.ragged.load(Ordering::Relaxed)
     }
 
     /// Whether flushes run on their own stream.
@@ -547,11 +558,12 @@ impl CudaBackend {
         })
     }
 
-    /// Decode attention of sequences at different positions (`views`: decodable) in one launch
-    /// (two for fp16: split and merge): a table of each one's slot, query row and lengths (and,
-    /// for codes, window map) goes to the device, and the kernel reads its sequence's entry.
-    /// Returns the launches issued, or `None` (nothing launched) where the coded layer's
-    /// tensor-core kernel cannot take the batch: the caller launches per group.
+    /// Decode attention of sequences at different positions (`views`: decodable) in the launches
+    /// of one group (split and merge, or the tensor-core kernel merging in its last block): a
+    /// table of each one's slot, query row and lengths (and, for codes, window map) goes to the
+    /// device, and the kernels read their sequence's entry. Returns the launches issued, or `None`
+    /// (nothing launched) where the coded layer's merge cannot take the batch (a window past the
+    /// merge's rows or shared memory): the caller launches per group.
     fn decode_ragged(
         &self,
         q: &CudaView<f32>,
@@ -589,8 +601,8 @@ impl CudaBackend {
         let table = gpu.stream().clone_htod(&host).map_err(veloq::Error::from)?;
         let ragged = Ragged { table: table.as_view(), host: &host };
         let c = self.base.vecinfer_codes()?;
-        let nsplit = attn.splits(gpu, b, longest);
-        with_view::<f16, _>(&self.base.rows, |all| {
+        let nsplit = if longest == 0 { 0 } else { attn.splits(gpu, b, longest) };
+        let launches = with_view::<f16, _>(&self.base.rows, |all| {
             let (wk, wv) = planes(&all, 0);
             // The table's maps say which rows hold positions; this one is not read.
             let window = Window { keys: wk, values: wv, rows, map: WindowMap::all(rows), just_written: false };
@@ -603,7 +615,7 @@ impl CudaBackend {
                 })
             })
         })?;
-        Ok(Some(1))
+        Ok(Some(launches))
     }
 
     /// Attention of a view's queries over everything it sees, through the prefill kernels, into
@@ -818,6 +830,7 @@ impl CudaBackend {
             let alike = groups(&fast, Self::alike);
             let ragged = match alike.len() {
                 0 | 1 => None,
+                _ if !self.rt.ragged_decode() => None,
                 _ => self.decode_ragged(&qv, &fast, scale, out)?,
             };
             match ragged {

@@ -557,6 +557,7 @@ fn set_cuda_rows(
         f16_rows,
         flush_stream,
         keep_freed_memory: keep_freed,
+        ragged_decode: true,
         kernels,
     })?;
     Ok(())

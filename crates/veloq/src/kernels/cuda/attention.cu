@@ -12,11 +12,17 @@
 //
 // vq_attend_merge (merge.cu) finishes from the partials.
 //
+// A ragged batch (sequences at different positions, `is_ragged`) is one launch too: the table of
+// 8 ints per sequence that the tensor-core kernel reads (attention_mma.cu) gives sequence b its
+// slot, packed query row and coded length; splits past a sequence's end write empty partials
+// (no table built, nothing read), which the merge weighs by zero.
+//
 // Defines: D, M_K, SD_K, K_K (key centroids, 8-bit codes), M_V, SD_V, K_V, HQ, HKV, G (= HQ/HKV),
 // GB (heads per block, divides G), CENTER_K, SMOOTH_K, CENTER_V, SMOOTH_V, ROTATE, MAX_SPLIT,
 // TABLE (floats of the table space), CHUNK, THREADS, GBP (table entry width), PJ (sub-spaces
 // interleaved in the table), RV (value codebook replicas), VALUES_F16 (value pass in packed f16).
-// Layouts: q [B][HQ][D] f32; codes [B][HKV][S][M] u8.
+// Layouts: q [B][HQ][D] f32; codes [B][HKV][S][M] u8 (ragged: [slots][HKV][stride][M], q's rows
+// packed).
 
 // Shared-memory layouts are chosen so that the lanes of one load phase hit distinct banks even
 // though codes are random: a table entry (all heads of one (j, c)) is GBP floats, and PJ sub-spaces
@@ -49,7 +55,8 @@ __device__ __forceinline__ void add_entry(float (&s)[GB], const float* e) {
 extern "C" __global__ void __launch_bounds__(THREADS) vq_attend_split(
     const float* __restrict__ q, const unsigned char* __restrict__ kcodes, const unsigned char* __restrict__ vcodes,
     const float* __restrict__ kbook, const float* __restrict__ vbook, const float* __restrict__ kmean,
-    const float* __restrict__ kscale, float* __restrict__ part_o, float* __restrict__ part_ml, int S, long long stride, int split, float scale) {
+    const float* __restrict__ kscale, float* __restrict__ part_o, float* __restrict__ part_ml, int S, long long stride, int split, float scale,
+    const int* __restrict__ ragged, int is_ragged) {
     extern __shared__ __align__(16) float smem[];
     float* lut = smem;                          // [M_K/PJ][K_K][PJ][GBP], later staged codes and partials
     float* p = lut + TABLE;                     // [MAX_SPLIT][GBP]
@@ -61,7 +68,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) vq_attend_split(
     const int h = bh % HKV, b = bh / HKV, qh0 = h * G + gi * GB;
     const int nsplit = gridDim.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = THREADS / 32;
-    const int t0 = sp * split, t1 = min(S, t0 + split), n = max(0, t1 - t0);
+    // Sequence b's codes slot, query row and coded length: its own outside a ragged batch.
+    const int cs = is_ragged ? ragged[8 * b] : b, qb = is_ragged ? ragged[8 * b + 1] : b;
+    const int t0 = sp * split, t1 = min(is_ragged ? ragged[8 * b + 2] : S, t0 + split), n = max(0, t1 - t0);
+    if (n == 0) {  // a split past the sequence's end (the same for the whole block)
+        for (int i = tid; i < GB * D; i += THREADS) {
+            const size_t part = (size_t)(b * HQ + qh0 + i / D) * nsplit + sp;
+            part_o[part * D + i % D] = 0.f;
+            if (i % D < 2) part_ml[part * 2 + i % D] = i % D == 0 ? -3.402823466e38f : 0.f;
+        }
+        return;
+    }
 
 #if GBP * MAX_SPLIT < K_K * SD_K
 #error "the key codebook is staged in the weights' space"
@@ -94,7 +111,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) vq_attend_split(
     }
 
     // The first key codes of this thread are requested now; they arrive while the table is built.
-    const unsigned char* kc = kcodes + ((size_t)(b * HKV + h) * stride) * M_K;
+    const unsigned char* kc = kcodes + ((size_t)(cs * HKV + h) * stride) * M_K;
     constexpr int NW = M_K / 4, A = M_K / PJ;
     auto load_codes = [&](unsigned int (&w)[NW], int t) {
         const unsigned char* row = kc + (size_t)(t0 + t) * M_K;
@@ -117,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) vq_attend_split(
 #pragma unroll
         for (int i = 0; i < D / 32; i++) {
             const int e = i * 32 + lane;
-            float f = q[((size_t)b * HQ + qh0 + g) * D + e] * scale;
+            float f = q[((size_t)qb * HQ + qh0 + g) * D + e] * scale;
             if (CENTER_K) off = fmaf(f, kmean[h * D + e], off);
             if (SMOOTH_K) f *= kscale[h * D + e];
             v[i] = f;
@@ -229,7 +246,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) vq_attend_split(
     // Pass 2: block maxima and sums per head, weights in place. The first chunk of value codes is
     // loaded into registers meanwhile (the table is no longer read).
     __syncthreads();
-    const unsigned char* vc = vcodes + ((size_t)(b * HKV + h) * stride) * M_V;
+    const unsigned char* vc = vcodes + ((size_t)(cs * HKV + h) * stride) * M_V;
     unsigned char* vs = (unsigned char*)lut;  // [CHUNK][M_V], in the table space
     int c0s = 0;  // first token of the chunk being staged
 #if M_V % 16 == 0

@@ -357,26 +357,23 @@ impl GpuAttention {
     }
 
     /// Whether [`attend_ragged`](Self::attend_ragged) takes `batch` sequences of at most `max_len`
-    /// coded positions beside `w` window rows: the tensor-core kernel merging in its last block,
-    /// something coded.
+    /// coded positions beside `w` window rows: every split kernel and the merge alone do, as long
+    /// as the window and the merge's shared memory fit.
     pub fn takes_ragged(&self, gpu: &Gpu, batch: usize, max_len: usize, w: usize) -> Result<bool> {
-        if max_len == 0 || batch == 0 || w > MAX_WINDOW {
+        if batch == 0 || w > MAX_WINDOW {
             return Ok(false);
         }
-        let (plan, _, _) = self.kernels(gpu)?;
-        let nsplit = self.splits(gpu, batch, max_len);
-        let merge_smem = Plan::merge_smem(w, self.keys.head_dim, self.group(), nsplit);
-        Ok(plan.kernel == SplitKernel::TensorCores
-            && self.fuse_merge
-            && merge_smem <= plan.split_smem()
-            && merge_smem <= gpu.max_smem)
+        let nsplit = if max_len == 0 { 0 } else { self.splits(gpu, batch, max_len) };
+        Ok(Plan::merge_smem(w, self.keys.head_dim, self.group(), nsplit) <= gpu.max_smem)
     }
 
-    /// Decode attention of a ragged batch in one launch: sequences at different positions, each
-    /// with its own slot, coded length and window map ([`Ragged`]). `q` and `out` are the step's
-    /// packed rows (`[tokens, q_heads, D]`, a sequence's at its row), `codes` and `window` every
-    /// slot's (from slot 0; `codes.len` the longest coded length, `window.map` unused). Only where
-    /// [`takes_ragged`](Self::takes_ragged) says so. Returns the launches issued (1).
+    /// Decode attention of a ragged batch: sequences at different positions, each with its own
+    /// slot, coded length and window map ([`Ragged`]), in the launches of one uniform batch (one
+    /// on tensor cores, two on tables, the merge alone when nothing is coded). `q` and `out` are
+    /// the step's packed rows (`[tokens, q_heads, D]`, a sequence's at its row), `codes` and
+    /// `window` every slot's (from slot 0; `codes.len` the longest coded length, `window.map`
+    /// unused). Only where [`takes_ragged`](Self::takes_ragged) says so. Returns the launches
+    /// issued.
     #[allow(clippy::too_many_arguments)]
     pub fn attend_ragged(
         &self,
@@ -392,7 +389,8 @@ impl GpuAttention {
         let batch = ragged.host.len() / RAGGED_INTS;
         if !self.takes_ragged(gpu, batch, codes.len, window.rows)? {
             return Err(Error::Device(format!(
-                "a ragged batch of {batch} needs the tensor-core kernel merging in its last block and something coded"
+                "a ragged batch of {batch} beside {} window rows (at most {MAX_WINDOW}) does not fit the merge",
+                window.rows
             )));
         }
         self.attend_impl(gpu, q, batch, codes, window, Some(ragged), scale, scratch, out)
@@ -489,10 +487,6 @@ impl GpuAttention {
         }
         // The tensor-core kernel merges in its last block per stream when the merge fits its shared memory.
         let fused = plan.kernel == SplitKernel::TensorCores && self.fuse_merge && merge_smem <= smem as usize;
-        if ragged.is_some() && (!fused || nsplit == 0) {
-            // The separate merge kernel reads no table: a ragged batch must merge in the split kernel.
-            return Err(Error::Device("a ragged batch needs the tensor-core kernel merging in its last block".into()));
-        }
         let w_i = w as i32;
         if nsplit > 0 {
             let (s_i, stride, split_i) = (s as i32, codes.stride as i64, split as i32);
@@ -524,10 +518,10 @@ impl GpuAttention {
                 .val(&stride)
                 .val(&split_i)
                 .val(&scale);
+            let tensor_cores = plan.kernel == SplitKernel::TensorCores;
             // Early only when this launch merges: a separate merge waits for the split kernel,
             // whose end must then imply the put's (its blocks wait when not early).
             let (fuse, early) = (fused as i32, (fused && window.just_written) as i32);
-            let tensor_cores = plan.kernel == SplitKernel::TensorCores;
             if tensor_cores {
                 l.buf(&window.keys)
                     .buf(&window.values)
@@ -539,18 +533,14 @@ impl GpuAttention {
                     .buf_mut(&mut scratch.done)
                     .val(&fuse)
                     .val(&early);
-                // The ragged table, or any pointer (unread) with the flag off.
-                match ragged {
-                    Some(r) => l.buf(&r.table).val(&1i32),
-                    None => l.buf(&v.mean).val(&0i32),
-                };
             }
+            ragged_args(&mut l, ragged, &v.mean);
             // SAFETY: the arguments follow the split kernel's signature in order (vq_attend_mma:
             // q, key and value codes, f16 books, key mean and scale, partials, S, stride, split,
-            // scale, then window rows, value mean and scale, out, W, map, counters, fuse, early,
-            // the ragged table and its flag (a checked table: every slot, query row, length and
-            // map inside the buffers);
-            // vq_attend_split stops after scale); the size checks above keep every stream's codes,
+            // scale, then window rows, value mean and scale, out, W, map, counters, fuse, early;
+            // vq_attend_split goes from scale to the last two), then the ragged table and its flag
+            // (a checked table: every slot, query row, length and map inside the buffers); the
+            // size checks above keep every stream's codes,
             // rows, partials and outputs inside their buffers, and `WindowMap` is `repr(C)`. Only
             // the tensor-core kernel is launched overlapped: it waits before the reads its
             // predecessor may write (all of them unless `just_written`, else the window rows).
@@ -575,13 +565,24 @@ impl GpuAttention {
             .buf(&v.scale)
             .buf_mut(out);
         l.val(&nsplit_i).val(&w_i).val(&window.map).val(&scale);
+        ragged_args(&mut l, ragged, &v.mean);
         // SAFETY: the arguments follow vq_attend_merge's signature (q, part_o, part_ml, window
-        // keys and values, value mean and scale, out, nsplit, W, map, scale); one block per
-        // stream reads `nsplit` partials per query head, all inside the checked scratch. It
-        // waits for its predecessors before reading anything (merge_stream).
+        // keys and values, value mean and scale, out, nsplit, W, map, scale, the ragged table
+        // and its flag: checked as above); one block per stream reads `nsplit` partials per
+        // query head, all inside the checked scratch. It waits for its predecessors before
+        // reading anything (merge_stream).
         unsafe { l.run(cfg, gpu.overlaps()) }?;
         Ok(1 + usize::from(nsplit > 0))
     }
+}
+
+/// The last two arguments of every attention kernel: the ragged table and 1, or any device
+/// pointer (never read) and 0.
+fn ragged_args<'a>(l: &mut Launch<'a>, ragged: Option<&'a Ragged>, unread: &'a CudaSlice<f32>) {
+    match ragged {
+        Some(r) => l.buf(&r.table).val(&1i32),
+        None => l.buf(unread).val(&0i32),
+    };
 }
 
 /// Steps of 16 positions the busiest warp of a tensor-core block takes when `s` positions are

@@ -174,18 +174,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
 
     const int sp = blockIdx.x, bh = blockIdx.y, nsplit = gridDim.x;
     const int h = bh % HKV, b = bh / HKV;
-    // A ragged batch (`is_ragged`, fused merge only): sequence b's slot, packed query row,
-    // coded length and window map from the host's table of 8 ints per sequence; else b's own,
-    // S and wmap. Written before the launch by a copy, never by the kernel before this one.
-    int slot = b, qb = b, Sb = S;
-    WindowMap wm = wmap;
-    if (is_ragged) {
-        const int* r = ragged + 8 * b;
-        slot = r[0];
-        qb = r[1];
-        Sb = r[2];
-        wm = WindowMap{r[3], r[4], r[5], r[6], r[7]};
-    }
+    // A ragged batch (`is_ragged`): sequence b's slot, packed query row, coded length and window
+    // map from the host's table (Seq, merge.cu). Written before the launch by a copy, never by the
+    // kernel before this one.
+    const Seq seq(ragged, is_ragged, b, S, wmap);
+    const int slot = seq.slot, qb = seq.qb, Sb = seq.S;
+    const WindowMap wm = seq.wm;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, qd = lane & 3, rl = lane & 15;
     const int t0 = sp * split, t1 = min(Sb, t0 + split), n = max(0, t1 - t0);
@@ -530,16 +524,22 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) vq_attend_m
         }
     }
 
-    // With `fuse`, the last of the stream's blocks to finish merges them with the window rows (the
-    // others' partials are visible once their fence and count precede ours).
+    // With `fuse`, the last of the stream's blocks to finish merges them with the window rows.
+    // One thread counts the block done with an acquire-release add after the barrier: the
+    // release covers every thread's partials (the barrier orders them before it), the acquire
+    // every partial the blocks counted before wrote, and the barrier after hands both to the
+    // whole block. (`__threadfence()` is a sequentially consistent fence, fence.sc.gpu: more
+    // than this needs, twice, in every thread.)
     if (!fuse) return;
     __shared__ bool last;
-    __threadfence();
     __syncthreads();
-    if (tid == 0) last = atomicAdd(done + bh, 1u) == (unsigned)nsplit - 1u;
+    if (tid == 0) {
+        unsigned before;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(done + bh) : "memory");
+        last = before == (unsigned)nsplit - 1u;
+    }
     __syncthreads();
     if (!last) return;
-    __threadfence();
     merge_stream<WARPS * 32>(q, part_o, part_ml, wk, wv, vmean, vscale, out, nsplit, W, wm, scale, b, h, qb, slot, smem_raw);
     if (tid == 0) done[bh] = 0u;  // ready for the next launch
 }

@@ -171,13 +171,36 @@ __device__ __noinline__ void merge_stream(const float* __restrict__ q, const flo
     for (int i = 0; i < D / 32; i++) out[(qrow0 + warp) * D + i * 32 + lane] = v[i] * inv;
 }
 
-// Block (b·HKV + h): merges stream (b, h) after the table split kernel, or the window rows alone
-// when nothing is coded (nsplit 0). Dynamic shared memory: merge_smem bytes.
+// A ragged batch's entry for sequence b (8 ints, the host's ragged_entry): its slot, packed query
+// row, coded length and window map; outside a ragged batch b's own, S and wmap.
+struct Seq {
+    int slot, qb, S;
+    WindowMap wm;
+    __device__ Seq(const int* ragged, int is_ragged, int b, int S_, WindowMap wmap) {
+        if (is_ragged) {
+            const int* r = ragged + 8 * b;
+            slot = r[0];
+            qb = r[1];
+            S = r[2];
+            wm = WindowMap{r[3], r[4], r[5], r[6], r[7]};
+        } else {
+            slot = qb = b;
+            S = S_;
+            wm = wmap;
+        }
+    }
+};
+
+// Block (b·HKV + h): merges stream (b, h) after a split kernel that leaves the merge to it, or the
+// window rows alone when nothing is coded (nsplit 0); a ragged batch's sequences from its table.
+// Dynamic shared memory: merge_smem bytes.
 extern "C" __global__ void __launch_bounds__(MERGE_THREADS) vq_attend_merge(
     const float* __restrict__ q, const float* __restrict__ part_o, const float* __restrict__ part_ml,
     const unsigned short* __restrict__ wk, const unsigned short* __restrict__ wv, const float* __restrict__ vmean,
-    const float* __restrict__ vscale, float* __restrict__ out, int nsplit, int W, WindowMap wmap, float scale) {
+    const float* __restrict__ vscale, float* __restrict__ out, int nsplit, int W, WindowMap wmap, float scale,
+    const int* __restrict__ ragged, int is_ragged) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int b = blockIdx.x / HKV;
-    merge_stream<MERGE_THREADS>(q, part_o, part_ml, wk, wv, vmean, vscale, out, nsplit, W, wmap, scale, b, blockIdx.x % HKV, b, b, smem);
+    const Seq s(ragged, is_ragged, b, 0, wmap);
+    merge_stream<MERGE_THREADS>(q, part_o, part_ml, wk, wv, vmean, vscale, out, nsplit, W, s.wm, scale, b, blockIdx.x % HKV, s.qb, s.slot, smem);
 }
