@@ -540,8 +540,8 @@ impl GpuAttention {
             // scale, then window rows, value mean and scale, out, W, map, counters, fuse, early;
             // vq_attend_split goes from scale to the last two), then the ragged table and its flag
             // (a checked table: every slot, query row, length and map inside the buffers); the
-            // size checks above keep every stream's codes,
-            // rows, partials and outputs inside their buffers, and `WindowMap` is `repr(C)`. Only
+            // size checks above keep every stream's codes, rows, partials and outputs inside
+            // their buffers, and `WindowMap` is `repr(C)`. Only
             // the tensor-core kernel is launched overlapped: it waits before the reads its
             // predecessor may write (all of them unless `just_written`, else the window rows).
             unsafe { l.run(cfg, tensor_cores && gpu.overlaps()) }?;
