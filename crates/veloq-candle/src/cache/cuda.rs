@@ -536,7 +536,7 @@ impl CudaBackend {
                 }
                 Attention::Coded(attn, _) => {
                     let c = self.base.vecinfer_codes()?;
-                    let nsplit = if first.coded == 0 { 0 } else { attn.splits(gpu, b, first.coded) };
+                    let nsplit = attn.splits(gpu, b, first.coded);
                     let map = Self::window_map(first);
                     let window = Window { keys: wk, values: wv, rows, map, just_written: after_put };
                     let (mk, mv) = (c.keys.subspaces(), c.values.subspaces());
@@ -601,7 +601,7 @@ impl CudaBackend {
         let table = gpu.stream().clone_htod(&host).map_err(veloq::Error::from)?;
         let ragged = Ragged { table: table.as_view(), host: &host };
         let c = self.base.vecinfer_codes()?;
-        let nsplit = if longest == 0 { 0 } else { attn.splits(gpu, b, longest) };
+        let nsplit = attn.splits(gpu, b, longest);
         let launches = with_view::<f16, _>(&self.base.rows, |all| {
             let (wk, wv) = planes(&all, 0);
             // The table's maps say which rows hold positions; this one is not read.

@@ -289,8 +289,12 @@ impl GpuAttention {
     /// most positions ([`MAX_SPLIT`] for the table kernel: one table build per split), then as many
     /// as fill the waves those need (table kernel: one block per multiprocessor, it takes most of
     /// the shared memory; tensor cores: two, one at head_dim 256), at least 256 positions each;
-    /// tensor cores then keep the fewest splits whose busiest warp takes as many steps.
+    /// tensor cores then keep the fewest splits whose busiest warp takes as many steps. Zero for
+    /// nothing coded (the merge alone attends the window).
     pub fn splits(&self, gpu: &Gpu, batch: usize, s: usize) -> usize {
+        if s == 0 {
+            return 0;
+        }
         let gb = self.prepared.get().map_or_else(|| self.best_plan(gpu).gb, |k| k.0.gb);
         let sms = gpu.multiprocessors() as usize;
         let (blocks, most, per_sm) = match self.kernel {
@@ -363,7 +367,7 @@ impl GpuAttention {
         if batch == 0 || w > MAX_WINDOW {
             return Ok(false);
         }
-        let nsplit = if max_len == 0 { 0 } else { self.splits(gpu, batch, max_len) };
+        let nsplit = self.splits(gpu, batch, max_len);
         Ok(Plan::merge_smem(w, self.keys.head_dim, self.group(), nsplit) <= gpu.max_smem)
     }
 
@@ -454,7 +458,7 @@ impl GpuAttention {
                 window.map.positions()
             )));
         }
-        let nsplit = if s == 0 { 0 } else { self.splits(gpu, batch, s) };
+        let nsplit = self.splits(gpu, batch, s);
         let split = s.div_ceil(nsplit.max(1)).max(1);
         let streams = batch * hkv;
         if !scratch.fits(batch * self.q_heads * nsplit, streams, d) {
@@ -541,9 +545,9 @@ impl GpuAttention {
             // vq_attend_split goes from scale to the last two), then the ragged table and its flag
             // (a checked table: every slot, query row, length and map inside the buffers); the
             // size checks above keep every stream's codes, rows, partials and outputs inside
-            // their buffers, and `WindowMap` is `repr(C)`. Only
-            // the tensor-core kernel is launched overlapped: it waits before the reads its
-            // predecessor may write (all of them unless `just_written`, else the window rows).
+            // their buffers, and `WindowMap` is `repr(C)`. Only the tensor-core kernel is launched
+            // overlapped: it waits before the reads its predecessor may write (all of them unless
+            // `just_written`, else the window rows).
             unsafe { l.run(cfg, tensor_cores && gpu.overlaps()) }?;
             if fused {
                 return Ok(1);
