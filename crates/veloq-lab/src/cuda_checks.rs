@@ -12,8 +12,9 @@ use veloq::codec::pack::unpack;
 use veloq::codec::vecinfer::VecInferCodec;
 use veloq::kernels::cuda::{
     gemv_f16, gemv_f16_many, gemv_many_fits, quantize_jobs, ragged_entry, rows_add_f16, rows_gated_f16, rows_norm_f16,
-    AttentionScratch, Coded, Convert, ConvertPart, Elem, GatedActivation, GemvEpilogue, GemvFused, GemvTune, Gpu,
-    GpuAttention, GpuCodec, QuantizeJob, QuantizeLaunch, Ragged, RowMap, SplitKernel, Window, WindowMap, GEMV_MAX_ROWS,
+    tensor_cores_take, AttentionScratch, Coded, Convert, ConvertPart, Elem, GatedActivation, GemvEpilogue, GemvFused,
+    GemvTune, Gpu, GpuAttention, GpuCodec, QuantizeJob, QuantizeLaunch, Ragged, RowMap, SplitKernel, Window, WindowMap,
+    GEMV_MAX_ROWS,
 };
 use veloq::kernels::GemvShapes;
 
@@ -908,16 +909,16 @@ pub fn attention(gpu: &Gpu, rng: &mut Rng, variants: &[Variant]) -> Result<Vec<s
 }
 
 /// Whether a variant's split kernel takes a geometry: lookup tables every one the checks use,
-/// tensor cores sub-vectors of 2 or 4 and at most 8 query heads per kv head.
-fn takes(v: &Variant, hq: usize, hkv: usize, sd: (usize, usize)) -> bool {
-    v.kernel == SplitKernel::Tables || (hq / hkv <= 8 && [sd.0, sd.1].iter().all(|s| matches!(s, 2 | 4)))
+/// tensor cores those [`tensor_cores_take`] names.
+fn takes(v: &Variant, hq: usize, hkv: usize, d: usize, sd: (usize, usize)) -> bool {
+    v.kernel == SplitKernel::Tables || tensor_cores_take(sd, d, hq / hkv)
 }
 
 /// Every shape of [`ATTENTION_CHECKS`] for each variant that takes it, against f64.
 pub fn attention_shapes(gpu: &Gpu, rng: &mut Rng, variants: &[Variant]) -> Result<Vec<serde_json::Value>> {
     let mut checks = Vec::new();
     for &c in &ATTENTION_CHECKS {
-        for v in variants.iter().filter(|v| takes(v, c.hq, c.hkv, c.sd)) {
+        for v in variants.iter().filter(|v| takes(v, c.hq, c.hkv, c.d, c.sd)) {
             checks.push(check_attention(gpu, rng, c, *v)?);
         }
     }
@@ -929,7 +930,7 @@ pub fn attention_shapes(gpu: &Gpu, rng: &mut Rng, variants: &[Variant]) -> Resul
 pub fn ragged_batches(gpu: &Gpu, rng: &mut Rng, variants: &[Variant]) -> Result<Vec<serde_json::Value>> {
     let mut checks = Vec::new();
     for (hq, hkv, d, sd) in RAGGED_CHECKS {
-        for v in variants.iter().filter(|v| !v.half && takes(v, hq, hkv, sd)) {
+        for v in variants.iter().filter(|v| !v.half && takes(v, hq, hkv, d, sd)) {
             for coded in [true, false] {
                 checks.push(check_ragged(gpu, rng, hq, hkv, d, sd, *v, coded)?);
             }

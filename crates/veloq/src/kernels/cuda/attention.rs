@@ -100,10 +100,13 @@ impl Geometry {
 
 /// Whether the tensor-core split kernel takes this geometry (the table kernel's checks passed).
 fn mma_geometry(k: &Geometry, v: &Geometry, q_heads: usize) -> bool {
-    matches!(k.sub_dim, 2 | 4)
-        && matches!(v.sub_dim, 2 | 4)
-        && matches!(k.head_dim, 64 | 128 | 256)
-        && q_heads / k.heads <= 8
+    tensor_cores_take((k.sub_dim, v.sub_dim), k.head_dim, q_heads / k.heads)
+}
+
+/// Whether the tensor-core split kernel takes key and value sub-vectors of `sub_dims`, `head_dim`
+/// and `group` query heads per kv head (in a geometry the lookup-table kernel takes).
+pub fn tensor_cores_take(sub_dims: (usize, usize), head_dim: usize, group: usize) -> bool {
+    matches!(sub_dims.0, 2 | 4) && matches!(sub_dims.1, 2 | 4) && matches!(head_dim, 64 | 128 | 256) && group <= 8
 }
 
 fn check_geometry(k: Geometry, v: Geometry, q_heads: usize) -> std::result::Result<(), String> {

@@ -17,8 +17,8 @@ mod rows;
 mod window;
 
 pub use attention::{
-    ragged_entry, AttentionScratch, Coded, GpuAttention, Ragged, SplitKernel, Window, WindowMap, DEFAULT_THREADS,
-    MAX_WINDOW, RAGGED_INTS,
+    ragged_entry, tensor_cores_take, AttentionScratch, Coded, GpuAttention, Ragged, SplitKernel, Window, WindowMap,
+    DEFAULT_THREADS, MAX_WINDOW, RAGGED_INTS,
 };
 pub use convert::{Convert, ConvertPart, Elem, MAX_CONVERT_PARTS};
 pub use dense::{dense_ragged_entry, GpuDenseAttention, DENSE_RAGGED_INTS};
