@@ -7,6 +7,8 @@ use clap::Subcommand;
 pub mod cuda;
 pub mod decode;
 #[cfg(feature = "cuda")]
+pub mod gemm;
+#[cfg(feature = "cuda")]
 pub mod gpu_prefill;
 pub mod prefill;
 pub mod roofline;
@@ -38,6 +40,10 @@ pub enum BenchCommand {
     /// and VecInfer at 8k–128k, one chunk's attention next to PyTorch's SDPA.
     #[cfg(feature = "cuda")]
     GpuPrefill(gpu_prefill::Args),
+    /// The 8B geometry's weight products through candle (with and without veloq's cuBLAS
+    /// workspace), cublasGemmEx and cuBLASLt, PyTorch's rate beside them.
+    #[cfg(feature = "cuda")]
+    Gemm(gemm::Args),
 }
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
@@ -52,6 +58,8 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Runner(a) => runner::run(a),
         #[cfg(feature = "cuda")]
         BenchCommand::GpuPrefill(a) => gpu_prefill::run(a),
+        #[cfg(feature = "cuda")]
+        BenchCommand::Gemm(a) => gemm::run(a),
     }
 }
 
