@@ -26,9 +26,6 @@ pub struct CudaOptions {
     /// Sequences at different positions decode in the launches of one batch, each reading its
     /// entry of a table (off: the launches of one batch per group of sequences laid out alike).
     pub ragged_decode: bool,
-    /// candle's cuBLAS handle multiplies in a 32 MiB workspace of its own, kept for the process
-    /// (off: cuBLAS's default pool, which is how candle leaves it).
-    pub blas_workspace: bool,
     /// Overlapped launches, the kernel cache, GEMV shapes.
     pub kernels: KernelOptions,
 }
@@ -43,7 +40,6 @@ impl Default for CudaOptions {
             flush_stream: true,
             keep_freed_memory: true,
             ragged_decode: true,
-            blas_workspace: true,
             kernels: KernelOptions::default(),
         }
     }

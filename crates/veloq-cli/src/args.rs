@@ -75,9 +75,6 @@ pub struct CudaFlags {
     /// per group of sequences laid out alike).
     #[arg(long, env = "VELOQ_CUDA_RAGGED_DECODE", default_value = "on", action = clap::ArgAction::Set, value_parser = BoolishValueParser::new(), value_name = "on|off")]
     pub cuda_ragged_decode: bool,
-    /// cuBLAS multiplies in a 32 MiB workspace of veloq's (off: cuBLAS's default pool).
-    #[arg(long, env = "VELOQ_CUDA_BLAS_WORKSPACE", default_value = "on", action = clap::ArgAction::Set, value_parser = BoolishValueParser::new(), value_name = "on|off")]
-    pub cuda_blas_workspace: bool,
     /// GEMV launch shape R,U,T for one activation row (`veloq-lab bench cuda --gemv-sweep`).
     #[arg(long, env = "VELOQ_GEMV", value_name = "R,U,T")]
     pub gemv_shape: Option<GemvShape>,
@@ -120,7 +117,6 @@ impl CudaFlags {
             flush_stream: self.flush_stream,
             keep_freed_memory: self.keep_freed_memory,
             ragged_decode: self.cuda_ragged_decode,
-            blas_workspace: self.cuda_blas_workspace,
             kernels: KernelOptions {
                 overlapped_launches: self.overlapped_launches,
                 kernel_cache,

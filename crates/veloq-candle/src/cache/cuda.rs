@@ -44,7 +44,6 @@ use veloq::kernels::cuda::{
 };
 
 use super::backend::{compose, Backend, Heads};
-use super::blas_workspace::BlasWorkspace;
 use super::residency::{Put, Quantize, Restore, RowRun, RowSource, RowSpan, SeqView};
 use super::tensor::{TensorBackend, TensorInput, TensorPartial};
 use crate::cuda_options::CudaOptions;
@@ -70,9 +69,6 @@ pub struct CudaRuntime {
     f16_rows: AtomicBool,
     /// [`CudaOptions::ragged_decode`].
     ragged: AtomicBool,
-    /// [`CudaOptions::blas_workspace`]: whether candle's cuBLAS handle has `blas`.
-    blas_on: AtomicBool,
-    blas: BlasWorkspace,
     device: CudaDevice,
     scratch: Mutex<Option<AttentionScratch>>,
     launches: AtomicUsize,
@@ -119,13 +115,10 @@ impl CudaRuntime {
             gemv: AtomicBool::new(options.gemv),
             f16_rows: AtomicBool::new(options.f16_rows),
             ragged: AtomicBool::new(options.ragged_decode),
-            blas_on: AtomicBool::new(options.blas_workspace),
-            blas: BlasWorkspace::default(),
             device: cuda.clone(),
             scratch: Mutex::new(None),
             launches: AtomicUsize::new(0),
         });
-        rt.blas.set(cuda, options.blas_workspace)?;
         all.push(rt.clone());
         Ok(rt)
     }
@@ -146,9 +139,6 @@ impl CudaRuntime {
         self.gemv.store(options.gemv, Ordering::Relaxed);
         self.f16_rows.store(options.f16_rows, Ordering::Relaxed);
         self.ragged.store(options.ragged_decode, Ordering::Relaxed);
-        if self.blas_on.swap(options.blas_workspace, Ordering::Relaxed) != options.blas_workspace {
-            self.blas.set(&self.device, options.blas_workspace)?;
-        }
         Ok(self.gpu.keep_freed_memory(options.keep_freed_memory)?)
     }
 
@@ -166,11 +156,6 @@ impl CudaRuntime {
     /// ([`CudaOptions::ragged_decode`]).
     pub fn ragged_decode(&self) -> bool {
         self.ragged.load(Ordering::Relaxed)
-    }
-
-    /// Whether candle's cuBLAS handle works in veloq's workspace ([`CudaOptions::blas_workspace`]).
-    pub fn blas_workspace(&self) -> bool {
-        self.blas_on.load(Ordering::Relaxed)
     }
 
     /// Whether flushes run on their own stream.

@@ -22,8 +22,6 @@
 //! handled inside (query heads index their kv head; keys are never copied per query head).
 
 pub mod backend;
-#[cfg(feature = "cuda")]
-pub mod blas_workspace;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

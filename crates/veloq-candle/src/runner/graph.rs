@@ -57,16 +57,14 @@ struct Widest {
 }
 
 /// What a captured graph depends on besides its buffers: the batch size, and whether f16 weights
-/// took veloq's GEMV or the f16 row path (batches past the GEMV's rows), launches overlapped and
-/// cuBLAS had veloq's workspace when it was captured (a graph replays the kernels, edges and
-/// buffers it was captured with).
+/// took veloq's GEMV or the f16 row path (batches past the GEMV's rows) and launches overlapped
+/// when it was captured (a graph replays the kernels and edges it was captured with).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Key {
     batch: usize,
     gemv: bool,
     f16_rows: bool,
     overlapped: bool,
-    blas_workspace: bool,
 }
 
 impl Graphs {
@@ -352,13 +350,7 @@ impl Graphs {
         }
         let b = tokens.len();
         let rt = CudaRuntime::new(model.device())?;
-        let key = Key {
-            batch: b,
-            gemv: rt.gemv(),
-            f16_rows: rt.f16_rows(),
-            overlapped: rt.gpu().overlaps(),
-            blas_workspace: rt.blas_workspace(),
-        };
+        let key = Key { batch: b, gemv: rt.gemv(), f16_rows: rt.f16_rows(), overlapped: rt.gpu().overlaps() };
         let mut batches = self.batches.lock().expect("graph lock");
         let batch = match batches.entry(key) {
             Entry::Occupied(e) => e.into_mut(),

@@ -1,11 +1,12 @@
 //! `veloq-lab bench gemm`: the Llama-3.1-8B geometry's weight products (`rows × k` f16 activations
 //! times an `n × k` f16 weight, transposed, as the model's many-row path multiplies) through each
-//! way this process can run them, side by side: candle's matmul (its cuBLAS handle with and
-//! without veloq's workspace, [`CudaOptions::blas_workspace`]), `cublasGemmEx` on that handle into
-//! a buffer made once (no allocation, no batched entry point), and cuBLASLt with a 32 MiB
-//! workspace (cudarc's); PyTorch's rate on the same shapes from `scripts/device/gemm_torch.py`
-//! (`--torch` its JSON), run in the same device call. Every variant's product is checked against
-//! candle's.
+//! way this process can run them, side by side: candle's matmul (its cuBLAS handle as candle
+//! leaves it, and with a 32 MiB workspace as PyTorch gives its handles on Hopper), `cublasGemmEx`
+//! on that handle into a buffer made once (no allocation, no batched entry point), and cuBLASLt
+//! with a 32 MiB workspace (cudarc's); PyTorch's rate on the same shapes from
+//! `scripts/device/gemm_torch.py` (`--torch` its JSON), run in the same device call; and the rate
+//! `bench serve`'s physical estimate measures ([`Rates::measure`]). Every variant's product is
+//! checked against candle's.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -23,6 +24,7 @@ use serde_json::{json, Value};
 use veloq_candle::cache::CudaRuntime;
 use veloq_candle::runtime::{CudaOptions, Device as VDevice};
 
+use super::roofline::Rates;
 use super::write_json;
 
 #[derive(ClapArgs)]
@@ -60,6 +62,26 @@ fn per_call(stream: &CudaStream, reps: usize, mut f: impl FnMut() -> Result<()>)
         best = best.min(a.elapsed_ms(&b)? as f64 / 1e3 / reps as f64);
     }
     Ok(best)
+}
+
+/// Bytes of the cuBLAS workspace timed: cuBLAS's recommendation for Hopper.
+const WORKSPACE: usize = 32 << 20;
+
+/// Gives candle's cuBLAS handle `workspace`, or (`None`) returns it to cuBLAS's default pool
+/// (setting the handle's stream again resets its workspace, as cuBLAS documents).
+fn set_workspace(dev: &candle_core::cuda_backend::CudaDevice, workspace: Option<&CudaSlice<u8>>) -> Result<()> {
+    let (blas, stream) = (dev.cublas_handle(), dev.cuda_stream());
+    match workspace {
+        // SAFETY: candle's live handle and the stream it was made on.
+        None => unsafe { cudarc::cublas::result::set_stream(*blas.handle(), stream.cu_stream() as _)? },
+        Some(w) => {
+            let (ptr, _sync) = w.device_ptr(&stream);
+            // SAFETY: WORKSPACE bytes of device memory that outlive every product timed with them
+            // (the caller resets the handle before dropping the buffer).
+            unsafe { cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, WORKSPACE) }.result()?
+        }
+    }
+    Ok(())
 }
 
 /// `h · wᵀ` through `cublasGemmEx` on candle's handle into `out` (f32 accumulation, as candle).
@@ -155,8 +177,9 @@ fn torch_secs(torch: &Value, shape: (usize, usize, usize)) -> Option<f64> {
 pub fn run(a: Args) -> Result<()> {
     let dev = VDevice::Cuda(0).open(&CudaOptions::default())?;
     let Device::Cuda(cuda) = &dev else { unreachable!("a CUDA device opens as candle's CUDA device") };
-    let rt = CudaRuntime::configure(&dev, &CudaOptions { blas_workspace: false, ..CudaOptions::default() })?;
+    let rt = CudaRuntime::new(&dev)?;
     let stream = cuda.cuda_stream();
+    let workspace = stream.alloc_zeros::<u8>(WORKSPACE)?;
     let lt = CudaBlasLT::new(stream.clone())?;
     let torch: Value = match &a.torch {
         Some(p) => serde_json::from_str(&std::fs::read_to_string(p).with_context(|| p.display().to_string())?)?,
@@ -187,16 +210,17 @@ pub fn run(a: Args) -> Result<()> {
             let mut out = stream.alloc_zeros::<f16>(rows * n)?;
             let flops = 2.0 * (rows * n * k) as f64;
             let mut secs = Vec::new();
-            for ws_on in [false, true] {
-                rt.set_options(&CudaOptions { blas_workspace: ws_on, ..CudaOptions::default() })?;
+            for ws_on in [None, Some(&workspace)] {
+                set_workspace(cuda, ws_on)?;
                 secs.push(per_call(&stream, a.reps, || Ok(h.matmul(&w.t()?).map(drop)?))?);
             }
             let mut diffs = Vec::new();
-            for ws_on in [false, true] {
-                rt.set_options(&CudaOptions { blas_workspace: ws_on, ..CudaOptions::default() })?;
+            for ws_on in [None, Some(&workspace)] {
+                set_workspace(cuda, ws_on)?;
                 secs.push(per_call(&stream, a.reps, || gemm_ex(cuda, &hs, &ws, &mut out, shape))?);
                 diffs.push(relative_diff(&stream, &out, &want)?);
             }
+            set_workspace(cuda, None)?;
             secs.push(per_call(&stream, a.reps, || gemm_lt(&lt, &hs, &ws, &mut out, shape))?);
             diffs.push(relative_diff(&stream, &out, &want)?);
             // f16 outputs of one f32-accumulated product: the order of the sums may differ, the
@@ -222,7 +246,23 @@ pub fn run(a: Args) -> Result<()> {
             out_rows.push(json!({"shape": name, "rows": rows, "n": n, "k": k, "seconds": named, "torch_seconds": t, "max_relative_diff": diffs}));
         }
     }
-    rt.set_options(&CudaOptions::default())?;
+    stream.synchronize()?;
+    drop(workspace);
+    // The probe `bench serve` times for the 8B: 4,096 rows through its FFN's up product.
+    let probe = Rates::measure(&dev, (4096, 4096, 14336), 1 << 30)?;
+    // The probe as it was before it took the model's layout: the weight stored [inner, cols].
+    let (x, up) = (Tensor::randn(0f32, 1.0, (4096, 4096), &dev)?, Tensor::randn(0f32, 1.0, (4096, 14336), &dev)?);
+    let (x, up) = (x.to_dtype(DType::F16)?, up.to_dtype(DType::F16)?);
+    let untransposed =
+        2.0 * 4096.0 * 4096.0 * 14336.0 / super::roofline::best_seconds(&dev, || x.matmul(&up).map(drop))?;
+    println!(
+        "bench serve's physical estimate (Rates::measure) on the 8B: {:.0} TFLOP/s f16 matmul, [4096×4096]·[14336×4096]ᵀ; {:.0} with the weight stored [4096×14336] (the probe before this layout)",
+        probe.matmul_flops / 1e12,
+        untransposed / 1e12
+    );
     println!("candle: h.matmul(wᵀ) (cublasGemmStridedBatchedEx, one batch, output allocated per call); +ws: veloq's 32 MiB cuBLAS workspace on candle's handle; gemmex: cublasGemmEx on the same handle into one output buffer; lt: cuBLASLt, heuristic's first algorithm, 32 MiB workspace; torch: torch.matmul on the same shapes in the same call; best/torch > 1 means the fastest variant here beats PyTorch");
-    write_json(&a.json, &json!({"device": rt.gpu().name(), "reps": a.reps, "rows": out_rows, "torch": torch}))
+    write_json(
+        &a.json,
+        &json!({"device": rt.gpu().name(), "reps": a.reps, "rows": out_rows, "torch": torch, "estimate_probe_flops": probe.matmul_flops, "untransposed_probe_flops": untransposed}),
+    )
 }

@@ -57,10 +57,6 @@ pub struct Args {
     /// given back to the driver at every synchronisation); several to time them side by side.
     #[arg(long, value_delimiter = ',', default_value = "on", value_parser = clap::builder::BoolishValueParser::new(), value_name = "on|off")]
     keep_freed_memory: Vec<bool>,
-    /// Whether candle's cuBLAS handle multiplies in veloq's 32 MiB workspace
-    /// ([`CudaOptions::blas_workspace`]); several to time them side by side.
-    #[arg(long, value_delimiter = ',', default_value = "on", value_parser = clap::builder::BoolishValueParser::new(), value_name = "on|off")]
-    blas_workspace: Vec<bool>,
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -162,11 +158,10 @@ pub fn run(a: Args) -> Result<()> {
         a.chunk
     );
     println!(
-        "{:>9} {:>22} {:>7} {:>5} | {:>9} {:>9} {:>11} {:>11} | {:>11} {:>11} {:>11} {:>11} {:>7} {:>7}",
+        "{:>9} {:>22} {:>7} | {:>9} {:>9} {:>11} {:>11} | {:>11} {:>11} {:>11} {:>11} {:>7} {:>7}",
         "prompt",
         "method",
         "freed",
-        "blas",
         "tok/s",
         "secs",
         "peak alloc",
@@ -180,20 +175,15 @@ pub fn run(a: Args) -> Result<()> {
     );
     let vocab = model.info.vocab;
     let mut rows = Vec::new();
-    let cases = a.methods.iter().flat_map(|m| {
-        let blas = &a.blas_workspace;
-        a.keep_freed_memory.iter().flat_map(move |&k| blas.iter().map(move |&b| (m, k, b)))
-    });
-    for (name, keep, blas) in cases {
+    let cases = a.methods.iter().flat_map(|m| a.keep_freed_memory.iter().map(move |&k| (m, k)));
+    for (name, keep) in cases {
         let cfg = match name.as_str() {
             "fp16" => CacheConfig::fp16(),
             "vecinfer" => CacheConfig::vecinfer(cal.clone()),
             other => anyhow::bail!("unknown method {other:?} (fp16, vecinfer)"),
         };
-        let options = CudaOptions { keep_freed_memory: keep, blas_workspace: blas, ..CudaOptions::default() };
-        CudaRuntime::configure(&dev, &options)?;
+        CudaRuntime::configure(&dev, &CudaOptions { keep_freed_memory: keep, ..CudaOptions::default() })?;
         let freed = if keep { "kept" } else { "given" };
-        let ws = if blas { "ws" } else { "pool" };
         for &len in &a.lengths {
             let mut caches = cfg.build(&model)?;
             let ids: Vec<u32> = (0..len).map(|_| (rng.uniform() * vocab as f64) as u32 % vocab as u32).collect();
@@ -216,7 +206,7 @@ pub fn run(a: Args) -> Result<()> {
             let base = sdpa_ms(&sdpa, len, a.chunk);
             let tok_s = full.then(|| len as f64 / secs);
             println!(
-                "{len:>9} {:>22} {freed:>7} {ws:>5} | {:>9} {:>9} {:>11} {:>11} | {:>9.3}ms {:>9.3}ms {:>9.3}ms {:>11} {:>7} {:>7}",
+                "{len:>9} {:>22} {freed:>7} | {:>9} {:>9} {:>11} {:>11} | {:>9.3}ms {:>9.3}ms {:>9.3}ms {:>11} {:>7} {:>7}",
                 cfg.name(),
                 tok_s.map_or("n/a".into(), |t| format!("{t:.0}")),
                 if full { format!("{secs:.1}") } else { "n/a".into() },
@@ -230,7 +220,7 @@ pub fn run(a: Args) -> Result<()> {
                 base.as_ref().map_or("n/a".into(), |(ms, _)| format!("{:.2}×", ms / (attn_gpu * 1e3)))
             );
             rows.push(json!({
-                "method": cfg.name(), "keep_freed_memory": keep, "blas_workspace": blas, "prompt": len, "chunk": a.chunk, "full_prefill": full,
+                "method": cfg.name(), "keep_freed_memory": keep, "prompt": len, "chunk": a.chunk, "full_prefill": full,
                 "tok_s": tok_s, "secs": full.then_some(secs), "peak_bytes_above_start": full.then_some(peak),
                 "kv_bytes": kv, "chunk_attention_ms": attn * 1e3, "chunk_enqueued_ms": enqueue * 1e3,
                 "chunk_attention_gpu_ms": attn_gpu * 1e3,
@@ -238,7 +228,7 @@ pub fn run(a: Args) -> Result<()> {
             }));
         }
     }
-    println!("freed: device memory freed by a chunk kept in the allocator's pool or given back to the driver at each synchronisation; blas: cuBLAS in veloq's 32 MiB workspace (ws) or its default pool; chunk attn: one layer's append + attend of {} queries after the prompt (median of {}, host clock, each rep waited for); enqueued: the same until its last launch was issued; GPU time: the same between events, queued behind a 2 GiB memset (launches hidden, as SDPA's do_bench); SDPA: the same queries over the same positions in f16, {} query heads, causal (lower right), flash where it runs; vs SDPA > 1 means veloq is faster", a.chunk, a.reps, model.info.n_heads);
+    println!("freed: device memory freed by a chunk kept in the allocator's pool or given back to the driver at each synchronisation; chunk attn: one layer's append + attend of {} queries after the prompt (median of {}, host clock, each rep waited for); enqueued: the same until its last launch was issued; GPU time: the same between events, queued behind a 2 GiB memset (launches hidden, as SDPA's do_bench); SDPA: the same queries over the same positions in f16, {} query heads, causal (lower right), flash where it runs; vs SDPA > 1 means veloq is faster", a.chunk, a.reps, model.info.n_heads);
     write_json(
         &a.json,
         &json!({"device": gpu.name(), "model": "llama-3.1-8b-geometry-random", "chunk": a.chunk, "rows": rows, "sdpa": sdpa}),

@@ -28,14 +28,15 @@ pub struct Rates {
 }
 
 impl Rates {
-    /// Times a `[rows, inner] · [inner, cols]` product, and a `[n, 4096]` matrix of `bytes` bytes
+    /// Times a `[rows, inner] · [cols, inner]ᵀ` product (a weight stored output-major, read
+    /// transposed, as the model multiplies its weights), and a `[n, 4096]` matrix of `bytes` bytes
     /// times a vector and copied, on `device` (the best of several runs after a warm-up, the device
     /// synchronised around each).
     pub fn measure(device: &Device, (rows, inner, cols): (usize, usize, usize), bytes: usize) -> Result<Self> {
         let dtype = if device.is_cpu() { DType::F32 } else { DType::F16 };
         let randn = |shape: (usize, usize)| Tensor::randn(0f32, 1.0, shape, device)?.to_dtype(dtype);
-        let (a, b) = (randn((rows, inner))?, randn((inner, cols))?);
-        let matmul = best_seconds(device, || a.matmul(&b).map(drop))?;
+        let (a, b) = (randn((rows, inner))?, randn((cols, inner))?);
+        let matmul = best_seconds(device, || a.matmul(&b.t()?).map(drop))?;
         drop((a, b));
         let width = 4096;
         let big = randn((bytes / dtype.size_in_bytes() / width, width))?;
@@ -51,7 +52,7 @@ impl Rates {
 }
 
 /// The fastest of up to 20 runs of `f` (after two warm-ups), stopping once 0.5 s have been spent.
-fn best_seconds(device: &Device, mut f: impl FnMut() -> candle_core::Result<()>) -> Result<f64> {
+pub(crate) fn best_seconds(device: &Device, mut f: impl FnMut() -> candle_core::Result<()>) -> Result<f64> {
     for _ in 0..2 {
         f()?;
     }

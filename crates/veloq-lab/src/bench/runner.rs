@@ -558,7 +558,6 @@ fn set_cuda_rows(
         flush_stream,
         keep_freed_memory: keep_freed,
         ragged_decode: true,
-        blas_workspace: rt.blas_workspace(),
         kernels,
     })?;
     Ok(())

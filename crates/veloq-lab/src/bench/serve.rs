@@ -691,12 +691,12 @@ pub fn run(a: Args) -> Result<()> {
             let r = Rates::measure(&d.open(&CudaOptions::default())?, shape, 1 << 30)
                 .context("measuring the device's matmul and copy rates")?;
             println!(
-                "{d}: {:.0} TFLOP/s f16 matmul ([{}×{}]·[{}×{}]), {:.0} GB/s memory (a GEMV's reads, a copy's reads + writes); a decode step reads weights of {}",
+                "{d}: {:.0} TFLOP/s f16 matmul ([{}×{}]·[{}×{}]ᵀ), {:.0} GB/s memory (a GEMV's reads, a copy's reads + writes); a decode step reads weights of {}",
                 r.matmul_flops / 1e12,
                 shape.0,
                 shape.1,
-                shape.1,
                 shape.2,
+                shape.1,
                 r.memory_bytes / 1e9,
                 a.weights.iter().map(|&w| format!("{} ({w})", human(cost.weight_bytes(w) as usize))).collect::<Vec<_>>().join(", ")
             );
