@@ -3,8 +3,10 @@
 Llama-3.1-8B geometry's weight shapes, `h[rows, k] @ w[n, k].T` as the model multiplies, timed as
 the bench times its own (after 3 warm-ups, `reps` products queued between two CUDA events, the
 best of 5), with PyTorch's default BLAS library and with each of cuBLAS and cuBLASLt chosen."""
-import argparse, json, time
+import argparse, json
 import torch
+
+from timing import synced_best
 
 SHAPES = [("q,o", 4096, 4096), ("k,v", 1024, 4096), ("gate,up", 14336, 4096), ("down", 4096, 14336)]
 
@@ -44,21 +46,10 @@ def main():
             rows.append({"shape": name, "rows": r, "n": n, "k": k, "seconds": by["default"], "seconds_by_library": by})
             print(f"torch {name:>8} rows {r:>5}: " + ", ".join(f"{l} {2 * r * n * k / s / 1e12:.0f}" for l, s in by.items()) + " TFLOP/s")
     # bench serve's probe as hf_serve.py times it (synchronised per call, best of 20), in both layouts.
-    def synced(f):
-        f(), f()
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(20):
-            t = time.perf_counter()
-            f()
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t)
-        return best
-
     x = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
     up, up_t = torch.randn(4096, 14336, device="cuda", dtype=torch.float16), torch.randn(14336, 4096, device="cuda", dtype=torch.float16)
     flops = 2 * 4096 * 4096 * 14336
-    probe = {"untransposed": flops / synced(lambda: x @ up), "transposed": flops / synced(lambda: x @ up_t.T)}
+    probe = {"untransposed": flops / synced_best(lambda: x @ up), "transposed": flops / synced_best(lambda: x @ up_t.T)}
     print("torch probe [4096x4096]·[4096x14336]: " + ", ".join(f"{k} {v / 1e12:.0f}" for k, v in probe.items()) + " TFLOP/s")
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "default_blas": default, "reps": a.reps, "rows": rows, "probe_flops": probe}
     json.dump(out, open(a.json, "w"), indent=1)

@@ -25,6 +25,7 @@ import transformers
 from transformers import GenerationConfig, LlamaConfig
 
 from hf_models import llama8b_config, random_model, tiny_config
+from timing import synced_best
 
 
 def batching(cfg: LlamaConfig, budget_bytes: int, page: int, dtype_bytes: int):
@@ -55,28 +56,18 @@ def run_batch(model, inputs, gen, cb):
 
 def rates(device: str):
     """What torch reaches on this device, beside what `bench serve`'s physical estimate measured
-    through candle: f16 matmul FLOP/s ([4096×4096]·[4096×14336]) and memory bytes/s (the better of a
+    through candle: f16 matmul FLOP/s ([4096×4096]·[14336×4096]ᵀ, the weight read transposed as the
+    model stores it) and memory bytes/s (the better of a
     1 GiB matrix's GEMV reads and its copy's reads + writes); best of 20 after two warm-ups."""
     if device != "cuda":
         return None
 
-    def best(f):
-        f(), f()
-        torch.cuda.synchronize()
-        b = float("inf")
-        for _ in range(20):
-            t = time.perf_counter()
-            f()
-            torch.cuda.synchronize()
-            b = min(b, time.perf_counter() - t)
-        return b
-
     h = torch.float16
-    a, w = torch.randn(4096, 4096, device=device, dtype=h), torch.randn(4096, 14336, device=device, dtype=h)
-    matmul = 2 * 4096 * 4096 * 14336 / best(lambda: a @ w)
+    a, w = torch.randn(4096, 4096, device=device, dtype=h), torch.randn(14336, 4096, device=device, dtype=h)
+    matmul = 2 * 4096 * 4096 * 14336 / synced_best(lambda: a @ w.T)
     big, x = torch.randn(1 << 17, 4096, device=device, dtype=h), torch.randn(4096, 1, device=device, dtype=h)
     size = big.numel() * 2
-    memory = max(size / best(lambda: big @ x), 2 * size / best(lambda: big.clone()))
+    memory = max(size / synced_best(lambda: big @ x), 2 * size / synced_best(lambda: big.clone()))
     del a, w, big
     torch.cuda.empty_cache()
     return {"matmul_flops": matmul, "memory_bytes": memory}
