@@ -39,14 +39,27 @@ enum Command {
     Serve(serve_cmd::Args),
 }
 
+impl Command {
+    /// The directory the command reads models and compiled kernels from (`--cache-dir`), or, for
+    /// benchmarks of random-weight models that take none, the one `--cache-dir` defaults to.
+    fn cache_dir(&self) -> std::path::PathBuf {
+        let given = match self {
+            Command::Serve(a) => Some(&a.run.files.cache_dir),
+            Command::Eval(a) => Some(match &a.mode {
+                Some(eval_cmd::EvalMode::Needle(n)) => &n.files.cache_dir,
+                None => &a.files.cache_dir,
+            }),
+            Command::Bench(b) => b.cache_dir(),
+        };
+        given.cloned().unwrap_or_else(|| {
+            std::env::var_os("VELOQ_CACHE").map(Into::into).unwrap_or_else(veloq::paths::default_cache_dir)
+        })
+    }
+}
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    // The served model's cache directory, else the one every other command defaults to.
-    let cache_dir = match &cli.command {
-        Command::Serve(a) => a.run.files.cache_dir.clone(),
-        _ => std::env::var_os("VELOQ_CACHE").map(Into::into).unwrap_or_else(veloq::paths::default_cache_dir),
-    };
-    veloq_cli::args::place_driver_cache(&cache_dir);
+    veloq_cli::args::place_driver_cache(&cli.command.cache_dir());
     if let Some(f) = cli.font {
         veloq_lab::plot::use_font(f);
     }
@@ -54,5 +67,34 @@ fn main() -> Result<()> {
         Command::Eval(a) => eval_cmd::run(a),
         Command::Bench(b) => bench::run(b),
         Command::Serve(a) => serve_cmd::run(a),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    fn cache_dir_of(args: &[&str]) -> PathBuf {
+        let cli = Cli::try_parse_from(std::iter::once("veloq-lab").chain(args.iter().copied())).unwrap();
+        cli.command.cache_dir()
+    }
+
+    /// The CUDA driver's cache goes under the directory the command was given, whichever command.
+    #[test]
+    fn every_command_that_takes_a_cache_dir_places_the_driver_cache_there() {
+        assert_eq!(cache_dir_of(&["eval", "--cache-dir", "/m/a"]), PathBuf::from("/m/a"));
+        assert_eq!(cache_dir_of(&["eval", "needle", "--cache-dir", "/m/b"]), PathBuf::from("/m/b"));
+        assert_eq!(cache_dir_of(&["bench", "decode", "--cache-dir", "/m/c"]), PathBuf::from("/m/c"));
+        assert_eq!(cache_dir_of(&["bench", "prefill", "--cache-dir", "/m/d"]), PathBuf::from("/m/d"));
+        assert_eq!(cache_dir_of(&["bench", "serve", "--cache-dir", "/m/e"]), PathBuf::from("/m/e"));
+        assert_eq!(cache_dir_of(&["serve", "--cache-dir", "/m/f"]), PathBuf::from("/m/f"));
+    }
+
+    #[test]
+    fn commands_without_one_take_the_default() {
+        let default = std::env::var_os("VELOQ_CACHE").map(Into::into).unwrap_or_else(veloq::paths::default_cache_dir);
+        assert_eq!(cache_dir_of(&["bench", "search"]), default);
+        assert_eq!(cache_dir_of(&["eval"]), default);
     }
 }

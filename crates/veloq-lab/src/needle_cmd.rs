@@ -30,7 +30,7 @@ use crate::candidate_args::CandidateArgs;
 #[derive(ClapArgs)]
 pub struct Args {
     #[command(flatten)]
-    files: Files,
+    pub(crate) files: Files,
     /// Context lengths (tokens, the whole prompt), comma separated.
     #[arg(long, value_delimiter = ',', default_value = "1024,2048,4096,8192")]
     lengths: Vec<usize>,

@@ -18,7 +18,7 @@ use veloq_cli::args::Files as ModelFiles;
 #[derive(ClapArgs)]
 pub struct Args {
     #[command(flatten)]
-    files: ModelFiles,
+    pub(crate) files: ModelFiles,
     /// Context lengths to measure at.
     #[arg(long, value_delimiter = ',', default_value = "256,1024,4096")]
     contexts: Vec<usize>,

@@ -46,6 +46,20 @@ pub enum BenchCommand {
     Gemm(gemm::Args),
 }
 
+impl BenchCommand {
+    /// `--cache-dir` of the benchmarks that load a model file; `None` for those that take none.
+    pub fn cache_dir(&self) -> Option<&std::path::PathBuf> {
+        match self {
+            BenchCommand::Decode(a) => Some(&a.files.cache_dir),
+            BenchCommand::Prefill(a) => Some(&a.files.cache_dir),
+            BenchCommand::Serve(a) => Some(&a.files.cache_dir),
+            #[cfg(feature = "cuda")]
+            BenchCommand::Runner(a) => Some(&a.files.cache_dir),
+            _ => None,
+        }
+    }
+}
+
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Search(a) => search::run(a),

@@ -24,7 +24,7 @@ use veloq_cli::args::Files as ModelFiles;
 #[derive(ClapArgs)]
 pub struct Args {
     #[command(flatten)]
-    files: ModelFiles,
+    pub(crate) files: ModelFiles,
     /// Prompt lengths (tokens of Emma, from its start).
     #[arg(long, value_delimiter = ',', default_value = "1024,4096,8192")]
     lengths: Vec<usize>,

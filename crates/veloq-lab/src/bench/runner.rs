@@ -42,7 +42,7 @@ use veloq_lab::synthetic::synthetic_calibration;
 pub struct Args {
     // The real model (GGUF) and its calibration; default SmolLM2 from scripts/fetch-data.
     #[command(flatten)]
-    files: ModelFiles,
+    pub(crate) files: ModelFiles,
     /// Contexts (positions already cached when decoding starts).
     #[arg(long, value_delimiter = ',', default_value = "1024,8192,32768,131072")]
     contexts: Vec<usize>,

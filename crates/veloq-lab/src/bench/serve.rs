@@ -45,7 +45,7 @@ use veloq_cli::args::Files as ModelFiles;
 #[derive(ClapArgs)]
 pub struct Args {
     #[command(flatten)]
-    files: ModelFiles,
+    pub(crate) files: ModelFiles,
     /// KV memory every server gets (veloq's --kv-budget; llama-server's context sized to it).
     #[arg(long, default_value = "256MiB", value_parser = veloq_cli::serve::size)]
     kv_budget: usize,
