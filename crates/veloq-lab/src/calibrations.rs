@@ -18,6 +18,7 @@ use veloq_cli::progress::bar;
 
 use veloq_candle::cache::Heads;
 
+use crate::key_heads;
 use crate::second_stage::{ScoreResidual, StageSide, StageSpec};
 use crate::simulate::{outlier_limits, round_trip, Sides, Simulation};
 
@@ -326,6 +327,96 @@ fn one_head(acts: &Activations, h: usize, heads: usize, hd: usize) -> Activation
         })
         .collect();
     Activations { layers, text: acts.text.clone() }
+}
+
+/// `--key-heads`: issue 34's "extra bits where they matter", by kv head.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct KeyHeads {
+    /// Fractions of the model's (layer, kv head)s whose keys take the high precision.
+    pub fractions: Vec<f64>,
+    /// Also the same counts of heads drawn at random (the ranking's control).
+    pub random: bool,
+    /// The random draw's seed.
+    pub seed: u64,
+}
+
+/// For the calibrated VecInfer methods in `chosen`: the one with the most key bits lends its key
+/// codecs to each with fewer, for the fraction of (layer, kv head)s whose attention those keys
+/// distort most at the low precision against the high one ([`key_heads::head_distortion`] on
+/// the calibration text's own queries, recorded again in `window`-position passes); values stay
+/// the low method's.
+pub fn key_head_candidates(
+    model: &Model,
+    calib: &[u32],
+    window: usize,
+    chosen: &[Method],
+    cals: &[Option<Calibration>],
+    want: &KeyHeads,
+) -> Result<Vec<Candidate>> {
+    if want.fractions.is_empty() {
+        return Ok(Vec::new());
+    }
+    if let Some(f) = want.fractions.iter().find(|f| !(0.0..=1.0).contains(*f)) {
+        bail!("--key-heads {f}: a fraction of the kv heads, from 0 to 1");
+    }
+    let coded: Vec<(&Method, &Calibration)> =
+        chosen.iter().zip(cals).filter_map(|(m, c)| Some((m, c.as_ref()?))).collect();
+    let key_bits = |c: &Calibration| c.keys.shape.bits_per_element();
+    let Some(&(hm, high)) = coded.iter().max_by(|a, b| key_bits(a.1).total_cmp(&key_bits(b.1))) else {
+        bail!("--key-heads needs two VecInfer methods: the low one and the one whose key codecs it borrows");
+    };
+    let lows: Vec<_> = coded.iter().filter(|(_, c)| key_bits(c) < key_bits(high)).collect();
+    if lows.is_empty() {
+        bail!("--key-heads: no method with fewer key bits than {hm} to upgrade");
+    }
+    let b = bar(calib.len() as u64, "recording queries");
+    let acts = record(model, calib, window, true, &mut |n| b.set_position(n as u64))?;
+    b.finish();
+    let id = &model.info.identity;
+    let (hd, nkv) = (id.head_dim, id.n_kv_heads);
+    let heads = Heads { q: model.info.n_heads, kv: nkv, dim: hd };
+    let at = key_heads::Sampling { window, stride: 64, skip: 256.min(window / 2), residency: WindowConfig::default() };
+    let mut out = Vec::new();
+    for &&(lm, low) in &lows {
+        let b = bar(id.n_layers as u64, &format!("{lm}: key distortion per head"));
+        let gain = acts
+            .layers
+            .iter()
+            .zip(low.layers.iter().zip(&high.layers))
+            .map(|(a, (l, h))| {
+                let (lo, hi) = (round_trip(&l.keys, &a.keys)?, round_trip(&h.keys, &a.keys)?);
+                let d = key_heads::head_distortion(&key_heads::LayerKeys { acts: a, low: &lo, high: &hi }, heads, at);
+                b.inc(1);
+                Ok(d.iter().map(|(l, h)| l - h).collect())
+            })
+            .collect::<Result<Vec<Vec<f64>>>>()?;
+        b.finish();
+        let total = gain.len() * nkv;
+        for &f in &want.fractions {
+            let count = (f * total as f64).round() as usize;
+            let pct = 100.0 * count as f64 / total.max(1) as f64;
+            let mut masks = vec![("", key_heads::upgrade_mask(&gain, count))];
+            if want.random {
+                masks.push(("/random", key_heads::random_mask(&vec![nkv; gain.len()], count, want.seed)));
+            }
+            for (tag, mask) in masks {
+                let how = if tag.is_empty() {
+                    "whose attention its keys distort most on the calibration text"
+                } else {
+                    "drawn at random"
+                };
+                out.push(Candidate {
+                    label: format!("sim:{lm}+{hm}-keys{pct:.0}%{tag}"),
+                    description: format!(
+                        "{} with {hm}'s key codecs on {count} of {total} kv heads ({pct:.0}%), those {how} (simulated)",
+                        lm.describe(hd)
+                    ),
+                    simulation: Simulation::upgraded_key_heads(low, high, &mask)?,
+                });
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Issue 34's "second precision read only at the top-scoring positions" (`--rescore`): every

@@ -7,7 +7,9 @@ use clap::Args as ClapArgs;
 use veloq::artifact::Calibration;
 use veloq_candle::model::Model;
 use veloq_candle::Method;
-use veloq_lab::calibrations::{recorded_candidates, rescore_candidates, simulations, Candidate, RecordedCandidates};
+use veloq_lab::calibrations::{
+    key_head_candidates, recorded_candidates, rescore_candidates, simulations, Candidate, KeyHeads, RecordedCandidates,
+};
 use veloq_lab::second_stage::StageSpec;
 
 /// The candidate flags (each adds runs; none asked for, none built).
@@ -37,6 +39,15 @@ pub struct CandidateArgs {
     /// precision read only there), once per N, comma separated (`16,64`).
     #[arg(long, value_delimiter = ',')]
     pub rescore: Vec<usize>,
+    /// Issue 34's candidate: also run every VecInfer method but the one with the most key bits
+    /// with that one's key codecs on a fraction of the (layer, kv head)s, those whose attention
+    /// the low-precision keys distort most on the calibration text, once per fraction, comma
+    /// separated (`0.25,0.5`); values stay the method's own.
+    #[arg(long, value_delimiter = ',')]
+    pub key_heads: Vec<f64>,
+    /// With `--key-heads`: also the same number of heads drawn at random (the ranking's control).
+    #[arg(long, requires = "key_heads")]
+    pub key_heads_random: bool,
 }
 
 impl CandidateArgs {
@@ -56,6 +67,8 @@ impl CandidateArgs {
         let recorded = RecordedCandidates { outlier_rows: self.outlier_rows.clone(), per_head: self.per_head, seed };
         out.extend(recorded_candidates(model, calib, window, chosen, cals, &recorded)?);
         out.extend(rescore_candidates(chosen, cals, &self.rescore, model.info.identity.head_dim)?);
+        let key_heads = KeyHeads { fractions: self.key_heads.clone(), random: self.key_heads_random, seed };
+        out.extend(key_head_candidates(model, calib, window, chosen, cals, &key_heads)?);
         Ok(out)
     }
 }

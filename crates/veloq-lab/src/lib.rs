@@ -9,6 +9,7 @@ pub mod calibrations;
 pub mod cuda_checks;
 pub mod eval;
 pub mod held_out;
+pub mod key_heads;
 pub mod linalg;
 pub mod measure;
 pub mod needle;

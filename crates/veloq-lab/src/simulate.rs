@@ -42,6 +42,14 @@ pub enum Coder {
     Shared(VecInferCodec),
     /// Codec `h` codes kv head `h` (each a one-head codec).
     PerHead(Vec<VecInferCodec>),
+    /// Kv head `h` coded by `codecs[pick[h]]`, each codec one of the whole layer's (precision
+    /// that differs by head).
+    ByHead {
+        /// Codecs of every head of the layer.
+        codecs: Vec<VecInferCodec>,
+        /// Per kv head, the codec that codes it.
+        pick: Vec<usize>,
+    },
 }
 
 impl Coder {
@@ -61,6 +69,23 @@ impl Coder {
                     for (t, r) in round_trip(c, &own)?.chunks(d).enumerate() {
                         out[t * row + h * d..t * row + (h + 1) * d].copy_from_slice(r);
                     }
+                }
+                Ok(out)
+            }
+            Coder::ByHead { codecs, pick } => {
+                let whole = codecs.iter().map(|c| round_trip(c, rows)).collect::<Result<Vec<_>>>()?;
+                let d = codecs.first().map(|c| c.head_dim()).unwrap_or(0);
+                let row = d * pick.len();
+                if row == 0 || !rows.len().is_multiple_of(row) {
+                    return Err(Error::Shape(format!(
+                        "{} values are not rows of {} heads × {d}",
+                        rows.len(),
+                        pick.len()
+                    )));
+                }
+                let mut out = vec![0.0f32; rows.len()];
+                for (i, o) in out.chunks_mut(d).enumerate() {
+                    o.copy_from_slice(&whole[pick[i % pick.len()]][i * d..(i + 1) * d]);
                 }
                 Ok(out)
             }
@@ -286,6 +311,39 @@ impl Simulation {
             x.values = Some(books(&|c| &c.values)?);
             *layer = Arc::new(x);
         }
+        Ok(sim)
+    }
+
+    /// `low`'s method with the keys of the kv heads `upgrade[layer][head]` marks coded by `high`'s
+    /// key codecs instead (values `low`'s): bits spent where the keys matter. The stream rate
+    /// counts each head at its own precision.
+    pub fn upgraded_key_heads(low: &Calibration, high: &Calibration, upgrade: &[Vec<bool>]) -> Result<Self> {
+        if high.layers.len() != low.layers.len() || upgrade.len() != low.layers.len() {
+            return Err(Error::Config(format!(
+                "{} and {} layers of codecs, {} of heads to upgrade",
+                low.layers.len(),
+                high.layers.len(),
+                upgrade.len()
+            )));
+        }
+        let mut sim = Self::new(low, Sides::Both, None, None)?;
+        for ((layer, h), up) in sim.layers.iter_mut().zip(&high.layers).zip(upgrade) {
+            let mut x = SimLayer::clone(layer);
+            let l = match &x.keys {
+                Some(Coder::Shared(c)) => c.clone(),
+                _ => return Err(Error::Config("a shared key codec per layer".into())),
+            };
+            if l.head_dim() != h.keys.head_dim() {
+                return Err(Error::Config("the two calibrations code different head dims".into()));
+            }
+            x.keys =
+                Some(Coder::ByHead { codecs: vec![l, h.keys.clone()], pick: up.iter().map(|&u| u as usize).collect() });
+            *layer = Arc::new(x);
+        }
+        let (up, all) = (upgrade.iter().flatten().filter(|&&u| u).count(), upgrade.iter().flatten().count());
+        let f = up as f64 / all.max(1) as f64;
+        let kb = low.keys.shape.bits_per_element() * (1.0 - f) + high.keys.shape.bits_per_element() * f;
+        sim.stream_bits = (kb + low.values.shape.bits_per_element()) / 2.0;
         Ok(sim)
     }
 
@@ -787,5 +845,28 @@ mod tests {
         assert!(Coder::PerHead(codecs.clone()).round_trip(&rows[..d]).is_err(), "half a row");
         let shared = Coder::Shared(codecs[0].clone());
         assert_eq!(shared.round_trip(&own(0)).unwrap(), round_trip(&codecs[0], &own(0)).unwrap());
+    }
+
+    /// A by-head coder takes each head's rows from its own codec's round trip of the whole rows.
+    #[test]
+    fn by_head_coders_take_each_heads_rows_from_its_codec() {
+        let mut rng = crate::synthetic::Rng(crate::testing::fresh_seed() | 1);
+        let (tokens, heads, d) = (120usize, 3usize, 16usize);
+        let rows = rng.rows(tokens * heads, d);
+        let codec = |sub: usize, seed: u64| {
+            let spec = CodecSpec::keys(PqShape::new(sub, 4).unwrap());
+            train_codec(&rows, heads, d, &spec, &KMeansConfig::new(16, seed)).unwrap().0
+        };
+        let (coarse, fine) = (codec(8, 3), codec(2, 5));
+        let pick = vec![1, 0, 1];
+        let got =
+            Coder::ByHead { codecs: vec![coarse.clone(), fine.clone()], pick: pick.clone() }.round_trip(&rows).unwrap();
+        let whole = [round_trip(&coarse, &rows).unwrap(), round_trip(&fine, &rows).unwrap()];
+        for (i, r) in got.chunks(d).enumerate() {
+            assert_eq!(r, &whole[pick[i % heads]][i * d..(i + 1) * d], "row {i}");
+        }
+        let err = |x: &[f32]| x.iter().zip(&rows).map(|(a, b)| (a - b).powi(2)).sum::<f32>();
+        assert!(err(&whole[1]) < err(&whole[0]), "two bits a channel code closer than half a bit");
+        assert!(Coder::ByHead { codecs: vec![coarse, fine], pick }.round_trip(&rows[..d]).is_err(), "a third of a row");
     }
 }
