@@ -61,8 +61,9 @@ impl Coder {
                 if rows.is_empty() {
                     return Ok(Vec::new());
                 }
-                let tokens = tokens_of(rows, cs)?;
-                let (row, d) = (rows.len() / tokens.max(1), cs[0].head_dim());
+                let d = cs.first().map(|c| c.head_dim()).unwrap_or(0);
+                whole_rows(rows, cs.len(), d)?;
+                let row = d * cs.len();
                 let mut out = vec![0.0f32; rows.len()];
                 for (h, c) in cs.iter().enumerate() {
                     let own: Vec<f32> = rows.chunks(row).flat_map(|t| t[h * d..(h + 1) * d].iter().copied()).collect();
@@ -73,16 +74,9 @@ impl Coder {
                 Ok(out)
             }
             Coder::ByHead { codecs, pick } => {
-                let whole = codecs.iter().map(|c| round_trip(c, rows)).collect::<Result<Vec<_>>>()?;
                 let d = codecs.first().map(|c| c.head_dim()).unwrap_or(0);
-                let row = d * pick.len();
-                if row == 0 || !rows.len().is_multiple_of(row) {
-                    return Err(Error::Shape(format!(
-                        "{} values are not rows of {} heads × {d}",
-                        rows.len(),
-                        pick.len()
-                    )));
-                }
+                whole_rows(rows, pick.len(), d)?;
+                let whole = codecs.iter().map(|c| round_trip(c, rows)).collect::<Result<Vec<_>>>()?;
                 let mut out = vec![0.0f32; rows.len()];
                 for (i, o) in out.chunks_mut(d).enumerate() {
                     o.copy_from_slice(&whole[pick[i % pick.len()]][i * d..(i + 1) * d]);
@@ -93,14 +87,13 @@ impl Coder {
     }
 }
 
-/// Tokens in `rows` (`[tokens, heads, head_dim]`) for per-head codecs, each of one head.
-fn tokens_of(rows: &[f32], cs: &[VecInferCodec]) -> Result<usize> {
-    let d = cs.first().map(|c| c.head_dim()).unwrap_or(0);
-    let row = d * cs.len();
+/// An error unless `rows` are whole `[tokens, heads, d]` rows.
+fn whole_rows(rows: &[f32], heads: usize, d: usize) -> Result<()> {
+    let row = d * heads;
     if row == 0 || !rows.len().is_multiple_of(row) {
-        return Err(Error::Shape(format!("{} values are not rows of {} heads × {d}", rows.len(), cs.len())));
+        return Err(Error::Shape(format!("{} values are not rows of {heads} heads × {d}", rows.len())));
     }
-    Ok(rows.len() / row)
+    Ok(())
 }
 
 /// One layer's candidate: a side without a codec stays exact.
