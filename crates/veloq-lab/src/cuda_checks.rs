@@ -648,8 +648,9 @@ pub const QUANTIZE_PAIR_CHECKS: [(usize, usize, usize, usize, u32, Granularity);
     (611, 128, 8, 2, 8, Granularity::PerLayer),
 ];
 
-/// Attention checks: GQA 1–4 and 8, D 64/128/256, odd and empty code counts, windows 0–31.
-pub const ATTENTION_CHECKS: [AttnCase; 17] = [
+/// Attention checks: GQA 1–4 and 8, D 64/128/256, odd and empty code counts, windows 0–64 (the
+/// merge scores window rows 16 at a time: full, partial and absent second halves and chunks).
+pub const ATTENTION_CHECKS: [AttnCase; 21] = [
     AttnCase { b: 2, hq: 8, hkv: 2, d: 64, s: 1000, w: 7, sd: (4, 4) },
     AttnCase { b: 1, hq: 32, hkv: 8, d: 128, s: 4097, w: 31, sd: (4, 4) },
     AttnCase { b: 3, hq: 4, hkv: 4, d: 256, s: 333, w: 0, sd: (4, 4) },
@@ -668,6 +669,11 @@ pub const ATTENTION_CHECKS: [AttnCase; 17] = [
     AttnCase { b: 2, hq: 16, hkv: 2, d: 128, s: 17, w: 0, sd: (4, 2) },
     AttnCase { b: 1, hq: 12, hkv: 4, d: 128, s: 0, w: 20, sd: (2, 2) },
     AttnCase { b: 1, hq: 32, hkv: 8, d: 128, s: 131071, w: 24, sd: (2, 2) },
+    // Windows past 32 rows (the merge's second chunk of scores).
+    AttnCase { b: 2, hq: 32, hkv: 8, d: 128, s: 3001, w: 41, sd: (2, 2) },
+    AttnCase { b: 1, hq: 9, hkv: 3, d: 64, s: 500, w: 64, sd: (4, 4) },
+    AttnCase { b: 1, hq: 12, hkv: 4, d: 128, s: 0, w: 64, sd: (2, 2) },
+    AttnCase { b: 1, hq: 8, hkv: 1, d: 256, s: 77, w: 33, sd: (2, 4) },
 ];
 
 /// Ragged decode checks: (q heads, kv heads, head_dim, key/value sub_dims) — SmolLM2's and the 8B

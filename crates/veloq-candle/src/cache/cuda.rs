@@ -71,8 +71,16 @@ pub struct CudaRuntime {
     ragged: AtomicBool,
     device: CudaDevice,
     scratch: Mutex<Option<AttentionScratch>>,
+    /// The ragged tables uploaded last, most recent at the end ([`table`](Self::table)).
+    tables: Mutex<Vec<KeptTable>>,
     launches: AtomicUsize,
 }
+
+/// Ragged tables kept on the device: a step's puts, its coded layers' and its f16 layers'.
+const TABLES_KEPT: usize = 4;
+
+/// A ragged table as the host wrote it, and its device copy.
+type KeptTable = (Vec<i32>, Arc<CudaSlice<i32>>);
 
 impl CudaRuntime {
     /// The runtime of `device`, one per device and process (kernels compile once), with the
@@ -117,6 +125,7 @@ impl CudaRuntime {
             ragged: AtomicBool::new(options.ragged_decode),
             device: cuda.clone(),
             scratch: Mutex::new(None),
+            tables: Mutex::new(Vec::new()),
             launches: AtomicUsize::new(0),
         });
         all.push(rt.clone());
@@ -176,6 +185,27 @@ impl CudaRuntime {
 
     fn count(&self, n: usize) {
         self.launches.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// The device copy of a ragged batch's table `host`. Every layer of a decode step passes the
+    /// same tables (its sequences' slots, rows, lengths and windows do not change between
+    /// layers), so the last few uploaded are handed out again: one upload a step, not one a
+    /// layer. Kernels only read them, and one dropped while a queued kernel still reads it is
+    /// freed in stream order.
+    fn table(&self, host: &[i32]) -> Result<Arc<CudaSlice<i32>>> {
+        let mut kept = self.tables.lock().expect("tables lock");
+        if let Some(i) = kept.iter().position(|(h, _)| h == host) {
+            let hit = kept.remove(i);
+            let table = hit.1.clone();
+            kept.push(hit);
+            return Ok(table);
+        }
+        let table = Arc::new(self.gpu.stream().clone_htod(host).map_err(veloq::Error::from)?);
+        if kept.len() == TABLES_KEPT {
+            kept.remove(0);
+        }
+        kept.push((host.to_vec(), table.clone()));
+        Ok(table)
     }
 
     /// Runs `f` with a scratch for `partials` partials of `head_dim` and `streams` counters,
@@ -578,7 +608,7 @@ impl CudaBackend {
             Attention::Dense(attn, _) => {
                 let host: Vec<i32> =
                     views.iter().flat_map(|v| dense_ragged_entry(v.slot, v.queries.start, v.ring_len)).collect();
-                let table = gpu.stream().clone_htod(&host).map_err(veloq::Error::from)?;
+                let table = self.rt.table(&host)?;
                 let seqs = Ragged { table: table.as_view(), host: &host };
                 let (b, longest) = (views.len(), views.iter().map(|v| v.ring_len).max().unwrap_or(0));
                 let nsplit = attn.splits(gpu, b, longest);
@@ -598,7 +628,7 @@ impl CudaBackend {
         }
         let host: Vec<i32> =
             views.iter().flat_map(|v| ragged_entry(v.slot, v.queries.start, v.coded, Self::window_map(v))).collect();
-        let table = gpu.stream().clone_htod(&host).map_err(veloq::Error::from)?;
+        let table = self.rt.table(&host)?;
         let ragged = Ragged { table: table.as_view(), host: &host };
         let c = self.base.vecinfer_codes()?;
         let nsplit = attn.splits(gpu, b, longest);
@@ -901,7 +931,7 @@ impl Backend for CudaBackend {
         // A decode step's rows of sequences at different positions: one launch for all.
         if alike.len() > 1 && puts.iter().all(|p| p.n == 1) {
             let host: Vec<i32> = puts.iter().flat_map(|p| [p.slot, p.src, p.to.row(0)]).map(|x| x as i32).collect();
-            let table = self.rt.gpu().stream().clone_htod(&host).map_err(veloq::Error::from)?;
+            let table = self.rt.table(&host)?;
             with_view::<f32, _>(&input.keys, |k| {
                 with_view::<f32, _>(&input.values, |v| {
                     write::<f16>(&self.base.rows, |all| {

@@ -27,6 +27,43 @@ __device__ __forceinline__ float ld_cg(const float* p) {
     return v;
 }
 
+// One step of a reduce-scatter of the 2·O sums p[0, 2·O) over lanes that differ in bit O: each
+// lane keeps the half whose index bit O matches its own and adds its partner's share of them
+// (compile-time indices, so p stays in registers).
+template <int O>
+__device__ __forceinline__ void reduce_scatter_step(float (&p)[16], int lane) {
+    const bool up = lane & O;
+#pragma unroll
+    for (int r = 0; r < O; r++) {
+        const float send = up ? p[r] : p[r + O];
+        const float keep = up ? p[r + O] : p[r];
+        p[r] = keep + __shfl_xor_sync(FULL_MASK, send, O);
+    }
+}
+
+// Scores of window rows [0, min(n, 16)) of `rows` against the warp's query `qs` (lane l holds
+// elements 32i + l), row l mod 16's in lane l; rows past n score 0. Each lane sums its elements
+// of every row, then one reduce-scatter (8 + 4 + 2 + 1 shuffles, each step's independent of one
+// another) and one shuffle across the half-warps: where a sum per row chains 5 dependent
+// shuffles 16 times.
+__device__ __forceinline__ float window_scores16(const unsigned short* rows, int n, const float (&qs)[D / 32], int lane) {
+    float p[16];
+#pragma unroll
+    for (int r = 0; r < 16; r++) {
+        float s = 0.f;
+        if (r < n) {
+#pragma unroll
+            for (int i = 0; i < D / 32; i++) s = fmaf(qs[i], h2f(rows[r * D + i * 32 + lane]), s);
+        }
+        p[r] = s;
+    }
+    reduce_scatter_step<8>(p, lane);
+    reduce_scatter_step<4>(p, lane);
+    reduce_scatter_step<2>(p, lane);
+    reduce_scatter_step<1>(p, lane);
+    return p[0] + __shfl_xor_sync(FULL_MASK, p[0], 16);
+}
+
 // Merges the G query heads of stream (b, h) — its partials at b, its queries and output at packed
 // row qb, its window rows at slot (all b outside a ragged batch) — with all NT threads of the block (NT ≥ 32·G; warp w
 // < G is head h·G + w's). Everything global is requested in one round trip before the first
@@ -100,15 +137,17 @@ __device__ __noinline__ void merge_stream(const float* __restrict__ q, const flo
     if (head) {
         float sc[2] = {NEG_MAX, NEG_MAX};
         bool live[2] = {false, false};
-#pragma unroll 4
-        for (int t = 0; t < W; t++) {
-            float s = 0.f;
 #pragma unroll
-            for (int i = 0; i < D / 32; i++) s = fmaf(qs[i], h2f(rows[t * D + i * 32 + lane]), s);
-            s = warp_sum(s);
-            if ((t & 31) == lane && wmap.valid(t)) {
-                if (t < 32) { sc[0] = s; live[0] = true; }
-                else { sc[1] = s; live[1] = true; }
+        for (int c = 0; c < 2; c++) {
+            if (32 * c >= W) break;  // uniform over the warp
+            // Rows 32c + [0, 16) and 32c + [16, 32): lane l keeps row 32c + l's.
+            const float s0 = window_scores16(rows + 32 * c * D, W - 32 * c, qs, lane);
+            const float s1 = 32 * c + 16 < W ? window_scores16(rows + (32 * c + 16) * D, W - 32 * c - 16, qs, lane) : 0.f;
+            const float s = lane < 16 ? s0 : s1;
+            const int t = 32 * c + lane;
+            if (t < W && wmap.valid(t)) {
+                sc[c] = s;
+                live[c] = true;
             }
         }
         m = warp_max(fmaxf(fmaxf(m, fmaxf(ml[0], ml[1])), fmaxf(sc[0], sc[1])));
