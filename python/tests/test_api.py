@@ -33,6 +33,10 @@ def test_bad_input_raises_the_matching_exception(model_path, tmp_path):
         veloq.calibrate(model_path, "some text", method="fp16")
     with pytest.raises(veloq.ConfigError, match="tokens"):
         veloq.calibrate(model_path, "far too short a text", tokens=512, out=tmp_path / "x.safetensors")
+    with pytest.raises(veloq.ConfigError, match="uniform or attention"):
+        veloq.calibrate(model_path, "some text", value_weights="loud")
+    with pytest.raises(veloq.ConfigError, match="tokens"):
+        veloq.calibrate(model_path, "far too short", tokens=512, value_weights="attention", out=tmp_path / "y.safetensors")
     assert issubclass(veloq.ContextOverflowError, veloq.VeloqError)
 
 

@@ -1,7 +1,7 @@
 """Type stubs of veloq's extension module (re-exported by ``veloq``)."""
 
 from os import PathLike
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, TypeVar, Union, final, overload
+from typing import Any, Callable, Iterator, Literal, Optional, Protocol, Sequence, TypeVar, Union, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -122,6 +122,7 @@ def calibrate(
     tokens: int = 8192,
     window: int = 8192,
     seed: int = 0,
+    value_weights: Literal["uniform", "attention"] = "uniform",
     out: Optional[_Path] = None,
     progress: Optional[Callable[[str, int, int], object]] = None,
 ) -> str:

@@ -6,11 +6,12 @@ use std::sync::{Arc, Mutex};
 use candle_core::Tensor;
 
 use veloq::artifact::{Calibration, LayerCodecs, ModelIdentity};
-use veloq::calibrate::{train_codec_with_progress, KMeansConfig, TextFingerprint};
+use veloq::calibrate::value_weights::{self, AttentionRows, QuerySampling};
+use veloq::calibrate::{train_codec_with_progress, KMeansConfig, TextFingerprint, ValueWeights};
 use veloq::codec::vecinfer::CodecSpec;
 
 use crate::cache::{LayerCache, ModelCache, Step};
-use crate::config::CacheConfig;
+use crate::config::{CacheConfig, WindowConfig};
 use crate::error::{Error, Result};
 use crate::method::Vq;
 use crate::model::{encode, Logits, Model, Tokenizer};
@@ -190,6 +191,29 @@ pub fn calibrate_for(
     seed: u64,
     progress: &mut dyn FnMut(usize),
 ) -> Result<Calibration> {
+    calibrate_weighted(id, acts, keys, values, seed, None, progress)
+}
+
+/// Where [`ValueWeights::Attention`] samples the calibration text's queries in passes of
+/// `window` positions: every 8th position, the cache's default residency (sink and recent rows
+/// exact, the rest coded).
+pub fn attention_sampling(window: usize) -> QuerySampling {
+    let rows = WindowConfig::default();
+    QuerySampling { window, stride: 8, skip: 0, sink: rows.sink, recent: rows.window }
+}
+
+/// [`calibrate_for`] with the value books' rows weighed by the attention each coded position
+/// receives ([`ValueWeights::Attention`]) when `by_attention` says where to sample the queries
+/// (`acts` must hold them: [`record`] with queries); uniformly when `None`.
+pub fn calibrate_weighted(
+    id: &ModelIdentity,
+    acts: &Activations,
+    keys: CodecSpec,
+    values: CodecSpec,
+    seed: u64,
+    by_attention: Option<QuerySampling>,
+    progress: &mut dyn FnMut(usize),
+) -> Result<Calibration> {
     if acts.layers.len() != id.n_layers {
         return Err(Error::Shape(format!(
             "activations of {} layers for a model of {}",
@@ -207,11 +231,37 @@ pub fn calibrate_for(
             train_codec_with_progress(x, id.n_kv_heads, id.head_dim, spec, cfg, ms.as_deref(), &|_, _, _| {})
         };
         let (k, _) = train(&a.keys, &keys, &kcfg)?;
-        let (v, _) = train(&a.values, &values, &vcfg)?;
+        let (v, _) = match by_attention {
+            None => train(&a.values, &values, &vcfg)?,
+            Some(at) => {
+                if a.queries.is_empty() {
+                    return Err(Error::Config(
+                        "value books weighted by attention need the queries recorded (record with queries)".into(),
+                    ));
+                }
+                let rows = AttentionRows {
+                    keys: &a.keys,
+                    queries: &a.queries,
+                    scale: a.scale,
+                    heads: a.queries.len() / (tokens * id.head_dim).max(1),
+                    kv_heads: id.n_kv_heads,
+                    head_dim: id.head_dim,
+                };
+                let mass = value_weights::coded_mass(rows, at)?;
+                train(
+                    &value_weights::draw_rows(&a.values, &mass, id.n_kv_heads, id.head_dim, 1.0, 0.5)?,
+                    &values,
+                    &vcfg,
+                )?
+            }
+        };
         layers.push(LayerCodecs { keys: k, values: v });
         progress(i + 1);
     }
-    Ok(Calibration::new(id.clone(), keys, values, seed, tokens, layers)?.with_text(acts.text.clone()))
+    let weights = if by_attention.is_some() { ValueWeights::Attention } else { ValueWeights::Uniform };
+    Ok(Calibration::new(id.clone(), keys, values, seed, tokens, layers)?
+        .with_text(acts.text.clone())
+        .with_value_weights(weights))
 }
 
 /// How [`calibrate_text`] reads its text.
@@ -224,12 +274,16 @@ pub struct CalibrateOptions {
     pub window: usize,
     /// k-means seed.
     pub seed: u64,
+    /// What the value codebooks' k-means weighs rows by. `Attention` records the queries too
+    /// (4 bytes per query element while calibrating) and scores every 8th position of a pass
+    /// against the positions before it.
+    pub value_weights: ValueWeights,
 }
 
 impl Default for CalibrateOptions {
-    /// 8,192 tokens in one window, seed 0: what `veloq calibrate` runs.
+    /// 8,192 tokens in one window, seed 0, uniform value weights: what `veloq calibrate` runs.
     fn default() -> Self {
-        Self { tokens: 8192, window: 8192, seed: 0 }
+        Self { tokens: 8192, window: 8192, seed: 0, value_weights: ValueWeights::Uniform }
     }
 }
 
@@ -270,9 +324,14 @@ pub fn calibrate_text(
     }
     ids.truncate(opts.tokens);
     let total = ids.len();
-    let acts = collect_activations(model, &ids, opts.window, &mut |n| progress(Progress::Collecting(n, total)))?;
+    let attention = opts.value_weights == ValueWeights::Attention;
+    let acts = record(model, &ids, opts.window, attention, &mut |n| progress(Progress::Collecting(n, total)))?;
     let layers = acts.layers.len();
-    calibrate(model, &acts, vq.keys, vq.values, opts.seed, &mut |n| progress(Progress::Training(n, layers)))
+    let by_attention = attention.then(|| attention_sampling(opts.window));
+    let id = &model.info.identity;
+    calibrate_weighted(id, &acts, vq.keys, vq.values, opts.seed, by_attention, &mut |n| {
+        progress(Progress::Training(n, layers))
+    })
 }
 
 #[cfg(test)]

@@ -6,15 +6,19 @@ use std::sync::Arc;
 use std::sync::OnceLock;
 
 use veloq::artifact::{Calibration, ModelIdentity};
+use veloq::calibrate::ValueWeights;
 use veloq::codec::block::BlockCodec;
 use veloq::codec::codebook::PqShape;
 use veloq::codec::vecinfer::CodecSpec;
 use veloq::kernels::select::KernelChoice;
 use veloq_candle::cache::{LayerCache, ModelCache, SeqStep, Step};
 use veloq_candle::chat::Chat;
-use veloq_candle::collect::{calibrate, collect_activations};
+use veloq_candle::collect::{
+    attention_sampling, calibrate, calibrate_text, calibrate_weighted, collect_activations, CalibrateOptions,
+};
 use veloq_candle::config::CacheConfig;
 use veloq_candle::generate::{generate, GenerateOptions};
+use veloq_candle::method::Vq;
 use veloq_candle::model::{encode, Logits, Model};
 use veloq_candle::prefill::prefill as chunked;
 use veloq_candle::Error;
@@ -196,6 +200,35 @@ fn corrupt_and_truncated_gguf_are_clear_errors() {
         let e = Model::open(&truncated, 512).err().expect("truncated loads").to_string();
         assert!(e.contains(&format!("cut{cut}.gguf")), "{e}");
     }
+}
+
+/// `calibrate_text` with value books weighted by attention, on the fixture's text and windows:
+/// the keys' codecs are the fixture's to the bit (the same rows, k-means seeds and shapes: only
+/// the values' training rows are drawn by mass), the values' are not, the artifact records the
+/// weighting and reads it back; activations without queries are refused by name.
+#[test]
+fn value_books_weighted_by_attention_change_the_values_alone() {
+    let f = fixture();
+    let vq = Vq { keys: f.calibration.keys, values: f.calibration.values, sink: true };
+    let opts = CalibrateOptions { tokens: 2048, window: 512, seed: 0, value_weights: ValueWeights::Attention };
+    let text = text("persuasion.txt");
+    let cal = calibrate_text(&f.model, &f.tok, &text, vq, &opts, &mut |_| {}).unwrap();
+    assert_eq!(cal.value_weights, ValueWeights::Attention);
+    assert_eq!(f.calibration.value_weights, ValueWeights::Uniform);
+    for (i, (a, b)) in cal.layers.iter().zip(&f.calibration.layers).enumerate() {
+        assert_eq!(a.keys, b.keys, "layer {i}: key codecs");
+        assert_ne!(a.values, b.values, "layer {i}: value codecs trained on the same rows");
+    }
+    let path = std::env::temp_dir().join(format!("veloq-weighted-{}.safetensors", std::process::id()));
+    cal.save(&path).unwrap();
+    assert_eq!(Calibration::load_for(&path, &f.model.info.identity).unwrap(), cal);
+    let ids = encode(&f.tok, &text).unwrap();
+    let acts = collect_activations(&f.model, &ids[..512], 512, &mut |_| {}).unwrap();
+    let sampling = Some(attention_sampling(512));
+    let e = calibrate_weighted(&f.model.info.identity, &acts, vq.keys, vq.values, 0, sampling, &mut |_| {})
+        .expect_err("no queries recorded")
+        .to_string();
+    assert!(e.contains("need the queries recorded"), "{e}");
 }
 
 #[test]

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 
+use veloq::calibrate::ValueWeights;
 use veloq_candle::collect::{calibrate_text, CalibrateOptions, Progress};
 use veloq_candle::model::Model;
 use veloq_candle::Method;
@@ -37,6 +38,11 @@ pub struct Args {
     /// k-means seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// What the value codebooks' k-means weighs each row by: `uniform`, or `attention` (the
+    /// attention each position receives while coded, on the text's own queries: lower KL at the
+    /// same bits, most at 2-bit values; results/README.md, "value books by attention").
+    #[arg(long, default_value = "uniform")]
+    pub value_weights: ValueWeights,
     /// Where to write (default: <cache-dir>/<model>.<method>.safetensors).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -53,7 +59,7 @@ pub fn run(a: Args) -> Result<()> {
     let text_path = a.text.clone().unwrap_or_else(|| a.files.text("persuasion"));
     let text = std::fs::read_to_string(&text_path)
         .with_context(|| format!("reading {} (run scripts/fetch-data)", text_path.display()))?;
-    let opts = CalibrateOptions { tokens: a.tokens, window: a.window, seed: a.seed };
+    let opts = CalibrateOptions { tokens: a.tokens, window: a.window, seed: a.seed, value_weights: a.value_weights };
     let (collecting, training) =
         (bar(a.tokens as u64, "collecting"), bar(model.info.identity.n_layers as u64, "k-means"));
     let cal = calibrate_text(&model, &tok, &text, vq, &opts, &mut |p| match p {
@@ -71,13 +77,14 @@ pub fn run(a: Args) -> Result<()> {
     }
     cal.save(&out)?;
     eprintln!(
-        "wrote {}: {} for {} layers ({}; {:.2} bits/element at 4k tokens with the codebooks), {} calibration tokens",
+        "wrote {}: {} for {} layers ({}; {:.2} bits/element at 4k tokens with the codebooks), {} calibration tokens, {} value weights",
         out.display(),
         a.method,
         cal.layers.len(),
         a.method.describe(model.info.identity.head_dim),
         cal.bits_per_element(4096),
-        cal.calibration_tokens
+        cal.calibration_tokens,
+        cal.value_weights
     );
     Ok(())
 }

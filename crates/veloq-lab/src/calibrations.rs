@@ -8,8 +8,13 @@ use anyhow::{bail, Context, Result};
 
 use veloq::artifact::Calibration;
 use veloq::artifact::ModelIdentity;
-use veloq::calibrate::TextFingerprint;
-use veloq_candle::collect::{calibrate, calibrate_for, collect_activations, record, Activations, LayerActivations};
+use veloq::calibrate::value_weights::{self, AttentionRows, QuerySampling};
+use veloq::calibrate::{train_codec_with_progress, KMeansConfig, TextFingerprint, ValueWeights};
+use veloq::codec::codebook::PqShape;
+use veloq::codec::vecinfer::{CodecSpec, VecInferCodec};
+use veloq_candle::collect::{
+    attention_sampling, calibrate_for, calibrate_weighted, record, Activations, LayerActivations,
+};
 use veloq_candle::config::{CacheConfig, WindowConfig};
 use veloq_candle::method::Vq;
 use veloq_candle::model::{encode, Model, Tokenizer};
@@ -40,7 +45,9 @@ pub fn calibration_tokens(tok: &Tokenizer, path: &Path, n: usize) -> Result<Vec<
 }
 
 /// Calibrations for the VecInfer methods, trained once from one activation collection and cached
-/// under ~/.cache/veloq/eval (reused only when made from the same tokens with the same seed).
+/// under ~/.cache/veloq/eval (reused only when made from the same tokens with the same seed and
+/// value weights).
+#[allow(clippy::too_many_arguments)]
 pub fn calibrations(
     model: &Model,
     model_path: &Path,
@@ -48,6 +55,7 @@ pub fn calibrations(
     chosen: &[Method],
     seed: u64,
     window: usize,
+    value_weights: ValueWeights,
     cache_dir: &Path,
 ) -> Result<Vec<Option<Calibration>>> {
     let text = TextFingerprint::of_tokens(calib);
@@ -63,25 +71,33 @@ pub fn calibrations(
         };
         let label = method.to_string();
         // Named by what was trained, so methods that differ only in cache settings share a file.
+        let weights = match value_weights {
+            ValueWeights::Uniform => String::new(),
+            w => format!(".{w}"),
+        };
         let path = dir.join(format!(
-            "{stem}.{:016x}.s{seed}.t{}.w{window}.safetensors",
+            "{stem}.{:016x}.s{seed}.t{}.w{window}{weights}.safetensors",
             fnv(&format!("{keys:?}{values:?}")),
             calib.len()
         ));
         if let Ok(c) = Calibration::load_for(&path, &model.info.identity) {
-            if c.text == text && c.keys == keys && c.values == values && c.seed == seed {
+            let same = c.keys == keys && c.values == values && c.seed == seed && c.value_weights == value_weights;
+            if c.text == text && same {
                 out.push(Some(c));
                 continue;
             }
         }
         if acts.is_none() {
             let b = bar(calib.len() as u64, "collecting");
-            acts = Some(collect_activations(model, calib, window, &mut |n| b.set_position(n as u64))?);
+            let queries = value_weights == ValueWeights::Attention;
+            acts = Some(record(model, calib, window, queries, &mut |n| b.set_position(n as u64))?);
             b.finish();
         }
         let b = bar(model.info.identity.n_layers as u64, &label);
-        let cal =
-            calibrate(model, acts.as_ref().expect("collected"), keys, values, seed, &mut |n| b.set_position(n as u64))?;
+        let by_attention = (value_weights == ValueWeights::Attention).then(|| attention_sampling(window));
+        let acts = acts.as_ref().expect("collected");
+        let id = &model.info.identity;
+        let cal = calibrate_weighted(id, acts, keys, values, seed, by_attention, &mut |n| b.set_position(n as u64))?;
         b.finish();
         cal.save(&path)?;
         out.push(Some(cal));
@@ -225,6 +241,10 @@ pub struct RecordedCandidates {
     pub outlier_rows: Vec<f64>,
     /// `--per-head`: codebooks per kv head.
     pub per_head: bool,
+    /// `--residual`: two residual stages over twice the channels, at the same bits.
+    pub residual: bool,
+    /// `--value-mass`: fractions of the value books' training rows drawn by attention mass.
+    pub value_mass: Vec<f64>,
     /// k-means seed (the calibrations').
     pub seed: u64,
 }
@@ -234,7 +254,8 @@ pub struct RecordedCandidates {
 /// (layer, kv head)'s limit the `1 − fraction` quantile of the squared coding errors of its rows
 /// on the calibration text); with `per_head`, the method with a codebook per kv head
 /// ([`Simulation::per_head`]: each head's keys and values trained alone, as `calibrate` trains a
-/// layer's).
+/// layer's); with `residual`, [`residual_candidate`]; with `value_mass`, [`value_mass_candidate`]
+/// once per fraction.
 pub fn recorded_candidates(
     model: &Model,
     calib: &[u32],
@@ -246,12 +267,17 @@ pub fn recorded_candidates(
     if let Some(f) = want.outlier_rows.iter().find(|f| !(0.0..1.0).contains(*f)) {
         bail!("--outlier-rows {f}: a fraction of the rows, at least 0 and below 1");
     }
-    if (want.outlier_rows.is_empty() && !want.per_head) || cals.iter().all(Option::is_none) {
+    if let Some(f) = want.value_mass.iter().find(|f| !(0.0..=1.0).contains(*f)) {
+        bail!("--value-mass {f}: a fraction of the training rows, from 0 to 1");
+    }
+    let none = want.outlier_rows.is_empty() && !want.per_head && !want.residual && want.value_mass.is_empty();
+    if none || cals.iter().all(Option::is_none) {
         return Ok(Vec::new());
     }
     let b = bar(calib.len() as u64, "recording keys and values");
-    let acts = record(model, calib, window, false, &mut |n| b.set_position(n as u64))?;
+    let acts = record(model, calib, window, !want.value_mass.is_empty(), &mut |n| b.set_position(n as u64))?;
     b.finish();
+    let masses = if want.value_mass.is_empty() { Vec::new() } else { value_masses(model, &acts, window)? };
     let id = &model.info.identity;
     let (heads, hd) = (id.n_kv_heads, id.head_dim);
     let mut out = Vec::new();
@@ -302,8 +328,140 @@ pub fn recorded_candidates(
                 simulation: Simulation::per_head(cal, &per_head)?,
             });
         }
+        if want.residual {
+            out.push(residual_candidate(id, &acts, m, cal, want.seed)?);
+        }
+        for &f in &want.value_mass {
+            out.push(value_mass_candidate(id, &acts, &masses, m, cal, f, want.seed)?);
+        }
     }
     Ok(out)
+}
+
+/// Issue 34's "residual / additive second stages (a 2-stage code over 8 channels is still 2
+/// bits)": `m`'s code shape over twice the channels (`vq-2`'s 8-bit codes of 4 channels become
+/// two 8-bit codes of 8), the first stage trained as `calibrate` trains a layer and the second on
+/// what the first leaves of the same rows; keys and values both, the bits `m`'s.
+pub fn residual_candidate(
+    id: &ModelIdentity,
+    acts: &Activations,
+    m: &Method,
+    cal: &Calibration,
+    seed: u64,
+) -> Result<Candidate> {
+    let wide = |s: CodecSpec| -> Result<CodecSpec> {
+        let sub_dim = s.shape.sub_dim * 2;
+        let shape = PqShape::new(sub_dim, s.shape.bits)
+            .map_err(|e| anyhow::anyhow!("--residual: {m} over {sub_dim} channels: {e}"))?;
+        Ok(CodecSpec { shape, ..s })
+    };
+    let (k, v) = (wide(cal.keys)?, wide(cal.values)?);
+    let b = bar(2 * id.n_layers as u64, &format!("{m}: two residual stages"));
+    let first = calibrate_for(id, acts, k, v, seed, &mut |n| b.set_position(n as u64))?;
+    let rest = |x: &[f32], c: &VecInferCodec| -> Result<Vec<f32>> {
+        Ok(x.iter().zip(round_trip(c, x)?).map(|(a, r)| a - r).collect())
+    };
+    let layers = acts
+        .layers
+        .iter()
+        .zip(&first.layers)
+        .map(|(a, l)| {
+            Ok(LayerActivations {
+                keys: rest(&a.keys, &l.keys)?,
+                values: rest(&a.values, &l.values)?,
+                scale: a.scale,
+                query_sq: a.query_sq.clone(),
+                query_rows: a.query_rows,
+                ..Default::default()
+            })
+        })
+        .collect::<Result<_>>()?;
+    let left = Activations { layers, text: acts.text.clone() };
+    let n = id.n_layers as u64;
+    let second = calibrate_for(id, &left, k, v, seed.wrapping_add(1), &mut |i| b.set_position(n + i as u64))?;
+    b.finish();
+    let hd = id.head_dim;
+    Ok(Candidate {
+        label: format!("sim:{m}/residual"),
+        description: format!(
+            "{} as two residual stages of {}-bit codes over {} channels each, keys and values (simulated)",
+            m.describe(hd),
+            k.shape.bits,
+            k.shape.sub_dim
+        ),
+        simulation: Simulation::residual(&first, &second)?,
+    })
+}
+
+/// Every layer's attention mass on its coded positions ([`value_weights::coded_mass`]): the
+/// calibration text's queries at every 8th position of each `window`-position pass, the cache's
+/// default residency.
+fn value_masses(model: &Model, acts: &Activations, window: usize) -> Result<Vec<Vec<f64>>> {
+    let id = &model.info.identity;
+    let rows = WindowConfig::default();
+    let at = QuerySampling { window, stride: 8, skip: 0, sink: rows.sink, recent: rows.window };
+    let b = bar(acts.layers.len() as u64, "attention mass");
+    let out = acts
+        .layers
+        .iter()
+        .map(|a| {
+            let rows = AttentionRows {
+                keys: &a.keys,
+                queries: &a.queries,
+                scale: a.scale,
+                heads: model.info.n_heads,
+                kv_heads: id.n_kv_heads,
+                head_dim: id.head_dim,
+            };
+            let m = value_weights::coded_mass(rows, at)?;
+            b.inc(1);
+            Ok(m)
+        })
+        .collect::<Result<_>>();
+    b.finish();
+    out
+}
+
+/// Issue 34's "value codebooks trained with attention-mass weights": `m`'s value books trained
+/// (as `calibrate` trains them, same seeds) on rows drawn by [`value_weights::draw_rows`], a
+/// fraction `by_mass` of them in proportion to the attention each coded position received on the
+/// calibration text (`masses`, per layer); keys `m`'s own.
+pub fn value_mass_candidate(
+    id: &ModelIdentity,
+    acts: &Activations,
+    masses: &[Vec<f64>],
+    m: &Method,
+    cal: &Calibration,
+    by_mass: f64,
+    seed: u64,
+) -> Result<Candidate> {
+    let (nkv, hd) = (id.n_kv_heads, id.head_dim);
+    let b = bar(id.n_layers as u64, &format!("{m}: value books by attention mass"));
+    let values = acts
+        .layers
+        .iter()
+        .zip(masses)
+        .enumerate()
+        .map(|(i, (a, mass))| {
+            let rows = value_weights::draw_rows(&a.values, mass, nkv, hd, by_mass, 0.5)?;
+            let cfg = KMeansConfig::new(cal.values.shape.centroids(), seed.wrapping_add(1000 * i as u64 + 500));
+            let ms = a.query_ms(nkv, hd);
+            let (codec, _) =
+                train_codec_with_progress(&rows, nkv, hd, &cal.values, &cfg, ms.as_deref(), &|_, _, _| {})?;
+            b.inc(1);
+            Ok(codec)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    b.finish();
+    Ok(Candidate {
+        label: format!("sim:{m}/value-mass{}%", by_mass * 100.0),
+        description: format!(
+            "{} with value books trained on rows {}% drawn by the attention they receive while coded (simulated)",
+            m.describe(hd),
+            by_mass * 100.0
+        ),
+        simulation: Simulation::with_values(cal, values)?,
+    })
 }
 
 /// Kv head `h`'s share of `acts` (of `heads`): its keys and values, and its query group's squared
@@ -375,7 +533,9 @@ pub fn key_head_candidates(
     let id = &model.info.identity;
     let (hd, nkv) = (id.head_dim, id.n_kv_heads);
     let heads = Heads { q: model.info.n_heads, kv: nkv, dim: hd };
-    let at = key_heads::Sampling { window, stride: 64, skip: 256.min(window / 2), residency: WindowConfig::default() };
+    let rows = WindowConfig::default();
+    let at =
+        key_heads::Sampling { window, stride: 64, skip: 256.min(window / 2), sink: rows.sink, recent: rows.window };
     let mut out = Vec::new();
     for &&(lm, low) in &lows {
         let b = bar(id.n_layers as u64, &format!("{lm}: key distortion per head"));

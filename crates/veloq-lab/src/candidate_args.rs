@@ -34,9 +34,20 @@ pub struct CandidateArgs {
     /// (each trained on its head's keys or values alone) instead of one per layer.
     #[arg(long)]
     pub per_head: bool,
+    /// Issue 34's candidate: also run every VecInfer method simulated as two residual stages of
+    /// its codes over twice the channels (the same bits: `vq-2`'s 8-bit codes of 4 channels
+    /// become two 8-bit codes of 8, the second coding what the first leaves).
+    #[arg(long)]
+    pub residual: bool,
+    /// Issue 34's candidate: also run every VecInfer method simulated with value books trained on
+    /// rows drawn by the attention they receive while coded on the calibration text, a fraction of
+    /// the rows by that mass and the rest uniformly, once per fraction, comma separated (`0.5,1`).
+    #[arg(long, value_delimiter = ',')]
+    pub value_mass: Vec<f64>,
     /// Issue 34's candidate: also run every VecInfer method simulated with attention that reads
     /// the exact key and value of the N best-scoring coded positions per query head (a second
-    /// precision read only there), once per N, comma separated (`16,64`).
+    /// precision read only there), once per N, comma separated (`16,64`); with `--value-mass`,
+    /// each of those candidates with it too.
     #[arg(long, value_delimiter = ',')]
     pub rescore: Vec<usize>,
     /// Issue 34's candidate: also run every VecInfer method but the one with the most key bits
@@ -64,9 +75,30 @@ impl CandidateArgs {
         seed: u64,
     ) -> Result<Vec<Candidate>> {
         let mut out = simulations(model, calib, window, chosen, cals, &self.second_stage, self.apart)?;
-        let recorded = RecordedCandidates { outlier_rows: self.outlier_rows.clone(), per_head: self.per_head, seed };
-        out.extend(recorded_candidates(model, calib, window, chosen, cals, &recorded)?);
+        let recorded = RecordedCandidates {
+            outlier_rows: self.outlier_rows.clone(),
+            per_head: self.per_head,
+            residual: self.residual,
+            value_mass: self.value_mass.clone(),
+            seed,
+        };
+        let recorded = recorded_candidates(model, calib, window, chosen, cals, &recorded)?;
+        // The best together: value books by mass read with the rescoring too.
+        let together = recorded.iter().filter(|c| c.label.contains("/value-mass")).flat_map(|c| {
+            self.rescore.iter().map(move |&top| {
+                let mut simulation = c.simulation.clone();
+                simulation.set_rescore(top);
+                Candidate {
+                    label: format!("{}+top{top}", c.label),
+                    description: format!("{}; and exact rows at its {top} best-scoring positions", c.description),
+                    simulation,
+                }
+            })
+        });
+        let together: Vec<Candidate> = together.collect();
+        out.extend(recorded);
         out.extend(rescore_candidates(chosen, cals, &self.rescore, model.info.identity.head_dim)?);
+        out.extend(together);
         let key_heads = KeyHeads { fractions: self.key_heads.clone(), random: self.key_heads_random, seed };
         out.extend(key_head_candidates(model, calib, window, chosen, cals, &key_heads)?);
         Ok(out)

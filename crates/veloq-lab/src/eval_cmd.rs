@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::{Args as ClapArgs, Subcommand};
 use serde_json::json;
+use veloq::calibrate::ValueWeights;
 
 use veloq::calibrate::TextFingerprint;
 use veloq_candle::config::{CacheConfig, WindowConfig};
@@ -65,6 +66,10 @@ pub struct Args {
     pub candidates: CandidateArgs,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// What the VecInfer methods' value codebooks weigh rows by (`veloq calibrate
+    /// --value-weights`): uniform or attention.
+    #[arg(long, default_value = "uniform")]
+    pub value_weights: ValueWeights,
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// PNG figure prefix: writes PREFIX-ctx{N}.png (ΔPPL and KL against bits per element).
@@ -119,7 +124,8 @@ pub fn run(a: Args) -> Result<()> {
         );
     }
     let calib_window = a.calib_window.unwrap_or(max_ctx);
-    let cals = calibrations(&model, &model_path, &calib, &chosen, a.seed, calib_window, &a.files.cache_dir)?;
+    let cals =
+        calibrations(&model, &model_path, &calib, &chosen, a.seed, calib_window, a.value_weights, &a.files.cache_dir)?;
     let hd = model.info.identity.head_dim;
     let mut candidates = a.candidates.build(&model, &calib, calib_window, &chosen, &cals, a.seed)?;
     let mut methods: Vec<(String, CacheConfig)> =
@@ -154,6 +160,7 @@ pub fn run(a: Args) -> Result<()> {
         "calib_text": calib_path.file_name().map(|s| s.to_string_lossy().into_owned()),
         "calib_tokens": a.calib_tokens,
         "calib_window": calib_window,
+        "value_weights": a.value_weights.name(),
         "f16_rows": a.f16_rows.map(|w| w.to_string()),
         "outlier_rows": a.candidates.outlier_rows,
         "per_head": a.candidates.per_head,
@@ -184,7 +191,16 @@ fn replot(json: &Path, model_path: &Path, chosen: &[Method], a: &Args) -> Result
         let calib_path = a.calib_text.clone().unwrap_or_else(|| a.files.text("persuasion"));
         let calib_tokens = read_tokens(&tok, &calib_path)?;
         let calib_tokens = &calib_tokens[..a.calib_tokens.min(calib_tokens.len())];
-        let cals = calibrations(&model, model_path, calib_tokens, chosen, a.seed, window, &a.files.cache_dir)?;
+        let cals = calibrations(
+            &model,
+            model_path,
+            calib_tokens,
+            chosen,
+            a.seed,
+            window,
+            a.value_weights,
+            &a.files.cache_dir,
+        )?;
         chosen
             .iter()
             .zip(cals)

@@ -7,7 +7,6 @@ use rayon::prelude::*;
 
 use veloq_candle::cache::Heads;
 use veloq_candle::collect::LayerActivations;
-use veloq_candle::config::WindowConfig;
 
 /// What the ranking reads of a layer: its recorded keys and queries and the keys reconstructed
 /// at each precision (`[tokens, kv heads, head_dim]`).
@@ -20,19 +19,8 @@ pub struct LayerKeys<'a> {
     pub high: &'a [f32],
 }
 
-/// Where the ranking samples queries: every `stride`-th position of each `window`-position
-/// pass from the `skip`-th on, coded positions placed by the cache's `residency`.
-#[derive(Clone, Copy, Debug)]
-pub struct Sampling {
-    /// Positions per recorded pass (each attends only within its pass).
-    pub window: usize,
-    /// Every this many positions a query is sampled.
-    pub stride: usize,
-    /// Positions of each pass before the first sampled query.
-    pub skip: usize,
-    /// Sink and recent window: the positions a query sees exact.
-    pub residency: WindowConfig,
-}
+/// Where the ranking samples queries and which positions they see coded (the cache's residency).
+pub use veloq::calibrate::value_weights::QuerySampling as Sampling;
 
 /// The attention's total variation against exact keys, averaged over the sampled queries of each
 /// kv head's group: `(low, high)` per kv head. Positions in the sink and in the recent window stay
@@ -42,11 +30,7 @@ pub fn head_distortion(layer: &LayerKeys, heads: Heads, at: Sampling) -> Vec<(f6
     let a = layer.acts;
     let group = nh / nkv;
     let tokens = a.keys.len() / (nkv * d);
-    let starts: Vec<usize> = (0..tokens).step_by(at.window.max(1)).collect();
-    let sampled: Vec<(usize, usize)> = starts
-        .iter()
-        .flat_map(|&w0| (w0 + at.skip..(w0 + at.window).min(tokens)).step_by(at.stride.max(1)).map(move |r| (w0, r)))
-        .collect();
+    let sampled = at.queries(tokens);
     let per_query: Vec<Vec<(f64, f64)>> = sampled
         .par_iter()
         .map(|&(w0, r)| {
@@ -62,7 +46,7 @@ pub fn head_distortion(layer: &LayerKeys, heads: Heads, at: Sampling) -> Vec<(f6
                 };
                 for (i, j) in (w0..=r).enumerate() {
                     ex[i] = dot(&a.keys, j);
-                    let coded = i >= at.residency.sink && i + at.residency.window < n;
+                    let coded = at.coded(i, n);
                     (lo[i], hi[i]) = if coded { (dot(layer.low, j), dot(layer.high, j)) } else { (ex[i], ex[i]) };
                 }
                 let (pe, pl, ph) = (softmax(&ex), softmax(&lo), softmax(&hi));
@@ -120,6 +104,7 @@ pub fn random_mask(shape: &[usize], count: usize, seed: u64) -> Vec<Vec<bool>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use veloq_candle::config::WindowConfig;
 
     #[test]
     fn the_mask_takes_the_largest_gains_across_layers() {
@@ -158,7 +143,8 @@ mod tests {
         };
         let (small, large) = (perturb(0.1), perturb(0.5));
         let layer = LayerKeys { acts: &acts, low: &large, high: &small };
-        let at = Sampling { window: 48, stride: 5, skip: 24, residency: WindowConfig::default() };
+        let rows = WindowConfig::default();
+        let at = Sampling { window: 48, stride: 5, skip: 24, sink: rows.sink, recent: rows.window };
         // Head 0's scores are computed from the same exact keys at every precision, so its
         // softmaxes are bitwise equal; head 1's noise is the same direction five times larger,
         // which moves the attention more on average over the sampled queries.

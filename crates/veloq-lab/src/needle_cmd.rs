@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use serde_json::json;
+use veloq::calibrate::ValueWeights;
 
 use veloq::kernels::KernelChoice;
 use veloq_candle::config::{CacheConfig, WindowConfig};
@@ -74,6 +75,10 @@ pub struct Args {
     chunk: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// What the VecInfer methods' value codebooks weigh rows by (`veloq calibrate
+    /// --value-weights`): uniform or attention.
+    #[arg(long, default_value = "uniform")]
+    value_weights: ValueWeights,
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: Device,
@@ -175,7 +180,16 @@ pub fn run(a: Args) -> Result<()> {
     let on_cpu = device.is_cpu() && calib_window <= capacity;
     let cpu = if on_cpu { None } else { Some(Model::open(&model_path, capacity.max(calib_window))?.0) };
     let calib_model = cpu.as_ref().unwrap_or(&model);
-    let cals = calibrations(calib_model, &model_path, &calib, &chosen, a.seed, calib_window, &a.files.cache_dir)?;
+    let cals = calibrations(
+        calib_model,
+        &model_path,
+        &calib,
+        &chosen,
+        a.seed,
+        calib_window,
+        a.value_weights,
+        &a.files.cache_dir,
+    )?;
     if a.calibrate_only {
         eprintln!("calibrations ready in {}", a.files.cache_dir.join("eval").display());
         return Ok(());
@@ -263,7 +277,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut results = vec![vec![vec![vec![(0usize, 0usize); a.lengths.len()]; a.depths.len()]; hays.len()]; runs.len()];
     let header = json!({"model": model.info.identity.name, "device": format!("{device:?}"), "lengths": a.lengths,
         "depths_percent": a.depths, "keys_per_cell": a.keys, "chat": !a.raw, "batch": batch_size,
-        "f16_rows": a.f16_rows.map(|w| w.to_string()),
+        "f16_rows": a.f16_rows.map(|w| w.to_string()), "value_weights": a.value_weights.name(),
         "outlier_rows": a.candidates.outlier_rows,
         "per_head": a.candidates.per_head,
         "rescore": a.candidates.rescore,

@@ -50,6 +50,9 @@ pub enum Coder {
         /// Per kv head, the codec that codes it.
         pick: Vec<usize>,
     },
+    /// Residual stages: each codes what the ones before it left (a row's reconstruction is the sum
+    /// of its stages'; a kernel would sum one lookup per stage).
+    Residual(Vec<VecInferCodec>),
 }
 
 impl Coder {
@@ -80,6 +83,17 @@ impl Coder {
                 let mut out = vec![0.0f32; rows.len()];
                 for (i, o) in out.chunks_mut(d).enumerate() {
                     o.copy_from_slice(&whole[pick[i % pick.len()]][i * d..(i + 1) * d]);
+                }
+                Ok(out)
+            }
+            Coder::Residual(stages) => {
+                let (mut out, mut rest) = (vec![0.0f32; rows.len()], rows.to_vec());
+                for c in stages {
+                    let coded = round_trip(c, &rest)?;
+                    for ((o, r), y) in out.iter_mut().zip(rest.iter_mut()).zip(coded) {
+                        *o += y;
+                        *r -= y;
+                    }
                 }
                 Ok(out)
             }
@@ -185,6 +199,7 @@ pub enum Sides {
 
 /// A calibration's codecs (and optional key and value second stages per layer) applied to an fp16
 /// cache.
+#[derive(Clone)]
 pub struct Simulation {
     layers: Vec<Arc<SimLayer>>,
     window: WindowConfig,
@@ -337,6 +352,38 @@ impl Simulation {
         let f = up as f64 / all.max(1) as f64;
         let kb = low.keys.shape.bits_per_element() * (1.0 - f) + high.keys.shape.bits_per_element() * f;
         sim.stream_bits = (kb + low.values.shape.bits_per_element()) / 2.0;
+        Ok(sim)
+    }
+
+    /// Two-stage residual codes: `first`'s codecs, then `second`'s on what they leave, keys and
+    /// values (a position costs both stages' codes).
+    pub fn residual(first: &Calibration, second: &Calibration) -> Result<Self> {
+        if first.layers.len() != second.layers.len() {
+            return Err(Error::Config(format!("stages of {} and {} layers", first.layers.len(), second.layers.len())));
+        }
+        let mut sim = Self::new(first, Sides::Both, None, None)?;
+        for (layer, (a, b)) in sim.layers.iter_mut().zip(first.layers.iter().zip(&second.layers)) {
+            let mut x = SimLayer::clone(layer);
+            x.keys = Some(Coder::Residual(vec![a.keys.clone(), b.keys.clone()]));
+            x.values = Some(Coder::Residual(vec![a.values.clone(), b.values.clone()]));
+            *layer = Arc::new(x);
+        }
+        let bits = |c: &Calibration| (c.keys.shape.bits_per_element() + c.values.shape.bits_per_element()) / 2.0;
+        sim.stream_bits = bits(first) + bits(second);
+        Ok(sim)
+    }
+
+    /// `cal`'s method with the value codecs `values` (one per layer, same shape) instead of its own.
+    pub fn with_values(cal: &Calibration, values: Vec<VecInferCodec>) -> Result<Self> {
+        if values.len() != cal.layers.len() {
+            return Err(Error::Config(format!("{} value codecs for {} layers", values.len(), cal.layers.len())));
+        }
+        let mut sim = Self::new(cal, Sides::Both, None, None)?;
+        for (layer, v) in sim.layers.iter_mut().zip(values) {
+            let mut x = SimLayer::clone(layer);
+            x.values = Some(Coder::Shared(v));
+            *layer = Arc::new(x);
+        }
         Ok(sim)
     }
 
@@ -863,5 +910,29 @@ mod tests {
         let err = |x: &[f32]| x.iter().zip(&rows).map(|(a, b)| (a - b).powi(2)).sum::<f32>();
         assert!(err(&whole[1]) < err(&whole[0]), "two bits a channel code closer than half a bit");
         assert!(Coder::ByHead { codecs: vec![coarse, fine], pick }.round_trip(&rows[..d]).is_err(), "a third of a row");
+    }
+
+    /// A residual coder sums its stages: the second codes exactly what the first left (against
+    /// the two round trips composed by hand). Trained on the first's residuals of these rows, the
+    /// second stage's 16 centroids leave less error than the first alone (k-means with more than
+    /// one centroid on spread-out residuals, not rounding).
+    #[test]
+    fn residual_stages_code_what_the_stage_before_left() {
+        let mut rng = crate::synthetic::Rng(crate::testing::fresh_seed() | 1);
+        let (tokens, heads, d) = (160usize, 2usize, 16usize);
+        let rows = rng.rows(tokens * heads, d);
+        let spec = CodecSpec::keys(PqShape::new(8, 4).unwrap());
+        let first = train_codec(&rows, heads, d, &spec, &KMeansConfig::new(16, 3)).unwrap().0;
+        let one = round_trip(&first, &rows).unwrap();
+        let left: Vec<f32> = rows.iter().zip(&one).map(|(a, b)| a - b).collect();
+        let second = train_codec(&left, heads, d, &spec, &KMeansConfig::new(16, 4)).unwrap().0;
+        let two = round_trip(&second, &left).unwrap();
+        let got = Coder::Residual(vec![first.clone(), second]).round_trip(&rows).unwrap();
+        for (i, (g, (a, b))) in got.iter().zip(one.iter().zip(&two)).enumerate() {
+            assert_eq!(*g, a + b, "element {i}");
+        }
+        let err = |x: &[f32]| x.iter().zip(&rows).map(|(a, b)| (a - b).powi(2)).sum::<f32>();
+        assert!(err(&got) < err(&one), "{} against {}", err(&got), err(&one));
+        assert_eq!(Coder::Residual(vec![first.clone()]).round_trip(&rows).unwrap(), one);
     }
 }

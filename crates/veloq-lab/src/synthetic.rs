@@ -181,6 +181,7 @@ pub fn synthetic_calibration(model: &Model, vq: &Vq, rng: &mut Rng) -> Result<Ca
         seed: rng.0,
         calibration_tokens: 0,
         text: TextFingerprint::default(),
+        value_weights: veloq::calibrate::ValueWeights::Uniform,
         layers: (0..id.n_layers).map(|_| layer()).collect(),
         model: id,
     })

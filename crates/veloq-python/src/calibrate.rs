@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use pyo3::prelude::*;
 
+use veloq::calibrate::ValueWeights;
 use veloq_candle::collect::{calibrate_text, CalibrateOptions, Progress};
 use veloq_candle::model::Model;
 use veloq_candle::runtime::calibration_path;
@@ -15,10 +16,11 @@ use crate::model::parse_method;
 
 /// Calibrates `method` for the GGUF model at `model` on `text` (a string, or the path of a text
 /// file) and writes the artifact to `out` (default: where `Model.open` looks for it). Returns the
-/// path written. `progress(stage, done, total)` is called as it goes ("collecting" tokens, then
+/// path written. `value_weights` is what the value codebooks' k-means weighs rows by: "uniform" or
+/// "attention" (`veloq calibrate --value-weights`). `progress(stage, done, total)` is called as it goes ("collecting" tokens, then
 /// "training" layers).
 #[pyfunction]
-#[pyo3(signature = (model, text, *, method = "vq-4", tokens = 8192, window = 8192, seed = 0, out = None, progress = None))]
+#[pyo3(signature = (model, text, *, method = "vq-4", tokens = 8192, window = 8192, seed = 0, value_weights = "uniform", out = None, progress = None))]
 #[allow(clippy::too_many_arguments)]
 pub fn calibrate(
     py: Python<'_>,
@@ -28,10 +30,13 @@ pub fn calibrate(
     tokens: usize,
     window: usize,
     seed: u64,
+    value_weights: &str,
     out: Option<PathBuf>,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<PathBuf> {
     let m = parse_method(method)?;
+    let value_weights: ValueWeights =
+        value_weights.parse().map_err(|e: veloq::Error| ConfigError::new_err(e.to_string()))?;
     let Method::VecInfer(vq) = m else {
         return Err(MethodError::new_err(format!(
             "{m} needs no calibration: only VecInfer methods (vq-…) have codebooks"
@@ -43,7 +48,7 @@ pub fn calibrate(
         }
         _ => text.extract()?,
     };
-    let opts = CalibrateOptions { tokens, window, seed };
+    let opts = CalibrateOptions { tokens, window, seed, value_weights };
     let out = out.unwrap_or_else(|| calibration_path(&crate::cache_dir(), &model, &m));
     let mut callback_error = None;
     let cal = py

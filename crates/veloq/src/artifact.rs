@@ -15,7 +15,7 @@ use std::path::Path;
 use safetensors::{tensor::TensorView, Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
-use crate::calibrate::TextFingerprint;
+use crate::calibrate::{TextFingerprint, ValueWeights};
 use crate::codec::block::BlockCodec;
 use crate::codec::codebook::{Codebook, CodebookSet, Granularity, PqShape};
 use crate::codec::smooth::{SmoothRule, SmoothScales, MIN_SCALE};
@@ -85,6 +85,8 @@ pub struct Calibration {
     pub calibration_tokens: usize,
     /// Shingles of the calibration text, so evaluation can refuse to run on it.
     pub text: TextFingerprint,
+    /// What the value codebooks' k-means weighed each row by.
+    pub value_weights: ValueWeights,
     /// Per layer, in layer order.
     pub layers: Vec<LayerCodecs>,
 }
@@ -112,6 +114,9 @@ struct Meta {
     calibration_tokens: usize,
     #[serde(default)]
     text: TextFingerprint,
+    /// Absent for uniform weights (artifacts from before the option read as uniform).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    value_weights: Option<String>,
 }
 
 impl SideMeta {
@@ -178,7 +183,22 @@ impl Calibration {
                 }
             }
         }
-        Ok(Self { model, keys, values, seed, calibration_tokens, text: TextFingerprint::default(), layers })
+        Ok(Self {
+            model,
+            keys,
+            values,
+            seed,
+            calibration_tokens,
+            text: TextFingerprint::default(),
+            value_weights: ValueWeights::Uniform,
+            layers,
+        })
+    }
+
+    /// Records what the value codebooks' k-means weighed rows by.
+    pub fn with_value_weights(mut self, weights: ValueWeights) -> Self {
+        self.value_weights = weights;
+        self
     }
 
     /// Records which text the calibration saw.
@@ -199,6 +219,7 @@ impl Calibration {
             seed: self.seed,
             calibration_tokens: self.calibration_tokens,
             text: self.text.clone(),
+            value_weights: (self.value_weights != ValueWeights::Uniform).then(|| self.value_weights.name().into()),
         };
         let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
         for (i, l) in self.layers.iter().enumerate() {
@@ -338,8 +359,9 @@ impl Calibration {
             names.sort();
             return Err(bad(format!("{} tensors where the metadata implies {expected}: {names:?}", st.len())));
         }
+        let weights = meta.value_weights.as_deref().map_or(Ok(ValueWeights::Uniform), str::parse).map_err(wrap)?;
         let cal = Self::new(meta.model, keys, values, meta.seed, meta.calibration_tokens, layers).map_err(wrap)?;
-        Ok(cal.with_text(meta.text))
+        Ok(cal.with_text(meta.text).with_value_weights(weights))
     }
 
     /// Bits per element of keys and values including every stored byte of codebooks and scales,

@@ -68,6 +68,21 @@ fn round_trip_and_deterministic_bytes() {
     assert!(bpe > 0.5 * (1.25 + 0.5) && bpe < 0.5 * (1.25 + 0.5) + 0.01, "{bpe}");
 }
 
+/// Attention-weighted value books are recorded and read back; uniform ones leave the metadata as
+/// artifacts from before the option had it (no key), and such an artifact reads as uniform; a
+/// name this veloq does not know is refused.
+#[test]
+fn value_weights_round_trip() {
+    let cal = calibration().with_value_weights(ValueWeights::Attention);
+    let bytes = cal.to_bytes().unwrap();
+    assert_eq!(Calibration::from_bytes(&bytes, Path::new("w.safetensors")).unwrap(), cal);
+    let json = |b: &[u8]| SafeTensors::read_metadata(b).unwrap().1.metadata().as_ref().unwrap()["veloq"].clone();
+    assert!(json(&bytes).contains("\"value_weights\":\"attention\""));
+    assert!(!json(&calibration().to_bytes().unwrap()).contains("value_weights"));
+    let unknown = rewrite(&bytes, |_, _, _, _| true, |m| m.replace("\"attention\"", "\"loud\""));
+    assert!(load_err(&unknown).contains("value weights \"loud\""), "{}", load_err(&unknown));
+}
+
 #[test]
 fn rejects_wrong_geometry() {
     let path = tmp("geo.safetensors");

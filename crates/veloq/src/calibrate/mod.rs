@@ -2,9 +2,11 @@
 
 pub mod fingerprint;
 pub mod kmeans;
+pub mod value_weights;
 
 pub use fingerprint::TextFingerprint;
 pub use kmeans::{kmeans, KMeansConfig, KMeansReport};
+pub use value_weights::ValueWeights;
 
 use crate::codec::codebook::{CodebookSet, Granularity};
 use crate::codec::smooth::SmoothScales;
