@@ -202,6 +202,26 @@ pub fn attention_sampling(window: usize) -> QuerySampling {
     QuerySampling { window, stride: 8, skip: 0, sink: rows.sink, recent: rows.window }
 }
 
+/// Layer `a`'s attention mass per (position, kv head) on its coded positions, from its recorded
+/// queries ([`value_weights::coded_mass`]): the weights of [`ValueWeights::Attention`].
+pub fn coded_mass(id: &ModelIdentity, a: &LayerActivations, at: QuerySampling) -> Result<Vec<f64>> {
+    if a.queries.is_empty() {
+        return Err(Error::Config(
+            "value books weighted by attention need the queries recorded (record with queries)".into(),
+        ));
+    }
+    let tokens = a.keys.len() / (id.n_kv_heads * id.head_dim).max(1);
+    let rows = AttentionRows {
+        keys: &a.keys,
+        queries: &a.queries,
+        scale: a.scale,
+        heads: a.queries.len() / (tokens * id.head_dim).max(1),
+        kv_heads: id.n_kv_heads,
+        head_dim: id.head_dim,
+    };
+    Ok(value_weights::coded_mass(rows, at)?)
+}
+
 /// [`calibrate_for`] with the value books' rows weighed by the attention each coded position
 /// receives ([`ValueWeights::Attention`]) when `by_attention` says where to sample the queries
 /// (`acts` must hold them: [`record`] with queries); uniformly when `None`.
@@ -234,20 +254,7 @@ pub fn calibrate_weighted(
         let (v, _) = match by_attention {
             None => train(&a.values, &values, &vcfg)?,
             Some(at) => {
-                if a.queries.is_empty() {
-                    return Err(Error::Config(
-                        "value books weighted by attention need the queries recorded (record with queries)".into(),
-                    ));
-                }
-                let rows = AttentionRows {
-                    keys: &a.keys,
-                    queries: &a.queries,
-                    scale: a.scale,
-                    heads: a.queries.len() / (tokens * id.head_dim).max(1),
-                    kv_heads: id.n_kv_heads,
-                    head_dim: id.head_dim,
-                };
-                let mass = value_weights::coded_mass(rows, at)?;
+                let mass = coded_mass(id, a, at)?;
                 train(
                     &value_weights::draw_rows(&a.values, &mass, id.n_kv_heads, id.head_dim, 1.0, 0.5)?,
                     &values,

@@ -8,12 +8,12 @@ use anyhow::{bail, Context, Result};
 
 use veloq::artifact::Calibration;
 use veloq::artifact::ModelIdentity;
-use veloq::calibrate::value_weights::{self, AttentionRows, QuerySampling};
+use veloq::calibrate::value_weights;
 use veloq::calibrate::{train_codec_with_progress, KMeansConfig, TextFingerprint, ValueWeights};
 use veloq::codec::codebook::PqShape;
 use veloq::codec::vecinfer::{CodecSpec, VecInferCodec};
 use veloq_candle::collect::{
-    attention_sampling, calibrate_for, calibrate_weighted, record, Activations, LayerActivations,
+    attention_sampling, calibrate_for, calibrate_weighted, coded_mass, record, Activations, LayerActivations,
 };
 use veloq_candle::config::{CacheConfig, WindowConfig};
 use veloq_candle::method::Vq;
@@ -393,27 +393,15 @@ pub fn residual_candidate(
     })
 }
 
-/// Every layer's attention mass on its coded positions ([`value_weights::coded_mass`]): the
-/// calibration text's queries at every 8th position of each `window`-position pass, the cache's
-/// default residency.
+/// Every layer's attention mass on its coded positions, sampled as `veloq calibrate
+/// --value-weights attention` samples it ([`attention_sampling`], [`coded_mass`]).
 fn value_masses(model: &Model, acts: &Activations, window: usize) -> Result<Vec<Vec<f64>>> {
-    let id = &model.info.identity;
-    let rows = WindowConfig::default();
-    let at = QuerySampling { window, stride: 8, skip: 0, sink: rows.sink, recent: rows.window };
     let b = bar(acts.layers.len() as u64, "attention mass");
     let out = acts
         .layers
         .iter()
         .map(|a| {
-            let rows = AttentionRows {
-                keys: &a.keys,
-                queries: &a.queries,
-                scale: a.scale,
-                heads: model.info.n_heads,
-                kv_heads: id.n_kv_heads,
-                head_dim: id.head_dim,
-            };
-            let m = value_weights::coded_mass(rows, at)?;
+            let m = coded_mass(&model.info.identity, a, attention_sampling(window))?;
             b.inc(1);
             Ok(m)
         })
