@@ -25,17 +25,20 @@ pub struct Activations {
     pub text: TextFingerprint,
 }
 
-/// Keys and values of one layer, token-major `[tokens, n_kv_heads, head_dim]`; queries
-/// `[tokens, n_heads, head_dim]` when asked for (the probe needs them, calibration does not), and
-/// the attention scale the model used.
+/// Keys and values of one layer, token-major `[tokens, n_kv_heads, head_dim]`; queries when asked
+/// for ([`Queries`]: every position's for the lab's probes, the sampled ones for attention
+/// weights), and the attention scale the model used.
 #[derive(Default)]
 pub struct LayerActivations {
     /// Keys `[tokens, kv heads, head_dim]`, post-RoPE.
     pub keys: Vec<f32>,
     /// Values `[tokens, kv heads, head_dim]`.
     pub values: Vec<f32>,
-    /// Queries `[tokens, heads, head_dim]`, when recorded.
+    /// Queries `[tokens, heads, head_dim]` when recorded ([`Queries::All`]); only the sampled
+    /// positions' rows, `[sampled, heads, head_dim]`, when `sampled` says where.
     pub queries: Vec<f32>,
+    /// Where the queries were sampled ([`Queries::Sampled`]); `None` when all or none were kept.
+    pub sampled: Option<QuerySampling>,
     /// The attention scale the layer used.
     pub scale: f32,
     /// Sum of squared queries per (query head, channel) and the query rows summed: always kept
@@ -63,12 +66,24 @@ impl LayerActivations {
     }
 }
 
-/// An fp16 cache that also copies everything appended to it (and the queries, when `queries`)
-/// into a shared sink.
+/// Which queries [`record`] keeps besides their second moments (which it always sums).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Queries {
+    /// None: keys and values only.
+    Skip,
+    /// Every position's (4 bytes per element of every query head: the lab's probes).
+    All,
+    /// Only the positions a [`QuerySampling`] scores, whose window must be the recording's: what
+    /// [`coded_mass`] reads, an eighth of the queries at [`attention_sampling`]'s stride.
+    Sampled(QuerySampling),
+}
+
+/// An fp16 cache (fresh for each pass) that also copies everything appended to it, and the queries
+/// `queries` asks for, into a shared sink.
 struct Recorder {
     inner: Box<dyn LayerCache>,
     sink: Arc<Mutex<LayerActivations>>,
-    queries: bool,
+    queries: Queries,
 }
 
 fn rows(x: &Tensor) -> Result<Vec<f32>> {
@@ -96,8 +111,17 @@ impl LayerCache for Recorder {
             s.query_sq.iter_mut().zip(row).for_each(|(a, &x)| *a += (x as f64) * (x as f64));
         }
         s.query_rows += tokens;
-        if self.queries {
-            s.queries.extend(qr);
+        match self.queries {
+            Queries::Skip => {}
+            Queries::All => s.queries.extend(qr),
+            // The pass's cache starts at position 0, so a step's positions are the pass's.
+            Queries::Sampled(at) => {
+                for (p, row) in step.positions().into_iter().zip(qr.chunks_exact(heads * dim)) {
+                    if at.samples(p as usize) {
+                        s.queries.extend_from_slice(row);
+                    }
+                }
+            }
         }
         drop(s);
         self.inner.attend(q, step, scale)
@@ -131,17 +155,25 @@ pub fn collect_activations(
     window: usize,
     progress: &mut dyn FnMut(usize),
 ) -> Result<Activations> {
-    record(model, tokens, window, false, progress)
+    record(model, tokens, window, Queries::Skip, progress)
 }
 
-/// [`collect_activations`], with every layer's queries too when `queries`.
+/// [`collect_activations`], with the queries `queries` asks for too.
 pub fn record(
     model: &Model,
     tokens: &[u32],
     window: usize,
-    queries: bool,
+    queries: Queries,
     progress: &mut dyn FnMut(usize),
 ) -> Result<Activations> {
+    if let Queries::Sampled(at) = queries {
+        if at.window != window.max(1) {
+            return Err(Error::Config(format!(
+                "queries sampled in passes of {} positions from a recording in passes of {window}",
+                at.window
+            )));
+        }
+    }
     let sinks: Vec<_> =
         (0..model.info.identity.n_layers).map(|_| Arc::new(Mutex::new(LayerActivations::default()))).collect();
     let mut done = 0;
@@ -164,6 +196,13 @@ pub fn record(
             Arc::try_unwrap(s)
                 .map_err(|_| Error::Config("recorder still shared".into()))
                 .map(|m| m.into_inner().expect("recorder lock"))
+                .map(|a| LayerActivations {
+                    sampled: match queries {
+                        Queries::Sampled(at) => Some(at),
+                        _ => None,
+                    },
+                    ..a
+                })
         })
         .collect::<Result<_>>()?;
     Ok(Activations { layers, text: TextFingerprint::of_tokens(tokens) })
@@ -203,7 +242,8 @@ pub fn attention_sampling(window: usize) -> QuerySampling {
 }
 
 /// Layer `a`'s attention mass per (position, kv head) on its coded positions, from its recorded
-/// queries ([`value_weights::coded_mass`]): the weights of [`ValueWeights::Attention`].
+/// queries ([`value_weights::coded_mass`]): the weights of [`ValueWeights::Attention`]. Queries
+/// recorded at `at` ([`Queries::Sampled`]) are read as they are; every position's are sampled.
 pub fn coded_mass(id: &ModelIdentity, a: &LayerActivations, at: QuerySampling) -> Result<Vec<f64>> {
     if a.queries.is_empty() {
         return Err(Error::Config(
@@ -211,11 +251,20 @@ pub fn coded_mass(id: &ModelIdentity, a: &LayerActivations, at: QuerySampling) -
         ));
     }
     let tokens = a.keys.len() / (id.n_kv_heads * id.head_dim).max(1);
+    let gathered;
+    let queries = match a.sampled {
+        Some(s) if s == at => &a.queries,
+        Some(s) => return Err(Error::Config(format!("queries recorded at {s:?}, weighed at {at:?}"))),
+        None => {
+            gathered = at.gather(&a.queries, a.queries.len() / tokens.max(1));
+            &gathered
+        }
+    };
     let rows = AttentionRows {
         keys: &a.keys,
-        queries: &a.queries,
+        queries,
         scale: a.scale,
-        heads: a.queries.len() / (tokens * id.head_dim).max(1),
+        heads: queries.len() / (at.queries(tokens).len() * id.head_dim).max(1),
         kv_heads: id.n_kv_heads,
         head_dim: id.head_dim,
     };
@@ -281,9 +330,9 @@ pub struct CalibrateOptions {
     pub window: usize,
     /// k-means seed.
     pub seed: u64,
-    /// What the value codebooks' k-means weighs rows by. `Attention` records the queries too
-    /// (4 bytes per query element while calibrating) and scores every 8th position of a pass
-    /// against the positions before it.
+    /// What the value codebooks' k-means weighs rows by. `Attention` records the queries of every
+    /// 8th position of a pass too (4 bytes per query element while calibrating) and scores them
+    /// against the positions before them.
     pub value_weights: ValueWeights,
 }
 
@@ -332,9 +381,10 @@ pub fn calibrate_text(
     ids.truncate(opts.tokens);
     let total = ids.len();
     let attention = opts.value_weights == ValueWeights::Attention;
-    let acts = record(model, &ids, opts.window, attention, &mut |n| progress(Progress::Collecting(n, total)))?;
-    let layers = acts.layers.len();
     let by_attention = attention.then(|| attention_sampling(opts.window));
+    let queries = by_attention.map_or(Queries::Skip, Queries::Sampled);
+    let acts = record(model, &ids, opts.window, queries, &mut |n| progress(Progress::Collecting(n, total)))?;
+    let layers = acts.layers.len();
     let id = &model.info.identity;
     calibrate_weighted(id, &acts, vq.keys, vq.values, opts.seed, by_attention, &mut |n| {
         progress(Progress::Training(n, layers))
@@ -344,6 +394,31 @@ pub fn calibrate_text(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Keeping only the sampled queries, pass by pass, gives the mass that every position's
+    /// queries give (summed in another order: equal to rounding), in an eighth of the memory.
+    #[test]
+    fn sampled_queries_weigh_as_all_of_them() {
+        let seed = crate::testing::fresh_seed();
+        let model = crate::testing::tiny_model_seeded(50, 64, seed);
+        let tokens: Vec<u32> = (0..150u64).map(|i| ((seed >> (i % 40)) ^ (i * 7)) as u32 % 50).collect();
+        let at = QuerySampling { sink: 2, recent: 5, ..attention_sampling(64) };
+        let all = record(&model, &tokens, 64, Queries::All, &mut |_| {}).unwrap();
+        let some = record(&model, &tokens, 64, Queries::Sampled(at), &mut |_| {}).unwrap();
+        let id = &model.info.identity;
+        for (a, b) in all.layers.iter().zip(&some.layers) {
+            assert_eq!(a.keys, b.keys);
+            assert_eq!(b.queries.len() * 150, a.queries.len() * at.queries(150).len(), "seed {seed}");
+            let (ma, mb) = (coded_mass(id, a, at).unwrap(), coded_mass(id, b, at).unwrap());
+            assert!(ma.iter().sum::<f64>() > 1.0, "seed {seed}: some mass on coded positions");
+            for (x, y) in ma.iter().zip(&mb) {
+                assert!((x - y).abs() <= 1e-12 * x.abs().max(1.0), "seed {seed}: {x} vs {y}");
+            }
+            let other = QuerySampling { stride: 4, ..at };
+            assert!(coded_mass(id, b, other).is_err(), "sampled elsewhere");
+        }
+        assert!(record(&model, &tokens, 32, Queries::Sampled(at), &mut |_| {}).is_err(), "passes of another length");
+    }
 
     #[test]
     fn query_moments_pool_each_kv_heads_query_group() {

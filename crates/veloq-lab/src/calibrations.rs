@@ -13,7 +13,7 @@ use veloq::calibrate::{train_codec_with_progress, KMeansConfig, TextFingerprint,
 use veloq::codec::codebook::PqShape;
 use veloq::codec::vecinfer::{CodecSpec, VecInferCodec};
 use veloq_candle::collect::{
-    attention_sampling, calibrate_for, calibrate_weighted, coded_mass, record, Activations, LayerActivations,
+    attention_sampling, calibrate_for, calibrate_weighted, coded_mass, record, Activations, LayerActivations, Queries,
 };
 use veloq_candle::config::{CacheConfig, WindowConfig};
 use veloq_candle::method::Vq;
@@ -89,7 +89,10 @@ pub fn calibrations(
         }
         if acts.is_none() {
             let b = bar(calib.len() as u64, "collecting");
-            let queries = value_weights == ValueWeights::Attention;
+            let queries = match value_weights {
+                ValueWeights::Attention => Queries::Sampled(attention_sampling(window)),
+                ValueWeights::Uniform => Queries::Skip,
+            };
             acts = Some(record(model, calib, window, queries, &mut |n| b.set_position(n as u64))?);
             b.finish();
         }
@@ -171,7 +174,7 @@ pub fn simulations(
         return Ok(out);
     }
     let b = bar(calib.len() as u64, "recording queries");
-    let acts = record(model, calib, window, true, &mut |n| b.set_position(n as u64))?;
+    let acts = record(model, calib, window, Queries::All, &mut |n| b.set_position(n as u64))?;
     b.finish();
     let id = &model.info.identity;
     let heads = Heads { q: model.info.n_heads, kv: id.n_kv_heads, dim: hd };
@@ -275,7 +278,8 @@ pub fn recorded_candidates(
         return Ok(Vec::new());
     }
     let b = bar(calib.len() as u64, "recording keys and values");
-    let acts = record(model, calib, window, !want.value_mass.is_empty(), &mut |n| b.set_position(n as u64))?;
+    let queries = if want.value_mass.is_empty() { Queries::Skip } else { Queries::Sampled(attention_sampling(window)) };
+    let acts = record(model, calib, window, queries, &mut |n| b.set_position(n as u64))?;
     b.finish();
     let masses = if want.value_mass.is_empty() { Vec::new() } else { value_masses(model, &acts, window)? };
     let id = &model.info.identity;
@@ -516,7 +520,7 @@ pub fn key_head_candidates(
         bail!("--key-heads: no method with fewer key bits than {hm} to upgrade");
     }
     let b = bar(calib.len() as u64, "recording queries");
-    let acts = record(model, calib, window, true, &mut |n| b.set_position(n as u64))?;
+    let acts = record(model, calib, window, Queries::All, &mut |n| b.set_position(n as u64))?;
     b.finish();
     let id = &model.info.identity;
     let (hd, nkv) = (id.head_dim, id.n_kv_heads);

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 
-use veloq_candle::collect::{record, Activations};
+use veloq_candle::collect::{record, Activations, Queries};
 use veloq_candle::model::{encode, Model};
 
 /// The model, then calibration and held-out activations. `cache`: the data cache of
@@ -19,7 +19,7 @@ pub fn smollm2_activations(cache: Option<PathBuf>) -> Result<(Model, Activations
     let (model, tok) = Model::open(&cache.join("smollm2-135m-instruct.q4_1.gguf"), 8192)?;
     let calib = encode(&tok, &std::fs::read_to_string(cache.join("austen/persuasion.txt"))?)?;
     let held = encode(&tok, &std::fs::read_to_string(cache.join("austen/emma.txt"))?)?;
-    let a = record(&model, &calib[..4096], 2048, true, &mut |_| {})?;
-    let b = record(&model, &held[4000..4000 + 2048], 2048, true, &mut |_| {})?;
+    let a = record(&model, &calib[..4096], 2048, Queries::All, &mut |_| {})?;
+    let b = record(&model, &held[4000..4000 + 2048], 2048, Queries::All, &mut |_| {})?;
     Ok((model, a, b))
 }

@@ -10,7 +10,7 @@ use std::ops::Range;
 
 use veloq::artifact::Calibration;
 
-use veloq_candle::collect::record;
+use veloq_candle::collect::{record, Queries};
 use veloq_candle::config::WindowConfig;
 use veloq_candle::error::{Error, Result};
 use veloq_candle::model::Model;
@@ -65,7 +65,7 @@ pub fn needle_attention(
             ids.len()
         )));
     }
-    let acts = record(model, ids, ids.len(), true, &mut |_| {})?;
+    let acts = record(model, ids, ids.len(), Queries::All, &mut |_| {})?;
     let (nh, nkv, d) = (model.info.n_heads, model.info.identity.n_kv_heads, model.info.identity.head_dim);
     let group = nh / nkv;
     let t = ids.len();
@@ -147,7 +147,7 @@ mod tests {
         let ids: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 97).collect();
         let probe = needle_attention(&model, &ids, 10..14, 39, &[], &WindowConfig::default()).unwrap();
         assert_eq!(probe.len(), 2 * 4);
-        let acts = record(&model, &ids, ids.len(), true, &mut |_| {}).unwrap();
+        let acts = record(&model, &ids, ids.len(), Queries::All, &mut |_| {}).unwrap();
         let (l, h, r) = (1, 3, 38);
         let a = &acts.layers[l];
         let q = &a.queries[(r * 4 + h) * 16..(r * 4 + h + 1) * 16];

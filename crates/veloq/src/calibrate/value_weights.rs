@@ -75,19 +75,33 @@ impl QuerySampling {
             .collect()
     }
 
+    /// Whether the query at position `p` of a pass is sampled: what a recorder keeps, pass by
+    /// pass, so that it holds [`Self::queries`]' rows in their order.
+    pub fn samples(&self, p: usize) -> bool {
+        p >= self.skip && p < self.window && (p - self.skip).is_multiple_of(self.stride.max(1))
+    }
+
+    /// The sampled rows of every position's queries (`row` values a position), in
+    /// [`Self::queries`]' order: what [`coded_mass`] reads.
+    pub fn gather(&self, queries: &[f32], row: usize) -> Vec<f32> {
+        let tokens = queries.len() / row.max(1);
+        self.queries(tokens).iter().flat_map(|&(_, r)| &queries[r * row..(r + 1) * row]).copied().collect()
+    }
+
     /// Whether position `i` of a pass is coded for a query that sees `n` positions.
     pub fn coded(&self, i: usize, n: usize) -> bool {
         i >= self.sink && i + self.recent < n
     }
 }
 
-/// One layer's recorded attention inputs: keys `[tokens, kv heads, head_dim]`, queries
-/// `[tokens, heads, head_dim]` (heads a multiple of kv heads) and the attention scale.
+/// One layer's recorded attention inputs: keys `[tokens, kv heads, head_dim]`, the sampled
+/// positions' queries `[sampled, heads, head_dim]` in [`QuerySampling::queries`]' order (heads a
+/// multiple of kv heads) and the attention scale.
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionRows<'a> {
     /// Post-RoPE keys.
     pub keys: &'a [f32],
-    /// Post-RoPE queries.
+    /// Post-RoPE queries of the sampled positions only (an eighth of the text's at stride 8).
     pub queries: &'a [f32],
     /// The softmax's scale.
     pub scale: f32,
@@ -108,23 +122,25 @@ pub fn coded_mass(rows: AttentionRows, at: QuerySampling) -> Result<Vec<f64>> {
         return Err(Error::Shape(format!("{} keys of {nkv} kv heads × {d} for {nh} query heads", keys.len())));
     }
     let tokens = keys.len() / (nkv * d);
-    if queries.len() != tokens * nh * d {
+    let sampled = at.queries(tokens);
+    if queries.len() != sampled.len() * nh * d {
         return Err(Error::Shape(format!(
-            "{} query values for {tokens} positions of {nh} heads × {d} (queries recorded?)",
-            queries.len()
+            "{} query values for {} sampled positions of {nh} heads × {d} (queries recorded?)",
+            queries.len(),
+            sampled.len()
         )));
     }
     let group = nh / nkv;
     let zero = || vec![0.0f64; tokens * nkv];
-    let mass = at
-        .queries(tokens)
+    let mass = sampled
         .par_iter()
-        .fold(zero, |mut mass, &(w0, r)| {
+        .enumerate()
+        .fold(zero, |mut mass, (j, &(w0, r))| {
             let n = r - w0 + 1;
             let mut s = vec![0.0f64; n];
             for h in 0..nh {
                 let kv = h / group;
-                let q = &queries[(r * nh + h) * d..(r * nh + h + 1) * d];
+                let q = &queries[(j * nh + h) * d..(j * nh + h + 1) * d];
                 for (i, si) in s.iter_mut().enumerate() {
                     let k = &keys[((w0 + i) * nkv + kv) * d..((w0 + i) * nkv + kv + 1) * d];
                     *si = (scale * q.iter().zip(k).map(|(x, y)| x * y).sum::<f32>()) as f64;
@@ -194,10 +210,12 @@ mod tests {
     fn mass_is_the_softmax_over_coded_positions() {
         let mut r = rng(fresh_seed());
         let (keys, queries) = (normal(&mut r, 90 * 2 * 8, 1.0), normal(&mut r, 90 * 6 * 8, 3.0));
-        let rows = AttentionRows { keys: &keys, queries: &queries, scale: 0.35, heads: 6, kv_heads: 2, head_dim: 8 };
         let all = QuerySampling { window: 40, stride: 7, skip: 5, sink: 0, recent: 0 };
         // Passes 0–39, 40–79, 80–89; queries at 5, 12, …, 33 (5 a pass), and 85 in the last.
         assert_eq!(all.queries(90).len(), 11);
+        let queries = all.gather(&queries, 6 * 8);
+        assert_eq!(queries.len(), 11 * 6 * 8);
+        let rows = AttentionRows { keys: &keys, queries: &queries, scale: 0.35, heads: 6, kv_heads: 2, head_dim: 8 };
         let mass = coded_mass(rows, all).unwrap();
         for kv in 0..2 {
             let sum: f64 = (0..90).map(|t| mass[t * 2 + kv]).sum();
@@ -214,6 +232,35 @@ mod tests {
         let short = AttentionRows { queries: &queries[..8], ..rows };
         assert!(coded_mass(short, all).is_err(), "queries not recorded");
         assert!(coded_mass(AttentionRows { queries: &[], heads: 0, ..rows }, all).is_err(), "no query heads");
+    }
+
+    /// A recorder keeping, pass by pass, the positions `samples` accepts holds exactly the rows
+    /// `queries` lists, in its order, and `gather` picks those rows out of every position's.
+    #[test]
+    fn a_recorder_keeps_the_sampled_rows() {
+        let mut r = rng(fresh_seed());
+        for _ in 0..20 {
+            let window = r.random_range(1..50usize);
+            let at = QuerySampling {
+                window,
+                stride: r.random_range(1..9),
+                skip: r.random_range(0..window + 2),
+                sink: 0,
+                recent: 0,
+            };
+            let tokens = r.random_range(1..130usize);
+            let kept: Vec<(usize, usize)> = (0..tokens)
+                .step_by(window)
+                .flat_map(|w0| {
+                    (w0..(w0 + window).min(tokens)).filter(move |&t| at.samples(t - w0)).map(move |t| (w0, t))
+                })
+                .collect();
+            assert_eq!(kept, at.queries(tokens), "{at:?} over {tokens}");
+            // Row t of every position's queries is filled with t.
+            let all: Vec<f32> = (0..tokens).flat_map(|t| [t as f32; 3]).collect();
+            let want: Vec<f32> = kept.iter().flat_map(|&(_, t)| [t as f32; 3]).collect();
+            assert_eq!(at.gather(&all, 3), want);
+        }
     }
 
     /// Systematic resampling draws each row ⌊np⌋ or ⌈np⌉ times (counted against the mixture's
