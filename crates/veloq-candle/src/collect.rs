@@ -78,6 +78,16 @@ pub enum Queries {
     Sampled(QuerySampling),
 }
 
+impl Queries {
+    /// What calibrating value books weighted by `weights` over passes of `window` positions reads.
+    pub fn for_weights(weights: ValueWeights, window: usize) -> Self {
+        match weights {
+            ValueWeights::Attention => Queries::Sampled(attention_sampling(window)),
+            ValueWeights::Uniform => Queries::Skip,
+        }
+    }
+}
+
 /// An fp16 cache (fresh for each pass) that also copies everything appended to it, and the queries
 /// `queries` asks for, into a shared sink.
 struct Recorder {
@@ -174,8 +184,13 @@ pub fn record(
             )));
         }
     }
-    let sinks: Vec<_> =
-        (0..model.info.identity.n_layers).map(|_| Arc::new(Mutex::new(LayerActivations::default()))).collect();
+    let sampled = match queries {
+        Queries::Sampled(at) => Some(at),
+        Queries::Skip | Queries::All => None,
+    };
+    let sinks: Vec<_> = (0..model.info.identity.n_layers)
+        .map(|_| Arc::new(Mutex::new(LayerActivations { sampled, ..Default::default() })))
+        .collect();
     let mut done = 0;
     for chunk in tokens.chunks(window.max(1)) {
         let fp16 = CacheConfig { capacity: Some(chunk.len()), ..CacheConfig::fp16() }.build(model)?;
@@ -196,13 +211,6 @@ pub fn record(
             Arc::try_unwrap(s)
                 .map_err(|_| Error::Config("recorder still shared".into()))
                 .map(|m| m.into_inner().expect("recorder lock"))
-                .map(|a| LayerActivations {
-                    sampled: match queries {
-                        Queries::Sampled(at) => Some(at),
-                        _ => None,
-                    },
-                    ..a
-                })
         })
         .collect::<Result<_>>()?;
     Ok(Activations { layers, text: TextFingerprint::of_tokens(tokens) })
@@ -380,10 +388,9 @@ pub fn calibrate_text(
     }
     ids.truncate(opts.tokens);
     let total = ids.len();
-    let attention = opts.value_weights == ValueWeights::Attention;
-    let by_attention = attention.then(|| attention_sampling(opts.window));
-    let queries = by_attention.map_or(Queries::Skip, Queries::Sampled);
+    let queries = Queries::for_weights(opts.value_weights, opts.window);
     let acts = record(model, &ids, opts.window, queries, &mut |n| progress(Progress::Collecting(n, total)))?;
+    let by_attention = (opts.value_weights == ValueWeights::Attention).then(|| attention_sampling(opts.window));
     let layers = acts.layers.len();
     let id = &model.info.identity;
     calibrate_weighted(id, &acts, vq.keys, vq.values, opts.seed, by_attention, &mut |n| {
@@ -410,7 +417,10 @@ mod tests {
             assert_eq!(a.keys, b.keys);
             assert_eq!(b.queries.len() * 150, a.queries.len() * at.queries(150).len(), "seed {seed}");
             let (ma, mb) = (coded_mass(id, a, at).unwrap(), coded_mass(id, b, at).unwrap());
+            // Each of ~20 sampled queries × 4 heads hands most of its softmax to coded positions.
             assert!(ma.iter().sum::<f64>() > 1.0, "seed {seed}: some mass on coded positions");
+            // The same f32 scores and softmaxes of the same rows; only the f64 sums over queries
+            // run in rayon's order, so the two agree to their rounding (a few hundred terms).
             for (x, y) in ma.iter().zip(&mb) {
                 assert!((x - y).abs() <= 1e-12 * x.abs().max(1.0), "seed {seed}: {x} vs {y}");
             }

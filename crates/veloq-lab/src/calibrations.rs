@@ -89,10 +89,7 @@ pub fn calibrations(
         }
         if acts.is_none() {
             let b = bar(calib.len() as u64, "collecting");
-            let queries = match value_weights {
-                ValueWeights::Attention => Queries::Sampled(attention_sampling(window)),
-                ValueWeights::Uniform => Queries::Skip,
-            };
+            let queries = Queries::for_weights(value_weights, window);
             acts = Some(record(model, calib, window, queries, &mut |n| b.set_position(n as u64))?);
             b.finish();
         }
