@@ -26,6 +26,7 @@ use veloq_candle::cache::Heads;
 use crate::key_heads;
 use crate::second_stage::{ScoreResidual, StageSide, StageSpec};
 use crate::simulate::{outlier_limits, round_trip, Sides, Simulation};
+use crate::turning::{self, pre_rope_mean, Rope, TurningKeys};
 
 /// The tokens of the text at `path`.
 pub fn read_tokens(tok: &Tokenizer, path: &Path) -> Result<Vec<u32>> {
@@ -245,6 +246,8 @@ pub struct RecordedCandidates {
     pub residual: bool,
     /// `--value-mass`: fractions of the value books' training rows drawn by attention mass.
     pub value_mass: Vec<f64>,
+    /// `--turning-keys`: keys coded around their pre-RoPE mean turned to each position.
+    pub turning_keys: bool,
     /// k-means seed (the calibrations').
     pub seed: u64,
 }
@@ -270,7 +273,11 @@ pub fn recorded_candidates(
     if let Some(f) = want.value_mass.iter().find(|f| !(0.0..=1.0).contains(*f)) {
         bail!("--value-mass {f}: a fraction of the training rows, from 0 to 1");
     }
-    let none = want.outlier_rows.is_empty() && !want.per_head && !want.residual && want.value_mass.is_empty();
+    let none = want.outlier_rows.is_empty()
+        && !want.per_head
+        && !want.residual
+        && want.value_mass.is_empty()
+        && !want.turning_keys;
     if none || cals.iter().all(Option::is_none) {
         return Ok(Vec::new());
     }
@@ -332,11 +339,72 @@ pub fn recorded_candidates(
         if want.residual {
             out.push(residual_candidate(id, &acts, m, cal, want.seed)?);
         }
-        for &f in &want.value_mass {
-            out.push(value_mass_candidate(id, &acts, &masses, m, cal, f, want.seed)?);
+        let by_mass = want
+            .value_mass
+            .iter()
+            .map(|&f| value_mass_candidate(id, &acts, &masses, m, cal, f, want.seed))
+            .collect::<Result<Vec<_>>>()?;
+        if want.turning_keys {
+            let keys = turning_keys(model, &acts, window, m, cal, want.seed)?;
+            // The best together: each set of value books by mass read with these keys.
+            for c in &by_mass {
+                let mut simulation = c.simulation.clone();
+                simulation.set_turning_keys(keys.clone())?;
+                out.push(Candidate {
+                    label: format!("{}+turning-keys", c.label),
+                    description: format!("{}; keys around their turning means", c.description),
+                    simulation,
+                });
+            }
+            let mut simulation = Simulation::new(cal, Sides::Both, None, None)?;
+            simulation.set_turning_keys(keys)?;
+            out.push(Candidate {
+                label: format!("sim:{m}/turning-keys"),
+                description: format!(
+                    "{} with keys coded around their pre-RoPE mean turned to each position, or as they are, the closer per row (a flag bit; simulated)",
+                    m.describe(hd)
+                ),
+                simulation,
+            });
         }
+        out.extend(by_mass);
     }
     Ok(out)
+}
+
+/// Issue 34's pre-RoPE keys ([`turning`](crate::turning)) for `m`, per layer: its key books
+/// trained again (as `calibrate` trains them, same seeds) on the calibration text's keys minus
+/// their pre-RoPE mean turned to each position, beside its own.
+pub fn turning_keys(
+    model: &Model,
+    acts: &Activations,
+    window: usize,
+    m: &Method,
+    cal: &Calibration,
+    seed: u64,
+) -> Result<Vec<TurningKeys>> {
+    let id = &model.info.identity;
+    let (heads, hd) = (id.n_kv_heads, id.head_dim);
+    let b = bar(acts.layers.len() as u64, &format!("{m}: keys around their turning means"));
+    let keys = acts
+        .layers
+        .iter()
+        .zip(&cal.layers)
+        .enumerate()
+        .map(|(l, (a, c))| {
+            let rope = Rope::of(model, l)?;
+            let mean = pre_rope_mean(&a.keys, heads, window, &rope);
+            let rows = turning::shifted(&a.keys, &mean, heads, &rope, |t| t % window);
+            let cfg = KMeansConfig::new(cal.keys.shape.centroids(), seed.wrapping_add(1000 * l as u64));
+            let ms = a.query_ms(heads, hd);
+            let (shifted, _) =
+                train_codec_with_progress(&rows, heads, hd, &cal.keys, &cfg, ms.as_deref(), &|_, _, _| {})?;
+            b.inc(1);
+            Ok(TurningKeys { base: c.keys.clone(), shifted, mean, rope })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    b.finish();
+    Ok(keys)
 }
 
 /// Issue 34's "residual / additive second stages (a 2-stage code over 8 channels is still 2

@@ -44,6 +44,11 @@ pub struct CandidateArgs {
     /// the rows by that mass and the rest uniformly, once per fraction, comma separated (`0.5,1`).
     #[arg(long, value_delimiter = ',')]
     pub value_mass: Vec<f64>,
+    /// Issue 34's candidate: also run every VecInfer method simulated with its keys coded around
+    /// their pre-RoPE mean turned to each position (KVQuant's pre-RoPE keys, read as a
+    /// per-position center), or as they are where that codes a row better (one flag bit a row).
+    #[arg(long)]
+    pub turning_keys: bool,
     /// Issue 34's candidate: also run every VecInfer method simulated with attention that reads
     /// the exact key and value of the N best-scoring coded positions per query head (a second
     /// precision read only there), once per N, comma separated (`16,64`); with `--value-mass`,
@@ -80,6 +85,7 @@ impl CandidateArgs {
             per_head: self.per_head,
             residual: self.residual,
             value_mass: self.value_mass.clone(),
+            turning_keys: self.turning_keys,
             seed,
         };
         let recorded = recorded_candidates(model, calib, window, chosen, cals, &recorded)?;

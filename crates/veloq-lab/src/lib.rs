@@ -20,6 +20,7 @@ pub mod second_stage;
 pub mod simulate;
 pub mod source;
 pub mod synthetic;
+pub mod turning;
 
 #[cfg(test)]
 mod testing;

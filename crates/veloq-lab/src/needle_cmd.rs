@@ -204,7 +204,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut runs = if a.candidates_only { Vec::new() } else { sources(&methods) };
     runs.extend(candidates.iter().map(|c| (c.label.clone(), &c.simulation as &dyn CacheSource)));
     if runs.is_empty() {
-        bail!("--candidates-only, and no candidate asked for (--second-stage, --apart, --outlier-rows, --per-head, --rescore, --key-heads)");
+        bail!("--candidates-only, and no candidate asked for (--second-stage, --apart, --outlier-rows, --per-head, --residual, --value-mass, --turning-keys, --rescore, --key-heads)");
     }
 
     let text_path = a.text.clone().unwrap_or_else(|| a.files.text("emma"));

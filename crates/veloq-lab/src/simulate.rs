@@ -25,6 +25,7 @@ use crate::probe::KeyCoder;
 use crate::rescore::{self, SeqRows};
 use crate::second_stage::ScoreResidual;
 use crate::source::CacheSource;
+use crate::turning::TurningKeys;
 
 /// `rows` (`[tokens, heads, head_dim]`) encoded and decoded by `codec`: what attention over its
 /// codes reads. Every experiment and candidate reconstructs through this one function.
@@ -53,12 +54,16 @@ pub enum Coder {
     /// Residual stages: each codes what the ones before it left (a row's reconstruction is the sum
     /// of its stages'; a kernel would sum one lookup per stage).
     Residual(Vec<VecInferCodec>),
+    /// Keys coded around their pre-RoPE mean turned to each position, or as they are, whichever
+    /// is closer per row ([`TurningKeys`]).
+    Turning(Box<TurningKeys>),
 }
 
 impl Coder {
-    /// `rows` (`[tokens, heads, head_dim]`) coded and decoded.
-    pub fn round_trip(&self, rows: &[f32]) -> Result<Vec<f32>> {
+    /// `rows` (`[tokens, heads, head_dim]`, token t at position `start + t`) coded and decoded.
+    pub fn round_trip(&self, rows: &[f32], start: usize) -> Result<Vec<f32>> {
         match self {
+            Coder::Turning(t) => Ok(t.round_trip(rows, start)?.rows),
             Coder::Shared(c) => round_trip(c, rows),
             Coder::PerHead(cs) => {
                 if rows.is_empty() {
@@ -387,6 +392,22 @@ impl Simulation {
         Ok(sim)
     }
 
+    /// Keys coded by `keys` instead (one per layer; [`TurningKeys`]), values as they were: the
+    /// flag bit a row counts in the stream rate.
+    pub fn set_turning_keys(&mut self, keys: Vec<TurningKeys>) -> Result<()> {
+        if keys.len() != self.layers.len() {
+            return Err(Error::Config(format!("{} turning key codecs for {} layers", keys.len(), self.layers.len())));
+        }
+        let flag = keys.first().map_or(0.0, TurningKeys::flag_bits);
+        for (layer, k) in self.layers.iter_mut().zip(keys) {
+            let mut x = SimLayer::clone(layer);
+            x.keys = Some(Coder::Turning(Box::new(k)));
+            *layer = Arc::new(x);
+        }
+        self.stream_bits += flag / 2.0;
+        Ok(())
+    }
+
     /// The f16 rows kept beside the reconstructions (the real cache's sink and recent window).
     pub fn set_window(&mut self, window: WindowConfig) {
         self.window = window;
@@ -396,7 +417,7 @@ impl Simulation {
 impl KeyCoder for Simulation {
     fn reconstruct(&self, layer: usize, keys: &[f32]) -> Result<Vec<f32>> {
         let l = &self.layers[layer];
-        Simulated::reconstruct(keys, l.keys.as_ref(), l.residual.as_ref())
+        Simulated::reconstruct(keys, 0, l.keys.as_ref(), l.residual.as_ref())
     }
 }
 
@@ -518,10 +539,16 @@ impl Simulated {
         w.sink + Policy::coded(w.sink, w.window, w.flush_block, usize::MAX).footprint(len).coded
     }
 
-    /// Rows through `codec` (then `stage`); without a codec, the rows themselves.
-    fn reconstruct(rows: &[f32], codec: Option<&Coder>, stage: Option<&ScoreResidual>) -> Result<Vec<f32>> {
+    /// Rows from position `start` on through `codec` (then `stage`); without a codec, the rows
+    /// themselves.
+    fn reconstruct(
+        rows: &[f32],
+        start: usize,
+        codec: Option<&Coder>,
+        stage: Option<&ScoreResidual>,
+    ) -> Result<Vec<f32>> {
         let Some(codec) = codec else { return Ok(rows.to_vec()) };
-        let mut out = codec.round_trip(rows)?;
+        let mut out = codec.round_trip(rows, start)?;
         if let Some(s) = stage {
             s.correct(rows, &mut out);
         }
@@ -541,8 +568,9 @@ impl Simulated {
         let row: usize = dims.iter().product();
         let n = (end - p.coded) * row;
         let (pk, pv) = (&p.rows.keys, &p.rows.values);
-        let mut k = Self::reconstruct(&pk[..n], self.layer.keys.as_ref(), self.layer.residual.as_ref())?;
-        let mut v = Self::reconstruct(&pv[..n], self.layer.values.as_ref(), self.layer.value_residual.as_ref())?;
+        let c = p.coded;
+        let mut k = Self::reconstruct(&pk[..n], c, self.layer.keys.as_ref(), self.layer.residual.as_ref())?;
+        let mut v = Self::reconstruct(&pv[..n], c, self.layer.values.as_ref(), self.layer.value_residual.as_ref())?;
         if let (Some(o), Some((kl, vl))) = (&self.layer.outliers, &self.layer.limits) {
             let d = dims.last().copied().unwrap_or(1);
             let kept = keep_outliers(&pk[..n], &mut k, kl, d) + keep_outliers(&pv[..n], &mut v, vl, d);
@@ -694,6 +722,32 @@ mod tests {
     /// rounded to the input's f16 — through ragged prefill, decode steps and truncations.
     #[test]
     fn the_inner_cache_holds_reconstructions_where_the_real_cache_holds_codes() {
+        holds_reconstructions(|codec| {
+            (Coder::Shared(codec.clone()), Box::new(|rows, _| round_trip(codec, rows).unwrap()))
+        });
+    }
+
+    /// The same with keys whose code depends on their position ([`TurningKeys`]): each coded
+    /// row comes back as that row alone coded at its own position would.
+    #[test]
+    fn turning_keys_are_coded_at_their_own_positions() {
+        holds_reconstructions(|codec| {
+            let mut rng = crate::synthetic::Rng(crate::testing::fresh_seed() | 1);
+            let (nkv, d) = (2, codec.head_dim());
+            let shifted =
+                crate::synthetic::codec(&mut rng, nkv, d, &CodecSpec::keys(PqShape::new(4, 4).unwrap())).unwrap();
+            let mean: Vec<f32> = (0..nkv * d).map(|_| 2.0 * rng.normal()).collect();
+            let keys =
+                TurningKeys { base: codec.clone(), shifted, mean, rope: crate::turning::Rope::synthetic(d, 128) };
+            let want = keys.clone();
+            (Coder::Turning(Box::new(keys)), Box::new(move |rows, p| want.round_trip(rows, p).unwrap().rows))
+        });
+    }
+
+    /// Keys and the expected reconstruction of one row at a position, made from the test's codec.
+    type KeyCase<'a> = (Coder, Box<dyn Fn(&[f32], usize) -> Vec<f32> + 'a>);
+
+    fn holds_reconstructions(keys: impl for<'a> Fn(&'a VecInferCodec) -> KeyCase<'a>) {
         let mut s = crate::testing::fresh_seed() | 1;
         let mut next = move || {
             s ^= s << 13;
@@ -714,8 +768,9 @@ mod tests {
         let vstage =
             ScoreResidual::train(&train, &coded, &queries[..37 * nq * d], Heads { q: nq, kv: nkv, dim: d }, 2, 5)
                 .unwrap();
+        let (key_coder, want_key) = keys(&codec);
         let layer = Arc::new(SimLayer {
-            keys: Some(Coder::Shared(codec.clone())),
+            keys: Some(key_coder),
             values: Some(Coder::Shared(codec.clone())),
             residual: Some(stage.clone()),
             value_residual: Some(vstage.clone()),
@@ -759,8 +814,7 @@ mod tests {
                 for p in 0..len {
                     let (ek, ev) = (&gk[p * row..(p + 1) * row], &gv[p * row..(p + 1) * row]);
                     let (want_k, want_v) = if p >= coded_from[slot].max(window.sink) && p < end {
-                        let mut k = vec![0.0f32; row];
-                        codec.decode(&codec.encode_vec(ek).unwrap(), &mut k).unwrap();
+                        let mut k = want_key(ek, p);
                         stage.correct(ek, &mut k);
                         let mut v = vec![0.0f32; row];
                         codec.decode(&codec.encode_vec(ev).unwrap(), &mut v).unwrap();
@@ -875,16 +929,16 @@ mod tests {
                 train_codec(&own(h), 1, d, &CodecSpec::keys(shape), &KMeansConfig::new(16, 7 + h as u64)).unwrap().0
             })
             .collect();
-        let got = Coder::PerHead(codecs.clone()).round_trip(&rows).unwrap();
+        let got = Coder::PerHead(codecs.clone()).round_trip(&rows, 0).unwrap();
         for (h, c) in codecs.iter().enumerate() {
             let want = round_trip(c, &own(h)).unwrap();
             let have: Vec<f32> = got.chunks(heads * d).flat_map(|t| t[h * d..(h + 1) * d].to_vec()).collect();
             assert_eq!(have, want, "head {h}");
         }
-        assert!(Coder::PerHead(codecs.clone()).round_trip(&[]).unwrap().is_empty());
-        assert!(Coder::PerHead(codecs.clone()).round_trip(&rows[..d]).is_err(), "half a row");
+        assert!(Coder::PerHead(codecs.clone()).round_trip(&[], 0).unwrap().is_empty());
+        assert!(Coder::PerHead(codecs.clone()).round_trip(&rows[..d], 0).is_err(), "half a row");
         let shared = Coder::Shared(codecs[0].clone());
-        assert_eq!(shared.round_trip(&own(0)).unwrap(), round_trip(&codecs[0], &own(0)).unwrap());
+        assert_eq!(shared.round_trip(&own(0), 0).unwrap(), round_trip(&codecs[0], &own(0)).unwrap());
     }
 
     /// A by-head coder takes each head's rows from its own codec's round trip of the whole rows.
@@ -899,8 +953,9 @@ mod tests {
         };
         let (coarse, fine) = (codec(8, 3), codec(2, 5));
         let pick = vec![1, 0, 1];
-        let got =
-            Coder::ByHead { codecs: vec![coarse.clone(), fine.clone()], pick: pick.clone() }.round_trip(&rows).unwrap();
+        let got = Coder::ByHead { codecs: vec![coarse.clone(), fine.clone()], pick: pick.clone() }
+            .round_trip(&rows, 0)
+            .unwrap();
         let whole = [round_trip(&coarse, &rows).unwrap(), round_trip(&fine, &rows).unwrap()];
         for (i, r) in got.chunks(d).enumerate() {
             assert_eq!(r, &whole[pick[i % heads]][i * d..(i + 1) * d], "row {i}");
@@ -909,7 +964,10 @@ mod tests {
         // book's error is several times smaller on any spread-out rows, far beyond rounding.
         let err = |x: &[f32]| x.iter().zip(&rows).map(|(a, b)| (a - b).powi(2)).sum::<f32>();
         assert!(err(&whole[1]) < err(&whole[0]), "two bits a channel code closer than half a bit");
-        assert!(Coder::ByHead { codecs: vec![coarse, fine], pick }.round_trip(&rows[..d]).is_err(), "a third of a row");
+        assert!(
+            Coder::ByHead { codecs: vec![coarse, fine], pick }.round_trip(&rows[..d], 0).is_err(),
+            "a third of a row"
+        );
     }
 
     /// A residual coder sums its stages: the second codes exactly what the first left (against
@@ -927,12 +985,12 @@ mod tests {
         let left: Vec<f32> = rows.iter().zip(&one).map(|(a, b)| a - b).collect();
         let second = train_codec(&left, heads, d, &spec, &KMeansConfig::new(16, 4)).unwrap().0;
         let two = round_trip(&second, &left).unwrap();
-        let got = Coder::Residual(vec![first.clone(), second]).round_trip(&rows).unwrap();
+        let got = Coder::Residual(vec![first.clone(), second]).round_trip(&rows, 0).unwrap();
         for (i, (g, (a, b))) in got.iter().zip(one.iter().zip(&two)).enumerate() {
             assert_eq!(*g, a + b, "element {i}");
         }
         let err = |x: &[f32]| x.iter().zip(&rows).map(|(a, b)| (a - b).powi(2)).sum::<f32>();
         assert!(err(&got) < err(&one), "{} against {}", err(&got), err(&one));
-        assert_eq!(Coder::Residual(vec![first.clone()]).round_trip(&rows).unwrap(), one);
+        assert_eq!(Coder::Residual(vec![first.clone()]).round_trip(&rows, 0).unwrap(), one);
     }
 }

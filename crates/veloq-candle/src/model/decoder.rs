@@ -345,6 +345,15 @@ impl Model {
         self.layers.get(layer).and_then(|l| l.window)
     }
 
+    /// The RoPE tables layer `layer` rotates its queries and keys by: cosines and sines,
+    /// `[max context, head_dim / 2]` each (a sliding-window layer's local tables where they differ).
+    pub fn rope_tables(&self, layer: usize) -> (&Tensor, &Tensor) {
+        match (&self.local_rope, self.layer_window(layer)) {
+            (Some((c, s)), Some(_)) => (c, s),
+            _ => (&self.cos, &self.sin),
+        }
+    }
+
     /// Runs `tokens` for the sequence in slot 0, continuing where its caches end: logits of every
     /// token or of the last ([`Logits`]).
     pub fn forward(&self, tokens: &[u32], cache: &mut ModelCache, logits: Logits) -> Result<Tensor> {

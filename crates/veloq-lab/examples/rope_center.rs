@@ -1,0 +1,150 @@
+//! Experiment (issue 34): do keys lose less at 2 bits when the codec codes them minus their
+//! pre-RoPE mean, rotated to each position? A key head's channels carry large constant means
+//! before RoPE (KVQuant's outlier channels); after RoPE a pair's mean turns with the position, so
+//! the codec's per-channel centering (post-RoPE) cannot remove it and the codebook spends its
+//! centroids on it. With μ the pre-RoPE mean per (kv head, channel) and R(p) RoPE at position
+//! p, the codec codes k − R(p)μ and attention adds q·R(p)μ exactly (a few multiply-adds a
+//! position for the pairs kept: `--pairs`). Against the default key codec (centered, smoothed,
+//! Hadamard), trained on 4,096 tokens of *Persuasion* and scored on 2,048 of *Emma* (every 32nd
+//! query from 256 on, sink 4 and window 16 exact): per layer the share of the key's energy
+//! around its post-RoPE mean that the turning mean holds, the score RMS error, its spread under the exact attention (what softmax sees) and the attention's
+//! total variation.
+//!
+//! `cargo run --release -p veloq-lab --example rope_center -- --bits 2 --pairs 32`
+use std::path::PathBuf;
+
+use clap::Parser;
+
+use veloq::calibrate::{train_codec, KMeansConfig};
+use veloq::codec::codebook::PqShape;
+use veloq::codec::vecinfer::CodecSpec;
+use veloq_lab::held_out::smollm2_activations;
+use veloq_lab::simulate::round_trip;
+use veloq_lab::turning::{pre_rope_mean, shifted, Rope};
+
+#[derive(Parser)]
+struct Args {
+    /// Bits per element of the key codes: 2 (256 centroids of 4) or 4 (256 of 2).
+    #[arg(long, default_value_t = 2.0)]
+    bits: f64,
+    /// RoPE pairs per kv head whose turning mean is removed (those of the largest mean norm).
+    #[arg(long, default_value_t = 32)]
+    pairs: usize,
+    /// The data cache of scripts/fetch-data.
+    #[arg(long)]
+    cache: Option<PathBuf>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let (model, a, b) = smollm2_activations(args.cache)?;
+    let (nh, nkv, d) = (model.info.n_heads, model.info.identity.n_kv_heads, model.info.identity.head_dim);
+    let group = nh / nkv;
+    let sub = if args.bits >= 4.0 { 2 } else { 4 };
+    let spec = CodecSpec::keys(PqShape::new(sub, 8)?);
+    let row = nkv * d;
+    println!(
+        "bits {} pairs {}: layer | turning share, rows that pick the shift | sigma, spread, tv: base shifted pick(base,base') pick(base,shifted)",
+        args.bits, args.pairs
+    );
+    let mut total = [[0.0f64; 3]; 4];
+    for l in 0..a.layers.len() {
+        let (ca, cb) = (&a.layers[l], &b.layers[l]);
+        let tokens = ca.keys.len() / row;
+        // Pre-RoPE keys of the calibration (its passes restart at position 0 every 2,048 tokens).
+        let rope = Rope::of(&model, l)?;
+        let mut pre = ca.keys.clone();
+        rope.turn_rows(&mut pre, nkv, |t| t % 2048, true);
+        let mean = |rows: &[f32]| -> Vec<f64> {
+            let mut m = vec![0.0f64; row];
+            rows.chunks_exact(row).for_each(|r| m.iter_mut().zip(r).for_each(|(m, &x)| *m += x as f64 / tokens as f64));
+            m
+        };
+        let spread = |rows: &[f32], m: &[f64]| -> f64 {
+            rows.chunks_exact(row).map(|r| r.iter().zip(m).map(|(&x, &u)| (x as f64 - u).powi(2)).sum::<f64>()).sum()
+        };
+        let (post_mu, pre_mu) = (mean(&ca.keys), mean(&pre));
+        let share = 1.0 - spread(&pre, &pre_mu) / spread(&ca.keys, &post_mu);
+        // Keep the pairs of largest mean norm per kv head (interleaved pairs: SmolLM2's).
+        let mut mu = pre_rope_mean(&ca.keys, nkv, 2048, &rope);
+        for h in mu.chunks_exact_mut(d) {
+            let mut order: Vec<usize> = (0..d / 2).collect();
+            let norm = |i: usize| h[2 * i].powi(2) + h[2 * i + 1].powi(2);
+            order.sort_by(|&x, &y| norm(y).total_cmp(&norm(x)));
+            for &i in &order[args.pairs.min(d / 2)..] {
+                h[2 * i] = 0.0;
+                h[2 * i + 1] = 0.0;
+            }
+        }
+        let cfg = KMeansConfig::new(256, 7 + l as u64);
+        let (base, _) = train_codec(&ca.keys, nkv, d, &spec, &cfg)?;
+        let kb = round_trip(&base, &cb.keys)?;
+        let (centered, _) = train_codec(&shifted(&ca.keys, &mu, nkv, &rope, |t| t % 2048), nkv, d, &spec, &cfg)?;
+        let held = cb.keys.len() / row;
+        let neg: Vec<f32> = mu.iter().map(|m| -m).collect();
+        let km = shifted(&round_trip(&centered, &shifted(&cb.keys, &mu, nkv, &rope, |t| t))?, &neg, nkv, &rope, |t| t);
+        // Per (token, kv head) the better of two codes (one flag bit a row): the shifted code
+        // against the default's, and, as the fair anchor for that bit, two default codecs.
+        let (base2, _) = train_codec(&ca.keys, nkv, d, &spec, &KMeansConfig::new(256, 1007 + l as u64))?;
+        let kb2 = round_trip(&base2, &cb.keys)?;
+        let pick = |x: &[f32], y: &[f32]| -> (Vec<f32>, f64) {
+            let mut out = Vec::with_capacity(x.len());
+            let mut took = 0usize;
+            for ((a, b), k) in x.chunks_exact(d).zip(y.chunks_exact(d)).zip(cb.keys.chunks_exact(d)) {
+                let err = |r: &[f32]| r.iter().zip(k).map(|(r, k)| (r - k).powi(2)).sum::<f32>();
+                let second = err(b) < err(a);
+                took += second as usize;
+                out.extend_from_slice(if second { b } else { a });
+            }
+            (out, took as f64 / (x.len() / d) as f64)
+        };
+        let (pick_base, _) = pick(&kb, &kb2);
+        let (pick_shift, took) = pick(&kb, &km);
+        let variants = [&kb, &km, &pick_base, &pick_shift];
+        // Score error, its spread under the exact attention and the attention's total variation on
+        // held-out queries, as `qk_metric`.
+        let mut acc = vec![[0.0f64; 3]; variants.len()];
+        let (mut n, mut nq) = (0usize, 0usize);
+        for r in (256..held).step_by(32) {
+            for h in 0..nh {
+                let kv = h / group;
+                let q = &cb.queries[(r * nh + h) * d..(r * nh + h + 1) * d];
+                let dot = |k: &[f32], j: usize| -> f64 {
+                    (cb.scale
+                        * q.iter().zip(&k[(j * nkv + kv) * d..(j * nkv + kv + 1) * d]).map(|(x, y)| x * y).sum::<f32>())
+                        as f64
+                };
+                let ex: Vec<f64> = (0..=r).map(|j| dot(&cb.keys, j)).collect();
+                let coded = |j: usize| j >= 4 && j + 16 <= r;
+                let soft = |s: &[f64]| -> Vec<f64> {
+                    let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+                    s.iter().map(|x| (x - m).exp() / z).collect()
+                };
+                let pe = soft(&ex);
+                for (v, a) in variants.iter().zip(acc.iter_mut()) {
+                    let sv: Vec<f64> = (0..=r).map(|j| if coded(j) { dot(v, j) } else { ex[j] }).collect();
+                    a[0] += (0..=r).filter(|&j| coded(j)).map(|j| (sv[j] - ex[j]).powi(2)).sum::<f64>();
+                    // The error softmax sees: its spread around its attention-weighted mean.
+                    let e: Vec<f64> = sv.iter().zip(&ex).map(|(a, b)| a - b).collect();
+                    let m: f64 = e.iter().zip(&pe).map(|(e, p)| e * p).sum();
+                    a[1] += e.iter().zip(&pe).map(|(e, p)| p * (e - m).powi(2)).sum::<f64>();
+                    a[2] += 0.5 * pe.iter().zip(&soft(&sv)).map(|(a, b)| (a - b).abs()).sum::<f64>();
+                }
+                n += (0..=r).filter(|&j| coded(j)).count();
+                nq += 1;
+            }
+        }
+        let cols: Vec<[f64; 3]> =
+            acc.iter().map(|a| [(a[0] / n as f64).sqrt(), (a[1] / nq as f64).sqrt(), a[2] / nq as f64]).collect();
+        let col = |k: usize| cols.iter().map(|c| format!("{:.3}", c[k])).collect::<Vec<_>>().join(" ");
+        println!("{l:2} | {share:.3} {took:.2} | {} | {} | {}", col(0), col(1), col(2));
+        for (t, c) in total.iter_mut().zip(&cols) {
+            t.iter_mut().zip(c).for_each(|(t, c)| *t += c);
+        }
+    }
+    let nl = a.layers.len() as f64;
+    let col = |k: usize| total.iter().map(|c| format!("{:.3}", c[k] / nl)).collect::<Vec<_>>().join(" ");
+    println!("mean | | {} | {} | {}", col(0), col(1), col(2));
+    Ok(())
+}
