@@ -3,12 +3,15 @@
 //! before RoPE (KVQuant's outlier channels); after RoPE a pair's mean turns with the position, so
 //! the codec's per-channel centering (post-RoPE) cannot remove it and the codebook spends its
 //! centroids on it. With μ the pre-RoPE mean per (kv head, channel) and R(p) RoPE at position
-//! p, the codec codes k − R(p)μ and attention adds q·R(p)μ exactly (a few multiply-adds a
-//! position for the pairs kept: `--pairs`). Against the default key codec (centered, smoothed,
+//! p, the codec codes k − R(p)μ and attention adds q·R(p)μ exactly (a complex multiply-add a
+//! position per pair kept: `--pairs`). Against the default key codec (centered, smoothed,
 //! Hadamard), trained on 4,096 tokens of *Persuasion* and scored on 2,048 of *Emma* (every 32nd
-//! query from 256 on, sink 4 and window 16 exact): per layer the share of the key's energy
-//! around its post-RoPE mean that the turning mean holds, the score RMS error, its spread under the exact attention (what softmax sees) and the attention's
-//! total variation.
+//! query from 256 on, sink 4 and window 16 exact), per layer: the share of the keys' spread
+//! around their post-RoPE mean that the turning mean holds; the rows that code closer shifted;
+//! then for the default, the shifted code, the better of two default codecs per row (the flag
+//! bit's fair anchor) and the better of the default and the shifted code per row — the score
+//! RMS error, its spread under the exact attention (what softmax sees) and the attention's total
+//! variation.
 //!
 //! `cargo run --release -p veloq-lab --example rope_center -- --bits 2 --pairs 32`
 use std::path::PathBuf;
