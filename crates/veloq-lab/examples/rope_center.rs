@@ -68,17 +68,8 @@ fn main() -> anyhow::Result<()> {
         };
         let (post_mu, pre_mu) = (mean(&ca.keys), mean(&pre));
         let share = 1.0 - spread(&pre, &pre_mu) / spread(&ca.keys, &post_mu);
-        // Keep the pairs of largest mean norm per kv head (interleaved pairs: SmolLM2's).
         let mut mu = pre_rope_mean(&ca.keys, nkv, 2048, &rope);
-        for h in mu.chunks_exact_mut(d) {
-            let mut order: Vec<usize> = (0..d / 2).collect();
-            let norm = |i: usize| h[2 * i].powi(2) + h[2 * i + 1].powi(2);
-            order.sort_by(|&x, &y| norm(y).total_cmp(&norm(x)));
-            for &i in &order[args.pairs.min(d / 2)..] {
-                h[2 * i] = 0.0;
-                h[2 * i + 1] = 0.0;
-            }
-        }
+        rope.keep_largest_pairs(&mut mu, args.pairs);
         let cfg = KMeansConfig::new(256, 7 + l as u64);
         let (base, _) = train_codec(&ca.keys, nkv, d, &spec, &cfg)?;
         let kb = round_trip(&base, &cb.keys)?;

@@ -246,8 +246,9 @@ pub struct RecordedCandidates {
     pub residual: bool,
     /// `--value-mass`: fractions of the value books' training rows drawn by attention mass.
     pub value_mass: Vec<f64>,
-    /// `--turning-keys`: keys coded around their pre-RoPE mean turned to each position.
-    pub turning_keys: bool,
+    /// `--turning-keys`: keys coded around their pre-RoPE mean turned to each position, once per
+    /// count of RoPE pairs kept per kv head.
+    pub turning_keys: Vec<usize>,
     /// k-means seed (the calibrations').
     pub seed: u64,
 }
@@ -277,7 +278,7 @@ pub fn recorded_candidates(
         && !want.per_head
         && !want.residual
         && want.value_mass.is_empty()
-        && !want.turning_keys;
+        && want.turning_keys.is_empty();
     if none || cals.iter().all(Option::is_none) {
         return Ok(Vec::new());
     }
@@ -344,24 +345,29 @@ pub fn recorded_candidates(
             .iter()
             .map(|&f| value_mass_candidate(id, &acts, &masses, m, cal, f, want.seed))
             .collect::<Result<Vec<_>>>()?;
-        if want.turning_keys {
-            let keys = turning_keys(model, &acts, window, m, cal, want.seed)?;
+        for &pairs in &want.turning_keys {
+            let keys = turning_keys(model, &acts, window, m, cal, pairs, want.seed)?;
+            let tag = match pairs < hd / 2 {
+                true => format!("turning-keys{pairs}"),
+                false => "turning-keys".to_string(),
+            };
+            let what = format!("keys around their turning means ({} RoPE pairs a head)", pairs.min(hd / 2));
             // The best together: each set of value books by mass read with these keys.
             for c in &by_mass {
                 let mut simulation = c.simulation.clone();
                 simulation.set_turning_keys(keys.clone())?;
                 out.push(Candidate {
-                    label: format!("{}+turning-keys", c.label),
-                    description: format!("{}; keys around their turning means", c.description),
+                    label: format!("{}+{tag}", c.label),
+                    description: format!("{}; {what}", c.description),
                     simulation,
                 });
             }
             let mut simulation = Simulation::new(cal, Sides::Both, None, None)?;
             simulation.set_turning_keys(keys)?;
             out.push(Candidate {
-                label: format!("sim:{m}/turning-keys"),
+                label: format!("sim:{m}/{tag}"),
                 description: format!(
-                    "{} with keys coded around their pre-RoPE mean turned to each position, or as they are, the closer per row (a flag bit; simulated)",
+                    "{} with {what}, or as they are, the closer per row (a flag bit; simulated)",
                     m.describe(hd)
                 ),
                 simulation,
@@ -374,15 +380,20 @@ pub fn recorded_candidates(
 
 /// Issue 34's pre-RoPE keys ([`turning`](crate::turning)) for `m`, per layer: its key books
 /// trained again (as `calibrate` trains them, same seeds) on the calibration text's keys minus
-/// their pre-RoPE mean turned to each position, beside its own.
+/// their pre-RoPE mean turned to each position (only its `pairs` largest RoPE pairs per kv head),
+/// beside its own.
 pub fn turning_keys(
     model: &Model,
     acts: &Activations,
     window: usize,
     m: &Method,
     cal: &Calibration,
+    pairs: usize,
     seed: u64,
 ) -> Result<Vec<TurningKeys>> {
+    if pairs == 0 {
+        bail!("--turning-keys 0: at least one RoPE pair a head");
+    }
     let id = &model.info.identity;
     let (heads, hd) = (id.n_kv_heads, id.head_dim);
     let b = bar(acts.layers.len() as u64, &format!("{m}: keys around their turning means"));
@@ -393,7 +404,8 @@ pub fn turning_keys(
         .enumerate()
         .map(|(l, (a, c))| {
             let rope = Rope::of(model, l)?;
-            let mean = pre_rope_mean(&a.keys, heads, window, &rope);
+            let mut mean = pre_rope_mean(&a.keys, heads, window, &rope);
+            rope.keep_largest_pairs(&mut mean, pairs);
             let rows = turning::shifted(&a.keys, &mean, heads, &rope, |t| t % window);
             let cfg = KMeansConfig::new(cal.keys.shape.centroids(), seed.wrapping_add(1000 * l as u64));
             let ms = a.query_ms(heads, hd);

@@ -46,9 +46,11 @@ pub struct CandidateArgs {
     pub value_mass: Vec<f64>,
     /// Issue 34's candidate: also run every VecInfer method simulated with its keys coded around
     /// their pre-RoPE mean turned to each position (KVQuant's pre-RoPE keys, read as a
-    /// per-position center), or as they are where that codes a row better (one flag bit a row).
-    #[arg(long)]
-    pub turning_keys: bool,
+    /// per-position center), or as they are where that codes a row better (one flag bit a row),
+    /// once per count of RoPE pairs whose mean is kept per kv head (the largest; attention adds a
+    /// complex multiply-add a position for each), comma separated (`32,8`; head_dim / 2 = all).
+    #[arg(long, value_delimiter = ',')]
+    pub turning_keys: Vec<usize>,
     /// Issue 34's candidate: also run every VecInfer method simulated with attention that reads
     /// the exact key and value of the N best-scoring coded positions per query head (a second
     /// precision read only there), once per N, comma separated (`16,64`); with `--value-mass`,
@@ -85,7 +87,7 @@ impl CandidateArgs {
             per_head: self.per_head,
             residual: self.residual,
             value_mass: self.value_mass.clone(),
-            turning_keys: self.turning_keys,
+            turning_keys: self.turning_keys.clone(),
             seed,
         };
         let recorded = recorded_candidates(model, calib, window, chosen, cals, &recorded)?;

@@ -65,6 +65,27 @@ impl Rope {
         }
     }
 
+    /// Zeroes all but the `pairs` RoPE pairs of largest norm in each head of `mean`
+    /// (`[heads, head_dim]`): what attention's q·R(p)μ then costs, a complex multiply-add a
+    /// position per pair kept.
+    pub fn keep_largest_pairs(&self, mean: &mut [f32], pairs: usize) {
+        let h = self.half;
+        let at = |i: usize| match self.style {
+            RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+            RopeStyle::NeoX => (i, i + h),
+        };
+        for head in mean.chunks_exact_mut(2 * h) {
+            let norm = |i: usize| head[at(i).0].hypot(head[at(i).1]);
+            let mut order: Vec<usize> = (0..h).collect();
+            order.sort_by(|&x, &y| norm(y).total_cmp(&norm(x)));
+            for &i in &order[pairs.min(h)..] {
+                let (a, b) = at(i);
+                head[a] = 0.0;
+                head[b] = 0.0;
+            }
+        }
+    }
+
     /// Every `[tokens, heads, head_dim]` row turned by its position (`position(t)` for token t).
     pub fn turn_rows(&self, rows: &mut [f32], heads: usize, position: impl Fn(usize) -> usize, back: bool) {
         let d = 2 * self.half;
@@ -262,5 +283,35 @@ mod tests {
         assert_eq!((got.positions(), got.half, got.style), (48, want.half, RopeStyle::Interleaved));
         got.cos.iter().zip(&want.cos).for_each(|(a, b)| assert!((a - b).abs() < 1e-5, "{a} {b}"));
         got.sin.iter().zip(&want.sin).for_each(|(a, b)| assert!((a - b).abs() < 1e-5, "{a} {b}"));
+    }
+
+    /// Kept pairs are the largest per head, whole (both channels), for both pairings.
+    #[test]
+    fn the_largest_pairs_are_kept_whole() {
+        for style in [RopeStyle::Interleaved, RopeStyle::NeoX] {
+            let r = rope(style, 8, 4);
+            // Pair norms per head: head 0 pairs 0..4 have norms 1, 5, 3, 4; head 1 reversed.
+            let pair = |i: usize| match style {
+                RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                RopeStyle::NeoX => (i, i + 4),
+            };
+            let mut mean = vec![0.0f32; 16];
+            for (h, norms) in [[1.0f32, 5.0, 3.0, 4.0], [4.0, 3.0, 5.0, 1.0]].iter().enumerate() {
+                for (i, n) in norms.iter().enumerate() {
+                    let (a, b) = pair(i);
+                    mean[h * 8 + a] = 0.6 * n;
+                    mean[h * 8 + b] = 0.8 * n;
+                }
+            }
+            let full = mean.clone();
+            r.keep_largest_pairs(&mut mean, 2);
+            for (h, kept) in [[1usize, 3], [0, 2]].iter().enumerate() {
+                for i in 0..4 {
+                    let (a, b) = pair(i);
+                    let want = |c: usize| if kept.contains(&i) { full[h * 8 + c] } else { 0.0 };
+                    assert_eq!((mean[h * 8 + a], mean[h * 8 + b]), (want(a), want(b)), "{style:?} head {h} pair {i}");
+                }
+            }
+        }
     }
 }
