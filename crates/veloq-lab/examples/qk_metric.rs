@@ -16,7 +16,7 @@ use clap::{Parser, ValueEnum};
 use veloq::calibrate::{train_codec, KMeansConfig};
 use veloq::codec::codebook::{Granularity, PqShape};
 use veloq::codec::vecinfer::CodecSpec;
-use veloq_lab::held_out::smollm2_activations;
+use veloq_lab::held_out::{score_keys, smollm2_activations};
 use veloq_lab::linalg::{jacobi, matvec, spectral};
 use veloq_lab::simulate::round_trip;
 
@@ -152,41 +152,9 @@ fn main() -> anyhow::Result<()> {
             matvec(&winv[kv], src, dst);
             dst.iter_mut().zip(&mu[kv * d..(kv + 1) * d]).for_each(|(o, &m)| *o += m);
         }
-        // Score error and attention total variation on held-out queries (every 32nd position ≥ 256;
-        // the first 4 and the last 16 positions stay exact as in the cache).
-        let t = cb.keys.len() / row;
-        let (mut e2b, mut e2m, mut n, mut tvb, mut tvm, mut nq) = (0.0f64, 0.0f64, 0usize, 0.0f64, 0.0f64, 0usize);
-        for r in (256..t).step_by(32) {
-            for h in 0..nh {
-                let kv = h / group;
-                let q = &cb.queries[(r * nh + h) * d..(r * nh + h + 1) * d];
-                let dot = |k: &[f32], j: usize| -> f64 {
-                    (cb.scale
-                        * q.iter().zip(&k[(j * nkv + kv) * d..(j * nkv + kv + 1) * d]).map(|(x, y)| x * y).sum::<f32>())
-                        as f64
-                };
-                let ex: Vec<f64> = (0..=r).map(|j| dot(&cb.keys, j)).collect();
-                let coded = |j: usize| j >= 4 && j + 16 <= r;
-                let sb_: Vec<f64> = (0..=r).map(|j| if coded(j) { dot(&kb, j) } else { ex[j] }).collect();
-                let sm_: Vec<f64> = (0..=r).map(|j| if coded(j) { dot(&km, j) } else { ex[j] }).collect();
-                for j in (0..=r).filter(|&j| coded(j)) {
-                    e2b += (sb_[j] - ex[j]).powi(2);
-                    e2m += (sm_[j] - ex[j]).powi(2);
-                    n += 1;
-                }
-                let soft = |s: &[f64]| -> Vec<f64> {
-                    let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                    let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
-                    s.iter().map(|x| (x - m).exp() / z).collect()
-                };
-                let (pe, pb, pm) = (soft(&ex), soft(&sb_), soft(&sm_));
-                tvb += 0.5 * pe.iter().zip(&pb).map(|(a, b)| (a - b).abs()).sum::<f64>();
-                tvm += 0.5 * pe.iter().zip(&pm).map(|(a, b)| (a - b).abs()).sum::<f64>();
-                nq += 1;
-            }
-        }
-        let (s1, s2) = ((e2b / n as f64).sqrt(), (e2m / n as f64).sqrt());
-        let (t1, t2) = (tvb / nq as f64, tvm / nq as f64);
+        // Score error and attention total variation on held-out queries.
+        let scores = score_keys(cb, nh, nkv, d, &[&kb, &km]);
+        let (s1, s2, t1, t2) = (scores[0].sigma, scores[1].sigma, scores[0].tv, scores[1].tv);
         println!(
             "{l:2} | {s1:.3} {s2:.3} | {t1:.3} {t2:.3} | {:?}",
             ranks.iter().map(|r| format!("{r:.1}")).collect::<Vec<_>>()

@@ -21,7 +21,7 @@ use clap::Parser;
 use veloq::calibrate::{train_codec, KMeansConfig};
 use veloq::codec::codebook::PqShape;
 use veloq::codec::vecinfer::CodecSpec;
-use veloq_lab::held_out::smollm2_activations;
+use veloq_lab::held_out::{score_keys, smollm2_activations};
 use veloq_lab::simulate::round_trip;
 use veloq_lab::turning::{pre_rope_mean, shifted, Rope};
 
@@ -42,7 +42,6 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let (model, a, b) = smollm2_activations(args.cache)?;
     let (nh, nkv, d) = (model.info.n_heads, model.info.identity.n_kv_heads, model.info.identity.head_dim);
-    let group = nh / nkv;
     let sub = if args.bits >= 4.0 { 2 } else { 4 };
     let spec = CodecSpec::keys(PqShape::new(sub, 8)?);
     let row = nkv * d;
@@ -74,7 +73,6 @@ fn main() -> anyhow::Result<()> {
         let (base, _) = train_codec(&ca.keys, nkv, d, &spec, &cfg)?;
         let kb = round_trip(&base, &cb.keys)?;
         let (centered, _) = train_codec(&shifted(&ca.keys, &mu, nkv, &rope, |t| t % 2048), nkv, d, &spec, &cfg)?;
-        let held = cb.keys.len() / row;
         let neg: Vec<f32> = mu.iter().map(|m| -m).collect();
         let km = shifted(&round_trip(&centered, &shifted(&cb.keys, &mu, nkv, &rope, |t| t))?, &neg, nkv, &rope, |t| t);
         // Per (token, kv head) the better of two codes (one flag bit a row): the shifted code
@@ -94,43 +92,9 @@ fn main() -> anyhow::Result<()> {
         };
         let (pick_base, _) = pick(&kb, &kb2);
         let (pick_shift, took) = pick(&kb, &km);
-        let variants = [&kb, &km, &pick_base, &pick_shift];
-        // Score error, its spread under the exact attention and the attention's total variation on
-        // held-out queries, as `qk_metric`.
-        let mut acc = vec![[0.0f64; 3]; variants.len()];
-        let (mut n, mut nq) = (0usize, 0usize);
-        for r in (256..held).step_by(32) {
-            for h in 0..nh {
-                let kv = h / group;
-                let q = &cb.queries[(r * nh + h) * d..(r * nh + h + 1) * d];
-                let dot = |k: &[f32], j: usize| -> f64 {
-                    (cb.scale
-                        * q.iter().zip(&k[(j * nkv + kv) * d..(j * nkv + kv + 1) * d]).map(|(x, y)| x * y).sum::<f32>())
-                        as f64
-                };
-                let ex: Vec<f64> = (0..=r).map(|j| dot(&cb.keys, j)).collect();
-                let coded = |j: usize| j >= 4 && j + 16 <= r;
-                let soft = |s: &[f64]| -> Vec<f64> {
-                    let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                    let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
-                    s.iter().map(|x| (x - m).exp() / z).collect()
-                };
-                let pe = soft(&ex);
-                for (v, a) in variants.iter().zip(acc.iter_mut()) {
-                    let sv: Vec<f64> = (0..=r).map(|j| if coded(j) { dot(v, j) } else { ex[j] }).collect();
-                    a[0] += (0..=r).filter(|&j| coded(j)).map(|j| (sv[j] - ex[j]).powi(2)).sum::<f64>();
-                    // The error softmax sees: its spread around its attention-weighted mean.
-                    let e: Vec<f64> = sv.iter().zip(&ex).map(|(a, b)| a - b).collect();
-                    let m: f64 = e.iter().zip(&pe).map(|(e, p)| e * p).sum();
-                    a[1] += e.iter().zip(&pe).map(|(e, p)| p * (e - m).powi(2)).sum::<f64>();
-                    a[2] += 0.5 * pe.iter().zip(&soft(&sv)).map(|(a, b)| (a - b).abs()).sum::<f64>();
-                }
-                n += (0..=r).filter(|&j| coded(j)).count();
-                nq += 1;
-            }
-        }
-        let cols: Vec<[f64; 3]> =
-            acc.iter().map(|a| [(a[0] / n as f64).sqrt(), (a[1] / nq as f64).sqrt(), a[2] / nq as f64]).collect();
+        let variants = [kb.as_slice(), &km, &pick_base, &pick_shift];
+        let scores = score_keys(cb, nh, nkv, d, &variants);
+        let cols: Vec<[f64; 3]> = scores.iter().map(|s| [s.sigma, s.spread, s.tv]).collect();
         let col = |k: usize| cols.iter().map(|c| format!("{:.3}", c[k])).collect::<Vec<_>>().join(" ");
         println!("{l:2} | {share:.3} {took:.2} | {} | {} | {}", col(0), col(1), col(2));
         for (t, c) in total.iter_mut().zip(&cols) {

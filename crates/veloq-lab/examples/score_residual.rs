@@ -20,7 +20,7 @@ use veloq::calibrate::{train_codec, KMeansConfig};
 use veloq::codec::codebook::PqShape;
 use veloq::codec::vecinfer::CodecSpec;
 use veloq_candle::cache::Heads;
-use veloq_lab::held_out::smollm2_activations;
+use veloq_lab::held_out::{score_keys, smollm2_activations};
 use veloq_lab::second_stage::ScoreResidual;
 use veloq_lab::simulate::round_trip;
 
@@ -41,8 +41,6 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let (model, a, b) = smollm2_activations(args.cache)?;
     let (nh, nkv, d) = (model.info.n_heads, model.info.identity.n_kv_heads, model.info.identity.head_dim);
-    let group = nh / nkv;
-    let row = nkv * d;
     // (name, key bits per element, rank, coefficient bits); rank 0: the first stage alone.
     let mut configs: Vec<(String, f64, usize, u32)> = vec![("2-bit".into(), 2.0, 0, 0)];
     for &r in &args.ranks {
@@ -77,41 +75,10 @@ fn main() -> anyhow::Result<()> {
             })
             .collect::<anyhow::Result<_>>()?;
         // Score error and attention total variation on held-out queries.
-        let t = cb.keys.len() / row;
-        let mut e2 = vec![0.0f64; configs.len()];
-        let mut tv = vec![0.0f64; configs.len()];
-        let (mut n, mut nq) = (0usize, 0usize);
-        let mut q = vec![0.0f32; d];
-        for r in (256..t).step_by(32) {
-            for h in 0..nh {
-                let kv = h / group;
-                q.copy_from_slice(&cb.queries[(r * nh + h) * d..(r * nh + h + 1) * d]);
-                let dot = |k: &[f32], j: usize| -> f64 {
-                    (cb.scale
-                        * q.iter().zip(&k[(j * nkv + kv) * d..(j * nkv + kv + 1) * d]).map(|(x, y)| x * y).sum::<f32>())
-                        as f64
-                };
-                let coded = |j: usize| j >= 4 && j + 16 <= r;
-                let ex: Vec<f64> = (0..=r).map(|j| dot(&cb.keys, j)).collect();
-                let soft = |s: &[f64]| -> Vec<f64> {
-                    let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                    let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
-                    s.iter().map(|x| (x - m).exp() / z).collect()
-                };
-                let pe = soft(&ex);
-                for (c, ks) in keysets.iter().enumerate() {
-                    let s: Vec<f64> = (0..=r).map(|j| if coded(j) { dot(ks, j) } else { ex[j] }).collect();
-                    e2[c] += (0..=r).filter(|&j| coded(j)).map(|j| (s[j] - ex[j]).powi(2)).sum::<f64>();
-                    tv[c] += 0.5 * pe.iter().zip(soft(&s)).map(|(a, b)| (a - b).abs()).sum::<f64>();
-                }
-                n += (0..=r).filter(|&j| coded(j)).count();
-                nq += 1;
-            }
-        }
-        for c in 0..configs.len() {
-            let (s, v) = ((e2[c] / n as f64).sqrt(), tv[c] / nq as f64);
-            sums[c].0 += s;
-            sums[c].1 += v;
+        let variants: Vec<&[f32]> = keysets.iter().map(Vec::as_slice).collect();
+        for (sum, s) in sums.iter_mut().zip(score_keys(cb, nh, nkv, d, &variants)) {
+            sum.0 += s.sigma;
+            sum.1 += s.tv;
         }
         eprintln!("layer {l} done");
     }
