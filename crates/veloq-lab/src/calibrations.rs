@@ -274,6 +274,9 @@ pub fn recorded_candidates(
     if let Some(f) = want.value_mass.iter().find(|f| !(0.0..=1.0).contains(*f)) {
         bail!("--value-mass {f}: a fraction of the training rows, from 0 to 1");
     }
+    if want.turning_keys.contains(&0) {
+        bail!("--turning-keys 0: at least one RoPE pair a head");
+    }
     let none = want.outlier_rows.is_empty()
         && !want.per_head
         && !want.residual
@@ -391,9 +394,6 @@ pub fn turning_keys(
     pairs: usize,
     seed: u64,
 ) -> Result<Vec<TurningKeys>> {
-    if pairs == 0 {
-        bail!("--turning-keys 0: at least one RoPE pair a head");
-    }
     let id = &model.info.identity;
     let (heads, hd) = (id.n_kv_heads, id.head_dim);
     let b = bar(acts.layers.len() as u64, &format!("{m}: keys around their turning means"));
