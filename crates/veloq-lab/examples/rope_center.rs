@@ -23,7 +23,7 @@ use veloq::codec::codebook::PqShape;
 use veloq::codec::vecinfer::CodecSpec;
 use veloq_lab::held_out::{score_keys, smollm2_activations};
 use veloq_lab::simulate::round_trip;
-use veloq_lab::turning::{pre_rope_mean, shifted, Rope};
+use veloq_lab::turning::{closer_per_row, pre_rope_mean, shifted, Rope};
 
 #[derive(Parser)]
 struct Args {
@@ -65,9 +65,9 @@ fn main() -> anyhow::Result<()> {
         let spread = |rows: &[f32], m: &[f64]| -> f64 {
             rows.chunks_exact(row).map(|r| r.iter().zip(m).map(|(&x, &u)| (x as f64 - u).powi(2)).sum::<f64>()).sum()
         };
-        let (post_mu, pre_mu) = (mean(&ca.keys), mean(&pre));
-        let share = 1.0 - spread(&pre, &pre_mu) / spread(&ca.keys, &post_mu);
         let mut mu = pre_rope_mean(&ca.keys, nkv, 2048, &rope);
+        let pre_mu: Vec<f64> = mu.iter().map(|&m| m as f64).collect();
+        let share = 1.0 - spread(&pre, &pre_mu) / spread(&ca.keys, &mean(&ca.keys));
         rope.keep_largest_pairs(&mut mu, args.pairs);
         let cfg = KMeansConfig::new(256, 7 + l as u64);
         let (base, _) = train_codec(&ca.keys, nkv, d, &spec, &cfg)?;
@@ -79,19 +79,9 @@ fn main() -> anyhow::Result<()> {
         // against the default's, and, as the fair anchor for that bit, two default codecs.
         let (base2, _) = train_codec(&ca.keys, nkv, d, &spec, &KMeansConfig::new(256, 1007 + l as u64))?;
         let kb2 = round_trip(&base2, &cb.keys)?;
-        let pick = |x: &[f32], y: &[f32]| -> (Vec<f32>, f64) {
-            let mut out = Vec::with_capacity(x.len());
-            let mut took = 0usize;
-            for ((a, b), k) in x.chunks_exact(d).zip(y.chunks_exact(d)).zip(cb.keys.chunks_exact(d)) {
-                let err = |r: &[f32]| r.iter().zip(k).map(|(r, k)| (r - k).powi(2)).sum::<f32>();
-                let second = err(b) < err(a);
-                took += second as usize;
-                out.extend_from_slice(if second { b } else { a });
-            }
-            (out, took as f64 / (x.len() / d) as f64)
-        };
-        let (pick_base, _) = pick(&kb, &kb2);
-        let (pick_shift, took) = pick(&kb, &km);
+        let (pick_base, _) = closer_per_row(&cb.keys, &kb, &kb2, d);
+        let (pick_shift, took) = closer_per_row(&cb.keys, &kb, &km, d);
+        let took = took as f64 / (cb.keys.len() / d) as f64;
         let variants = [kb.as_slice(), &km, &pick_base, &pick_shift];
         let scores = score_keys(cb, nh, nkv, d, &variants);
         let cols: Vec<[f64; 3]> = scores.iter().map(|s| [s.sigma, s.spread, s.tv]).collect();

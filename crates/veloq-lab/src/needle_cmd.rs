@@ -108,6 +108,11 @@ pub struct Args {
     /// lengths, depths, keys, haystacks and seed, whose answers they pair with.
     #[arg(long)]
     candidates_only: bool,
+    /// Answer with only these runs, by label (a method such as `fp16`, or a candidate's
+    /// `sim:…` label as the table prints it), comma separated: a grid on a borrowed GPU pays for
+    /// the one candidate it is about and its fp16 pairs, not for every candidate built beside it.
+    #[arg(long, value_delimiter = ',')]
+    runs: Vec<String>,
     /// Train (or find in the cache) the methods' calibrations and stop: prepares a run on another
     /// machine (copy ~/.cache/veloq/eval there).
     #[arg(long)]
@@ -151,6 +156,16 @@ fn replot(json: &std::path::Path, out: &std::path::Path) -> Result<()> {
     plot::heatmap(out, &lengths, &depths.iter().map(|d| d / 100.0).collect::<Vec<_>>(), &panels)?;
     eprintln!("wrote {}", out.display());
     Ok(())
+}
+
+/// The runs named in `names` (`--runs`), in the grid's order; a name that is not a run is an error
+/// that lists the runs there are.
+fn only<T>(runs: Vec<(String, T)>, names: &[String]) -> Result<Vec<(String, T)>> {
+    if let Some(n) = names.iter().find(|n| !runs.iter().any(|r| &r.0 == *n)) {
+        let there: Vec<&str> = runs.iter().map(|r| r.0.as_str()).collect();
+        bail!("--runs {n}: no such run; this grid has {}", there.join(", "));
+    }
+    Ok(runs.into_iter().filter(|r| names.contains(&r.0)).collect())
 }
 
 /// Runs the grid (or the probe).
@@ -203,6 +218,9 @@ pub fn run(a: Args) -> Result<()> {
     set_f16_rows(a.f16_rows, &mut methods, &mut candidates);
     let mut runs = if a.candidates_only { Vec::new() } else { sources(&methods) };
     runs.extend(candidates.iter().map(|c| (c.label.clone(), &c.simulation as &dyn CacheSource)));
+    if !a.runs.is_empty() {
+        runs = only(runs, &a.runs)?;
+    }
     if runs.is_empty() {
         bail!("--candidates-only, and no candidate asked for (--second-stage, --apart, --outlier-rows, --per-head, --residual, --value-mass, --turning-keys, --rescore, --key-heads)");
     }
@@ -281,6 +299,8 @@ pub fn run(a: Args) -> Result<()> {
         "outlier_rows": a.candidates.outlier_rows,
         "per_head": a.candidates.per_head,
         "rescore": a.candidates.rescore,
+        "turning_keys": a.candidates.turning_keys,
+        "value_mass": a.candidates.value_mass,
         "text": text_path.file_name().map(|s| s.to_string_lossy().into_owned())});
     let write = |extra: serde_json::Value| -> Result<()> {
         let mut v = header.clone();
@@ -485,4 +505,29 @@ fn probe(
         &json!({"model": model.info.identity.name, "prompts": cases.len(),
             "methods": coded.iter().map(|c| c.0).collect::<Vec<_>>(), "summary": summary, "heads": heads}),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::only;
+
+    fn runs() -> Vec<(String, usize)> {
+        ["fp16", "sim:vq-2/turning-keys", "sim:vq-2/value-mass100%"]
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (l.to_string(), i))
+            .collect()
+    }
+
+    #[test]
+    fn runs_keep_the_named_ones_in_grid_order() {
+        let kept = only(runs(), &["sim:vq-2/value-mass100%".into(), "fp16".into()]).unwrap();
+        assert_eq!(kept, vec![("fp16".to_string(), 0), ("sim:vq-2/value-mass100%".to_string(), 2)]);
+    }
+
+    #[test]
+    fn an_unknown_run_names_the_ones_there_are() {
+        let e = only(runs(), &["fp16".into(), "sim:vq-2/turning".into()]).unwrap_err().to_string();
+        assert!(e.contains("sim:vq-2/turning:") && e.contains("sim:vq-2/turning-keys"), "{e}");
+    }
 }

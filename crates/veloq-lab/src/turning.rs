@@ -126,6 +126,20 @@ pub fn shifted(rows: &[f32], mean: &[f32], heads: usize, rope: &Rope, position: 
     rows.iter().zip(&turned).map(|(k, m)| k - m).collect()
 }
 
+/// Per row of `d` channels, whichever of two reconstructions `a` and `b` of `rows` is closer to
+/// it in squared error (`a` on a tie; one flag bit a row), and how many rows took `b`.
+pub fn closer_per_row(rows: &[f32], a: &[f32], b: &[f32], d: usize) -> (Vec<f32>, usize) {
+    let mut out = Vec::with_capacity(rows.len());
+    let mut took_b = 0;
+    for ((k, x), y) in rows.chunks_exact(d).zip(a.chunks_exact(d)).zip(b.chunks_exact(d)) {
+        let err = |r: &[f32]| r.iter().zip(k).map(|(r, k)| (r - k) * (r - k)).sum::<f32>();
+        let take = err(y) < err(x);
+        took_b += take as usize;
+        out.extend_from_slice(if take { y } else { x });
+    }
+    (out, took_b)
+}
+
 /// One layer's keys coded both ways, each row by the closer.
 #[derive(Clone)]
 pub struct TurningKeys {
@@ -168,15 +182,8 @@ impl TurningKeys {
         let around: Vec<f32> = rows.iter().zip(&turned).map(|(k, m)| k - m).collect();
         let mut back = round_trip(&self.shifted, &around)?;
         back.iter_mut().zip(&turned).for_each(|(x, m)| *x += m);
-        let mut out = Vec::with_capacity(rows.len());
-        let mut shifted_rows = 0;
-        for ((k, a), b) in rows.chunks_exact(d).zip(plain.chunks_exact(d)).zip(back.chunks_exact(d)) {
-            let err = |r: &[f32]| r.iter().zip(k).map(|(r, k)| (r - k) * (r - k)).sum::<f32>();
-            let take = err(b) < err(a);
-            shifted_rows += take as usize;
-            out.extend_from_slice(if take { b } else { a });
-        }
-        Ok(TurningRoundTrip { rows: out, shifted_rows })
+        let (rows, shifted_rows) = closer_per_row(rows, &plain, &back, d);
+        Ok(TurningRoundTrip { rows, shifted_rows })
     }
 
     /// Bits per key element the flag adds.
