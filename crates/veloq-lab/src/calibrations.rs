@@ -23,6 +23,7 @@ use veloq_cli::progress::bar;
 
 use veloq_candle::cache::Heads;
 
+use crate::book_cache::{BookCache, Books};
 use crate::key_heads;
 use crate::second_stage::{ScoreResidual, StageSide, StageSpec};
 use crate::simulate::{outlier_limits, round_trip, Sides, Simulation};
@@ -106,7 +107,7 @@ pub fn calibrations(
     Ok(out)
 }
 
-fn fnv(s: &str) -> u64 {
+pub(crate) fn fnv(s: &str) -> u64 {
     s.bytes().fold(0xcbf29ce484222325, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3))
 }
 
@@ -236,7 +237,7 @@ pub fn simulations(
 
 /// Issue 34's candidates built from the calibration text's keys and values (recorded again, in
 /// `window`-position passes, once for all of them).
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default)]
 pub struct RecordedCandidates {
     /// `--outlier-rows`: fractions of the rows.
     pub outlier_rows: Vec<f64>,
@@ -251,6 +252,8 @@ pub struct RecordedCandidates {
     pub turning_keys: Vec<usize>,
     /// k-means seed (the calibrations').
     pub seed: u64,
+    /// Where the value-mass and turning-key books are kept between runs (none: trained every run).
+    pub books: Option<BookCache>,
 }
 
 /// For every calibrated VecInfer method in `chosen`: with `outlier_rows`, the method simulated with
@@ -258,8 +261,10 @@ pub struct RecordedCandidates {
 /// (layer, kv head)'s limit the `1 − fraction` quantile of the squared coding errors of its rows
 /// on the calibration text); with `per_head`, the method with a codebook per kv head
 /// ([`Simulation::per_head`]: each head's keys and values trained alone, as `calibrate` trains a
-/// layer's); with `residual`, [`residual_candidate`]; with `value_mass`, [`value_mass_candidate`]
-/// once per fraction.
+/// layer's); with `residual`, [`residual_candidate`]; with `value_mass`, [`value_mass_books`]
+/// once per fraction; with `turning_keys`, [`turning_keys`] once per count of pairs. Value-mass
+/// and turning-key books come from `want.books` when an earlier run saved them there (and are
+/// saved there when trained); the text is recorded only when something is left to train.
 pub fn recorded_candidates(
     model: &Model,
     calib: &[u32],
@@ -285,49 +290,80 @@ pub fn recorded_candidates(
     if none || cals.iter().all(Option::is_none) {
         return Ok(Vec::new());
     }
-    let b = bar(calib.len() as u64, "recording keys and values");
-    let queries = if want.value_mass.is_empty() { Queries::Skip } else { Queries::Sampled(attention_sampling(window)) };
-    let acts = record(model, calib, window, queries, &mut |n| b.set_position(n as u64))?;
-    b.finish();
-    let masses = if want.value_mass.is_empty() { Vec::new() } else { value_masses(model, &acts, window)? };
+    // Books an earlier run trained (and saved) are read, not trained again.
+    let load = |cal: &Calibration, what: &str| want.books.as_ref().and_then(|c| c.load(cal, window, want.seed, what));
+    let mut saved_mass = Vec::new();
+    let mut saved_turning = Vec::new();
+    for cal in cals.iter().flatten() {
+        saved_mass.push(want.value_mass.iter().map(|&f| load(cal, &mass_name(f))).collect::<Vec<_>>());
+        saved_turning.push(want.turning_keys.iter().map(|&p| load(cal, &format!("turning{p}"))).collect::<Vec<_>>());
+    }
+    let mass_missing = saved_mass.iter().flatten().any(Option::is_none);
+    let missing = mass_missing || saved_turning.iter().flatten().any(Option::is_none);
+    let acts = if missing || !want.outlier_rows.is_empty() || want.per_head || want.residual {
+        let b = bar(calib.len() as u64, "recording keys and values");
+        let queries = if mass_missing { Queries::Sampled(attention_sampling(window)) } else { Queries::Skip };
+        let acts = record(model, calib, window, queries, &mut |n| b.set_position(n as u64))?;
+        b.finish();
+        Some(acts)
+    } else {
+        None
+    };
+    let masses = match &acts {
+        Some(acts) if mass_missing => value_masses(model, acts, window)?,
+        _ => Vec::new(),
+    };
+    let recorded = || acts.as_ref().context("recorded");
     let id = &model.info.identity;
     let (heads, hd) = (id.n_kv_heads, id.head_dim);
+    let save = |cal: &Calibration, what: &str, books: &Books| -> Result<()> {
+        match &want.books {
+            Some(c) => c.save(cal, window, want.seed, what, books),
+            None => Ok(()),
+        }
+    };
     let mut out = Vec::new();
+    let mut saved = saved_mass.into_iter().zip(saved_turning);
     for (m, cal) in chosen.iter().zip(cals) {
         let Some(cal) = cal else { continue };
-        let coded: Vec<(Vec<f32>, Vec<f32>)> = acts
-            .layers
-            .iter()
-            .zip(&cal.layers)
-            .map(|(a, l)| Ok((round_trip(&l.keys, &a.keys)?, round_trip(&l.values, &a.values)?)))
-            .collect::<Result<_>>()?;
-        for &f in &want.outlier_rows {
-            let limits = acts
+        let (saved_mass, saved_turning) = saved.next().expect("one per calibration");
+        if !want.outlier_rows.is_empty() {
+            let acts = recorded()?;
+            let coded: Vec<(Vec<f32>, Vec<f32>)> = acts
                 .layers
                 .iter()
-                .zip(&coded)
-                .map(|(a, (k, v))| {
-                    (outlier_limits(&a.keys, k, heads, hd, f), outlier_limits(&a.values, v, heads, hd, f))
-                })
-                .collect();
-            let mut simulation = Simulation::new(cal, Sides::Both, None, None)?;
-            simulation.set_outliers(f, limits, hd)?;
-            out.push(Candidate {
-                label: format!("sim:{m}+out{}%", f * 100.0),
-                description: format!(
-                    "{} + key and value rows coded worst kept in f16 ({}% of the calibration text's rows per layer and head; simulated)",
-                    m.describe(hd),
-                    f * 100.0
-                ),
-                simulation,
-            });
+                .zip(&cal.layers)
+                .map(|(a, l)| Ok((round_trip(&l.keys, &a.keys)?, round_trip(&l.values, &a.values)?)))
+                .collect::<Result<_>>()?;
+            for &f in &want.outlier_rows {
+                let limits = acts
+                    .layers
+                    .iter()
+                    .zip(&coded)
+                    .map(|(a, (k, v))| {
+                        (outlier_limits(&a.keys, k, heads, hd, f), outlier_limits(&a.values, v, heads, hd, f))
+                    })
+                    .collect();
+                let mut simulation = Simulation::new(cal, Sides::Both, None, None)?;
+                simulation.set_outliers(f, limits, hd)?;
+                out.push(Candidate {
+                    label: format!("sim:{m}+out{}%", f * 100.0),
+                    description: format!(
+                        "{} + key and value rows coded worst kept in f16 ({}% of the calibration text's rows per layer and head; simulated)",
+                        m.describe(hd),
+                        f * 100.0
+                    ),
+                    simulation,
+                });
+            }
         }
         if want.per_head {
+            let acts = recorded()?;
             let one = ModelIdentity { n_kv_heads: 1, ..id.clone() };
             let b = bar(heads as u64, &format!("{m}: a codebook per head"));
             let per_head = (0..heads)
                 .map(|h| {
-                    let acts = one_head(&acts, h, heads, hd);
+                    let acts = one_head(acts, h, heads, hd);
                     let c = calibrate_for(&one, &acts, cal.keys, cal.values, want.seed, &mut |_| {})?;
                     b.inc(1);
                     Ok(c)
@@ -341,15 +377,39 @@ pub fn recorded_candidates(
             });
         }
         if want.residual {
-            out.push(residual_candidate(id, &acts, m, cal, want.seed)?);
+            out.push(residual_candidate(id, recorded()?, m, cal, want.seed)?);
         }
         let by_mass = want
             .value_mass
             .iter()
-            .map(|&f| value_mass_candidate(id, &acts, &masses, m, cal, f, want.seed))
+            .zip(saved_mass)
+            .map(|(&f, saved)| {
+                let values = match saved {
+                    Some(books) => books.values,
+                    None => {
+                        let values = value_mass_books(id, recorded()?, &masses, m, cal, f, want.seed)?;
+                        let keys = cal.layers.iter().map(|l| l.keys.clone()).collect();
+                        save(cal, &mass_name(f), &Books { keys, values: values.clone(), vectors: Vec::new() })?;
+                        values
+                    }
+                };
+                value_mass_candidate(m, cal, f, values, hd)
+            })
             .collect::<Result<Vec<_>>>()?;
-        for &pairs in &want.turning_keys {
-            let keys = turning_keys(model, &acts, window, m, cal, pairs, want.seed)?;
+        for (&pairs, saved) in want.turning_keys.iter().zip(saved_turning) {
+            let keys = match saved {
+                Some(books) => turning_from(model, cal, books)?,
+                None => {
+                    let keys = turning_keys(model, recorded()?, window, m, cal, pairs, want.seed)?;
+                    let books = Books {
+                        keys: keys.iter().map(|k| k.shifted.clone()).collect(),
+                        values: cal.layers.iter().map(|l| l.values.clone()).collect(),
+                        vectors: keys.iter().map(|k| k.mean.clone()).collect(),
+                    };
+                    save(cal, &format!("turning{pairs}"), &books)?;
+                    keys
+                }
+            };
             let tag = match pairs < hd / 2 {
                 true => format!("turning-keys{pairs}"),
                 false => "turning-keys".to_string(),
@@ -379,6 +439,34 @@ pub fn recorded_candidates(
         out.extend(by_mass);
     }
     Ok(out)
+}
+
+/// The book-cache name of value books with `by_mass` of their rows drawn by attention mass.
+fn mass_name(by_mass: f64) -> String {
+    format!("value-mass{}", by_mass * 100.0)
+}
+
+/// Turning keys from saved books: the shifted key books and pre-RoPE means per layer, `cal`'s own
+/// key books beside them, the model's RoPE.
+fn turning_from(model: &Model, cal: &Calibration, books: Books) -> Result<Vec<TurningKeys>> {
+    if books.keys.len() != cal.layers.len() || books.vectors.len() != cal.layers.len() {
+        bail!(
+            "saved turning keys: {} books and {} means for {} layers",
+            books.keys.len(),
+            books.vectors.len(),
+            cal.layers.len()
+        );
+    }
+    books
+        .keys
+        .into_iter()
+        .zip(books.vectors)
+        .zip(&cal.layers)
+        .enumerate()
+        .map(|(l, ((shifted, mean), c))| {
+            Ok(TurningKeys { base: c.keys.clone(), shifted, mean, rope: Rope::of(model, l)? })
+        })
+        .collect()
 }
 
 /// Issue 34's pre-RoPE keys ([`turning`](crate::turning)) for `m`, per layer: its key books
@@ -494,8 +582,8 @@ fn value_masses(model: &Model, acts: &Activations, window: usize) -> Result<Vec<
 /// Issue 34's "value codebooks trained with attention-mass weights": `m`'s value books trained
 /// (as `calibrate` trains them, same seeds) on rows drawn by [`value_weights::draw_rows`], a
 /// fraction `by_mass` of them in proportion to the attention each coded position received on the
-/// calibration text (`masses`, per layer); keys `m`'s own.
-pub fn value_mass_candidate(
+/// calibration text (`masses`, per layer).
+pub fn value_mass_books(
     id: &ModelIdentity,
     acts: &Activations,
     masses: &[Vec<f64>],
@@ -503,7 +591,7 @@ pub fn value_mass_candidate(
     cal: &Calibration,
     by_mass: f64,
     seed: u64,
-) -> Result<Candidate> {
+) -> Result<Vec<VecInferCodec>> {
     let (nkv, hd) = (id.n_kv_heads, id.head_dim);
     let b = bar(id.n_layers as u64, &format!("{m}: value books by attention mass"));
     let values = acts
@@ -522,8 +610,19 @@ pub fn value_mass_candidate(
         })
         .collect::<Result<Vec<_>>>()?;
     b.finish();
+    Ok(values)
+}
+
+/// `m` simulated with value books by attention mass ([`value_mass_books`]) and its own keys.
+fn value_mass_candidate(
+    m: &Method,
+    cal: &Calibration,
+    by_mass: f64,
+    values: Vec<VecInferCodec>,
+    hd: usize,
+) -> Result<Candidate> {
     Ok(Candidate {
-        label: format!("sim:{m}/value-mass{}%", by_mass * 100.0),
+        label: format!("sim:{m}/{}%", mass_name(by_mass)),
         description: format!(
             "{} with value books trained on rows {}% drawn by the attention they receive while coded (simulated)",
             m.describe(hd),
@@ -695,6 +794,66 @@ pub fn set_f16_rows(rows: Option<WindowConfig>, methods: &mut [(String, CacheCon
 
 #[cfg(test)]
 mod tests {
+    /// Turning keys and value books by attention mass read back from the book cache code exactly
+    /// as the books trained in the run, and as books trained with no cache at all; a second run
+    /// records and trains nothing.
+    #[test]
+    fn candidate_books_from_the_cache_code_as_trained_ones() {
+        use crate::book_cache::BookCache;
+        use crate::probe::KeyCoder;
+        use veloq::codec::vecinfer::CodecSpec;
+        let model = crate::testing::tiny_model(32, 64);
+        let mut rng = crate::synthetic::Rng(crate::testing::fresh_seed() | 1);
+        let calib: Vec<u32> = (0..128).map(|_| (rng.uniform() * 32.0) as u32).collect();
+        let window = 64;
+        let acts = record(&model, &calib, window, Queries::Skip, &mut |_| {}).unwrap();
+        let (ks, vs) = (CodecSpec::keys(PqShape::new(4, 4).unwrap()), CodecSpec::values(PqShape::new(4, 4).unwrap()));
+        let cal = calibrate_for(&model.info.identity, &acts, ks, vs, 0, &mut |_| {}).unwrap();
+        let cal = cal.with_text(TextFingerprint::of_tokens(&calib));
+        let m: Method = "vq-2".parse().unwrap();
+        let dir = std::env::temp_dir().join(format!("veloq-candidate-books-{}", crate::testing::fresh_seed()));
+        let want = |books: Option<BookCache>| RecordedCandidates {
+            value_mass: vec![1.0],
+            turning_keys: vec![4],
+            books,
+            ..Default::default()
+        };
+        let cache = || Some(BookCache::new(&dir, Path::new("/models/tiny.gguf")).unwrap());
+        let build = |text: &[u32], w: &RecordedCandidates| {
+            recorded_candidates(&model, text, window, &[m], &[Some(cal.clone())], w)
+        };
+        let trained = build(&calib, &want(cache())).unwrap();
+        let saved = std::fs::read_dir(dir.join("eval")).unwrap().count();
+        assert_eq!(saved, 3, "value books, turning books and their means");
+        // Tokens past the vocabulary cannot be recorded: a run given them succeeds only by
+        // reading every book from the cache.
+        let unreadable = vec![1000u32; 128];
+        assert!(record(&model, &unreadable, window, Queries::Skip, &mut |_| {}).is_err());
+        let read = build(&unreadable, &want(cache())).unwrap();
+        let uncached = build(&calib, &want(None)).unwrap();
+        let labels = |c: &[Candidate]| c.iter().map(|c| c.label.clone()).collect::<Vec<_>>();
+        assert_eq!(labels(&trained).len(), 3, "mass, turning, and the two together");
+        assert_eq!(labels(&read), labels(&trained));
+        assert_eq!(labels(&uncached), labels(&trained));
+        let d = model.info.identity.n_kv_heads * model.info.identity.head_dim;
+        let rows: Vec<f32> = (0..16 * d).map(|_| rng.normal()).collect();
+        for ((a, b), c) in trained.iter().zip(&read).zip(&uncached) {
+            for l in 0..cal.layers.len() {
+                let keys = a.simulation.reconstruct(l, &rows).unwrap();
+                assert_eq!(b.simulation.reconstruct(l, &rows).unwrap(), keys, "{} keys, layer {l}", a.label);
+                assert_eq!(c.simulation.reconstruct(l, &rows).unwrap(), keys, "{} keys, layer {l}", a.label);
+                let values = a.simulation.reconstruct_values(l, &rows).unwrap();
+                assert_eq!(b.simulation.reconstruct_values(l, &rows).unwrap(), values, "{} values", a.label);
+                assert_eq!(c.simulation.reconstruct_values(l, &rows).unwrap(), values, "{} values", a.label);
+            }
+        }
+        // The candidates differ from the method itself: the books are the candidates' own.
+        let plain = Simulation::new(&cal, Sides::Both, None, None).unwrap();
+        let turning = trained.iter().find(|c| c.label.ends_with("/turning-keys4")).unwrap();
+        assert_ne!(turning.simulation.reconstruct(0, &rows).unwrap(), plain.reconstruct(0, &rows).unwrap());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     use super::*;
 
     #[test]

@@ -7,6 +7,7 @@ use clap::Args as ClapArgs;
 use veloq::artifact::Calibration;
 use veloq_candle::model::Model;
 use veloq_candle::Method;
+use veloq_lab::book_cache::BookCache;
 use veloq_lab::calibrations::{
     key_head_candidates, recorded_candidates, rescore_candidates, simulations, Candidate, KeyHeads, RecordedCandidates,
 };
@@ -71,7 +72,8 @@ pub struct CandidateArgs {
 impl CandidateArgs {
     /// The candidates asked for, for every calibrated VecInfer method in `chosen` (`model` records
     /// the calibration text `calib` in `window`-position passes where a candidate trains on it;
-    /// `seed` is the calibrations' k-means seed).
+    /// `seed` is the calibrations' k-means seed; `books` keeps trained books between runs).
+    #[allow(clippy::too_many_arguments)]
     pub fn build(
         &self,
         model: &Model,
@@ -80,6 +82,7 @@ impl CandidateArgs {
         chosen: &[Method],
         cals: &[Option<Calibration>],
         seed: u64,
+        books: Option<BookCache>,
     ) -> Result<Vec<Candidate>> {
         let mut out = simulations(model, calib, window, chosen, cals, &self.second_stage, self.apart)?;
         let recorded = RecordedCandidates {
@@ -89,6 +92,7 @@ impl CandidateArgs {
             value_mass: self.value_mass.clone(),
             turning_keys: self.turning_keys.clone(),
             seed,
+            books,
         };
         let recorded = recorded_candidates(model, calib, window, chosen, cals, &recorded)?;
         // The best together: value books by mass read with the rescoring too.

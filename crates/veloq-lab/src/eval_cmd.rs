@@ -15,6 +15,7 @@ use veloq_candle::model::Model;
 use veloq_candle::Method;
 use veloq_cli::args::Files;
 use veloq_cli::progress::bar;
+use veloq_lab::book_cache::BookCache;
 use veloq_lab::calibrations::{calibration_tokens, calibrations, chosen_methods, config, read_tokens, set_f16_rows};
 use veloq_lab::eval::{evaluate, total_tokens, EvalConfig, MethodScore};
 use veloq_lab::plot;
@@ -127,7 +128,15 @@ pub fn run(a: Args) -> Result<()> {
     let cals =
         calibrations(&model, &model_path, &calib, &chosen, a.seed, calib_window, a.value_weights, &a.files.cache_dir)?;
     let hd = model.info.identity.head_dim;
-    let mut candidates = a.candidates.build(&model, &calib, calib_window, &chosen, &cals, a.seed)?;
+    let mut candidates = a.candidates.build(
+        &model,
+        &calib,
+        calib_window,
+        &chosen,
+        &cals,
+        a.seed,
+        Some(BookCache::new(&a.files.cache_dir, &model_path)?),
+    )?;
     let mut methods: Vec<(String, CacheConfig)> =
         chosen.iter().zip(cals).map(|(m, c)| Ok((m.to_string(), config(*m, c)?))).collect::<Result<_>>()?;
     set_f16_rows(a.f16_rows, &mut methods, &mut candidates);

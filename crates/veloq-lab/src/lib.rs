@@ -4,6 +4,7 @@
 //! geometries, heap measurement, and the figures. The `veloq-lab` binary's benchmarks and
 //! commands stand on these.
 
+pub mod book_cache;
 pub mod calibrations;
 #[cfg(feature = "cuda")]
 pub mod cuda_checks;

@@ -21,6 +21,7 @@ use veloq_lab::needle::{self, answers, correct, keys, wilson};
 use veloq_lab::plot::{self, Heat};
 use veloq_lab::probe::{needle_attention, HeadMass, KeyCoder};
 
+use veloq_lab::book_cache::BookCache;
 use veloq_lab::calibrations::{
     calibration_tokens, calibrations, chosen_methods, config, read_tokens, set_f16_rows, Candidate,
 };
@@ -113,8 +114,9 @@ pub struct Args {
     /// the one candidate it is about and its fp16 pairs, not for every candidate built beside it.
     #[arg(long, value_delimiter = ',')]
     runs: Vec<String>,
-    /// Train (or find in the cache) the methods' calibrations and stop: prepares a run on another
-    /// machine (copy ~/.cache/veloq/eval there).
+    /// Train (or find in the cache) the methods' calibrations, and the books of the candidates
+    /// asked for that train any (`--value-mass`, `--turning-keys`), and stop: prepares a run on
+    /// another machine (copy ~/.cache/veloq/eval there).
     #[arg(long)]
     calibrate_only: bool,
     /// Redraw the heatmap (--plot) from an earlier run's JSON; runs nothing.
@@ -205,11 +207,20 @@ pub fn run(a: Args) -> Result<()> {
         a.value_weights,
         &a.files.cache_dir,
     )?;
+    let mut candidates = a.candidates.build(
+        calib_model,
+        &calib,
+        calib_window,
+        &chosen,
+        &cals,
+        a.seed,
+        Some(BookCache::new(&a.files.cache_dir, &model_path)?),
+    )?;
+    // The candidates' trained books are in the cache now too.
     if a.calibrate_only {
         eprintln!("calibrations ready in {}", a.files.cache_dir.join("eval").display());
         return Ok(());
     }
-    let mut candidates = a.candidates.build(calib_model, &calib, calib_window, &chosen, &cals, a.seed)?;
     let mut methods: Vec<(String, CacheConfig)> = chosen
         .iter()
         .zip(cals)

@@ -412,6 +412,13 @@ impl Simulation {
     pub fn set_window(&mut self, window: WindowConfig) {
         self.window = window;
     }
+
+    /// Layer `layer`'s values (`[tokens, kv heads, head_dim]`) as the simulated cache reads them
+    /// back (the values' side of [`KeyCoder::reconstruct`]).
+    pub fn reconstruct_values(&self, layer: usize, values: &[f32]) -> Result<Vec<f32>> {
+        let l = &self.layers[layer];
+        Simulated::reconstruct(values, 0, l.values.as_ref(), l.value_residual.as_ref())
+    }
 }
 
 impl KeyCoder for Simulation {
