@@ -296,7 +296,7 @@ pub fn recorded_candidates(
     let mut saved_turning = Vec::new();
     for cal in cals.iter().flatten() {
         saved_mass.push(want.value_mass.iter().map(|&f| load(cal, &mass_name(f))).collect::<Vec<_>>());
-        saved_turning.push(want.turning_keys.iter().map(|&p| load(cal, &format!("turning{p}"))).collect::<Vec<_>>());
+        saved_turning.push(want.turning_keys.iter().map(|&p| load(cal, &turning_name(p))).collect::<Vec<_>>());
     }
     let mass_missing = saved_mass.iter().flatten().any(Option::is_none);
     let missing = mass_missing || saved_turning.iter().flatten().any(Option::is_none);
@@ -406,7 +406,7 @@ pub fn recorded_candidates(
                         values: cal.layers.iter().map(|l| l.values.clone()).collect(),
                         vectors: keys.iter().map(|k| k.mean.clone()).collect(),
                     };
-                    save(cal, &format!("turning{pairs}"), &books)?;
+                    save(cal, &turning_name(pairs), &books)?;
                     keys
                 }
             };
@@ -444,6 +444,11 @@ pub fn recorded_candidates(
 /// The book-cache name of value books with `by_mass` of their rows drawn by attention mass.
 fn mass_name(by_mass: f64) -> String {
     format!("value-mass{}", by_mass * 100.0)
+}
+
+/// The book-cache name of turning-key books keeping `pairs` RoPE pairs a head.
+fn turning_name(pairs: usize) -> String {
+    format!("turning{pairs}")
 }
 
 /// Turning keys from saved books: the shifted key books and pre-RoPE means per layer, `cal`'s own
