@@ -70,6 +70,17 @@ pub struct CandidateArgs {
 }
 
 impl CandidateArgs {
+    /// Checks the rescoring attention on `device` when `--rescore` asks for it there: it runs in
+    /// the device's tensor operations and the tests check it on the CPU only, so a run on a GPU
+    /// checks it before spending its time on it.
+    pub fn check_on(&self, device: &candle_core::Device, seed: u64) -> Result<()> {
+        if !self.rescore.is_empty() && !device.is_cpu() {
+            let worst = veloq_lab::rescore::check(device, seed)?;
+            eprintln!("rescoring attention on {device:?}: within {worst:.1e} of the f64 reference");
+        }
+        Ok(())
+    }
+
     /// The candidates asked for, for every calibrated VecInfer method in `chosen` (`model` records
     /// the calibration text `calib` in `window`-position passes where a candidate trains on it;
     /// `seed` is the calibrations' k-means seed; `books` keeps trained books between runs).

@@ -464,13 +464,14 @@ impl CacheSource for Simulation {
 }
 
 /// One slot's rows not yet coded: positions `coded..` (those past the sink), exact. With
-/// rescoring, also every position exact and the coded span's reconstructions (`sink..coded`).
+/// rescoring, also every position exact and the coded span's reconstructions (`sink..coded`), as
+/// tensors on the model's device.
 #[derive(Default)]
 struct Pending {
     coded: usize,
     rows: KvRows,
-    all: KvRows,
-    coarse: KvRows,
+    all: KvTensors,
+    coarse: KvTensors,
 }
 
 /// Keys and values, row after row.
@@ -489,6 +490,41 @@ impl KvRows {
     fn truncate(&mut self, n: usize) {
         self.keys.truncate(n);
         self.values.truncate(n);
+    }
+}
+
+/// Keys and values `[positions, kv heads, head_dim]` (f32), positions appended at the end.
+#[derive(Default)]
+struct KvTensors {
+    keys: Option<Tensor>,
+    values: Option<Tensor>,
+}
+
+impl KvTensors {
+    fn push(&mut self, k: Tensor, v: Tensor) -> Result<()> {
+        let grow = |held: Option<Tensor>, x: Tensor| -> Result<Tensor> {
+            Ok(match held {
+                Some(h) => Tensor::cat(&[&h, &x], 0)?,
+                None => x,
+            })
+        };
+        self.keys = Some(grow(self.keys.take(), k.to_dtype(DType::F32)?)?);
+        self.values = Some(grow(self.values.take(), v.to_dtype(DType::F32)?)?);
+        Ok(())
+    }
+
+    fn len(&self) -> usize {
+        self.keys.as_ref().map_or(0, |k| k.dims()[0])
+    }
+
+    fn truncate(&mut self, n: usize) -> Result<()> {
+        if n < self.len() {
+            let cut = |x: &Option<Tensor>| -> Result<Option<Tensor>> {
+                Ok(x.as_ref().map(|t| t.narrow(0, 0, n)).transpose()?)
+            };
+            (self.keys, self.values) = (cut(&self.keys)?, cut(&self.values)?);
+        }
+        Ok(())
     }
 }
 
@@ -513,30 +549,33 @@ impl Simulated {
         Self { inner, layer, window, rescore: None, slots, shape: None }
     }
 
-    /// Attention with the rescored positions ([`rescore::attend`]) over the host rows, in step
-    /// order, on the queries' device.
+    /// Attention with the rescored positions ([`rescore::attend`]), sequence by sequence, on the
+    /// queries' device.
     fn attend_rescored(&self, q: &Tensor, step: &Step, scale: f32, top: usize) -> Result<Tensor> {
         let Some((dims, _, _)) = &self.shape else { return Err(Error::Config("attend before any append".into())) };
-        let (kv, d) = (dims[0], dims[1]);
-        let hq = q.dims()[1];
-        let qh = host_rows(q)?;
-        let heads = Heads { q: hq, kv, dim: d };
-        let mut out = Vec::with_capacity(qh.len());
-        for (i, seq) in step.seqs().iter().enumerate() {
-            let r = step.rows(i);
-            let p = &self.slots[seq.slot];
-            let rows = SeqRows {
-                exact_k: &p.all.keys,
-                exact_v: &p.all.values,
-                coarse_k: &p.coarse.keys,
-                coarse_v: &p.coarse.values,
-                sink: self.window.sink,
-                coded: p.coded,
-            };
-            let q = &qh[r.start * hq * d..r.end * hq * d];
-            out.extend(rescore::attend(q, seq.start, &rows, heads, scale, top));
-        }
-        Ok(Tensor::from_vec(out, (step.tokens(), hq, d), q.device())?)
+        let heads = Heads { q: q.dims()[1], kv: dims[0], dim: dims[1] };
+        let out = step
+            .seqs()
+            .iter()
+            .enumerate()
+            .map(|(i, seq)| {
+                let r = step.rows(i);
+                let p = &self.slots[seq.slot];
+                let (Some(exact_k), Some(exact_v)) = (&p.all.keys, &p.all.values) else {
+                    return Err(Error::Config("attend before the slot's append".into()));
+                };
+                let rows = SeqRows {
+                    exact_k,
+                    exact_v,
+                    coarse_k: p.coarse.keys.as_ref(),
+                    coarse_v: p.coarse.values.as_ref(),
+                    sink: self.window.sink,
+                    coded: p.coded,
+                };
+                rescore::attend(&q.narrow(0, r.start, r.len())?, seq.start, &rows, heads, scale, top)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&out, 0)?.to_dtype(q.dtype())?)
     }
 
     /// Where a sequence of `len` positions has its codes end: the real cache's policy (codes
@@ -588,7 +627,9 @@ impl Simulated {
         v.extend_from_slice(&pv[n..]);
         let start = p.coded;
         if self.rescore.is_some() {
-            self.slots[slot].coarse.push(&k[..n], &v[..n]);
+            let rows = (end - start, dims[0], dims[1]);
+            let t = |x: &[f32]| Tensor::from_vec(x.to_vec(), rows, &device);
+            self.slots[slot].coarse.push(t(&k[..n])?, t(&v[..n])?)?;
         }
         let shape: Vec<usize> = std::iter::once(len - start).chain(dims.iter().copied()).collect();
         let t =
@@ -616,8 +657,9 @@ impl LayerCache for Simulated {
         for (i, seq) in step.seqs().iter().enumerate() {
             let p = &mut self.slots[seq.slot];
             if self.rescore.is_some() {
-                let rows = step.rows(i);
-                p.all.push(&kr[rows.start * row..rows.end * row], &vr[rows.start * row..rows.end * row]);
+                let r = step.rows(i);
+                p.all.truncate(seq.start)?;
+                p.all.push(k.narrow(0, r.start, r.len())?, v.narrow(0, r.start, r.len())?)?;
             }
             for (j, r) in step.rows(i).enumerate() {
                 if seq.start + j >= p.coded {
@@ -648,11 +690,11 @@ impl LayerCache for Simulated {
         let sink = self.window.sink;
         let row = self.shape.as_ref().map_or(0, |s| s.0.iter().product());
         let p = &mut self.slots[slot];
-        p.all.truncate(len * row);
+        p.all.truncate(len)?;
         if len < p.coded {
             // Every position left past the sink is coded already; the slot codes on from `len`.
             let mut coarse = std::mem::take(&mut p.coarse);
-            coarse.truncate((sink.max(len) - sink) * row);
+            coarse.truncate(sink.max(len) - sink)?;
             let all = std::mem::take(&mut p.all);
             *p = Pending { coded: sink.max(len), all, coarse, ..Default::default() };
         } else {
@@ -844,11 +886,13 @@ mod tests {
                 // What rescoring reads: every position exact past the coded span, the coded span's
                 // reconstructions as the store holds them (before its f16 rounding).
                 let h = &sim.slots[slot];
-                assert_eq!(h.all.keys.len(), gk.len(), "slot {slot}: exact rows kept");
-                assert_eq!(&h.all.keys[end.max(window.sink) * row..], &gk[end.max(window.sink) * row..]);
+                let host = |t: &Option<Tensor>| t.as_ref().map_or(Vec::new(), |t| host_rows(t).unwrap());
+                let all_keys = host(&h.all.keys);
+                assert_eq!(all_keys.len(), gk.len(), "slot {slot}: exact rows kept");
+                assert_eq!(&all_keys[end.max(window.sink) * row..], &gk[end.max(window.sink) * row..]);
                 let span = (end.max(window.sink) - window.sink) * row;
-                assert_eq!(h.coarse.keys.len(), span, "slot {slot}: reconstructions kept");
-                let rounded: Vec<f32> = h.coarse.values.iter().map(|&x| f16(x)).collect();
+                assert_eq!(host(&h.coarse.keys).len(), span, "slot {slot}: reconstructions kept");
+                let rounded: Vec<f32> = host(&h.coarse.values).iter().map(|&x| f16(x)).collect();
                 assert_eq!(rounded, held[slot].1[window.sink * row..window.sink * row + span], "slot {slot}");
             }
         };
