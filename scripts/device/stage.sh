@@ -7,8 +7,8 @@
 #   scripts/device/stage.sh FILE...
 #
 # Writes .device/stage/1, 2, … (each fits one call beside the tree: parts of one tar stream that
-# holds the files and their SHA256SUMS), then prints the call per folder and the line that joins
-# and checks the files on the device.
+# holds the files and their SHA256SUMS, and the count of parts), then prints the calls; on the
+# device scripts/device/join.sh gathers the parts and, with the last, joins and checks them.
 # .device/ must be ignored by git (e.g. in .git/info/exclude) so the folders travel only when named.
 set -euo pipefail
 [ $# -gt 0 ] || { echo "usage: $0 FILE..." >&2; exit 2; }
@@ -33,8 +33,11 @@ done
 tar -cf - -C "$sums" SHA256SUMS "${args[@]}" | split -b "$room" -d -a 3 - "$out/stage.tar.part"
 n=0
 for p in "$out"/stage.tar.part*; do n=$((n + 1)); mkdir -p "$out/$n"; mv "$p" "$out/$n/"; done
+# Each part says how many there are, so that scripts/device/join.sh knows when it has them all.
+for i in $(seq 1 "$n"); do echo "$n" > "$out/$i/parts"; done
 echo "$n calls, back to back (carry, command):"
 for i in $(seq 1 "$n"); do
-  echo "  [\"$out/$i\"]  mkdir -p /tmp/stage && cp $out/$i/* /tmp/stage/"
+  echo "  [\"$out/$i\"]  bash scripts/device/join.sh"
 done
-echo "then, in the last call or the next: (cd /tmp/stage && cat stage.tar.part* | tar -x && rm stage.tar.part* && sha256sum -c SHA256SUMS)"
+echo "The call that carries the last part joins and checks them in /tmp/stage (a later call may run"
+echo "there at once: join.sh is a no-op once joined)."
