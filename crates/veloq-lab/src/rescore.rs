@@ -6,6 +6,7 @@
 //! operations on the model's device (a GPU answers a full needle grid in minutes, the host in hours).
 
 use candle_core::{DType, Device, Tensor, D};
+use rayon::prelude::*;
 
 use veloq_candle::cache::Heads;
 use veloq_candle::error::{Error, Result};
@@ -116,12 +117,39 @@ fn causal_bias(start: usize, n: usize, g: usize, dev: &Device) -> Result<Tensor>
 }
 
 /// 1 at the `top` largest entries of each last-dim row of `x` (all of them when the row is no
-/// longer), 0 elsewhere: the `top`-th largest value found by taking the maximum `top` times,
-/// each time with the values at or above the last maximum removed (exact but for ties).
+/// longer), 0 elsewhere (exact but for ties, which may mark more).
 fn top_mask(x: &Tensor, top: usize) -> Result<Tensor> {
-    if top >= x.dim(D::Minus1)? {
+    let cols = x.dim(D::Minus1)?;
+    if top >= cols {
         return Ok(x.ones_like()?.to_dtype(DType::U8)?);
     }
+    if top == 0 {
+        return Ok(x.zeros_like()?.to_dtype(DType::U8)?);
+    }
+    let kth = match x.device().is_cpu() {
+        true => kth_by_selection(x, top)?,
+        false => kth_by_maxima(x, top)?,
+    };
+    Ok(x.broadcast_ge(&kth)?)
+}
+
+/// The `top`-th largest of each last-dim row (`1 ≤ top <` the row), kept as a last dim of 1: a
+/// selection per row on the host.
+fn kth_by_selection(x: &Tensor, top: usize) -> Result<Tensor> {
+    let cols = x.dim(D::Minus1)?;
+    let values = x.flatten_all()?.to_vec1::<f32>()?;
+    let kth: Vec<f32> = values
+        .par_chunks(cols)
+        .map(|row| *row.to_vec().select_nth_unstable_by(top - 1, |a, b| b.total_cmp(a)).1)
+        .collect();
+    let mut dims = x.dims().to_vec();
+    *dims.last_mut().expect("a last dim") = 1;
+    Ok(Tensor::from_vec(kth, dims, x.device())?)
+}
+
+/// [`kth_by_selection`] in device operations (no host round trip): the maximum taken `top`
+/// times, each time with the values at or above the last one removed.
+fn kth_by_maxima(x: &Tensor, top: usize) -> Result<Tensor> {
     let gone = Tensor::full(f32::NEG_INFINITY, x.shape(), x.device())?;
     let mut rest = x.clone();
     let mut kth = rest.max_keepdim(D::Minus1)?;
@@ -129,7 +157,7 @@ fn top_mask(x: &Tensor, top: usize) -> Result<Tensor> {
         rest = rest.broadcast_ge(&kth)?.where_cond(&gone, &rest)?;
         kth = rest.max_keepdim(D::Minus1)?;
     }
-    Ok(x.broadcast_ge(&kth)?)
+    Ok(kth)
 }
 
 /// Plain causal softmax attention over explicit rows (`[positions, kv heads, head_dim]`), in f64.
@@ -230,22 +258,33 @@ mod tests {
         assert!(worst > 0.0, "f32 against f64 differs somewhere");
     }
 
-    /// The mask marks exactly the `top` largest of each row (against a sort; distinct values).
+    /// The mask marks exactly the `top` largest of each row (against a sort; distinct values),
+    /// and both ways to the `top`-th largest (the CPU's selection, other devices' repeated
+    /// maxima) find the same value.
     #[test]
     fn top_mask_marks_the_largest() {
         let mut rng = Rng(crate::testing::fresh_seed() | 1);
         let (rows, cols) = (7usize, 53usize);
         let x: Vec<f32> = (0..rows * cols).map(|_| rng.uniform() as f32).collect();
         let t = Tensor::from_vec(x.clone(), (rows, cols), &Device::Cpu).unwrap();
-        for top in [1, 2, 16, 52, 53, 80] {
+        for top in [0, 1, 2, 16, 52, 53, 80] {
             let got: Vec<Vec<u8>> = top_mask(&t, top).unwrap().to_vec2().unwrap();
             for (r, m) in got.iter().enumerate() {
                 let mut sorted = x[r * cols..(r + 1) * cols].to_vec();
                 sorted.sort_by(|a, b| b.total_cmp(a));
-                let kth = sorted[top.min(cols) - 1];
-                let want: Vec<u8> = x[r * cols..(r + 1) * cols].iter().map(|&v| u8::from(v >= kth)).collect();
+                let want: Vec<u8> = match top {
+                    0 => vec![0; cols],
+                    _ => {
+                        let kth = sorted[top.min(cols) - 1];
+                        x[r * cols..(r + 1) * cols].iter().map(|&v| u8::from(v >= kth)).collect()
+                    }
+                };
                 assert_eq!(m, &want, "row {r}, top {top}");
                 assert_eq!(m.iter().map(|&b| b as usize).sum::<usize>(), top.min(cols));
+            }
+            if (1..cols).contains(&top) {
+                let (a, b) = (kth_by_selection(&t, top).unwrap(), kth_by_maxima(&t, top).unwrap());
+                assert_eq!(a.to_vec2::<f32>().unwrap(), b.to_vec2::<f32>().unwrap(), "top {top}");
             }
         }
     }
