@@ -96,7 +96,8 @@ pub fn attend(q: &Tensor, start: usize, rows: &SeqRows, heads: Heads, scale: f32
         let scores = Tensor::cat(&[scores.narrow(2, 0, rows.sink)?, span, scores.narrow(2, rows.coded, rest)?], 2)?;
         let w = candle_nn::ops::softmax_last_dim(&scores)?;
         // The chosen positions' weights move from their reconstructed values to their exact ones.
-        let coarse_v = rows.coarse_v.expect("checked by mixed").narrow(0, 0, c)?;
+        let coarse_v = rows.coarse_v.ok_or_else(|| Error::Config("a coded span without its values".into()))?;
+        let coarse_v = coarse_v.narrow(0, 0, c)?;
         let fix = (rows.span(rows.exact_v)? - heads_first(&coarse_v)?)?;
         let wc = (w.narrow(2, rows.sink, c)? * chosen.to_dtype(DType::F32)?)?;
         (w.matmul(&mv)? + wc.matmul(&fix)?)?
