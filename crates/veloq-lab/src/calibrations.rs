@@ -25,6 +25,7 @@ use veloq_candle::cache::Heads;
 
 use crate::book_cache::{BookCache, Books};
 use crate::key_heads;
+use crate::rescore::Reread;
 use crate::second_stage::{ScoreResidual, StageSide, StageSpec};
 use crate::simulate::{outlier_limits, round_trip, Sides, Simulation};
 use crate::turning::{self, pre_rope_mean, Rope, TurningKeys};
@@ -752,33 +753,48 @@ pub fn key_head_candidates(
     Ok(out)
 }
 
-/// Issue 34's "second precision read only at the top-scoring positions" (`--rescore`): every
-/// calibrated VecInfer method in `chosen` simulated with attention that scores every coded
-/// position through its codes and then reads the exact key and value of the `top` best ones per
-/// query head ([`Simulation::set_rescore`]), once per `top`.
+/// Issue 34's "second precision read only at the top-scoring positions" (`--rescore`,
+/// `--rescore-keys`): every calibrated VecInfer method in `chosen` simulated with attention that
+/// scores every coded position through its codes and then reads the exact key and value (or key
+/// only) of the `top` best ones per query head ([`Simulation::set_rescore`]), once per reread.
 pub fn rescore_candidates(
     chosen: &[Method],
     cals: &[Option<Calibration>],
-    tops: &[usize],
+    rereads: &[Reread],
     hd: usize,
 ) -> Result<Vec<Candidate>> {
     let mut out = Vec::new();
     for (m, cal) in chosen.iter().zip(cals) {
         let Some(cal) = cal else { continue };
-        for &top in tops {
+        for &reread in rereads {
             let mut simulation = Simulation::new(cal, Sides::Both, None, None)?;
-            simulation.set_rescore(top);
+            simulation.set_rescore(reread);
             out.push(Candidate {
-                label: format!("sim:{m}+top{top}"),
+                label: format!("sim:{m}{}", rescore_name(reread)),
                 description: format!(
-                    "{}; attention reads the exact keys and values of the {top} best-scoring coded positions per query head (simulated; the exact copy not counted)",
-                    m.describe(hd)
+                    "{}; {} (simulated; the exact copy not counted)",
+                    m.describe(hd),
+                    rescore_says(reread)
                 ),
                 simulation,
             });
         }
     }
     Ok(out)
+}
+
+/// A rescoring candidate's label suffix: `+top16`, keys only `+top16keys`.
+pub fn rescore_name(reread: Reread) -> String {
+    match reread.values {
+        true => format!("+top{}", reread.top),
+        false => format!("+top{}keys", reread.top),
+    }
+}
+
+/// What a rescoring candidate reads, in words.
+pub fn rescore_says(reread: Reread) -> String {
+    let what = if reread.values { "keys and values" } else { "keys (values stay coded)" };
+    format!("attention reads the exact {what} of the {} best-scoring coded positions per query head", reread.top)
 }
 
 /// `--f16-rows`: every coded method and candidate keeps `rows` (sinks and recent positions) in

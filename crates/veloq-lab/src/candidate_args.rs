@@ -11,6 +11,7 @@ use veloq_lab::book_cache::BookCache;
 use veloq_lab::calibrations::{
     key_head_candidates, recorded_candidates, rescore_candidates, simulations, Candidate, KeyHeads, RecordedCandidates,
 };
+use veloq_lab::rescore::Reread;
 use veloq_lab::second_stage::StageSpec;
 
 /// The candidate flags (each adds runs; none asked for, none built).
@@ -58,6 +59,10 @@ pub struct CandidateArgs {
     /// each of those candidates with it too.
     #[arg(long, value_delimiter = ',')]
     pub rescore: Vec<usize>,
+    /// As `--rescore`, reading only the exact keys of the N positions (their values stay coded:
+    /// the copy a cache would keep is half as large), once per N, comma separated.
+    #[arg(long, value_delimiter = ',')]
+    pub rescore_keys: Vec<usize>,
     /// Issue 34's candidate: also run every VecInfer method but the one with the most key bits
     /// with that one's key codecs on a fraction of the (layer, kv head)s, those whose attention
     /// the low-precision keys distort most on the calibration text, once per fraction, comma
@@ -70,11 +75,17 @@ pub struct CandidateArgs {
 }
 
 impl CandidateArgs {
+    /// The rescoring candidates asked for: `--rescore`'s, then `--rescore-keys`'.
+    pub fn rereads(&self) -> Vec<Reread> {
+        let rows = self.rescore.iter().map(|&top| Reread::rows(top));
+        rows.chain(self.rescore_keys.iter().map(|&top| Reread::keys(top))).collect()
+    }
+
     /// Checks the rescoring attention on `device` when `--rescore` asks for it there: it runs in
     /// the device's tensor operations and the tests check it on the CPU only, so a run on a GPU
     /// checks it before spending its time on it.
     pub fn check_on(&self, device: &candle_core::Device, seed: u64) -> Result<()> {
-        if !self.rescore.is_empty() && !device.is_cpu() {
+        if !self.rereads().is_empty() && !device.is_cpu() {
             let worst = veloq_lab::rescore::check(device, seed)?;
             eprintln!("rescoring attention on {device:?}: within {worst:.1e} of the f64 reference");
         }
@@ -110,7 +121,7 @@ impl CandidateArgs {
         let together = recorded.iter().filter(|c| c.label.contains("/value-mass")).flat_map(|c| {
             self.rescore.iter().map(move |&top| {
                 let mut simulation = c.simulation.clone();
-                simulation.set_rescore(top);
+                simulation.set_rescore(Reread::rows(top));
                 Candidate {
                     label: format!("{}+top{top}", c.label),
                     description: format!("{}; and exact rows at its {top} best-scoring positions", c.description),
@@ -120,7 +131,7 @@ impl CandidateArgs {
         });
         let together: Vec<Candidate> = together.collect();
         out.extend(recorded);
-        out.extend(rescore_candidates(chosen, cals, &self.rescore, model.info.identity.head_dim)?);
+        out.extend(rescore_candidates(chosen, cals, &self.rereads(), model.info.identity.head_dim)?);
         out.extend(together);
         let key_heads = KeyHeads { fractions: self.key_heads.clone(), random: self.key_heads_random, seed };
         out.extend(key_head_candidates(model, calib, window, chosen, cals, &key_heads)?);

@@ -175,6 +175,7 @@ pub fn run(a: Args) -> Result<()> {
         "outlier_rows": a.candidates.outlier_rows,
         "per_head": a.candidates.per_head,
         "rescore": a.candidates.rescore,
+        "rescore_keys": a.candidates.rescore_keys,
         "step": a.step,
         // The coded methods' recent window (fp16, always first, has none of its own).
         "f16_window": methods.iter().find(|(_, c)| c.method != Method::Fp16).unwrap_or(&methods[0]).1.window.window,

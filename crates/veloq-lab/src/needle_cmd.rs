@@ -104,7 +104,7 @@ pub struct Args {
     f16_rows: Option<WindowConfig>,
     #[command(flatten)]
     candidates: CandidateArgs,
-    /// Answer with the candidates only (`--second-stage`, `--apart`, `--outlier-rows`, `--per-head`, `--rescore`), not fp16
+    /// Answer with the candidates only (`--second-stage`, `--apart`, `--outlier-rows`, `--per-head`, `--rescore`, `--rescore-keys`), not fp16
     /// and the methods themselves: the prompts are those of an earlier run with the same
     /// lengths, depths, keys, haystacks and seed, whose answers they pair with.
     #[arg(long)]
@@ -234,7 +234,7 @@ pub fn run(a: Args) -> Result<()> {
         runs = only(runs, &a.runs)?;
     }
     if runs.is_empty() {
-        bail!("--candidates-only, and no candidate asked for (--second-stage, --apart, --outlier-rows, --per-head, --residual, --value-mass, --turning-keys, --rescore, --key-heads)");
+        bail!("--candidates-only, and no candidate asked for (--second-stage, --apart, --outlier-rows, --per-head, --residual, --value-mass, --turning-keys, --rescore, --rescore-keys, --key-heads)");
     }
 
     let text_path = a.text.clone().unwrap_or_else(|| a.files.text("emma"));
@@ -311,6 +311,7 @@ pub fn run(a: Args) -> Result<()> {
         "outlier_rows": a.candidates.outlier_rows,
         "per_head": a.candidates.per_head,
         "rescore": a.candidates.rescore,
+        "rescore_keys": a.candidates.rescore_keys,
         "turning_keys": a.candidates.turning_keys,
         "value_mass": a.candidates.value_mass,
         "text": text_path.file_name().map(|s| s.to_string_lossy().into_owned())});

@@ -11,6 +11,28 @@ use rayon::prelude::*;
 use veloq_candle::cache::Heads;
 use veloq_candle::error::{Error, Result};
 
+/// What the rescoring attention reads again at each query head's best-scoring coded positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reread {
+    /// Coded positions per (query, head) read again.
+    pub top: usize,
+    /// Their exact values too (else only their exact keys: the values stay coded, and the copy
+    /// a cache keeps is half as large).
+    pub values: bool,
+}
+
+impl Reread {
+    /// Keys and values of `top` positions.
+    pub fn rows(top: usize) -> Self {
+        Self { top, values: true }
+    }
+
+    /// Keys only of `top` positions.
+    pub fn keys(top: usize) -> Self {
+        Self { top, values: false }
+    }
+}
+
 /// One sequence's positions as the rescoring attention reads them, rows `[position, kv heads,
 /// head_dim]` f32: positions `sink..coded` are coded (`coarse_*` holds their reconstructions, from
 /// `sink` on), every other position is exact; `exact_*` holds every position exactly.
@@ -67,10 +89,12 @@ fn heads_first(rows: &Tensor) -> Result<Tensor> {
 
 /// Causal attention of `q` (`[n, q heads, head_dim]`, query `t` at position `start + t`) over
 /// `rows`: softmax of `scale · q·k` with coded positions scored through their reconstructions
-/// except the `top` best of them per (query, head), which are scored and weighted with their
-/// exact keys and values. The coded span must end at or before `start` (codes are made at a
-/// step's commit). Returns `[n, q heads, head_dim]` f32.
-pub fn attend(q: &Tensor, start: usize, rows: &SeqRows, heads: Heads, scale: f32, top: usize) -> Result<Tensor> {
+/// except the `reread.top` best of them per (query, head), which are scored with their exact keys
+/// and weighted with their exact values (or, keys only, their reconstructed ones). The coded
+/// span must end at or before `start` (codes are made at a step's commit). Returns `[n, q heads,
+/// head_dim]` f32.
+pub fn attend(q: &Tensor, start: usize, rows: &SeqRows, heads: Heads, scale: f32, reread: Reread) -> Result<Tensor> {
+    let Reread { top, values } = reread;
     let Heads { q: hq, kv, dim: d } = heads;
     let (n, g) = (q.dim(0)?, hq / kv);
     let len = start + n;
@@ -95,12 +119,17 @@ pub fn attend(q: &Tensor, start: usize, rows: &SeqRows, heads: Heads, scale: f32
         let rest = len - rows.coded;
         let scores = Tensor::cat(&[scores.narrow(2, 0, rows.sink)?, span, scores.narrow(2, rows.coded, rest)?], 2)?;
         let w = candle_nn::ops::softmax_last_dim(&scores)?;
-        // The chosen positions' weights move from their reconstructed values to their exact ones.
-        let coarse_v = rows.coarse_v.ok_or_else(|| Error::Config("a coded span without its values".into()))?;
-        let coarse_v = coarse_v.narrow(0, 0, c)?;
-        let fix = (rows.span(rows.exact_v)? - heads_first(&coarse_v)?)?;
-        let wc = (w.narrow(2, rows.sink, c)? * chosen.to_dtype(DType::F32)?)?;
-        (w.matmul(&mv)? + wc.matmul(&fix)?)?
+        let out = w.matmul(&mv)?;
+        match values {
+            // The chosen positions' weights move from their reconstructed values to their exact ones.
+            true => {
+                let coarse_v = rows.coarse_v.ok_or_else(|| Error::Config("a coded span without its values".into()))?;
+                let fix = (rows.span(rows.exact_v)? - heads_first(&coarse_v.narrow(0, 0, c)?)?)?;
+                let wc = (w.narrow(2, rows.sink, c)? * chosen.to_dtype(DType::F32)?)?;
+                (out + wc.matmul(&fix)?)?
+            }
+            false => out,
+        }
     };
     Ok(out.reshape((kv, g, n, d))?.permute((2, 0, 1, 3))?.contiguous()?.reshape((n, hq, d))?)
 }
@@ -210,8 +239,8 @@ pub fn check(device: &Device, seed: u64) -> Result<f32> {
             (t(&exact_k, len)?, t(&exact_v, len)?, t(&coarse_k, coded - sink)?, t(&coarse_v, coded - sink)?);
         let rows = SeqRows { exact_k: &ek, exact_v: &ev, coarse_k: Some(&ck), coarse_v: Some(&cv), sink, coded };
         let qt = Tensor::from_vec(q.clone(), (n, heads.q, d), device)?;
-        let got = |top: usize| -> Result<Vec<f32>> {
-            Ok(attend(&qt, start, &rows, heads, scale, top)?.flatten_all()?.to_vec1()?)
+        let got = |reread: Reread| -> Result<Vec<f32>> {
+            Ok(attend(&qt, start, &rows, heads, scale, reread)?.flatten_all()?.to_vec1()?)
         };
         let mut close = |a: &[f32], b: &[f32], what: &str| -> Result<()> {
             let err = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
@@ -227,9 +256,12 @@ pub fn check(device: &Device, seed: u64) -> Result<f32> {
             m
         };
         let (mk, mv) = (mixed(&exact_k, &coarse_k), mixed(&exact_v, &coarse_v));
-        close(&got(0)?, &reference(&q, start, &mk, &mv, heads, scale), "top 0")?;
-        close(&got(coded)?, &reference(&q, start, &exact_k, &exact_v, heads, scale), "every coded position")?;
-        let one = got(1)?;
+        close(&got(Reread::rows(0))?, &reference(&q, start, &mk, &mv, heads, scale), "top 0")?;
+        let every = Reread::rows(coded);
+        close(&got(every)?, &reference(&q, start, &exact_k, &exact_v, heads, scale), "every coded position")?;
+        let keys = Reread::keys(coded);
+        close(&got(keys)?, &reference(&q, start, &exact_k, &mv, heads, scale), "every coded position's key")?;
+        let one = got(Reread::rows(1))?;
         for i in 0..n * heads.q {
             let (t, h) = (i / heads.q, i % heads.q);
             let g = h / (heads.q / heads.kv);

@@ -22,7 +22,7 @@ use veloq_candle::error::{Error, Result};
 use veloq_candle::model::Model;
 
 use crate::probe::KeyCoder;
-use crate::rescore::{self, SeqRows};
+use crate::rescore::{self, Reread, SeqRows};
 use crate::second_stage::ScoreResidual;
 use crate::source::CacheSource;
 use crate::turning::TurningKeys;
@@ -213,8 +213,8 @@ pub struct Simulation {
     /// Outlier rows kept exact, and the bits per element a kept row's f16 copy and position add
     /// per unit of kept fraction.
     outliers: Option<(Arc<Outliers>, f64)>,
-    /// Attention reads the exact rows of this many top-scoring coded positions per query head.
-    rescore: Option<usize>,
+    /// Attention reads exact rows again at each query head's top-scoring coded positions.
+    rescore: Option<Reread>,
 }
 
 impl Simulation {
@@ -268,10 +268,10 @@ impl Simulation {
     }
 
     /// Attention scores every coded position through its reconstruction, then reads the exact
-    /// key and value of the `top` best-scoring ones per query head ([`rescore`]); the exact copy
-    /// is not counted in the bits (it would live where it is cheap and rarely read).
-    pub fn set_rescore(&mut self, top: usize) {
-        self.rescore = Some(top);
+    /// key (and value) of the `reread.top` best-scoring ones per query head ([`rescore`]); the
+    /// exact copy is not counted in the bits (it would live where it is cheap and rarely read).
+    pub fn set_rescore(&mut self, reread: Reread) {
+        self.rescore = Some(reread);
     }
 
     /// Keeps outlier rows exact ([`Outliers`]): `limits` has per layer the key and value limits
@@ -532,8 +532,8 @@ struct Simulated {
     inner: Box<dyn LayerCache>,
     layer: Arc<SimLayer>,
     window: WindowConfig,
-    /// Attention reads the exact rows of this many top-scoring coded positions ([`rescore`]).
-    rescore: Option<usize>,
+    /// Attention reads exact rows again at the top-scoring coded positions ([`rescore`]).
+    rescore: Option<Reread>,
     slots: Vec<Pending>,
     /// The rows' dims after the token axis, dtype and device, from the first append.
     shape: Option<(Vec<usize>, DType, candle_core::Device)>,
@@ -551,7 +551,7 @@ impl Simulated {
 
     /// Attention with the rescored positions ([`rescore::attend`]), sequence by sequence, on the
     /// queries' device.
-    fn attend_rescored(&self, q: &Tensor, step: &Step, scale: f32, top: usize) -> Result<Tensor> {
+    fn attend_rescored(&self, q: &Tensor, step: &Step, scale: f32, reread: Reread) -> Result<Tensor> {
         let Some((dims, _, _)) = &self.shape else { return Err(Error::Config("attend before any append".into())) };
         let heads = Heads { q: q.dims()[1], kv: dims[0], dim: dims[1] };
         let out = step
@@ -572,7 +572,7 @@ impl Simulated {
                     sink: self.window.sink,
                     coded: p.coded,
                 };
-                rescore::attend(&q.narrow(0, r.start, r.len())?, seq.start, &rows, heads, scale, top)
+                rescore::attend(&q.narrow(0, r.start, r.len())?, seq.start, &rows, heads, scale, reread)
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Tensor::cat(&out, 0)?.to_dtype(q.dtype())?)
@@ -671,7 +671,7 @@ impl LayerCache for Simulated {
     }
     fn attend(&self, q: &Tensor, step: &Step, scale: f32) -> Result<Tensor> {
         match self.rescore {
-            Some(top) => self.attend_rescored(q, step, scale, top),
+            Some(reread) => self.attend_rescored(q, step, scale, reread),
             None => self.inner.attend(q, step, scale),
         }
     }
@@ -830,7 +830,7 @@ mod tests {
         let window = WindowConfig { window: 16, flush_block: 8, sink: 4 };
         let mut sim = Simulated::new(Box::new(Rows(store.clone(), row)), layer, window, 2);
         // The rescoring attention's host rows are kept too (checked against the store below).
-        sim.rescore = Some(0);
+        sim.rescore = Some(Reread::rows(0));
         let f16 = |x: f32| half::f16::from_f32(x).to_f32();
         // Every row ever given per slot (f16-rounded, as the cache receives it).
         let mut given: Vec<(Vec<f32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); 2];
