@@ -9,7 +9,8 @@ use veloq_candle::model::Model;
 use veloq_candle::Method;
 use veloq_lab::book_cache::BookCache;
 use veloq_lab::calibrations::{
-    key_head_candidates, recorded_candidates, rescore_candidates, simulations, Candidate, KeyHeads, RecordedCandidates,
+    key_head_candidates, recorded_candidates, rescore_candidates, rescore_name, simulations, Candidate, KeyHeads,
+    RecordedCandidates,
 };
 use veloq_lab::rescore::Reread;
 use veloq_lab::second_stage::StageSpec;
@@ -81,9 +82,9 @@ impl CandidateArgs {
         rows.chain(self.rescore_keys.iter().map(|&top| Reread::keys(top))).collect()
     }
 
-    /// Checks the rescoring attention on `device` when `--rescore` asks for it there: it runs in
-    /// the device's tensor operations and the tests check it on the CPU only, so a run on a GPU
-    /// checks it before spending its time on it.
+    /// Checks the rescoring attention on `device` when a rescoring candidate is asked for there:
+    /// it runs in the device's tensor operations and the tests check it on the CPU only, so a run
+    /// on a GPU checks it before spending its time on it.
     pub fn check_on(&self, device: &candle_core::Device, seed: u64) -> Result<()> {
         if !self.rereads().is_empty() && !device.is_cpu() {
             let worst = veloq_lab::rescore::check(device, seed)?;
@@ -123,7 +124,7 @@ impl CandidateArgs {
                 let mut simulation = c.simulation.clone();
                 simulation.set_rescore(Reread::rows(top));
                 Candidate {
-                    label: format!("{}+top{top}", c.label),
+                    label: format!("{}{}", c.label, rescore_name(Reread::rows(top))),
                     description: format!("{}; and exact rows at its {top} best-scoring positions", c.description),
                     simulation,
                 }

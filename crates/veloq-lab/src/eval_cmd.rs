@@ -128,7 +128,7 @@ pub fn run(a: Args) -> Result<()> {
     let cals =
         calibrations(&model, &model_path, &calib, &chosen, a.seed, calib_window, a.value_weights, &a.files.cache_dir)?;
     let hd = model.info.identity.head_dim;
-    a.candidates.check_on(model.device(), a.seed ^ 0x5eed)?;
+    a.candidates.check_on(model.device(), a.seed)?;
     let mut candidates = a.candidates.build(
         &model,
         &calib,

@@ -207,7 +207,7 @@ pub fn run(a: Args) -> Result<()> {
         a.value_weights,
         &a.files.cache_dir,
     )?;
-    a.candidates.check_on(model.device(), a.seed ^ 0x5eed)?;
+    a.candidates.check_on(model.device(), a.seed)?;
     let mut candidates = a.candidates.build(
         calib_model,
         &calib,
