@@ -106,6 +106,7 @@ pub fn run(a: Args) -> Result<()> {
     let max_ctx = a.ctx.iter().copied().max().context("no --ctx")?;
     let (model, tok) = Model::open(&model_path, max_ctx.max(a.calib_window.unwrap_or(0)).max(512))
         .with_context(|| format!("loading {}", model_path.display()))?;
+    a.candidates.check_on(model.device(), a.seed)?;
     let eval_path = a.text.clone().unwrap_or_else(|| a.files.text("prideprejudice"));
     let calib_path = a.calib_text.clone().unwrap_or_else(|| a.files.text("persuasion"));
     let eval_tokens = read_tokens(&tok, &eval_path)?;
@@ -128,7 +129,6 @@ pub fn run(a: Args) -> Result<()> {
     let cals =
         calibrations(&model, &model_path, &calib, &chosen, a.seed, calib_window, a.value_weights, &a.files.cache_dir)?;
     let hd = model.info.identity.head_dim;
-    a.candidates.check_on(model.device(), a.seed)?;
     let mut candidates = a.candidates.build(
         &model,
         &calib,

@@ -190,6 +190,7 @@ pub fn run(a: Args) -> Result<()> {
     let calib_window = a.calib_window.unwrap_or(max_len);
     let (model, tok) = Model::open_with(&model_path, &LoadOptions::new(capacity), &device)
         .with_context(|| format!("loading {}", model_path.display()))?;
+    a.candidates.check_on(model.device(), a.seed)?;
     let calib_path = a.calib_text.clone().unwrap_or_else(|| a.files.text("persuasion"));
     let calib = calibration_tokens(&tok, &calib_path, a.calib_tokens)?;
     // Calibrations come from the CPU model over windows as long as the longest prompt (or
@@ -207,7 +208,6 @@ pub fn run(a: Args) -> Result<()> {
         a.value_weights,
         &a.files.cache_dir,
     )?;
-    a.candidates.check_on(model.device(), a.seed)?;
     let mut candidates = a.candidates.build(
         calib_model,
         &calib,

@@ -212,9 +212,9 @@ fn reference(q: &[f32], start: usize, k: &[f32], v: &[f32], heads: Heads, scale:
 
 /// The rescoring attention on `device` against the f64 [`reference`] on fresh random rows from
 /// `seed`, in two geometries (a small one and SmolLM2's heads): no position rescored equals
-/// attention over the reconstructions, every coded position rescored equals exact attention, and
-/// one rescored position per (query, head) equals attention with that query's best coarse
-/// position made exact. Fails past 1e-4 (f32 sums of a few hundred terms of order 1); returns the
+/// attention over the reconstructions, every coded position rescored equals exact attention (its
+/// keys only: exact keys over the reconstructed values), and one rescored position per (query,
+/// head) equals attention with that query's best coarse position made exact. Fails past 1e-4 (f32 sums of a few hundred terms of order 1); returns the
 /// largest error.
 pub fn check(device: &Device, seed: u64) -> Result<f32> {
     let mut rng = crate::synthetic::Rng(seed | 1);
