@@ -16,6 +16,7 @@ pub mod measure;
 pub mod needle;
 pub mod plot;
 pub mod probe;
+pub mod reread_log;
 pub mod rescore;
 pub mod second_stage;
 pub mod simulate;

@@ -363,7 +363,21 @@ pub fn run(a: Args) -> Result<()> {
                 (done - before) as f64 / secs
             )
         });
-        timing.push(json!({"method": label, "seconds": secs, "prompt_tokens": done - before}));
+        // Rescoring candidates: what their decode steps read again, per (step, layer, kv head).
+        let reread = candidates.iter().find(|c| &c.label == label).and_then(|c| c.simulation.reread_counts());
+        if let Some(r) = &reread {
+            b.suspend(|| {
+                eprintln!(
+                    "{label}: a decode step reads {:.1} distinct positions per layer and kv head again; {:.1} of them \
+                     the step before did not, {:.1} no earlier step did ({} followed steps × layers × kv heads)",
+                    r.rows_per_head(),
+                    r.new_per_head(),
+                    r.unseen_per_head(),
+                    r.followed
+                )
+            });
+        }
+        timing.push(json!({"method": label, "seconds": secs, "prompt_tokens": done - before, "reread": reread}));
         // Every method's answers on disk as soon as they exist (--replot draws a partial run).
         write(json!({"timing": timing, "answers": rows}))?;
     }

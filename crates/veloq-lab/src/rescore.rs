@@ -94,6 +94,20 @@ fn heads_first(rows: &Tensor) -> Result<Tensor> {
 /// span must end at or before `start` (codes are made at a step's commit). Returns `[n, q heads,
 /// head_dim]` f32.
 pub fn attend(q: &Tensor, start: usize, rows: &SeqRows, heads: Heads, scale: f32, reread: Reread) -> Result<Tensor> {
+    Ok(attend_choosing(q, start, rows, heads, scale, reread)?.0)
+}
+
+/// [`attend`], and the coded positions it read again: `[kv heads, g·n, coded span]` u8, 1 where
+/// query `t` of the group's head `j` (row `j·n + t`) chose the span's position (from `sink` on);
+/// `None` where nothing was read again (no codes, or `top` 0).
+pub fn attend_choosing(
+    q: &Tensor,
+    start: usize,
+    rows: &SeqRows,
+    heads: Heads,
+    scale: f32,
+    reread: Reread,
+) -> Result<(Tensor, Option<Tensor>)> {
     let Reread { top, values } = reread;
     let Heads { q: hq, kv, dim: d } = heads;
     let (n, g) = (q.dim(0)?, hq / kv);
@@ -109,8 +123,8 @@ pub fn attend(q: &Tensor, start: usize, rows: &SeqRows, heads: Heads, scale: f32
     let (mk, mv) = (rows.mixed(rows.exact_k, rows.coarse_k, len)?, rows.mixed(rows.exact_v, rows.coarse_v, len)?);
     let scores = score(&mk)?.broadcast_add(&causal_bias(start, n, g, dev)?)?;
     let c = rows.coded_span();
-    let out = if c == 0 || top == 0 {
-        candle_nn::ops::softmax_last_dim(&scores)?.matmul(&mv)?
+    let (out, chosen) = if c == 0 || top == 0 {
+        (candle_nn::ops::softmax_last_dim(&scores)?.matmul(&mv)?, None)
     } else {
         let coarse = scores.narrow(2, rows.sink, c)?;
         let chosen = top_mask(&coarse, top)?;
@@ -120,7 +134,7 @@ pub fn attend(q: &Tensor, start: usize, rows: &SeqRows, heads: Heads, scale: f32
         let scores = Tensor::cat(&[scores.narrow(2, 0, rows.sink)?, span, scores.narrow(2, rows.coded, rest)?], 2)?;
         let w = candle_nn::ops::softmax_last_dim(&scores)?;
         let out = w.matmul(&mv)?;
-        match values {
+        let out = match values {
             // The chosen positions' weights move from their reconstructed values to their exact ones.
             true => {
                 let coarse_v = rows.coarse_v.ok_or_else(|| Error::Config("a coded span without its values".into()))?;
@@ -129,9 +143,11 @@ pub fn attend(q: &Tensor, start: usize, rows: &SeqRows, heads: Heads, scale: f32
                 (out + wc.matmul(&fix)?)?
             }
             false => out,
-        }
+        };
+        (out, Some(chosen))
     };
-    Ok(out.reshape((kv, g, n, d))?.permute((2, 0, 1, 3))?.contiguous()?.reshape((n, hq, d))?)
+    let out = out.reshape((kv, g, n, d))?.permute((2, 0, 1, 3))?.contiguous()?.reshape((n, hq, d))?;
+    Ok((out, chosen))
 }
 
 /// 0 where query `t` (at `start + t`) may look, −∞ past it: `[1, g·n, start + n]`, the grouped
@@ -214,8 +230,9 @@ fn reference(q: &[f32], start: usize, k: &[f32], v: &[f32], heads: Heads, scale:
 /// `seed`, in two geometries (a small one and SmolLM2's heads): no position rescored equals
 /// attention over the reconstructions, every coded position rescored equals exact attention (its
 /// keys only: exact keys over the reconstructed values), and one rescored position per (query,
-/// head) equals attention with that query's best coarse position made exact. Fails past 1e-4 (f32 sums of a few hundred terms of order 1); returns the
-/// largest error.
+/// head) equals attention with that query's best coarse position made exact, which its chosen
+/// mask ([`attend_choosing`]) names alone. Fails past 1e-4 (f32 sums of a few hundred terms of
+/// order 1); returns the largest error.
 pub fn check(device: &Device, seed: u64) -> Result<f32> {
     let mut rng = crate::synthetic::Rng(seed | 1);
     let mut worst = 0.0f32;
@@ -261,7 +278,9 @@ pub fn check(device: &Device, seed: u64) -> Result<f32> {
         close(&got(every)?, &reference(&q, start, &exact_k, &exact_v, heads, scale), "every coded position")?;
         let keys = Reread::keys(coded);
         close(&got(keys)?, &reference(&q, start, &exact_k, &mv, heads, scale), "every coded position's key")?;
-        let one = got(Reread::rows(1))?;
+        let (one, chosen) = attend_choosing(&qt, start, &rows, heads, scale, Reread::rows(1))?;
+        let one: Vec<f32> = one.flatten_all()?.to_vec1()?;
+        let chosen: Vec<Vec<Vec<u8>>> = chosen.ok_or_else(|| Error::Config("top 1 chose nothing".into()))?.to_vec3()?;
         let mut decided = 0;
         for i in 0..n * heads.q {
             let (t, h) = (i / heads.q, i % heads.q);
@@ -278,6 +297,11 @@ pub fn check(device: &Device, seed: u64) -> Result<f32> {
             }
             decided += 1;
             let best = ranked[0].1;
+            // The mask names it alone, in the row of (the group's head, the query).
+            let marked = &chosen[g][(h % (heads.q / heads.kv)) * n + t];
+            if marked.iter().map(|&m| m as usize).sum::<usize>() != 1 || marked[best - sink] != 1 {
+                return Err(Error::Config(format!("rescoring check: query {t}, head {h} chose other than {best}")));
+            }
             let (mut k1, mut v1) = (mk.clone(), mv.clone());
             let at = best * row..(best + 1) * row;
             k1[at.clone()].copy_from_slice(&exact_k[at.clone()]);

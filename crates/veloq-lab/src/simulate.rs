@@ -8,6 +8,7 @@
 //! reconstructions instead of scoring codes through lookup tables — which the harnesses measure by
 //! running the same codecs through the real cache beside it.
 
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -22,6 +23,7 @@ use veloq_candle::error::{Error, Result};
 use veloq_candle::model::Model;
 
 use crate::probe::KeyCoder;
+use crate::reread_log::{RereadCounts, RereadLog};
 use crate::rescore::{self, Reread, SeqRows};
 use crate::second_stage::ScoreResidual;
 use crate::source::CacheSource;
@@ -215,6 +217,8 @@ pub struct Simulation {
     outliers: Option<(Arc<Outliers>, f64)>,
     /// Attention reads exact rows again at each query head's top-scoring coded positions.
     rescore: Option<Reread>,
+    /// Which positions its decode steps read again (with `rescore`).
+    reread_log: Arc<RereadLog>,
 }
 
 impl Simulation {
@@ -264,6 +268,7 @@ impl Simulation {
             text: cal.text.clone(),
             outliers: None,
             rescore: None,
+            reread_log: Arc::default(),
         })
     }
 
@@ -272,6 +277,11 @@ impl Simulation {
     /// exact copy is not counted in the bits (it would live where it is cheap and rarely read).
     pub fn set_rescore(&mut self, reread: Reread) {
         self.rescore = Some(reread);
+    }
+
+    /// With rereads, what the decode steps of the caches built so far read again ([`RereadLog`]).
+    pub fn reread_counts(&self) -> Option<RereadCounts> {
+        self.rescore.map(|_| self.reread_log.counts())
     }
 
     /// Keeps outlier rows exact ([`Outliers`]): `limits` has per layer the key and value limits
@@ -441,6 +451,7 @@ impl CacheSource for Simulation {
                 None => {
                     let mut sim = Simulated::new(inner, self.layers[l].clone(), self.window, slots);
                     sim.rescore = self.rescore;
+                    sim.log = Some((l, self.reread_log.clone()));
                     Box::new(sim) as Box<dyn LayerCache>
                 }
             })
@@ -534,9 +545,18 @@ struct Simulated {
     window: WindowConfig,
     /// Attention reads exact rows again at the top-scoring coded positions ([`rescore`]).
     rescore: Option<Reread>,
+    /// The layer's index and the record its rereading decode steps go to.
+    log: Option<(usize, Arc<RereadLog>)>,
     slots: Vec<Pending>,
     /// The rows' dims after the token axis, dtype and device, from the first append.
     shape: Option<(Vec<usize>, DType, candle_core::Device)>,
+}
+
+/// A one-query step's chosen mask (`[kv heads, group, coded span]`) as the positions each kv
+/// head's query heads chose together, the span starting at `sink`.
+fn chosen_positions(chosen: &Tensor, sink: usize) -> Result<Vec<BTreeSet<usize>>> {
+    let any: Vec<Vec<u8>> = chosen.max(1)?.to_vec2()?;
+    Ok(any.iter().map(|h| h.iter().enumerate().filter(|x| *x.1 != 0).map(|x| sink + x.0).collect()).collect())
 }
 
 fn host_rows(x: &Tensor) -> Result<Vec<f32>> {
@@ -546,7 +566,7 @@ fn host_rows(x: &Tensor) -> Result<Vec<f32>> {
 impl Simulated {
     fn new(inner: Box<dyn LayerCache>, layer: Arc<SimLayer>, window: WindowConfig, slots: usize) -> Self {
         let slots = (0..slots).map(|_| Pending { coded: window.sink, ..Default::default() }).collect();
-        Self { inner, layer, window, rescore: None, slots, shape: None }
+        Self { inner, layer, window, rescore: None, log: None, slots, shape: None }
     }
 
     /// Attention with the rescored positions ([`rescore::attend`]), sequence by sequence, on the
@@ -572,7 +592,12 @@ impl Simulated {
                     sink: self.window.sink,
                     coded: p.coded,
                 };
-                rescore::attend(&q.narrow(0, r.start, r.len())?, seq.start, &rows, heads, scale, reread)
+                let (out, chosen) =
+                    rescore::attend_choosing(&q.narrow(0, r.start, r.len())?, seq.start, &rows, heads, scale, reread)?;
+                if let (Some(chosen), Some((layer, log)), 1) = (chosen, &self.log, r.len()) {
+                    log.record(*layer, seq.slot, seq.start, chosen_positions(&chosen, rows.sink)?);
+                }
+                Ok(out)
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Tensor::cat(&out, 0)?.to_dtype(q.dtype())?)
