@@ -369,9 +369,12 @@ pub fn run(a: Args) -> Result<()> {
             b.suspend(|| {
                 eprintln!(
                     "{label}: a decode step reads {:.1} distinct positions per layer and kv head again; {:.1} of them \
-                     the step before did not, {:.1} no earlier step did ({} followed steps × layers × kv heads)",
+                     the step before did not, {:.1} were not among the {} read last, {:.1} no earlier step read \
+                     ({} followed steps × layers × kv heads)",
                     r.rows_per_head(),
                     r.new_per_head(),
+                    r.not_recent_per_head(),
+                    veloq_lab::reread_log::RECENT,
                     r.unseen_per_head(),
                     r.followed
                 )

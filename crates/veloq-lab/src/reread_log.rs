@@ -1,13 +1,17 @@
 //! Which coded positions the rescoring attention reads again at each decode step, and how many of
 //! them the sequence's step before did not: the rows a cache would have to gather from its
-//! off-device copy per step if it kept the last step's exact rows on the device (kernels
-//! NOTES.md, "Plan: exact rows at the top-scoring positions"). Counted per (decode step, layer,
-//! kv head), the unit a gather serves: the union of the positions its query heads chose.
+//! off-device copy per step if it kept the last step's exact rows on the device, the last
+//! [`RECENT`] rows read, or every row read (kernels NOTES.md, "Plan: exact rows at the
+//! top-scoring positions"). Counted per (decode step, layer, kv head), the unit a gather serves:
+//! the union of the positions its query heads chose.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::Mutex;
 
 use serde::Serialize;
+
+/// Rows per (layer, kv head) of the bounded device-side set measured: the most recently read.
+pub const RECENT: usize = 256;
 
 /// Sums over (decode step, layer, kv head) triples.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -22,6 +26,8 @@ pub struct RereadCounts {
     pub followed_rows: u64,
     /// Of those, positions the step before did not choose.
     pub new_vs_last: u64,
+    /// Of those, positions not among the [`RECENT`] most recently read by earlier decode steps.
+    pub new_vs_recent: u64,
     /// Of those, positions no earlier decode step of the sequence chose.
     pub new_vs_seen: u64,
 }
@@ -37,17 +43,24 @@ impl RereadCounts {
         self.new_vs_last as f64 / self.followed.max(1) as f64
     }
 
+    /// Positions per followed triple not among the [`RECENT`] most recently read.
+    pub fn not_recent_per_head(&self) -> f64 {
+        self.new_vs_recent as f64 / self.followed.max(1) as f64
+    }
+
     /// Positions per followed triple that no earlier decode step chose.
     pub fn unseen_per_head(&self) -> f64 {
         self.new_vs_seen as f64 / self.followed.max(1) as f64
     }
 }
 
-/// One (layer, slot)'s decode so far: the position of its last step, what that step chose per kv
-/// head, and everything its decode steps chose.
+/// One (layer, slot)'s decode so far, per kv head: the position of its last step, what that step
+/// chose, the [`RECENT`] positions read last (least recent first), and everything its decode
+/// steps chose.
 struct Track {
     pos: usize,
     last: Vec<BTreeSet<usize>>,
+    recent: Vec<VecDeque<usize>>,
     seen: Vec<BTreeSet<usize>>,
 }
 
@@ -72,22 +85,30 @@ impl RereadLog {
         let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let State { counts, tracks } = &mut *guard;
         let prior = tracks.remove(&(layer, slot)).filter(|t| t.pos + 1 == pos && t.last.len() == chosen.len());
-        let mut seen = Vec::with_capacity(chosen.len());
+        let (mut recent, mut seen) = match prior {
+            Some(t) => {
+                for (h, now) in chosen.iter().enumerate() {
+                    counts.followed += 1;
+                    counts.followed_rows += now.len() as u64;
+                    counts.new_vs_last += now.difference(&t.last[h]).count() as u64;
+                    counts.new_vs_recent += now.iter().filter(|p| !t.recent[h].contains(p)).count() as u64;
+                    counts.new_vs_seen += now.difference(&t.seen[h]).count() as u64;
+                }
+                (t.recent, t.seen)
+            }
+            None => (vec![VecDeque::new(); chosen.len()], vec![BTreeSet::new(); chosen.len()]),
+        };
         for (h, now) in chosen.iter().enumerate() {
             counts.heads += 1;
             counts.rows += now.len() as u64;
-            let mut all = BTreeSet::new();
-            if let Some(t) = &prior {
-                counts.followed += 1;
-                counts.followed_rows += now.len() as u64;
-                counts.new_vs_last += now.difference(&t.last[h]).count() as u64;
-                counts.new_vs_seen += now.difference(&t.seen[h]).count() as u64;
-                all.clone_from(&t.seen[h]);
-            }
-            all.extend(now.iter().copied());
-            seen.push(all);
+            // This step's rows become the most recent; the least recent leave past RECENT.
+            recent[h].retain(|p| !now.contains(p));
+            recent[h].extend(now.iter().copied());
+            let over = recent[h].len().saturating_sub(RECENT);
+            recent[h].drain(..over);
+            seen[h].extend(now.iter().copied());
         }
-        tracks.insert((layer, slot), Track { pos, last: chosen, seen });
+        tracks.insert((layer, slot), Track { pos, last: chosen, recent, seen });
     }
 
     /// The sums so far.
@@ -122,6 +143,26 @@ mod tests {
         // the step before (1 was chosen at 10), {7} to all before; kv head 1 nothing new.
         assert_eq!(c.new_vs_last, 2 + 2);
         assert_eq!(c.new_vs_seen, 2 + 1);
+        // Within RECENT rows the recent set is every row read so far.
+        assert_eq!(c.new_vs_recent, c.new_vs_seen);
         assert_eq!(c.new_per_head(), 1.0);
+    }
+
+    /// Past RECENT rows the least recently read leave the set: a row read again after RECENT
+    /// others counts as new to it, though not to everything read.
+    #[test]
+    fn the_recent_set_forgets_the_least_recently_read() {
+        let log = RereadLog::default();
+        log.record(0, 0, 0, vec![set(&[0, 1])]);
+        // Row 0 again at once keeps it recent; RECENT − 1 new rows push row 1 out (row 0 stays).
+        log.record(0, 0, 1, vec![set(&[0])]);
+        let fresh: Vec<usize> = (100..100 + RECENT - 1).collect();
+        log.record(0, 0, 2, vec![set(&fresh)]);
+        log.record(0, 0, 3, vec![set(&[0, 1])]);
+        let c = log.counts();
+        // Steps 1–3: nothing new, then the fresh rows, then row 1 (to the recent set) or both.
+        assert_eq!(c.new_vs_seen, (RECENT - 1) as u64);
+        assert_eq!(c.new_vs_recent, RECENT as u64);
+        assert_eq!(c.new_vs_last, RECENT as u64 + 1);
     }
 }

@@ -749,6 +749,16 @@ mod tests {
     /// Per slot: keys and values, row after row.
     type Held = Arc<Mutex<Vec<(Vec<f32>, Vec<f32>)>>>;
 
+    /// A kv head's positions are those any of its query heads chose, counted from the sink.
+    #[test]
+    fn chosen_positions_join_a_groups_heads() {
+        // [kv 2, group 2, span 4].
+        let mask: Vec<u8> = vec![1, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1, 1, 0];
+        let t = Tensor::from_vec(mask, (2, 2, 4), &Device::Cpu).unwrap();
+        let got = chosen_positions(&t, 4).unwrap();
+        assert_eq!(got, vec![BTreeSet::from([4, 7]), BTreeSet::from([5, 6])]);
+    }
+
     /// An inner cache that only keeps what it is given, per slot, for the test to read.
     struct Rows(Held, usize);
 
