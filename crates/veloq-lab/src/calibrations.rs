@@ -792,7 +792,7 @@ pub fn rescore_name(reread: Reread) -> String {
 }
 
 /// What a rescoring candidate reads, in words.
-fn rescore_says(reread: Reread) -> String {
+pub fn rescore_says(reread: Reread) -> String {
     let what = if reread.values { "keys and values" } else { "keys (values stay coded)" };
     format!("attention reads the exact {what} of the {} best-scoring coded positions per query head", reread.top)
 }

@@ -9,8 +9,8 @@ use veloq_candle::model::Model;
 use veloq_candle::Method;
 use veloq_lab::book_cache::BookCache;
 use veloq_lab::calibrations::{
-    key_head_candidates, recorded_candidates, rescore_candidates, rescore_name, simulations, Candidate, KeyHeads,
-    RecordedCandidates,
+    key_head_candidates, recorded_candidates, rescore_candidates, rescore_name, rescore_says, simulations, Candidate,
+    KeyHeads, RecordedCandidates,
 };
 use veloq_lab::rescore::Reread;
 use veloq_lab::second_stage::StageSpec;
@@ -121,11 +121,12 @@ impl CandidateArgs {
         // The best together: value books by mass read with the rescoring too.
         let together = recorded.iter().filter(|c| c.label.contains("/value-mass")).flat_map(|c| {
             self.rescore.iter().map(move |&top| {
+                let reread = Reread::rows(top);
                 let mut simulation = c.simulation.clone();
-                simulation.set_rescore(Reread::rows(top));
+                simulation.set_rescore(reread);
                 Candidate {
-                    label: format!("{}{}", c.label, rescore_name(Reread::rows(top))),
-                    description: format!("{}; and exact rows at its {top} best-scoring positions", c.description),
+                    label: format!("{}{}", c.label, rescore_name(reread)),
+                    description: format!("{}; {}", c.description, rescore_says(reread)),
                     simulation,
                 }
             })
